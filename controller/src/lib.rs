@@ -1,0 +1,1 @@
+//! ResourceSlice model (inventory + node policy + API capabilities -> slices) and publisher.
