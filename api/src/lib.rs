@@ -1,8 +1,12 @@
 //! Tessera's shared vocabulary.
 //!
 //! Everything that more than one Tessera crate must agree on lives here: the
-//! node's GPU [`inventory`] as discovered through NVML, and (later) the opaque
-//! configuration API, attribute and capacity names, device naming and the
-//! kubelet gRPC protocols.
+//! node's GPU [`inventory`] as discovered through NVML, the opaque
+//! configuration API users put into DeviceClasses and ResourceClaims
+//! ([`config`]), attribute and capacity [`names`], and the kubelet gRPC
+//! protocols ([`kubelet`]).
 
+pub mod config;
 pub mod inventory;
+pub mod kubelet;
+pub mod names;
