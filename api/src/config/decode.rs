@@ -142,12 +142,14 @@ fn serde_problem(kind: Kind, path: String, message: String) -> Problem {
         path
     };
     if let Some(rest) = message.strip_prefix("unknown field `") {
-        // serde reports the unknown key itself in the message; put it into
-        // the field path so users see where it is.
+        // The path normally ends in the unknown key already; make sure it
+        // does, so users see exactly where it is.
         let name = rest.split('`').next().unwrap_or_default();
         let expected = rest.split_once(", ").map(|x| x.1).unwrap_or("no fields");
         let field = if field == "parameters" {
             name.to_owned()
+        } else if field == name || field.ends_with(&format!(".{name}")) {
+            field
         } else {
             format!("{field}.{name}")
         };
@@ -165,7 +167,9 @@ fn serde_problem(kind: Kind, path: String, message: String) -> Problem {
     } else if message.starts_with("unknown variant") {
         "use one of the listed values (case-sensitive)".to_owned()
     } else if field.ends_with("memory") {
-        "write a Kubernetes quantity such as 4Gi".to_owned()
+        "write a Kubernetes quantity such as 4Gi, 512Mi or 8G".to_owned()
+    } else if field.ends_with("computePercent") {
+        "write a whole number from 1 to 100".to_owned()
     } else {
         format!("see the {kind} reference for this field's type")
     };

@@ -265,7 +265,6 @@ impl fmt::Display for Quantity {
 }
 
 fn parse_quantity(s: &str) -> Result<u64, String> {
-    const HINT: &str = "write a Kubernetes quantity such as 4Gi, 512Mi or 8G";
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
@@ -285,9 +284,7 @@ fn parse_quantity(s: &str) -> Result<u64, String> {
         "P" => 1_000_000_000_000_000,
         "E" => 1_000_000_000_000_000_000,
         other => {
-            return Err(format!(
-                "quantity `{s}` has unknown suffix `{other}`; {HINT}"
-            ));
+            return Err(format!("quantity `{s}` has unknown suffix `{other}`"));
         }
     };
     let (whole, frac) = match number.split_once('.') {
@@ -295,13 +292,11 @@ fn parse_quantity(s: &str) -> Result<u64, String> {
         None => (number, ""),
     };
     if whole.is_empty() || (number.contains('.') && frac.is_empty()) || frac.contains('.') {
-        return Err(format!("`{s}` is not a quantity; {HINT}"));
+        return Err(format!("`{s}` is not a quantity"));
     }
     // At most 19 fractional digits keeps every intermediate within u128.
     if whole.len() > 20 || frac.len() > 19 {
-        return Err(format!(
-            "quantity `{s}` is too large or too precise; {HINT}"
-        ));
+        return Err(format!("quantity `{s}` is too large or too precise"));
     }
     let too_large = || format!("quantity `{s}` does not fit in 64 bits of bytes");
     let whole: u128 = whole.parse().map_err(|_| too_large())?;
