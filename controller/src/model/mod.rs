@@ -1,0 +1,270 @@
+//! The ResourceSlice model: inventory + node policy + API capabilities ->
+//! the ResourceSlices of one node's pool. Pure: no API server, no clock, no
+//! randomness; the same inputs give identical objects.
+//!
+//! Per physical GPU `n` (see [`counters`] for how they exclude each other,
+//! [`plan`] for when each is offered, [`naming`] for names):
+//!
+//! * `gpu-<n>`: the whole GPU, exclusive.
+//! * `gpu-<n>-isolated`, `gpu-<n>-shared`: share devices,
+//!   `allowMultipleAllocations`, consumable `memory` (bytes) and `cores`
+//!   (percent); attribute `isolationLevel`.
+//! * `gpu-<n>-mig-<profile>-<start>`: MIG devices, existing (static) and
+//!   every placement of every offered profile (dynamic).
+//!
+//! On servers without partitionable devices or consumable capacity the model
+//! degrades to one static mode per GPU from policy (see [`plan::plan_static`]).
+//!
+//! The publisher is meant to be a thin loop: build the [`Model`], compare
+//! its slices with what the server has (ignoring the generation), and only
+//! when they differ write them all with the next pool generation
+//! ([`Model::with_generation`]) and delete slices that are no longer
+//! desired.
+
+pub mod capabilities;
+pub mod counters;
+pub mod devices;
+pub mod naming;
+pub mod plan;
+pub mod policy;
+pub mod quantity;
+pub mod slices;
+pub mod version;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use tessera_api::inventory::{Gpu, Inventory};
+
+pub use capabilities::{Capabilities, SliceLimits};
+pub use devices::{DeviceKind, DeviceRef, IsolationLevel};
+pub use naming::{DriverName, GpuIndices};
+pub use policy::{NodePolicy, PolicyError};
+
+/// Why no slices could be computed. Odd inventory values (an unparsable
+/// version, a PCI id of the wrong shape) are not errors: the attribute is
+/// omitted and a [`Note`] says so.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("invalid {what} {name:?}")]
+    InvalidName { what: &'static str, name: String },
+    #[error("GPU {0} appears twice in the inventory")]
+    DuplicateGpu(String),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The computed pool would violate an API limit or invariant.
+    #[error("slice limits: {0}")]
+    Limit(String),
+}
+
+/// Something the operator should know (published as an Event later).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    /// UUID of the GPU concerned, if any.
+    pub gpu: Option<String>,
+    pub message: String,
+}
+
+impl Note {
+    pub fn gpu(gpu: &Gpu, message: impl Into<String>) -> Self {
+        Note {
+            gpu: Some(gpu.uuid.clone()),
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Note {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.gpu {
+            Some(gpu) => write!(f, "{gpu}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+/// The computed pool of one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Model {
+    /// The slices, in name order `<node>-<driver>-0..`.
+    pub slices: Vec<ResourceSlice>,
+    /// Every published device and what it stands for.
+    pub devices: BTreeMap<String, DeviceRef>,
+    /// The stable GPU numbering used; persist it and pass it back as
+    /// [`SliceModel::previous_indices`].
+    pub gpu_indices: GpuIndices,
+    /// Whether the full model (counters, share devices, dynamic MIG) was
+    /// published, as opposed to the static per-GPU mode.
+    pub full: bool,
+    pub notes: Vec<Note>,
+}
+
+impl Model {
+    /// The same slices with pool generation `generation`.
+    pub fn with_generation(mut self, generation: i64) -> Self {
+        for slice in &mut self.slices {
+            slice.spec.pool.generation = generation;
+        }
+        self
+    }
+}
+
+/// Builder for a node's [`Model`].
+#[derive(Debug, Clone)]
+pub struct SliceModel<'a> {
+    inventory: &'a Inventory,
+    policy: &'a NodePolicy,
+    capabilities: Capabilities,
+    node: String,
+    driver: DriverName,
+    generation: i64,
+    previous_indices: GpuIndices,
+    owned_mig: BTreeSet<String>,
+    held: BTreeSet<String>,
+    owner: Option<OwnerReference>,
+}
+
+impl<'a> SliceModel<'a> {
+    pub fn new(
+        inventory: &'a Inventory,
+        policy: &'a NodePolicy,
+        capabilities: Capabilities,
+        node: &str,
+    ) -> Self {
+        SliceModel {
+            inventory,
+            policy,
+            capabilities,
+            node: node.to_string(),
+            driver: DriverName::default(),
+            generation: 0,
+            previous_indices: GpuIndices::new(),
+            owned_mig: BTreeSet::new(),
+            held: BTreeSet::new(),
+            owner: None,
+        }
+    }
+
+    /// Driver name (default `gpu.tessera.dev`).
+    pub fn driver(mut self, driver: DriverName) -> Self {
+        self.driver = driver;
+        self
+    }
+
+    /// Pool generation written into every slice (default 0).
+    pub fn generation(mut self, generation: i64) -> Self {
+        self.generation = generation;
+        self
+    }
+
+    /// GPU numbering from an earlier run, so numbers survive a GPU vanishing.
+    pub fn previous_indices(mut self, indices: GpuIndices) -> Self {
+        self.previous_indices = indices;
+        self
+    }
+
+    /// MIG UUIDs of instances Tessera created for claims (dynamic MIG).
+    pub fn owned_mig_instances(mut self, uuids: impl IntoIterator<Item = String>) -> Self {
+        self.owned_mig = uuids.into_iter().collect();
+        self
+    }
+
+    /// Names of devices currently allocated to claims: kept published even
+    /// if the policy stops offering them.
+    pub fn held_devices(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.held = names.into_iter().collect();
+        self
+    }
+
+    /// Owner of every slice (the Node object), set by the publisher.
+    pub fn owner(mut self, owner: OwnerReference) -> Self {
+        self.owner = Some(owner);
+        self
+    }
+
+    pub fn build(self) -> Result<Model, ModelError> {
+        if !naming::is_dns_subdomain(&self.node) {
+            return Err(ModelError::InvalidName {
+                what: "node name",
+                name: self.node,
+            });
+        }
+        self.policy.validate()?;
+        let indices = naming::assign_gpu_indices(self.inventory, &self.previous_indices)?;
+        let full = self.capabilities.full_model();
+
+        let mut notes = Vec::new();
+        let mut gpus: Vec<(&Gpu, u32)> = self
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| (g, indices[&g.uuid]))
+            .collect();
+        gpus.sort_by_key(|(_, n)| *n);
+
+        let mut outputs = Vec::new();
+        let mut devices = BTreeMap::new();
+        for (gpu, n) in gpus {
+            let input = plan::GpuInput {
+                inventory: self.inventory,
+                gpu,
+                index: n,
+                policy: self.policy.for_gpu(gpu, n),
+                owned_mig: &self.owned_mig,
+                held: &self.held,
+            };
+            let output = if full {
+                plan::plan_full(&input, &mut notes)
+            } else {
+                plan::plan_static(&input, &self.capabilities, &mut notes)
+            };
+            for planned in &output.devices {
+                if devices
+                    .insert(planned.device.name.clone(), planned.reference.clone())
+                    .is_some()
+                {
+                    return Err(ModelError::Limit(format!(
+                        "device name {} generated twice",
+                        planned.device.name
+                    )));
+                }
+            }
+            outputs.push(output);
+        }
+
+        let identity = slices::PoolIdentity {
+            node: &self.node,
+            driver: &self.driver,
+            generation: self.generation,
+            owner: self.owner.as_ref(),
+        };
+        let slices = slices::assemble(&identity, &self.capabilities.limits, outputs);
+        slices::check_pool(&slices, &self.capabilities.limits)?;
+        Ok(Model {
+            slices,
+            devices,
+            gpu_indices: indices,
+            full,
+            notes,
+        })
+    }
+}
+
+/// The slices for one node with default options (generation 0, no previous
+/// numbering, no owned or held devices).
+pub fn desired_slices(
+    inventory: &Inventory,
+    policy: &NodePolicy,
+    capabilities: Capabilities,
+    node: &str,
+    driver: &DriverName,
+) -> Result<Vec<ResourceSlice>, ModelError> {
+    SliceModel::new(inventory, policy, capabilities, node)
+        .driver(driver.clone())
+        .build()
+        .map(|m| m.slices)
+}

@@ -1,0 +1,445 @@
+//! Node policy: which GPUs offer which modes.
+//!
+//! A platform team writes one YAML document per node (a file today, a
+//! ConfigMap later):
+//!
+//! ```yaml
+//! apiVersion: tessera.dev/v1alpha1   # optional, checked when present
+//! kind: NodePolicy                   # optional, checked when present
+//! gpus:
+//!   - select: {all: true}
+//!     modes: [whole, mig, isolated, shared]
+//!   - select: {product: "NVIDIA H100*"}
+//!     migProfiles: ["1g.*", "3g.40gb"]
+//!     timeSlice: short
+//!   - select: {uuid: GPU-5d2c...}
+//!     isolationProvider: hami-core
+//!     static: {mode: shared, replicas: 8}
+//! ```
+//!
+//! Rules apply in order and field by field: for each GPU, every rule whose
+//! selector matches overrides the fields it sets, so later rules refine
+//! earlier ones. With no rules (or no matching rule) everything is on: every
+//! mode, every MIG profile, default time slice, `mps` isolation.
+//!
+//! Decoding is strict (unknown fields are errors) and validation errors name
+//! the offending field, e.g. `gpus[1].static.replicas: must be between 1 and
+//! 64`.
+
+use serde::Deserialize;
+use tessera_api::inventory::Gpu;
+
+/// API version accepted in `apiVersion`.
+pub const POLICY_API_VERSION: &str = "tessera.dev/v1alpha1";
+/// Kind accepted in `kind`.
+pub const POLICY_KIND: &str = "NodePolicy";
+
+const MAX_REPLICAS: u32 = 64;
+
+/// The whole policy document.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NodePolicy {
+    #[serde(default)]
+    pub api_version: Option<String>,
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// Per-GPU rules, applied in order.
+    #[serde(default)]
+    pub gpus: Vec<GpuRule>,
+}
+
+/// One rule: a selector and the fields it sets for the GPUs it selects.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GpuRule {
+    pub select: GpuSelector,
+    /// Modes offered; an empty list offers nothing on the selected GPUs.
+    #[serde(default)]
+    pub modes: Option<Vec<Mode>>,
+    /// Glob patterns (`*`, `?`) over MIG profile names, e.g. `1g.*`.
+    #[serde(default)]
+    pub mig_profiles: Option<Vec<String>>,
+    /// May the driver switch MIG mode on this GPU at prepare time, where the
+    /// hardware can do that without a GPU reset? `false` offers only the
+    /// modes the GPU's current MIG mode allows.
+    #[serde(default)]
+    pub mig_mode_switch: Option<bool>,
+    /// Time-slice interval for `Shared` claims on this GPU.
+    #[serde(default)]
+    pub time_slice: Option<TimeSlice>,
+    /// Who enforces `Isolated` limits.
+    #[serde(default)]
+    pub isolation_provider: Option<IsolationProvider>,
+    /// Share consumed by a share claim that asks for no explicit `memory` or
+    /// `cores`, in percent of the GPU.
+    #[serde(default)]
+    pub default_share_percent: Option<u32>,
+    /// Static mode, used only when the API server cannot represent the full
+    /// model (no partitionable devices or no consumable capacity).
+    #[serde(default, rename = "static")]
+    pub static_mode: Option<StaticRule>,
+}
+
+/// Selects GPUs; exactly one field must be set.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GpuSelector {
+    /// `true` selects every GPU.
+    #[serde(default)]
+    pub all: Option<bool>,
+    /// A GPU UUID, `GPU-...`.
+    #[serde(default)]
+    pub uuid: Option<String>,
+    /// The stable Tessera index `n` of device `gpu-<n>` (not the NVML index).
+    #[serde(default)]
+    pub index: Option<u32>,
+    /// Glob over the product name, case-insensitive.
+    #[serde(default)]
+    pub product: Option<String>,
+}
+
+/// Static-mode settings of a rule.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct StaticRule {
+    #[serde(default)]
+    pub mode: Option<StaticMode>,
+    /// Share replicas per GPU when the static mode is a share level and the
+    /// server has no consumable capacity.
+    #[serde(default)]
+    pub replicas: Option<u32>,
+}
+
+/// A way of using a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Whole,
+    Mig,
+    Isolated,
+    Shared,
+}
+
+/// The single mode a GPU offers in static (degraded) mode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StaticMode {
+    /// Existing MIG instances if there are any, else the first allowed of
+    /// whole, isolated, shared.
+    #[default]
+    Auto,
+    Whole,
+    Mig,
+    Isolated,
+    Shared,
+}
+
+/// NVML compute time-slice setting for `Shared`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TimeSlice {
+    #[default]
+    Default,
+    Short,
+    Medium,
+    Long,
+}
+
+impl TimeSlice {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TimeSlice::Default => "Default",
+            TimeSlice::Short => "Short",
+            TimeSlice::Medium => "Medium",
+            TimeSlice::Long => "Long",
+        }
+    }
+}
+
+/// Enforcer of `Isolated` limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub enum IsolationProvider {
+    #[default]
+    #[serde(rename = "mps")]
+    Mps,
+    #[serde(rename = "hami-core")]
+    HamiCore,
+}
+
+impl IsolationProvider {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IsolationProvider::Mps => "mps",
+            IsolationProvider::HamiCore => "hami-core",
+        }
+    }
+}
+
+/// The resolved policy of one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuPolicy {
+    pub modes: Vec<Mode>,
+    pub mig_profiles: Vec<String>,
+    pub mig_mode_switch: bool,
+    pub time_slice: TimeSlice,
+    pub isolation_provider: IsolationProvider,
+    pub default_share_percent: u32,
+    pub static_mode: StaticMode,
+    pub replicas: u32,
+}
+
+impl Default for GpuPolicy {
+    fn default() -> Self {
+        GpuPolicy {
+            modes: vec![Mode::Whole, Mode::Mig, Mode::Isolated, Mode::Shared],
+            mig_profiles: vec!["*".to_string()],
+            mig_mode_switch: true,
+            time_slice: TimeSlice::Default,
+            isolation_provider: IsolationProvider::Mps,
+            default_share_percent: 10,
+            static_mode: StaticMode::Auto,
+            replicas: 4,
+        }
+    }
+}
+
+impl GpuPolicy {
+    pub fn allows(&self, mode: Mode) -> bool {
+        self.modes.contains(&mode)
+    }
+
+    pub fn allows_profile(&self, profile: &str) -> bool {
+        self.mig_profiles.iter().any(|p| glob_match(p, profile))
+    }
+}
+
+/// Why a policy was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// YAML that does not decode; the message carries serde's field path.
+    #[error("node policy: {0}")]
+    Decode(String),
+    /// A decoded value that is not acceptable.
+    #[error("node policy: {field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError {
+    PolicyError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+impl NodePolicy {
+    /// Decodes (strictly) and validates a policy document.
+    pub fn from_yaml(text: &str) -> Result<Self, PolicyError> {
+        let policy: NodePolicy = if text.trim().is_empty() {
+            NodePolicy::default()
+        } else {
+            serde_yaml::from_str(text).map_err(|e| PolicyError::Decode(e.to_string()))?
+        };
+        policy.validate()?;
+        Ok(policy)
+    }
+
+    /// Checks every field; the first problem is reported with its path.
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if let Some(v) = &self.api_version
+            && v != POLICY_API_VERSION
+        {
+            return Err(invalid(
+                "apiVersion",
+                format!("must be {POLICY_API_VERSION}, not {v:?}"),
+            ));
+        }
+        if let Some(k) = &self.kind
+            && k != POLICY_KIND
+        {
+            return Err(invalid("kind", format!("must be {POLICY_KIND}, not {k:?}")));
+        }
+        for (i, rule) in self.gpus.iter().enumerate() {
+            rule.validate(&format!("gpus[{i}]"))?;
+        }
+        Ok(())
+    }
+
+    /// The resolved policy for one GPU with stable index `index`.
+    pub fn for_gpu(&self, gpu: &Gpu, index: u32) -> GpuPolicy {
+        let mut resolved = GpuPolicy::default();
+        for rule in self.gpus.iter().filter(|r| r.select.matches(gpu, index)) {
+            rule.apply(&mut resolved);
+        }
+        resolved
+    }
+}
+
+impl GpuRule {
+    fn validate(&self, path: &str) -> Result<(), PolicyError> {
+        self.select.validate(&format!("{path}.select"))?;
+        if let Some(patterns) = &self.mig_profiles {
+            for (i, p) in patterns.iter().enumerate() {
+                if p.trim().is_empty() {
+                    return Err(invalid(
+                        format!("{path}.migProfiles[{i}]"),
+                        "must not be empty",
+                    ));
+                }
+            }
+        }
+        if let Some(pct) = self.default_share_percent
+            && !(1..=100).contains(&pct)
+        {
+            return Err(invalid(
+                format!("{path}.defaultSharePercent"),
+                format!("must be between 1 and 100, not {pct}"),
+            ));
+        }
+        if let Some(StaticRule {
+            replicas: Some(r), ..
+        }) = &self.static_mode
+            && !(1..=MAX_REPLICAS).contains(r)
+        {
+            return Err(invalid(
+                format!("{path}.static.replicas"),
+                format!("must be between 1 and {MAX_REPLICAS}, not {r}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn apply(&self, into: &mut GpuPolicy) {
+        if let Some(modes) = &self.modes {
+            let mut modes = modes.clone();
+            modes.sort();
+            modes.dedup();
+            into.modes = modes;
+        }
+        if let Some(p) = &self.mig_profiles {
+            into.mig_profiles = p.iter().map(|s| s.trim().to_string()).collect();
+        }
+        if let Some(v) = self.mig_mode_switch {
+            into.mig_mode_switch = v;
+        }
+        if let Some(v) = self.time_slice {
+            into.time_slice = v;
+        }
+        if let Some(v) = self.isolation_provider {
+            into.isolation_provider = v;
+        }
+        if let Some(v) = self.default_share_percent {
+            into.default_share_percent = v;
+        }
+        if let Some(s) = &self.static_mode {
+            if let Some(m) = s.mode {
+                into.static_mode = m;
+            }
+            if let Some(r) = s.replicas {
+                into.replicas = r;
+            }
+        }
+    }
+}
+
+impl GpuSelector {
+    fn validate(&self, path: &str) -> Result<(), PolicyError> {
+        let set = [
+            self.all.is_some(),
+            self.uuid.is_some(),
+            self.index.is_some(),
+            self.product.is_some(),
+        ]
+        .iter()
+        .filter(|s| **s)
+        .count();
+        if set != 1 {
+            return Err(invalid(
+                path,
+                format!("exactly one of all, uuid, index, product must be set ({set} set)"),
+            ));
+        }
+        if self.all == Some(false) {
+            return Err(invalid(
+                format!("{path}.all"),
+                "must be true when set (omit the rule instead)",
+            ));
+        }
+        if let Some(uuid) = &self.uuid
+            && !(uuid.starts_with("GPU-") && uuid.len() > 4)
+        {
+            return Err(invalid(
+                format!("{path}.uuid"),
+                format!("must be a GPU UUID (GPU-...), not {uuid:?}"),
+            ));
+        }
+        if let Some(product) = &self.product
+            && product.trim().is_empty()
+        {
+            return Err(invalid(format!("{path}.product"), "must not be empty"));
+        }
+        Ok(())
+    }
+
+    /// Whether this selector picks `gpu` (with stable index `index`).
+    pub fn matches(&self, gpu: &Gpu, index: u32) -> bool {
+        if self.all == Some(true) {
+            return true;
+        }
+        if let Some(uuid) = &self.uuid {
+            return uuid.eq_ignore_ascii_case(&gpu.uuid);
+        }
+        if let Some(i) = self.index {
+            return i == index;
+        }
+        if let Some(product) = &self.product {
+            return glob_match(
+                &product.to_ascii_lowercase(),
+                &gpu.product_name.to_ascii_lowercase(),
+            );
+        }
+        false
+    }
+}
+
+/// Shell-style matching with `*` (any run) and `?` (one character).
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0, 0);
+    let mut backtrack: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            backtrack = Some((pi, ti));
+            pi += 1;
+        } else if let Some((star, matched)) = backtrack {
+            pi = star + 1;
+            ti = matched + 1;
+            backtrack = Some((star, matched + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn glob() {
+        assert!(glob_match("*", "1g.10gb"));
+        assert!(glob_match("1g.*", "1g.10gb+me"));
+        assert!(!glob_match("1g.*", "2g.20gb"));
+        assert!(glob_match("?g.40gb", "3g.40gb"));
+        assert!(glob_match("nvidia h100*", "nvidia h100 80gb hbm3"));
+        assert!(!glob_match("nvidia a100", "nvidia a100-sxm4-40gb"));
+        assert!(glob_match("*a100*40gb", "nvidia a100-sxm4-40gb"));
+        assert!(glob_match("", ""));
+        assert!(!glob_match("", "x"));
+    }
+}

@@ -1,0 +1,254 @@
+//! Packing devices and counter sets into ResourceSlices within the API
+//! limits, and checking a pool against those limits.
+//!
+//! Layout of the node's pool (pool name = node name):
+//!
+//! 1. Counter slices: the GPUs' counter sets, at most `max_counter_sets` per
+//!    slice, in GPU order. Since 1.35 a slice carries either `sharedCounters`
+//!    or `devices`, never both.
+//! 2. Device slices, one GPU after the other: a GPU's devices never share a
+//!    slice with another GPU's, so a change on one GPU (a MIG instance
+//!    appearing) touches only that GPU's slice. A GPU with more devices than
+//!    fit (64 when they consume counters, 128 otherwise) spans several.
+//!
+//! Slice `k` is named `<node>-<driver>-<k>`; every slice carries the same
+//! pool generation and the total slice count.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::resource::v1::{
+    CounterSet, Device, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+use super::naming::{self, DriverName};
+use super::plan::GpuOutput;
+use super::{ModelError, SliceLimits, quantity};
+
+/// What goes into one slice.
+enum Content {
+    Counters(Vec<CounterSet>),
+    Devices(Vec<Device>),
+}
+
+/// Identity and metadata shared by all slices of the pool.
+pub struct PoolIdentity<'a> {
+    pub node: &'a str,
+    pub driver: &'a DriverName,
+    pub generation: i64,
+    pub owner: Option<&'a OwnerReference>,
+}
+
+/// Packs the planned GPUs into slices.
+pub fn assemble(
+    pool: &PoolIdentity<'_>,
+    limits: &SliceLimits,
+    gpus: Vec<GpuOutput>,
+) -> Vec<ResourceSlice> {
+    let mut contents = Vec::new();
+
+    let counter_sets: Vec<CounterSet> = gpus
+        .iter()
+        .filter_map(|g| g.counters.as_ref().map(|c| c.to_counter_set()))
+        .collect();
+    for chunk in counter_sets.chunks(limits.max_counter_sets.max(1)) {
+        contents.push(Content::Counters(chunk.to_vec()));
+    }
+
+    for gpu in gpus {
+        let devices: Vec<Device> = gpu.devices.into_iter().map(|p| p.device).collect();
+        let uses_counters = devices.iter().any(consumes_counters);
+        let per_slice = if uses_counters {
+            limits.max_devices_with_counters
+        } else {
+            limits.max_devices
+        }
+        .max(1);
+        for chunk in devices.chunks(per_slice) {
+            contents.push(Content::Devices(chunk.to_vec()));
+        }
+    }
+
+    let count = i64::try_from(contents.len()).unwrap_or(i64::MAX);
+    contents
+        .into_iter()
+        .enumerate()
+        .map(|(k, content)| {
+            let (devices, shared_counters) = match content {
+                Content::Counters(sets) => (None, Some(sets)),
+                Content::Devices(devices) => (Some(devices), None),
+            };
+            ResourceSlice {
+                metadata: ObjectMeta {
+                    name: Some(naming::slice_name(pool.node, pool.driver, k)),
+                    owner_references: pool.owner.map(|o| vec![o.clone()]),
+                    ..ObjectMeta::default()
+                },
+                spec: ResourceSliceSpec {
+                    driver: pool.driver.as_str().to_string(),
+                    node_name: Some(pool.node.to_string()),
+                    pool: ResourcePool {
+                        name: pool.node.to_string(),
+                        generation: pool.generation,
+                        resource_slice_count: count,
+                    },
+                    devices,
+                    shared_counters,
+                    ..ResourceSliceSpec::default()
+                },
+            }
+        })
+        .collect()
+}
+
+fn consumes_counters(device: &Device) -> bool {
+    device
+        .consumes_counters
+        .as_ref()
+        .is_some_and(|c| !c.is_empty())
+}
+
+/// Checks a pool's slices against the limits and the invariants the API
+/// server and scheduler rely on: names valid and unique, either counters or
+/// devices per slice, one pool generation and slice count, every counter
+/// consumption pointing at an existing counter with enough capacity.
+pub fn check_pool(slices: &[ResourceSlice], limits: &SliceLimits) -> Result<(), ModelError> {
+    let fail = |msg: String| Err(ModelError::Limit(msg));
+    let mut counter_sets: BTreeMap<&str, &CounterSet> = BTreeMap::new();
+    let mut device_names = BTreeSet::new();
+    let mut slice_names = BTreeSet::new();
+
+    for slice in slices {
+        let name = slice.metadata.name.as_deref().unwrap_or_default();
+        if !naming::is_dns_subdomain(name) || !slice_names.insert(name) {
+            return fail(format!("slice name {name:?} invalid or duplicate"));
+        }
+        let spec = &slice.spec;
+        let first = &slices[0].spec.pool;
+        if spec.pool != *first
+            || usize::try_from(spec.pool.resource_slice_count) != Ok(slices.len())
+        {
+            return fail(format!("{name}: pool identity differs between slices"));
+        }
+        if spec.devices.is_some() && spec.shared_counters.is_some() {
+            return fail(format!("{name}: both devices and sharedCounters"));
+        }
+        if let Some(sets) = &spec.shared_counters {
+            if sets.len() > limits.max_counter_sets {
+                return fail(format!("{name}: {} counter sets", sets.len()));
+            }
+            for set in sets {
+                if !naming::is_dns_label(&set.name)
+                    || set.counters.is_empty()
+                    || set.counters.len() > limits.max_counters_per_set
+                    || !set.counters.keys().all(|c| naming::is_dns_label(c))
+                {
+                    return fail(format!("{name}: counter set {} invalid", set.name));
+                }
+                if counter_sets.insert(&set.name, set).is_some() {
+                    return fail(format!("counter set {} defined twice", set.name));
+                }
+            }
+        }
+        if let Some(devices) = &spec.devices {
+            let max = if devices.iter().any(consumes_counters) {
+                limits.max_devices_with_counters
+            } else {
+                limits.max_devices
+            };
+            if devices.len() > max {
+                return fail(format!("{name}: {} devices, limit {max}", devices.len()));
+            }
+            for device in devices {
+                check_device(name, device, limits)?;
+                if !device_names.insert(device.name.as_str()) {
+                    return fail(format!("device {} published twice", device.name));
+                }
+            }
+        }
+    }
+
+    for slice in slices {
+        for device in slice.spec.devices.iter().flatten() {
+            for consumption in device.consumes_counters.iter().flatten() {
+                let Some(set) = counter_sets.get(consumption.counter_set.as_str()) else {
+                    return fail(format!(
+                        "device {} consumes from unknown counter set {}",
+                        device.name, consumption.counter_set
+                    ));
+                };
+                for (counter, amount) in &consumption.counters {
+                    let capacity = set
+                        .counters
+                        .get(counter)
+                        .and_then(|c| quantity::parse_integer(&c.value));
+                    let amount = quantity::parse_integer(&amount.value);
+                    match (capacity, amount) {
+                        (Some(cap), Some(a)) if a <= cap => {}
+                        _ => {
+                            return fail(format!(
+                                "device {} consumes {counter} beyond {}",
+                                device.name, consumption.counter_set
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_device(slice: &str, device: &Device, limits: &SliceLimits) -> Result<(), ModelError> {
+    let fail = |msg: String| {
+        Err(ModelError::Limit(format!(
+            "{slice}: device {}: {msg}",
+            device.name
+        )))
+    };
+    if !naming::is_dns_label(&device.name) {
+        return fail("name is not a DNS label".into());
+    }
+    let attrs = device.attributes.as_ref().map_or(0, BTreeMap::len);
+    let caps = device.capacity.as_ref().map_or(0, BTreeMap::len);
+    if attrs + caps > limits.max_attributes_and_capacities {
+        return fail(format!("{} attributes and capacities", attrs + caps));
+    }
+    for (key, value) in device.attributes.iter().flatten() {
+        let set = [
+            value.bool.is_some(),
+            value.int.is_some(),
+            value.string.is_some(),
+            value.version.is_some(),
+        ]
+        .iter()
+        .filter(|s| **s)
+        .count();
+        let long = value
+            .string
+            .as_ref()
+            .or(value.version.as_ref())
+            .is_some_and(|s| s.len() > 64);
+        if set != 1 || long {
+            return fail(format!("attribute {key} invalid"));
+        }
+    }
+    let multiple = device.allow_multiple_allocations == Some(true);
+    for (key, capacity) in device.capacity.iter().flatten() {
+        if capacity.request_policy.is_some() && !multiple {
+            return fail(format!(
+                "capacity {key} has a requestPolicy on an exclusive device"
+            ));
+        }
+    }
+    let consumptions = device.consumes_counters.as_ref().map_or(0, Vec::len);
+    if consumptions > limits.max_consumptions_per_device {
+        return fail(format!("{consumptions} counter consumptions"));
+    }
+    for c in device.consumes_counters.iter().flatten() {
+        if c.counters.is_empty() || c.counters.len() > limits.max_counters_per_consumption {
+            return fail(format!("consumes {} counters", c.counters.len()));
+        }
+    }
+    Ok(())
+}

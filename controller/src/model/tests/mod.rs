@@ -1,0 +1,1259 @@
+//! Model-level tests with hand-built inventories.
+
+mod fixtures;
+mod sim;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::resource::v1::{Device, ResourceSlice};
+use tessera_api::inventory::{Inventory, Mig};
+
+use super::counters::memory_slice;
+use super::devices::{SHARE_MEMORY_STEP, attr, cap};
+use super::quantity::parse_integer;
+use super::slices::check_pool;
+use super::*;
+use fixtures::*;
+use sim::Sim;
+
+const GIB: u64 = 1024 * 1024 * 1024;
+const MIB: u64 = 1024 * 1024;
+
+fn build(inventory: &Inventory, policy: &NodePolicy, caps: Capabilities) -> Model {
+    SliceModel::new(inventory, policy, caps, "node-a")
+        .build()
+        .expect("model builds")
+}
+
+fn full(inventory: &Inventory) -> Model {
+    build(inventory, &NodePolicy::default(), Capabilities::full())
+}
+
+fn policy(yaml: &str) -> NodePolicy {
+    NodePolicy::from_yaml(yaml).expect("policy decodes")
+}
+
+fn all_devices(slices: &[ResourceSlice]) -> Vec<&Device> {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .collect()
+}
+
+fn names(model: &Model) -> BTreeSet<String> {
+    all_devices(&model.slices)
+        .into_iter()
+        .map(|d| d.name.clone())
+        .collect()
+}
+
+fn device<'a>(model: &'a Model, name: &str) -> &'a Device {
+    all_devices(&model.slices)
+        .into_iter()
+        .find(|d| d.name == name)
+        .unwrap_or_else(|| panic!("device {name} not published; have {:?}", names(model)))
+}
+
+fn string_attr<'a>(d: &'a Device, key: &str) -> Option<&'a str> {
+    d.attributes.as_ref()?.get(key)?.string.as_deref()
+}
+
+fn version_attr<'a>(d: &'a Device, key: &str) -> Option<&'a str> {
+    d.attributes.as_ref()?.get(key)?.version.as_deref()
+}
+
+fn capacity(d: &Device, key: &str) -> u64 {
+    parse_integer(&d.capacity.as_ref().unwrap()[key].value).unwrap()
+}
+
+fn counter_sets(model: &Model) -> BTreeMap<String, BTreeMap<String, u64>> {
+    model
+        .slices
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .map(|set| {
+            let counters = set
+                .counters
+                .iter()
+                .map(|(k, v)| (k.clone(), parse_integer(&v.value).unwrap()))
+                .collect();
+            (set.name.clone(), counters)
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- devices
+
+#[test]
+fn h100_without_mig_publishes_whole_shares_and_every_placement() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let names = names(&model);
+
+    for expected in [
+        "gpu-0",
+        "gpu-0-isolated",
+        "gpu-0-shared",
+        "gpu-0-mig-1g-10gb-0",
+        "gpu-0-mig-1g-10gb-6",
+        "gpu-0-mig-1g-10gb-me-3",
+        "gpu-0-mig-1g-20gb-6",
+        "gpu-0-mig-2g-20gb-4",
+        "gpu-0-mig-3g-40gb-4",
+        "gpu-0-mig-4g-40gb-0",
+        "gpu-0-mig-7g-80gb-0",
+    ] {
+        assert!(names.contains(expected), "{expected} missing");
+    }
+    // 7 + 7 + 4 + 3 + 2 + 1 + 1 placements, whole, two shares.
+    assert_eq!(names.len(), 25 + 3);
+    assert!(
+        !names.contains("gpu-0-mig-1g-10gb-7"),
+        "no placement at slice 7"
+    );
+    assert!(model.full);
+    assert_eq!(model.devices["gpu-0"].kind, DeviceKind::Whole);
+}
+
+#[test]
+fn whole_gpu_attributes_are_nvidia_compatible_and_valid() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let gpu = device(&model, "gpu-0");
+    assert_eq!(string_attr(gpu, attr::TYPE), Some("gpu"));
+    assert_eq!(
+        string_attr(gpu, attr::UUID),
+        Some(inv.gpus[0].uuid.as_str())
+    );
+    assert_eq!(
+        string_attr(gpu, attr::PRODUCT_NAME),
+        Some("NVIDIA H100 80GB HBM3")
+    );
+    assert_eq!(string_attr(gpu, attr::BRAND), Some("nvidia"));
+    assert_eq!(string_attr(gpu, attr::ARCHITECTURE), Some("hopper"));
+    assert_eq!(
+        version_attr(gpu, attr::CUDA_COMPUTE_CAPABILITY),
+        Some("9.0.0")
+    );
+    assert_eq!(version_attr(gpu, attr::DRIVER_VERSION), Some("550.90.7"));
+    assert_eq!(version_attr(gpu, attr::CUDA_DRIVER_VERSION), Some("12.4.0"));
+    assert_eq!(string_attr(gpu, attr::PCI_BUS_ID), Some("0000:18:00.0"));
+    assert_eq!(capacity(gpu, cap::MEMORY), 81559 * MIB);
+    assert_eq!(
+        gpu.capacity.as_ref().unwrap()[cap::MEMORY].value.0,
+        "81559Mi"
+    );
+    assert_eq!(capacity(gpu, cap::MULTIPROCESSORS), 132);
+    assert_eq!(gpu.allow_multiple_allocations, None);
+    // No unstable identifiers.
+    let attrs = gpu.attributes.as_ref().unwrap();
+    assert!(!attrs.contains_key("index") && !attrs.contains_key("minor"));
+}
+
+#[test]
+fn pci_bus_id_only_on_whole_gpus() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    for d in all_devices(&model.slices) {
+        let has = string_attr(d, attr::PCI_BUS_ID).is_some();
+        assert_eq!(has, d.name == "gpu-0", "{}", d.name);
+    }
+}
+
+#[test]
+fn mig_device_attributes_and_capacities() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let me = device(&model, "gpu-0-mig-1g-10gb-me-2");
+    assert_eq!(string_attr(me, attr::TYPE), Some("mig"));
+    assert_eq!(string_attr(me, attr::PROFILE), Some("1g.10gb+me"));
+    assert_eq!(
+        string_attr(me, attr::PARENT_UUID),
+        Some(inv.gpus[0].uuid.as_str())
+    );
+    assert_eq!(
+        string_attr(me, attr::UUID),
+        None,
+        "dynamic devices have no UUID yet"
+    );
+    assert_eq!(version_attr(me, attr::DRIVER_VERSION), Some("550.90.7"));
+    assert_eq!(capacity(me, cap::MEMORY), 9984 * MIB);
+    assert_eq!(capacity(me, cap::MULTIPROCESSORS), 16);
+    assert_eq!(capacity(me, cap::OFA_ENGINES), 1);
+    assert_eq!(capacity(me, cap::DECODERS), 7);
+    assert_eq!(capacity(me, cap::COPY_ENGINES), 1);
+    match &model.devices["gpu-0-mig-1g-10gb-me-2"].kind {
+        DeviceKind::Mig {
+            profile_id,
+            placement,
+            dynamic,
+            existing,
+            ..
+        } => {
+            assert_eq!(*profile_id, 20);
+            assert_eq!((placement.start, placement.size), (2, 1));
+            assert!(*dynamic);
+            assert_eq!(*existing, None);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn share_devices_have_levels_and_consumable_capacity() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let iso = device(&model, "gpu-0-isolated");
+    let shr = device(&model, "gpu-0-shared");
+    for d in [iso, shr] {
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        assert_eq!(string_attr(d, attr::TYPE), Some("share"));
+        assert_eq!(
+            string_attr(d, attr::PARENT_UUID),
+            Some(inv.gpus[0].uuid.as_str())
+        );
+        assert_eq!(capacity(d, cap::CORES), 100);
+        assert_eq!(capacity(d, cap::MEMORY), 81559 * MIB);
+        // Only consumable capacities: anything without a policy would be
+        // consumed in full by every claim.
+        for (name, c) in d.capacity.as_ref().unwrap() {
+            assert!(c.request_policy.is_some(), "{name} has no request policy");
+        }
+    }
+    assert_eq!(string_attr(iso, attr::ISOLATION_LEVEL), Some("Isolated"));
+    assert_eq!(string_attr(iso, attr::ISOLATION_PROVIDER), Some("mps"));
+    assert_eq!(string_attr(iso, attr::TIME_SLICE), None);
+    assert_eq!(string_attr(shr, attr::ISOLATION_LEVEL), Some("Shared"));
+    assert_eq!(string_attr(shr, attr::ISOLATION_PROVIDER), None);
+    assert_eq!(string_attr(shr, attr::TIME_SLICE), Some("Default"));
+}
+
+#[test]
+fn share_request_policies_satisfy_api_validation() {
+    for gpu in [h100_mig_disabled(0), t4()] {
+        let inv = inventory(vec![gpu]);
+        let model = full(&inv);
+        for name in ["gpu-0-isolated", "gpu-0-shared"] {
+            let d = device(&model, name);
+            for (cap_name, c) in d.capacity.as_ref().unwrap() {
+                let value = parse_integer(&c.value).unwrap();
+                let p = c.request_policy.as_ref().unwrap();
+                let range = p.valid_range.as_ref().unwrap();
+                let default = parse_integer(p.default.as_ref().unwrap()).unwrap();
+                let min = parse_integer(&range.min).unwrap();
+                let max = parse_integer(range.max.as_ref().unwrap()).unwrap();
+                let step = parse_integer(range.step.as_ref().unwrap()).unwrap();
+                let ctx = format!("{name}/{cap_name}");
+                assert!(min <= value && max <= value && min <= max, "{ctx}");
+                assert!(min <= default && default <= max, "{ctx}");
+                assert!(min + step <= value, "{ctx}");
+                assert_eq!((default - min) % step, 0, "{ctx}");
+                assert_eq!((max - min) % step, 0, "{ctx}");
+            }
+            let mem = &d.capacity.as_ref().unwrap()[cap::MEMORY];
+            let p = mem.request_policy.as_ref().unwrap();
+            assert_eq!(
+                parse_integer(p.valid_range.as_ref().unwrap().step.as_ref().unwrap()),
+                Some(SHARE_MEMORY_STEP)
+            );
+            // Default 10% of the card, rounded down to the step.
+            let default = parse_integer(p.default.as_ref().unwrap()).unwrap();
+            let total = inv.gpus[0].memory_bytes;
+            assert!(default <= total / 10 && default + SHARE_MEMORY_STEP > total / 10);
+        }
+    }
+}
+
+#[test]
+fn t4_is_whole_plus_shares_never_dropped() {
+    let inv = inventory(vec![t4()]);
+    let model = full(&inv);
+    assert_eq!(
+        names(&model),
+        BTreeSet::from([
+            "gpu-0".into(),
+            "gpu-0-isolated".into(),
+            "gpu-0-shared".into()
+        ])
+    );
+    let sets = counter_sets(&model);
+    assert_eq!(
+        sets["gpu-0"],
+        BTreeMap::from([(memory_slice(0), 1)]),
+        "one token standing for the whole framebuffer"
+    );
+    assert_eq!(
+        version_attr(device(&model, "gpu-0"), attr::CUDA_COMPUTE_CAPABILITY),
+        Some("7.5.0")
+    );
+    assert_eq!(
+        string_attr(device(&model, "gpu-0"), attr::PCI_BUS_ID),
+        Some("0000:3b:00.0")
+    );
+}
+
+#[test]
+fn a100_with_existing_instances_publishes_them_static_and_blocks_overlaps() {
+    let inv = inventory(vec![a100_with_instances()]);
+    let model = full(&inv);
+    let names = names(&model);
+    // Existing instances as static devices with their MIG UUIDs.
+    let static_3g = device(&model, "gpu-0-mig-3g-20gb-4");
+    assert_eq!(
+        string_attr(static_3g, attr::UUID),
+        Some("MIG-00000000-aaaa-4aaa-8aaa-000000000003")
+    );
+    assert!(static_3g.consumes_counters.is_none());
+    assert!(names.contains("gpu-0-mig-2g-10gb-0"));
+    assert!(names.contains("gpu-0-mig-1g-5gb-2"));
+    // Whole GPU and shares would double-book the instances.
+    for absent in ["gpu-0", "gpu-0-isolated", "gpu-0-shared"] {
+        assert!(!names.contains(absent), "{absent} published");
+    }
+    // Only slice 3 is free: dynamic 1g.5gb(+me) there, nothing overlapping.
+    let dynamic: BTreeSet<&str> = model
+        .devices
+        .iter()
+        .filter(|(_, r)| matches!(r.kind, DeviceKind::Mig { dynamic: true, .. }))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert_eq!(
+        dynamic,
+        BTreeSet::from(["gpu-0-mig-1g-5gb-3", "gpu-0-mig-1g-5gb-me-3"])
+    );
+    assert!(
+        model
+            .notes
+            .iter()
+            .any(|n| n.message.contains("pre-existing"))
+    );
+}
+
+#[test]
+fn ampere_never_needs_a_mig_mode_switch() {
+    // MIG off on Ampere: switching on needs a reset, so no MIG devices.
+    let off = inventory(vec![a100(Mig::Disabled {
+        profiles: a100_profiles(),
+    })]);
+    let model = full(&off);
+    assert_eq!(
+        names(&model),
+        BTreeSet::from([
+            "gpu-0".into(),
+            "gpu-0-isolated".into(),
+            "gpu-0-shared".into()
+        ])
+    );
+    // MIG on without instances: only MIG devices.
+    let on = inventory(vec![a100(Mig::Enabled {
+        profiles: a100_profiles(),
+        instances: vec![],
+    })]);
+    let model = full(&on);
+    assert!(!names(&model).contains("gpu-0"));
+    assert!(names(&model).contains("gpu-0-mig-7g-40gb-0"));
+    assert_eq!(names(&model).len(), 25);
+}
+
+#[test]
+fn hopper_mig_mode_switch_follows_policy() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, migModeSwitch: false}]"),
+        Capabilities::full(),
+    );
+    assert_eq!(names(&model).len(), 3, "{:?}", names(&model));
+    let on = inventory(vec![h100(
+        0,
+        Mig::Enabled {
+            profiles: h100_profiles(),
+            instances: vec![],
+        },
+    )]);
+    let model = full(&on);
+    assert_eq!(names(&model).len(), 28, "switchable: every mode offered");
+}
+
+// --------------------------------------------------------------- counters
+
+#[test]
+fn h100_counter_set() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let sets = counter_sets(&model);
+    let mut expected: BTreeMap<String, u64> = (0..8).map(|i| (memory_slice(i), 1)).collect();
+    expected.insert("ofa-engines".into(), 1);
+    expected.insert("mig-1g-10gb-me-instances".into(), 1);
+    assert_eq!(sets["gpu-0"], expected);
+}
+
+#[test]
+fn whole_gpu_never_beside_anything() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    sim.allocate("gpu-0", &[]).unwrap();
+    let others: Vec<String> = sim
+        .device_names()
+        .filter(|n| *n != "gpu-0")
+        .cloned()
+        .collect();
+    assert_eq!(others.len(), 27);
+    for other in others {
+        assert!(
+            sim.allocate(&other, &[]).is_err(),
+            "{other} beside whole GPU"
+        );
+    }
+    assert!(sim.allocate("gpu-0", &[]).is_err(), "exclusive");
+    sim.release("gpu-0");
+    sim.allocate("gpu-0-shared", &[]).unwrap();
+}
+
+#[test]
+fn share_levels_never_mix_and_pack_until_capacity() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    // 30 GiB of 79.6: two fit, the third does not.
+    let claim = [(cap::MEMORY, 30 * GIB), (cap::CORES, 30)];
+    sim.allocate("gpu-0-isolated", &claim).unwrap();
+    assert!(sim.allocate("gpu-0-shared", &[]).is_err(), "levels mixed");
+    assert!(sim.allocate("gpu-0", &[]).is_err(), "whole beside share");
+    assert!(
+        sim.allocate("gpu-0-mig-1g-10gb-0", &[]).is_err(),
+        "MIG beside share"
+    );
+    sim.allocate("gpu-0-isolated", &claim).unwrap();
+    assert!(
+        sim.allocate("gpu-0-isolated", &claim).is_err(),
+        "N+1th share must be refused"
+    );
+    // Releasing every share frees the GPU for the other level.
+    sim.release("gpu-0-isolated");
+    assert!(
+        sim.allocate("gpu-0-shared", &[]).is_err(),
+        "one isolated claim left"
+    );
+    sim.release("gpu-0-isolated");
+    sim.allocate("gpu-0-shared", &[]).unwrap();
+}
+
+#[test]
+fn default_share_claims_pack_ten_per_gpu() {
+    let inv = inventory(vec![t4()]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    for i in 0..10 {
+        sim.allocate("gpu-0-shared", &[])
+            .unwrap_or_else(|e| panic!("claim {i}: {e}"));
+    }
+    assert!(
+        sim.allocate("gpu-0-shared", &[]).is_err(),
+        "cores exhausted at 10 x 10%"
+    );
+}
+
+#[test]
+fn share_requests_round_up_and_respect_max() {
+    let inv = inventory(vec![t4()]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    assert!(
+        sim.allocate("gpu-0-isolated", &[(cap::MEMORY, 16 * GIB)])
+            .is_err(),
+        "more memory than the card"
+    );
+    assert!(
+        sim.allocate("gpu-0-isolated", &[(cap::CORES, 101)])
+            .is_err()
+    );
+    // 100 MiB rounds up to one 256 MiB step.
+    sim.allocate(
+        "gpu-0-isolated",
+        &[(cap::MEMORY, 100 * MIB), (cap::CORES, 50)],
+    )
+    .unwrap();
+    sim.allocate(
+        "gpu-0-isolated",
+        &[(cap::MEMORY, 100 * MIB), (cap::CORES, 50)],
+    )
+    .unwrap();
+    assert!(sim.allocate("gpu-0-isolated", &[(cap::CORES, 1)]).is_err());
+}
+
+#[test]
+fn mig_excludes_whole_and_shares_and_overlaps() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    sim.allocate("gpu-0-mig-3g-40gb-0", &[]).unwrap();
+    for refused in [
+        "gpu-0",
+        "gpu-0-isolated",
+        "gpu-0-shared",
+        "gpu-0-mig-4g-40gb-0",
+        "gpu-0-mig-1g-10gb-3",
+        "gpu-0-mig-2g-20gb-2",
+        "gpu-0-mig-7g-80gb-0",
+    ] {
+        assert!(sim.allocate(refused, &[]).is_err(), "{refused} beside 3g@0");
+    }
+    sim.allocate("gpu-0-mig-3g-40gb-4", &[]).unwrap();
+}
+
+/// Every pair of dynamic MIG devices may coexist exactly when NVML could
+/// create both: disjoint placements and not two owners of the single OFA
+/// (`+me`, `7g`).
+#[test]
+fn mig_pairs_coexist_exactly_when_physically_possible() {
+    for gpu in [
+        h100_mig_disabled(0),
+        a100(Mig::Enabled {
+            profiles: a100_profiles(),
+            instances: vec![],
+        }),
+    ] {
+        let inv = inventory(vec![gpu]);
+        let model = full(&inv);
+        let migs: Vec<(&String, &DeviceRef)> = model
+            .devices
+            .iter()
+            .filter(|(_, r)| matches!(r.kind, DeviceKind::Mig { .. }))
+            .collect();
+        let profiles = inv.gpus[0].mig.profiles();
+        let ofa = |id: u32| {
+            profiles
+                .iter()
+                .find(|p| p.id == id)
+                .unwrap()
+                .engines
+                .ofa_engines
+        };
+        for (a, ra) in &migs {
+            for (b, rb) in &migs {
+                if a == b {
+                    continue;
+                }
+                let (
+                    DeviceKind::Mig {
+                        placement: pa,
+                        profile_id: ia,
+                        ..
+                    },
+                    DeviceKind::Mig {
+                        placement: pb,
+                        profile_id: ib,
+                        ..
+                    },
+                ) = (&ra.kind, &rb.kind)
+                else {
+                    unreachable!()
+                };
+                let disjoint = pa.start + pa.size <= pb.start || pb.start + pb.size <= pa.start;
+                let possible = disjoint && ofa(*ia) + ofa(*ib) <= 1;
+                let mut sim = Sim::new(&model.slices);
+                sim.allocate(a, &[]).unwrap();
+                assert_eq!(sim.allocate(b, &[]).is_ok(), possible, "{a} + {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn full_mig_layouts_fit() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let layouts: Vec<Vec<String>> = vec![
+        vec!["4g-40gb-0".into(), "3g-40gb-4".into()],
+        (0..7).map(|s| format!("1g-10gb-{s}")).collect(),
+        vec![
+            "2g-20gb-0".into(),
+            "2g-20gb-2".into(),
+            "2g-20gb-4".into(),
+            "1g-10gb-me-6".into(),
+        ],
+        (0..4).map(|s| format!("1g-20gb-{}", 2 * s)).collect(),
+        vec![
+            "3g-40gb-0".into(),
+            "1g-10gb-me-4".into(),
+            "1g-20gb-6".into(),
+        ],
+    ];
+    for layout in layouts {
+        let mut sim = Sim::new(&model.slices);
+        for d in &layout {
+            sim.allocate(&format!("gpu-0-mig-{d}"), &[])
+                .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn counters_of_one_gpu_do_not_touch_another() {
+    let inv = inventory(vec![h100_mig_disabled(0), h100_mig_disabled(1)]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    sim.allocate("gpu-0", &[]).unwrap();
+    sim.allocate("gpu-1-isolated", &[]).unwrap();
+    sim.allocate("gpu-1-isolated", &[]).unwrap();
+    assert!(sim.allocate("gpu-1-shared", &[]).is_err());
+}
+
+// ---------------------------------------------------------- owned / held
+
+#[test]
+fn owned_instance_keeps_its_device_unchanged() {
+    let before = inventory(vec![h100_mig_disabled(0)]);
+    let mut gpu = h100(
+        0,
+        Mig::Enabled {
+            profiles: h100_profiles(),
+            instances: vec![h100_instance("MIG-owned-0001", "3g.40gb", 0)],
+        },
+    );
+    gpu.uuid = before.gpus[0].uuid.clone();
+    let after = inventory(vec![gpu]);
+
+    let pol = NodePolicy::default();
+    let m1 = SliceModel::new(&before, &pol, Capabilities::full(), "node-a")
+        .build()
+        .unwrap();
+    let m2 = SliceModel::new(&after, &pol, Capabilities::full(), "node-a")
+        .owned_mig_instances(["MIG-owned-0001".to_string()])
+        .build()
+        .unwrap();
+    // Same devices, same slices: creating the instance wrote nothing.
+    assert_eq!(m1.slices, m2.slices);
+    match &m2.devices["gpu-0-mig-3g-40gb-0"].kind {
+        DeviceKind::Mig {
+            existing, dynamic, ..
+        } => {
+            assert_eq!(existing.as_deref(), Some("MIG-owned-0001"));
+            assert!(*dynamic);
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Without knowing it is ours, the instance is foreign: its device stays
+    // (same name), everything it could double-book goes.
+    let m3 = full(&after);
+    let n3 = names(&m3);
+    assert!(n3.contains("gpu-0-mig-3g-40gb-0"));
+    assert!(!n3.contains("gpu-0") && !n3.contains("gpu-0-mig-1g-10gb-0"));
+    assert!(n3.contains("gpu-0-mig-1g-10gb-4"));
+}
+
+#[test]
+fn held_devices_survive_a_policy_change() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let only_mig = policy("gpus: [{select: {all: true}, modes: [mig], migProfiles: ['7g.*']}]");
+    let model = build(&inv, &only_mig, Capabilities::full());
+    assert_eq!(
+        names(&model),
+        BTreeSet::from(["gpu-0-mig-7g-80gb-0".to_string()])
+    );
+
+    let model = SliceModel::new(&inv, &only_mig, Capabilities::full(), "node-a")
+        .held_devices([
+            "gpu-0-shared".to_string(),
+            "gpu-0-mig-1g-10gb-3".to_string(),
+        ])
+        .build()
+        .unwrap();
+    assert_eq!(
+        names(&model),
+        BTreeSet::from([
+            "gpu-0-mig-7g-80gb-0".to_string(),
+            "gpu-0-shared".to_string(),
+            "gpu-0-mig-1g-10gb-3".to_string(),
+        ])
+    );
+}
+
+// ------------------------------------------------------ limits & splitting
+
+#[test]
+fn eight_h100_split_within_limits() {
+    let inv = inventory((0..8).map(h100_mig_disabled).collect());
+    let model = full(&inv);
+    check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
+    assert_eq!(all_devices(&model.slices).len(), 8 * 28);
+    // One counter slice with 8 sets, then one device slice per GPU.
+    assert_eq!(model.slices.len(), 9);
+    assert_eq!(
+        model.slices[0].spec.shared_counters.as_ref().unwrap().len(),
+        8
+    );
+    assert!(model.slices[0].spec.devices.is_none());
+    for (k, slice) in model.slices.iter().enumerate() {
+        assert_eq!(
+            slice.metadata.name.as_deref(),
+            Some(format!("node-a-gpu.tessera.dev-{k}").as_str())
+        );
+        assert_eq!(slice.spec.pool.name, "node-a");
+        assert_eq!(slice.spec.pool.resource_slice_count, 9);
+        assert_eq!(slice.spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(slice.spec.driver, "gpu.tessera.dev");
+        if k > 0 {
+            let devices = slice.spec.devices.as_ref().unwrap();
+            assert!(devices.len() <= 64);
+            let gpu = format!("gpu-{}", k - 1);
+            assert!(
+                devices
+                    .iter()
+                    .all(|d| d.name == gpu || d.name.starts_with(&format!("{gpu}-")))
+            );
+        }
+    }
+}
+
+#[test]
+fn small_limits_force_more_slices() {
+    let inv = inventory((0..8).map(h100_mig_disabled).collect());
+    let mut caps = Capabilities::full();
+    caps.limits.max_counter_sets = 3;
+    caps.limits.max_devices_with_counters = 10;
+    let model = build(&inv, &NodePolicy::default(), caps);
+    check_pool(&model.slices, &caps.limits).unwrap();
+    let counter_slices = model
+        .slices
+        .iter()
+        .filter(|s| s.spec.shared_counters.is_some())
+        .count();
+    assert_eq!(counter_slices, 3, "8 sets in slices of 3");
+    // 28 devices per GPU in slices of 10 -> 3 per GPU.
+    assert_eq!(model.slices.len(), 3 + 8 * 3);
+    let all: Vec<&str> = all_devices(&model.slices)
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect();
+    let unique: BTreeSet<&str> = all.iter().copied().collect();
+    assert_eq!(all.len(), unique.len());
+    assert_eq!(all.len(), 8 * 28);
+}
+
+#[test]
+fn too_many_counters_is_an_error_not_a_rejected_slice() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let mut caps = Capabilities::full();
+    caps.limits.max_counters_per_set = 8;
+    let err = SliceModel::new(&inv, &NodePolicy::default(), caps, "node-a")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ModelError::Limit(_)), "{err}");
+}
+
+#[test]
+fn every_device_fits_the_per_device_limits() {
+    let inv = inventory(vec![h100_mig_disabled(0), a100_with_instances(), t4()]);
+    let model = full(&inv);
+    for d in all_devices(&model.slices) {
+        let n = d.attributes.as_ref().unwrap().len() + d.capacity.as_ref().unwrap().len();
+        assert!(n <= 32, "{}: {n}", d.name);
+    }
+    check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
+}
+
+#[test]
+fn check_pool_catches_broken_pools() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let limits = SliceLimits::V1_36;
+
+    let mut mixed = model.slices.clone();
+    mixed[1].spec.shared_counters = mixed[0].spec.shared_counters.clone();
+    assert!(check_pool(&mixed, &limits).is_err());
+
+    let mut generations = model.slices.clone();
+    generations[1].spec.pool.generation = 7;
+    assert!(check_pool(&generations, &limits).is_err());
+
+    let mut missing_set = model.slices.clone();
+    missing_set.remove(0);
+    for s in &mut missing_set {
+        s.spec.pool.resource_slice_count -= 1;
+    }
+    assert!(check_pool(&missing_set, &limits).is_err());
+}
+
+// ------------------------------------------------------------ determinism
+
+#[test]
+fn same_inventory_same_objects_in_any_gpu_order() {
+    let gpus: Vec<_> = (0..4).map(h100_mig_disabled).chain([t4()]).collect();
+    let a = full(&inventory(gpus.clone()));
+    let mut reversed = gpus;
+    reversed.reverse();
+    let b = full(&inventory(reversed));
+    assert_eq!(a.slices, b.slices);
+    assert_eq!(
+        serde_json::to_string(&a.slices).unwrap(),
+        serde_json::to_string(
+            &full(&inventory(
+                (0..4).map(h100_mig_disabled).chain([t4()]).collect()
+            ))
+            .slices
+        )
+        .unwrap()
+    );
+    // GPUs are numbered in PCI order: the T4 (bus 0x3b) comes after the
+    // H100s at 0x18, 0x28, 0x38 and before the one at 0x48.
+    assert_eq!(a.gpu_indices[&t4().uuid], 3);
+    assert_eq!(a.gpu_indices[&h100_mig_disabled(3).uuid], 4);
+}
+
+#[test]
+fn gpu_numbers_survive_a_gpu_vanishing() {
+    let all = inventory((0..4).map(h100_mig_disabled).collect());
+    let first = full(&all);
+    let gone = inventory(vec![
+        h100_mig_disabled(0),
+        h100_mig_disabled(2),
+        h100_mig_disabled(3),
+    ]);
+
+    let naive = full(&gone);
+    assert_eq!(naive.gpu_indices[&h100_mig_disabled(3).uuid], 2);
+
+    let sticky = SliceModel::new(
+        &gone,
+        &NodePolicy::default(),
+        Capabilities::full(),
+        "node-a",
+    )
+    .previous_indices(first.gpu_indices.clone())
+    .build()
+    .unwrap();
+    assert_eq!(sticky.gpu_indices[&h100_mig_disabled(3).uuid], 3);
+    assert!(names(&sticky).contains("gpu-3") && !names(&sticky).contains("gpu-1"));
+    // A new GPU takes the free number.
+    let replaced = inventory(vec![
+        h100_mig_disabled(0),
+        h100_mig_disabled(2),
+        h100_mig_disabled(3),
+        h100_mig_disabled(9),
+    ]);
+    let model = SliceModel::new(
+        &replaced,
+        &NodePolicy::default(),
+        Capabilities::full(),
+        "node-a",
+    )
+    .previous_indices(sticky.gpu_indices.clone())
+    .build()
+    .unwrap();
+    assert_eq!(model.gpu_indices[&h100_mig_disabled(9).uuid], 1);
+}
+
+#[test]
+fn generation_and_owner_hooks() {
+    let inv = inventory(vec![t4()]);
+    let owner = k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        name: "node-a".into(),
+        uid: "0e3c4c1e-64a7-4a56-9d0e-1f0fb2d2b5d7".into(),
+        controller: Some(true),
+        ..Default::default()
+    };
+    let model = SliceModel::new(&inv, &NodePolicy::default(), Capabilities::full(), "node-a")
+        .owner(owner.clone())
+        .generation(4)
+        .build()
+        .unwrap();
+    for s in &model.slices {
+        assert_eq!(s.spec.pool.generation, 4);
+        assert_eq!(
+            s.metadata.owner_references.as_deref(),
+            Some(&[owner.clone()][..])
+        );
+    }
+    let bumped = model.with_generation(5);
+    assert!(bumped.slices.iter().all(|s| s.spec.pool.generation == 5));
+}
+
+#[test]
+fn serialized_slices_use_api_field_names() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let json = serde_json::to_value(&model.slices).unwrap();
+    let counters = &json[0]["spec"]["sharedCounters"][0];
+    assert_eq!(counters["name"], "gpu-0");
+    assert_eq!(counters["counters"]["memory-slice-7"]["value"], "1");
+    let devices = json[1]["spec"]["devices"].as_array().unwrap();
+    let iso = devices
+        .iter()
+        .find(|d| d["name"] == "gpu-0-isolated")
+        .unwrap();
+    assert_eq!(iso["allowMultipleAllocations"], true);
+    assert_eq!(iso["consumesCounters"][0]["counterSet"], "gpu-0");
+    assert_eq!(
+        iso["capacity"]["memory"]["requestPolicy"]["validRange"]["step"],
+        "256Mi"
+    );
+    assert_eq!(iso["attributes"]["isolationLevel"]["string"], "Isolated");
+    assert_eq!(json[1]["spec"]["pool"]["resourceSliceCount"], 2);
+}
+
+#[test]
+fn empty_inventory_publishes_nothing() {
+    let model = full(&inventory(vec![]));
+    assert!(model.slices.is_empty());
+}
+
+#[test]
+fn bad_inventory_values_are_omitted_with_a_note() {
+    let mut gpu = t4();
+    gpu.pci_bus_id = "garbage".into();
+    gpu.cuda_compute_capability = "n/a".into();
+    let mut inv = inventory(vec![gpu]);
+    inv.driver_version = "550.90.07-custom".into();
+    let model = full(&inv);
+    let whole = device(&model, "gpu-0");
+    assert_eq!(string_attr(whole, attr::PCI_BUS_ID), None);
+    assert_eq!(version_attr(whole, attr::CUDA_COMPUTE_CAPABILITY), None);
+    assert_eq!(version_attr(whole, attr::DRIVER_VERSION), None);
+    assert!(model.notes.len() >= 3, "{:?}", model.notes);
+}
+
+#[test]
+fn invalid_inputs_are_errors() {
+    let inv = inventory(vec![t4(), t4()]);
+    let err = SliceModel::new(&inv, &NodePolicy::default(), Capabilities::full(), "node-a")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ModelError::DuplicateGpu(_)));
+    let inv = inventory(vec![t4()]);
+    let err = SliceModel::new(&inv, &NodePolicy::default(), Capabilities::full(), "Node_A")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ModelError::InvalidName { .. }));
+}
+
+#[test]
+fn desired_slices_uses_the_driver_name() {
+    let inv = inventory(vec![t4()]);
+    let driver = DriverName::for_domain("example.com").unwrap();
+    let slices = desired_slices(
+        &inv,
+        &NodePolicy::default(),
+        Capabilities::full(),
+        "n1",
+        &driver,
+    )
+    .unwrap();
+    assert!(slices.iter().all(|s| s.spec.driver == "gpu.example.com"));
+    assert_eq!(
+        slices[0].metadata.name.as_deref(),
+        Some("n1-gpu.example.com-0")
+    );
+}
+
+// ------------------------------------------------------------ static mode
+
+#[test]
+fn legacy_server_gets_static_whole_gpus() {
+    let inv = inventory(vec![h100_mig_disabled(0), t4()]);
+    let model = build(&inv, &NodePolicy::default(), Capabilities::legacy());
+    assert!(!model.full);
+    assert_eq!(
+        names(&model),
+        BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()])
+    );
+    for s in &model.slices {
+        assert!(s.spec.shared_counters.is_none());
+        for d in s.spec.devices.iter().flatten() {
+            assert!(d.consumes_counters.is_none() && d.allow_multiple_allocations.is_none());
+        }
+    }
+    check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
+}
+
+#[test]
+fn legacy_share_replicas() {
+    let inv = inventory(vec![t4()]);
+    let pol = policy(
+        "gpus:\n- select: {product: 'tesla t4'}\n  static: {mode: isolated, replicas: 4}\n  isolationProvider: hami-core\n",
+    );
+    let model = build(&inv, &pol, Capabilities::legacy());
+    assert_eq!(
+        names(&model),
+        (0..4)
+            .map(|i| format!("gpu-0-isolated-{i}"))
+            .collect::<BTreeSet<_>>()
+    );
+    let r = device(&model, "gpu-0-isolated-2");
+    assert_eq!(r.allow_multiple_allocations, None);
+    assert_eq!(string_attr(r, attr::TYPE), Some("share"));
+    assert_eq!(string_attr(r, attr::ISOLATION_LEVEL), Some("Isolated"));
+    assert_eq!(string_attr(r, attr::ISOLATION_PROVIDER), Some("hami-core"));
+    assert_eq!(capacity(r, cap::MEMORY), 3840 * MIB);
+    assert_eq!(capacity(r, cap::CORES), 25);
+    assert!(
+        r.capacity
+            .as_ref()
+            .unwrap()
+            .values()
+            .all(|c| c.request_policy.is_none())
+    );
+    assert!(matches!(
+        model.devices["gpu-0-isolated-2"].kind,
+        DeviceKind::Replica {
+            index: 2,
+            replicas: 4,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn consumable_capacity_without_counters_gets_one_share_device() {
+    let inv = inventory(vec![t4()]);
+    let pol = policy("gpus: [{select: {index: 0}, static: {mode: shared}}]");
+    let caps = Capabilities {
+        partitionable_devices: false,
+        consumable_capacity: true,
+        ..Capabilities::full()
+    };
+    let model = build(&inv, &pol, caps);
+    assert_eq!(names(&model), BTreeSet::from(["gpu-0-shared".to_string()]));
+    let d = device(&model, "gpu-0-shared");
+    assert_eq!(d.allow_multiple_allocations, Some(true));
+    assert!(d.consumes_counters.is_none());
+    assert!(
+        model
+            .slices
+            .iter()
+            .all(|s| s.spec.shared_counters.is_none())
+    );
+}
+
+#[test]
+fn partitionable_without_consumable_capacity_is_static() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let caps = Capabilities {
+        partitionable_devices: true,
+        consumable_capacity: false,
+        ..Capabilities::full()
+    };
+    let model = build(&inv, &NodePolicy::default(), caps);
+    assert!(!model.full);
+    assert_eq!(names(&model), BTreeSet::from(["gpu-0".to_string()]));
+}
+
+#[test]
+fn static_mode_respects_existing_mig_instances() {
+    let inv = inventory(vec![a100_with_instances()]);
+    let auto = build(&inv, &NodePolicy::default(), Capabilities::legacy());
+    assert_eq!(
+        names(&auto),
+        BTreeSet::from([
+            "gpu-0-mig-1g-5gb-2".to_string(),
+            "gpu-0-mig-2g-10gb-0".to_string(),
+            "gpu-0-mig-3g-20gb-4".to_string(),
+        ])
+    );
+    let whole = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, static: {mode: whole}}]"),
+        Capabilities::legacy(),
+    );
+    assert_eq!(
+        names(&whole),
+        names(&auto),
+        "whole would double-book the instances"
+    );
+    assert!(
+        whole
+            .notes
+            .iter()
+            .any(|n| n.message.contains("overridden to mig"))
+    );
+
+    // Asking for MIG on a GPU without instances offers the whole GPU instead.
+    let t4_inv = inventory(vec![t4()]);
+    let mig = build(
+        &t4_inv,
+        &policy("gpus: [{select: {all: true}, static: {mode: mig}}]"),
+        Capabilities::legacy(),
+    );
+    assert_eq!(names(&mig), BTreeSet::from(["gpu-0".to_string()]));
+}
+
+// ----------------------------------------------------------------- policy
+
+#[test]
+fn policy_rules_apply_in_order_field_by_field() {
+    let inv = inventory(vec![h100_mig_disabled(0), h100_mig_disabled(1), t4()]);
+    let pol = policy(
+        r#"
+apiVersion: tessera.dev/v1alpha1
+kind: NodePolicy
+gpus:
+  - select: {all: true}
+    modes: [whole, isolated]
+    isolationProvider: hami-core
+  - select: {product: "NVIDIA H100*"}
+    modes: [mig]
+    migProfiles: ["3g.*"]
+  - select: {index: 1}
+    modes: [mig, shared]
+    timeSlice: long
+"#,
+    );
+    let model = build(&inv, &pol, Capabilities::full());
+    let n = names(&model);
+    // GPU 0 (H100): only 3g MIG.
+    assert!(n.contains("gpu-0-mig-3g-40gb-0") && n.contains("gpu-0-mig-3g-40gb-4"));
+    assert!(!n.contains("gpu-0") && !n.contains("gpu-0-isolated"));
+    assert!(!n.contains("gpu-0-mig-1g-10gb-0"));
+    // GPU 1 (H100, index 1): 3g MIG (profiles inherited) + Shared, long slices.
+    assert!(n.contains("gpu-1-mig-3g-40gb-0") && n.contains("gpu-1-shared"));
+    assert_eq!(
+        string_attr(device(&model, "gpu-1-shared"), attr::TIME_SLICE),
+        Some("Long")
+    );
+    // T4 (index 2): first rule only.
+    assert!(n.contains("gpu-2") && n.contains("gpu-2-isolated") && !n.contains("gpu-2-shared"));
+    assert_eq!(
+        string_attr(device(&model, "gpu-2-isolated"), attr::ISOLATION_PROVIDER),
+        Some("hami-core")
+    );
+}
+
+#[test]
+fn policy_selects_by_uuid_and_can_switch_a_gpu_off() {
+    let inv = inventory(vec![h100_mig_disabled(0), t4()]);
+    let pol = policy(&format!(
+        "gpus: [{{select: {{uuid: '{}'}}, modes: []}}]",
+        h100_mig_disabled(0).uuid
+    ));
+    let model = build(&inv, &pol, Capabilities::full());
+    assert!(names(&model).iter().all(|n| n.starts_with("gpu-1")));
+    // The GPU without devices needs no counter set either.
+    assert_eq!(
+        counter_sets(&model).keys().collect::<Vec<_>>(),
+        vec!["gpu-1"]
+    );
+}
+
+#[test]
+fn default_share_percent_from_policy() {
+    let inv = inventory(vec![t4()]);
+    let pol = policy("gpus: [{select: {all: true}, defaultSharePercent: 25}]");
+    let model = build(&inv, &pol, Capabilities::full());
+    let d = device(&model, "gpu-0-shared");
+    let p = d.capacity.as_ref().unwrap()[cap::CORES]
+        .request_policy
+        .as_ref()
+        .unwrap();
+    assert_eq!(p.default.as_ref().unwrap().0, "25");
+    let mut sim = Sim::new(&model.slices);
+    for _ in 0..4 {
+        sim.allocate("gpu-0-shared", &[]).unwrap();
+    }
+    assert!(sim.allocate("gpu-0-shared", &[]).is_err());
+}
+
+#[test]
+fn policy_decoding_is_strict_and_names_fields() {
+    let cases = [
+        (
+            "gpus: [{select: {all: true}, mode: [whole]}]",
+            "gpus[0]: unknown field `mode`",
+        ),
+        (
+            "gpus: [{select: {all: true}, modes: [vgpu]}]",
+            "gpus[0].modes[0]: unknown variant `vgpu`",
+        ),
+        (
+            "gpus: [{select: {all: true}, isolationProvider: mig}]",
+            "gpus[0].isolationProvider: unknown variant `mig`",
+        ),
+        (
+            "gpus: [{select: {al: true}}]",
+            "gpus[0].select: unknown field `al`",
+        ),
+        (
+            "gpus: [{select: {all: true}, static: {replicas: 2, mode: whole, x: 1}}]",
+            "gpus[0].static: unknown field `x`",
+        ),
+        ("gpu: []", "unknown field `gpu`"),
+        (
+            "gpus: [{select: {all: true}, static: {replicas: -1}}]",
+            "gpus[0].static.replicas",
+        ),
+    ];
+    for (yaml, needle) in cases {
+        let err = NodePolicy::from_yaml(yaml).unwrap_err();
+        assert!(matches!(err, PolicyError::Decode(_)), "{yaml}: {err}");
+        assert!(err.to_string().contains(needle), "{yaml}: {err}");
+    }
+}
+
+#[test]
+fn policy_validation_names_the_field() {
+    let cases = [
+        (
+            "gpus: [{select: {all: true}}, {select: {all: true}, static: {replicas: 0}}]",
+            "gpus[1].static.replicas",
+        ),
+        ("gpus: [{select: {all: true, index: 0}}]", "gpus[0].select"),
+        ("gpus: [{select: {}}]", "gpus[0].select"),
+        ("gpus: [{select: {all: false}}]", "gpus[0].select.all"),
+        ("gpus: [{select: {uuid: abc}}]", "gpus[0].select.uuid"),
+        ("gpus: [{select: {product: ''}}]", "gpus[0].select.product"),
+        (
+            "gpus: [{select: {all: true}, defaultSharePercent: 0}]",
+            "gpus[0].defaultSharePercent",
+        ),
+        (
+            "gpus: [{select: {all: true}, migProfiles: ['1g.*', ' ']}]",
+            "gpus[0].migProfiles[1]",
+        ),
+        ("apiVersion: v1\ngpus: []", "apiVersion"),
+        ("kind: ConfigMap", "kind"),
+    ];
+    for (yaml, field) in cases {
+        match NodePolicy::from_yaml(yaml) {
+            Err(PolicyError::Invalid { field: f, .. }) => assert_eq!(f, field, "{yaml}"),
+            other => panic!("{yaml}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn empty_policy_means_everything_on() {
+    assert_eq!(NodePolicy::from_yaml("").unwrap(), NodePolicy::default());
+    assert_eq!(
+        NodePolicy::from_yaml("gpus: []").unwrap(),
+        NodePolicy::default()
+    );
+    let p = NodePolicy::default().for_gpu(&t4(), 0);
+    assert_eq!(p, policy::GpuPolicy::default());
+    assert!(p.allows_profile("1g.10gb+me"));
+}
+
+#[test]
+fn invalid_policy_built_in_code_is_refused_by_the_model() {
+    let inv = inventory(vec![t4()]);
+    let pol = NodePolicy {
+        gpus: vec![policy::GpuRule {
+            select: policy::GpuSelector::default(),
+            modes: None,
+            mig_profiles: None,
+            mig_mode_switch: None,
+            time_slice: None,
+            isolation_provider: None,
+            default_share_percent: None,
+            static_mode: None,
+        }],
+        ..NodePolicy::default()
+    };
+    let err = SliceModel::new(&inv, &pol, Capabilities::full(), "node-a")
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, ModelError::Policy(_)));
+}
