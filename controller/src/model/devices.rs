@@ -11,50 +11,24 @@ use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
 };
 use tessera_api::inventory::{Gpu, Inventory, MigEngines, MigInstance, MigPlacement, MigProfile};
+use tessera_api::names::{device_type, isolation_level};
 
 use super::counters::Consumption;
 use super::naming::{self, normalize_pci_bus_id};
 use super::policy::{GpuPolicy, IsolationProvider, TimeSlice};
 use super::{Note, quantity, version};
 
-/// Attribute names.
+/// Attribute names: the shared vocabulary of `tessera_api::names`, plus
+/// the one attribute only the model publishes.
 pub mod attr {
-    /// `gpu` | `mig` | `share`.
-    pub const TYPE: &str = "type";
-    pub const UUID: &str = "uuid";
-    pub const PARENT_UUID: &str = "parentUUID";
-    pub const PRODUCT_NAME: &str = "productName";
-    pub const BRAND: &str = "brand";
-    pub const ARCHITECTURE: &str = "architecture";
-    pub const CUDA_COMPUTE_CAPABILITY: &str = "cudaComputeCapability";
-    pub const DRIVER_VERSION: &str = "driverVersion";
-    pub const CUDA_DRIVER_VERSION: &str = "cudaDriverVersion";
-    /// Kubernetes' standard attribute, `dddd:bb:dd.f`; only on whole GPUs,
-    /// the only devices that are a PCI function.
-    pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
-    /// MIG profile name, e.g. `3g.40gb`.
-    pub const PROFILE: &str = "profile";
-    /// `Isolated` | `Shared`.
-    pub const ISOLATION_LEVEL: &str = "isolationLevel";
-    /// `mps` | `hami-core`, on `Isolated` share devices.
-    pub const ISOLATION_PROVIDER: &str = "isolationProvider";
-    /// `Default` | `Short` | `Medium` | `Long`, on `Shared` share devices.
+    pub use tessera_api::names::attr::*;
+    /// `Default` | `Short` | `Medium` | `Long`, on `Shared` share devices:
+    /// the node policy's time-slice interval for that GPU.
     pub const TIME_SLICE: &str = "timeSlice";
 }
 
 /// Capacity names.
-pub mod cap {
-    /// Bytes.
-    pub const MEMORY: &str = "memory";
-    pub const MULTIPROCESSORS: &str = "multiprocessors";
-    /// Percent of the GPU's compute, on share devices.
-    pub const CORES: &str = "cores";
-    pub const COPY_ENGINES: &str = "copyEngines";
-    pub const DECODERS: &str = "decoders";
-    pub const ENCODERS: &str = "encoders";
-    pub const JPEG_ENGINES: &str = "jpegEngines";
-    pub const OFA_ENGINES: &str = "ofaEngines";
-}
+pub use tessera_api::names::capacity as cap;
 
 /// Granularity of share memory requests: requests round up to a multiple.
 pub const SHARE_MEMORY_STEP: u64 = 256 * 1024 * 1024;
@@ -71,8 +45,8 @@ pub enum IsolationLevel {
 impl IsolationLevel {
     pub fn as_str(self) -> &'static str {
         match self {
-            IsolationLevel::Isolated => "Isolated",
-            IsolationLevel::Shared => "Shared",
+            IsolationLevel::Isolated => isolation_level::ISOLATED,
+            IsolationLevel::Shared => isolation_level::SHARED,
         }
     }
 
@@ -198,7 +172,7 @@ impl GpuFacts {
 
 /// The whole GPU.
 pub fn whole(name: &str, gpu: &Gpu, facts: &GpuFacts, consumes: Option<Consumption>) -> Device {
-    let mut attributes = facts.base("gpu");
+    let mut attributes = facts.base(device_type::GPU);
     attributes.insert(attr::UUID.into(), string(&gpu.uuid));
     if let Some(bus) = &facts.pci_bus_id {
         attributes.insert(attr::PCI_BUS_ID.into(), string(bus));
@@ -234,7 +208,7 @@ pub fn share(
     let share = u64::try_from(u128::from(gpu.memory_bytes) * u128::from(pct) / 100).unwrap_or(max);
     let default_memory = (share / step * step).clamp(step, max);
 
-    let mut attributes = facts.base("share");
+    let mut attributes = facts.base(device_type::SHARE);
     share_attributes(&mut attributes, gpu, level, policy);
     let mut capacity = BTreeMap::new();
     capacity.insert(
@@ -280,7 +254,7 @@ pub fn replica(
     policy: &GpuPolicy,
     replicas: u32,
 ) -> Device {
-    let mut attributes = facts.base("share");
+    let mut attributes = facts.base(device_type::SHARE);
     share_attributes(&mut attributes, gpu, level, policy);
     let mut capacity = BTreeMap::new();
     capacity.insert(
@@ -311,6 +285,9 @@ fn share_attributes(
     level: IsolationLevel,
     policy: &GpuPolicy,
 ) {
+    // Per the shared vocabulary a share device carries the card's UUID both
+    // as `uuid` and as `parentUUID`, so selectors written either way work.
+    attributes.insert(attr::UUID.into(), string(&gpu.uuid));
     attributes.insert(attr::PARENT_UUID.into(), string(&gpu.uuid));
     attributes.insert(attr::ISOLATION_LEVEL.into(), string(level.as_str()));
     match level {
@@ -365,7 +342,7 @@ pub fn mig(
     spec: &MigSpec<'_>,
     consumes: Option<Consumption>,
 ) -> Device {
-    let mut attributes = facts.base("mig");
+    let mut attributes = facts.base(device_type::MIG);
     attributes.insert(attr::PARENT_UUID.into(), string(&gpu.uuid));
     attributes.insert(attr::PROFILE.into(), string(spec.profile));
     if let Some(uuid) = spec.uuid {

@@ -25,7 +25,8 @@ use tessera_api::inventory::{Gpu, Inventory};
 
 use super::ModelError;
 
-/// Default DNS domain of the driver.
+/// Default DNS domain of the driver (the default driver name is
+/// `gpu.<domain>`, `tessera_api::names::DEFAULT_DRIVER_NAME`).
 pub const DEFAULT_DOMAIN: &str = "tessera.dev";
 
 /// The DRA driver name, `gpu.<domain>` by default.
@@ -57,7 +58,7 @@ impl DriverName {
 
 impl Default for DriverName {
     fn default() -> Self {
-        DriverName(format!("gpu.{DEFAULT_DOMAIN}"))
+        DriverName(tessera_api::names::DEFAULT_DRIVER_NAME.to_string())
     }
 }
 
@@ -244,6 +245,10 @@ mod tests {
     #[test]
     fn driver_names_are_validated() {
         assert_eq!(DriverName::default().as_str(), "gpu.tessera.dev");
+        assert_eq!(
+            DriverName::for_domain(DEFAULT_DOMAIN).unwrap(),
+            DriverName::default()
+        );
         assert_eq!(
             DriverName::for_domain("example.com").unwrap().as_str(),
             "gpu.example.com"

@@ -28,6 +28,7 @@
 
 use serde::Deserialize;
 use tessera_api::inventory::Gpu;
+use tessera_api::names::isolation_provider;
 
 /// API version accepted in `apiVersion`.
 pub const POLICY_API_VERSION: &str = "tessera.dev/v1alpha1";
@@ -170,8 +171,8 @@ pub enum IsolationProvider {
 impl IsolationProvider {
     pub fn as_str(self) -> &'static str {
         match self {
-            IsolationProvider::Mps => "mps",
-            IsolationProvider::HamiCore => "hami-core",
+            IsolationProvider::Mps => isolation_provider::MPS,
+            IsolationProvider::HamiCore => isolation_provider::HAMI_CORE,
         }
     }
 }
