@@ -1,0 +1,3 @@
+//! `tessera`: the Tessera node daemon and tools.
+
+fn main() {}
