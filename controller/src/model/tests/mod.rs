@@ -1257,3 +1257,116 @@ fn invalid_policy_built_in_code_is_refused_by_the_model() {
         .unwrap_err();
     assert!(matches!(err, ModelError::Policy(_)));
 }
+
+// ---------------------------------------------------------- device classes
+
+/// Evaluates the conjunctions of equality tests our DeviceClasses use
+/// (`device.driver == "…"`, `device.attributes["dom"].name == "…"`). Anything
+/// else panics, so a class growing a construct this cannot read fails here
+/// instead of passing silently.
+fn selects(expression: &str, driver: &str, d: &Device) -> bool {
+    expression.split("&&").all(|clause| {
+        let (lhs, rhs) = clause.split_once("==").expect("equality test");
+        let want = rhs.trim().trim_matches('"');
+        let lhs = lhs.trim();
+        if lhs == "device.driver" {
+            return driver == want;
+        }
+        let rest = lhs
+            .strip_prefix("device.attributes[\"")
+            .expect("attribute lookup");
+        let (domain, name) = rest.split_once("\"].").expect("attribute name");
+        assert_eq!(domain, driver, "attributes of our own domain");
+        string_attr(d, name) == Some(want)
+    })
+}
+
+#[test]
+fn device_classes_select_exactly_their_devices() {
+    use k8s_openapi::api::resource::v1::DeviceClass;
+    use serde::Deserialize;
+
+    let text = include_str!("../../../../deploy/deviceclasses.yaml");
+    let classes: Vec<DeviceClass> = serde_yaml::Deserializer::from_str(text)
+        .map(|doc| DeviceClass::deserialize(doc).expect("DeviceClass"))
+        .collect();
+    let by_name: BTreeMap<&str, &DeviceClass> = classes
+        .iter()
+        .map(|c| (c.metadata.name.as_deref().unwrap(), c))
+        .collect();
+    assert_eq!(
+        by_name.keys().copied().collect::<Vec<_>>(),
+        vec![
+            "gpu-isolated.tessera.dev",
+            "gpu-shared.tessera.dev",
+            "gpu.tessera.dev",
+            "mig.tessera.dev",
+        ]
+    );
+
+    let inv = inventory(vec![h100_mig_disabled(0), a100_with_instances(), t4()]);
+    let model = full(&inv);
+    let driver = "gpu.tessera.dev";
+    let matching = |class: &str| -> BTreeSet<String> {
+        let selectors = by_name[class].spec.selectors.as_ref().unwrap();
+        all_devices(&model.slices)
+            .into_iter()
+            .filter(|d| {
+                selectors
+                    .iter()
+                    .all(|s| selects(&s.cel.as_ref().unwrap().expression, driver, d))
+            })
+            .map(|d| d.name.clone())
+            .collect()
+    };
+    let of_kind = |pred: &dyn Fn(&DeviceKind) -> bool| -> BTreeSet<String> {
+        model
+            .devices
+            .iter()
+            .filter(|(_, r)| pred(&r.kind))
+            .map(|(n, _)| n.clone())
+            .collect()
+    };
+    assert_eq!(
+        matching("gpu.tessera.dev"),
+        of_kind(&|k| matches!(k, DeviceKind::Whole))
+    );
+    assert_eq!(
+        matching("mig.tessera.dev"),
+        of_kind(&|k| matches!(k, DeviceKind::Mig { .. }))
+    );
+    assert_eq!(
+        matching("gpu-isolated.tessera.dev"),
+        of_kind(&|k| matches!(
+            k,
+            DeviceKind::Share {
+                level: IsolationLevel::Isolated,
+                ..
+            }
+        ))
+    );
+    assert_eq!(
+        matching("gpu-shared.tessera.dev"),
+        of_kind(&|k| matches!(
+            k,
+            DeviceKind::Share {
+                level: IsolationLevel::Shared,
+                ..
+            }
+        ))
+    );
+    assert_eq!(matching("gpu.tessera.dev").len(), 2, "H100 and T4");
+    assert!(!matching("mig.tessera.dev").is_empty());
+    // Another driver's devices never match (gpu-1 is the H100; the A100
+    // at PCI bus 07 is gpu-0).
+    let d = device(&model, "gpu-1");
+    assert!(!selects(
+        &by_name["gpu.tessera.dev"].spec.selectors.as_ref().unwrap()[0]
+            .cel
+            .as_ref()
+            .unwrap()
+            .expression,
+        "gpu.nvidia.com",
+        d
+    ));
+}
