@@ -9,6 +9,11 @@
 //! * `memory-slice-<i>`, value 1, for each MIG memory slice `i` of the GPU
 //!   (8 on A100/H100). A GPU that offers no dynamic MIG has exactly one,
 //!   `memory-slice-0`, standing for the whole framebuffer.
+//! * `compute-slices`, value = the compute slices of the largest profile (7
+//!   on A100/H100), when dynamic MIG is offered; each MIG device consumes its
+//!   profile's compute slices (NVML `sliceCount`). On current GPUs disjoint
+//!   memory slices already imply this fits; the counter states NVML's
+//!   compute capacity explicitly instead of relying on that.
 //! * `ofa-engines`, value = the GPU's optical-flow engines, when any offered
 //!   MIG profile owns one. This is what stops two `+me` (media extension)
 //!   instances at disjoint placements: only one instance can own the OFA.
@@ -31,7 +36,8 @@
 //!   device and the `Shared` device no longer fit, while further `Isolated`
 //!   claims pack onto the same device until its capacity is used up. When the
 //!   last claim goes, the counters come back and any mode can win again.
-//! * A MIG device: the memory slices of its placement, its OFA engines, and
+//! * A MIG device: the memory slices of its placement, its compute slices,
+//!   its OFA engines, and
 //!   one unit of its profile's instance counter where there is one. Disjoint
 //!   placements coexist; overlapping ones, the whole GPU and the share
 //!   devices (which need every slice) are excluded.
@@ -61,6 +67,9 @@ pub fn memory_slice(i: u32) -> String {
     format!("memory-slice-{i}")
 }
 
+/// Counter name of the compute slices.
+pub const COMPUTE_SLICES: &str = "compute-slices";
+
 /// Counter name of the optical-flow engines.
 pub const OFA_ENGINES: &str = "ofa-engines";
 
@@ -88,23 +97,36 @@ pub struct Consumption {
 }
 
 impl GpuCounters {
-    /// Counters for GPU `n`. `memory_slices` is the GPU's MIG memory slice
-    /// count (0 when no dynamic MIG is offered); `dynamic_profiles` are the
-    /// profiles offered as dynamic MIG devices.
-    pub fn new(n: u32, memory_slices: u32, dynamic_profiles: &[&MigProfile]) -> Self {
+    /// Counters for GPU `n`. `profiles` are all MIG profiles of the GPU
+    /// (they fix the slice counts); `dynamic_profiles` those offered as
+    /// dynamic MIG devices. Without dynamic MIG the set is a single
+    /// `memory-slice-0` token standing for the whole framebuffer.
+    pub fn new(n: u32, profiles: &[MigProfile], dynamic_profiles: &[&MigProfile]) -> Self {
         let mut counters = BTreeMap::new();
-        for i in 0..memory_slices.max(1) {
+        let mut profile_counters = BTreeMap::new();
+        if dynamic_profiles.is_empty() {
+            counters.insert(memory_slice(0), 1);
+            return GpuCounters {
+                name: naming::counter_set(n),
+                counters,
+                profile_counters,
+            };
+        }
+        for i in 0..memory_slice_count(profiles).max(1) {
             counters.insert(memory_slice(i), 1);
         }
-        let ofa = dynamic_profiles
+        let compute = profiles.iter().map(|p| p.slices).max().unwrap_or(0);
+        if compute > 0 {
+            counters.insert(COMPUTE_SLICES.to_string(), u64::from(compute));
+        }
+        let ofa = profiles
             .iter()
             .map(|p| p.engines.ofa_engines)
             .max()
             .unwrap_or(0);
-        if ofa > 0 {
+        if ofa > 0 && dynamic_profiles.iter().any(|p| p.engines.ofa_engines > 0) {
             counters.insert(OFA_ENGINES.to_string(), u64::from(ofa));
         }
-        let mut profile_counters = BTreeMap::new();
         for profile in dynamic_profiles {
             if profile.max_instances > 0
                 && profile.max_instances < max_disjoint(&profile.placements)
@@ -134,6 +156,9 @@ impl GpuCounters {
         let mut counters = BTreeMap::new();
         for i in placement.start..placement.start + placement.size {
             counters.insert(memory_slice(i), 1);
+        }
+        if profile.slices > 0 && self.counters.contains_key(COMPUTE_SLICES) {
+            counters.insert(COMPUTE_SLICES.to_string(), u64::from(profile.slices));
         }
         if profile.engines.ofa_engines > 0 && self.counters.contains_key(OFA_ENGINES) {
             counters.insert(

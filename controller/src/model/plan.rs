@@ -35,7 +35,7 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::resource::v1::Device;
 use tessera_api::inventory::{Gpu, Inventory, Mig, MigInstance, MigPlacement, MigProfile};
 
-use super::counters::{self, GpuCounters};
+use super::counters::GpuCounters;
 use super::devices::{self, DeviceKind, DeviceRef, GpuFacts, IsolationLevel, MigSpec};
 use super::naming;
 use super::policy::{GpuPolicy, Mode, StaticMode};
@@ -204,14 +204,9 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
     };
 
     let counters = if offer_whole || !share_levels.is_empty() || !dynamic.is_empty() {
-        let slices = if dynamic.is_empty() {
-            0
-        } else {
-            counters::memory_slice_count(gpu.mig.profiles())
-        };
         let mut dynamic_profiles: Vec<&MigProfile> = dynamic.iter().map(|(p, _)| *p).collect();
         dynamic_profiles.dedup_by_key(|p| p.id);
-        Some(GpuCounters::new(n, slices, &dynamic_profiles))
+        Some(GpuCounters::new(n, gpu.mig.profiles(), &dynamic_profiles))
     } else {
         None
     };

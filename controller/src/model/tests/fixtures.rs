@@ -15,157 +15,77 @@ pub fn inventory(gpus: Vec<Gpu>) -> Inventory {
     }
 }
 
-fn engines(copy: u32, dec: u32, enc: u32, jpeg: u32, ofa: u32) -> MigEngines {
-    MigEngines {
-        copy_engines: copy,
-        decoders: dec,
-        encoders: enc,
-        jpeg_engines: jpeg,
-        ofa_engines: ofa,
-    }
-}
+/// One row of `nvidia-smi mig -lgip` / `-lgipp`: id, name, compute slices,
+/// memory slices per placement, memory MiB, SMs, engines (CE, DEC, ENC,
+/// JPEG, OFA), max instances, placement starts.
+type Row = (
+    u32,
+    &'static str,
+    u32,
+    u32,
+    u64,
+    u32,
+    [u32; 5],
+    u32,
+    &'static [u32],
+);
 
-#[allow(clippy::too_many_arguments)]
-fn profile(
-    id: u32,
-    name: &str,
-    slices: u32,
-    memory_mib: u64,
-    sms: u32,
-    engines: MigEngines,
-    max_instances: u32,
-    starts: &[u32],
-) -> MigProfile {
-    MigProfile {
-        id,
-        name: name.into(),
-        slices,
-        memory_bytes: memory_mib * MIB,
-        multiprocessors: sms,
-        engines,
-        max_instances,
-        placements: starts
-            .iter()
-            .map(|&start| MigPlacement {
-                start,
-                size: slices,
-            })
-            .collect(),
-    }
+const ONES: &[u32] = &[0, 1, 2, 3, 4, 5, 6];
+
+#[rustfmt::skip]
+const H100: &[Row] = &[
+    (19, "1g.10gb",    1, 1,  9984,  16, [1, 1, 0, 1, 0], 7, ONES),
+    (20, "1g.10gb+me", 1, 1,  9984,  16, [1, 7, 0, 7, 1], 1, ONES),
+    (15, "1g.20gb",    1, 2, 20096,  26, [1, 1, 0, 1, 0], 4, &[0, 2, 4, 6]),
+    (14, "2g.20gb",    2, 2, 20096,  32, [2, 2, 0, 2, 0], 3, &[0, 2, 4]),
+    (9,  "3g.40gb",    3, 4, 40448,  60, [3, 3, 0, 3, 0], 2, &[0, 4]),
+    (5,  "4g.40gb",    4, 4, 40448,  64, [4, 4, 0, 4, 0], 1, &[0]),
+    (0,  "7g.80gb",    7, 8, 81152, 132, [8, 7, 0, 7, 1], 1, &[0]),
+];
+
+#[rustfmt::skip]
+const A100: &[Row] = &[
+    (19, "1g.5gb",    1, 1,  4864, 14, [1, 0, 0, 0, 0], 7, ONES),
+    (20, "1g.5gb+me", 1, 1,  4864, 14, [1, 1, 0, 1, 1], 1, ONES),
+    (15, "1g.10gb",   1, 2,  9856, 14, [1, 1, 0, 0, 0], 4, &[0, 2, 4, 6]),
+    (14, "2g.10gb",   2, 2,  9856, 28, [2, 1, 0, 0, 0], 3, &[0, 2, 4]),
+    (9,  "3g.20gb",   3, 4, 19968, 42, [3, 2, 0, 0, 0], 2, &[0, 4]),
+    (5,  "4g.20gb",   4, 4, 19968, 56, [4, 2, 0, 0, 0], 1, &[0]),
+    (0,  "7g.40gb",   7, 8, 40192, 98, [7, 5, 0, 1, 1], 1, &[0]),
+];
+
+fn profiles(rows: &[Row]) -> Vec<MigProfile> {
+    rows.iter()
+        .map(
+            |&(id, name, slices, size, mib, sms, e, max, starts)| MigProfile {
+                id,
+                name: name.into(),
+                slices,
+                memory_bytes: mib * MIB,
+                multiprocessors: sms,
+                engines: MigEngines {
+                    copy_engines: e[0],
+                    decoders: e[1],
+                    encoders: e[2],
+                    jpeg_engines: e[3],
+                    ofa_engines: e[4],
+                },
+                max_instances: max,
+                placements: starts
+                    .iter()
+                    .map(|&start| MigPlacement { start, size })
+                    .collect(),
+            },
+        )
+        .collect()
 }
 
 pub fn h100_profiles() -> Vec<MigProfile> {
-    vec![
-        profile(
-            19,
-            "1g.10gb",
-            1,
-            9984,
-            16,
-            engines(1, 1, 0, 1, 0),
-            7,
-            &[0, 1, 2, 3, 4, 5, 6],
-        ),
-        profile(
-            20,
-            "1g.10gb+me",
-            1,
-            9984,
-            16,
-            engines(1, 7, 0, 7, 1),
-            1,
-            &[0, 1, 2, 3, 4, 5, 6],
-        ),
-        profile(
-            15,
-            "1g.20gb",
-            2,
-            20096,
-            26,
-            engines(1, 1, 0, 1, 0),
-            4,
-            &[0, 2, 4, 6],
-        ),
-        profile(
-            14,
-            "2g.20gb",
-            2,
-            20096,
-            32,
-            engines(2, 2, 0, 2, 0),
-            3,
-            &[0, 2, 4],
-        ),
-        profile(
-            9,
-            "3g.40gb",
-            4,
-            40448,
-            60,
-            engines(3, 3, 0, 3, 0),
-            2,
-            &[0, 4],
-        ),
-        profile(5, "4g.40gb", 4, 40448, 64, engines(4, 4, 0, 4, 0), 1, &[0]),
-        profile(0, "7g.80gb", 8, 81152, 132, engines(8, 7, 0, 7, 1), 1, &[0]),
-    ]
+    profiles(H100)
 }
 
 pub fn a100_profiles() -> Vec<MigProfile> {
-    vec![
-        profile(
-            19,
-            "1g.5gb",
-            1,
-            4864,
-            14,
-            engines(1, 0, 0, 0, 0),
-            7,
-            &[0, 1, 2, 3, 4, 5, 6],
-        ),
-        profile(
-            20,
-            "1g.5gb+me",
-            1,
-            4864,
-            14,
-            engines(1, 1, 0, 1, 1),
-            1,
-            &[0, 1, 2, 3, 4, 5, 6],
-        ),
-        profile(
-            15,
-            "1g.10gb",
-            2,
-            9856,
-            14,
-            engines(1, 1, 0, 0, 0),
-            4,
-            &[0, 2, 4, 6],
-        ),
-        profile(
-            14,
-            "2g.10gb",
-            2,
-            9856,
-            28,
-            engines(2, 1, 0, 0, 0),
-            3,
-            &[0, 2, 4],
-        ),
-        profile(
-            9,
-            "3g.20gb",
-            4,
-            19968,
-            42,
-            engines(3, 2, 0, 0, 0),
-            2,
-            &[0, 4],
-        ),
-        profile(5, "4g.20gb", 4, 19968, 56, engines(4, 2, 0, 0, 0), 1, &[0]),
-        profile(0, "7g.40gb", 8, 40192, 98, engines(7, 5, 0, 1, 1), 1, &[0]),
-    ]
+    profiles(A100)
 }
 
 /// H100 80GB HBM3 number `i` (PCI bus 0x18 + 0x10*i), MIG as given.
@@ -222,7 +142,7 @@ pub fn a100_with_instances() -> Gpu {
             compute_instance_id: 0,
             placement: MigPlacement {
                 start,
-                size: p.slices,
+                size: p.placements[0].size,
             },
             memory_bytes: p.memory_bytes,
             multiprocessors: p.multiprocessors,
@@ -270,7 +190,7 @@ pub fn h100_instance(uuid: &str, profile_name: &str, start: u32) -> MigInstance 
         compute_instance_id: 0,
         placement: MigPlacement {
             start,
-            size: p.slices,
+            size: p.placements[0].size,
         },
         memory_bytes: p.memory_bytes,
         multiprocessors: p.multiprocessors,

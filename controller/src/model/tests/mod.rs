@@ -383,6 +383,7 @@ fn h100_counter_set() {
     let model = full(&inv);
     let sets = counter_sets(&model);
     let mut expected: BTreeMap<String, u64> = (0..8).map(|i| (memory_slice(i), 1)).collect();
+    expected.insert("compute-slices".into(), 7);
     expected.insert("ofa-engines".into(), 1);
     expected.insert("mig-1g-10gb-me-instances".into(), 1);
     assert_eq!(sets["gpu-0"], expected);
@@ -559,6 +560,40 @@ fn mig_pairs_coexist_exactly_when_physically_possible() {
             }
         }
     }
+}
+
+#[test]
+fn compute_slices_bound_disjoint_placements() {
+    // A made-up profile that packs 4 compute slices into 2 memory slices:
+    // two of them are disjoint in memory but need 8 of the 7 compute slices.
+    let mut profiles = h100_profiles();
+    let mut dense = profiles
+        .iter()
+        .find(|p| p.name == "2g.20gb")
+        .unwrap()
+        .clone();
+    dense.id = 99;
+    dense.name = "4g.dense".into();
+    dense.slices = 4;
+    dense.max_instances = 4;
+    dense.placements = (0..4)
+        .map(|i| tessera_api::inventory::MigPlacement {
+            start: 2 * i,
+            size: 2,
+        })
+        .collect();
+    profiles.push(dense);
+    let inv = inventory(vec![h100(0, Mig::Disabled { profiles })]);
+    let model = full(&inv);
+    let mut sim = Sim::new(&model.slices);
+    sim.allocate("gpu-0-mig-4g-dense-0", &[]).unwrap();
+    assert!(sim.allocate("gpu-0-mig-4g-dense-2", &[]).is_err());
+    sim.allocate("gpu-0-mig-2g-20gb-2", &[]).unwrap();
+    sim.allocate("gpu-0-mig-1g-10gb-4", &[]).unwrap();
+    assert!(
+        sim.allocate("gpu-0-mig-1g-10gb-5", &[]).is_err(),
+        "4+2+1 = 7 used"
+    );
 }
 
 #[test]
