@@ -108,6 +108,27 @@ fn consumes_counters(device: &Device) -> bool {
         .is_some_and(|c| !c.is_empty())
 }
 
+/// Whether two sets of slices of one pool publish the same thing: same
+/// names, owners and specs, ignoring the pool generation and everything the
+/// server adds to metadata (uid, resourceVersion, managedFields, ...). The
+/// publisher writes only when this is false, then with the next generation.
+pub fn same_content(desired: &[ResourceSlice], existing: &[ResourceSlice]) -> bool {
+    let key = |s: &ResourceSlice| {
+        let mut spec = s.spec.clone();
+        spec.pool.generation = 0;
+        (
+            s.metadata.name.clone(),
+            s.metadata.owner_references.clone(),
+            spec,
+        )
+    };
+    let mut a: Vec<_> = desired.iter().map(key).collect();
+    let mut b: Vec<_> = existing.iter().map(key).collect();
+    a.sort_by(|x, y| x.0.cmp(&y.0));
+    b.sort_by(|x, y| x.0.cmp(&y.0));
+    a == b
+}
+
 /// Checks a pool's slices against the limits and the invariants the API
 /// server and scheduler rely on: names valid and unique, either counters or
 /// devices per slice, one pool generation and slice count, every counter

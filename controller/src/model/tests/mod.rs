@@ -905,8 +905,23 @@ fn generation_and_owner_hooks() {
             Some(&[owner.clone()][..])
         );
     }
-    let bumped = model.with_generation(5);
+    let bumped = model.clone().with_generation(5);
     assert!(bumped.slices.iter().all(|s| s.spec.pool.generation == 5));
+
+    // What the publisher compares: the generation and server-side metadata
+    // do not count, content does.
+    use super::slices::same_content;
+    let mut stored = bumped.slices.clone();
+    stored.reverse();
+    for s in &mut stored {
+        s.metadata.resource_version = Some("123".into());
+        s.metadata.uid = Some("0d7b1f9e-0000-4000-8000-000000000000".into());
+    }
+    assert!(same_content(&model.slices, &stored));
+    let mut changed = stored.clone();
+    changed[0].spec.pool.resource_slice_count += 1;
+    assert!(!same_content(&model.slices, &changed));
+    assert!(!same_content(&model.slices, &stored[1..]));
 }
 
 #[test]
