@@ -171,7 +171,15 @@ fn serde_problem(kind: Kind, path: String, message: String) -> Problem {
     } else if field.ends_with("computePercent") {
         "write a whole number from 1 to 100".to_owned()
     } else {
-        format!("see the {kind} reference for this field's type")
+        match field.as_str() {
+            "sharing" => "write an object, e.g. `sharing: {strategy: MPS}`",
+            "sharing.timeSlicing" => "write an object, e.g. `timeSlicing: {interval: Long}`",
+            "sharing.mps" | "processLimits" => {
+                "write an object, e.g. `{memory: 4Gi, computePercent: 50}`"
+            }
+            _ => "write the value in the form the message names",
+        }
+        .to_owned()
     };
     Problem::new(ProblemKind::InvalidValue, field, message, fix)
 }

@@ -207,6 +207,8 @@ fn strict_decoding_names_the_field() {
     assert_eq!(p.field, "processLimits.memory");
     let p = problem(v("GpuConfig", json!({"sharing": "MPS"})));
     assert_eq!(p.field, "sharing");
+    assert!(!p.message.contains("struct"), "no Rust type names: {p}");
+    assert!(p.fix.contains("strategy: MPS"), "{p}");
 
     // MIG has no time-slicing; the fix says why.
     let p = problem(v(

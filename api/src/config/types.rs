@@ -77,7 +77,11 @@ impl Config {
 ///     interval: Long
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with field sharing"
+)]
 pub struct GpuConfig {
     /// How the containers and Pods that share this claim share the GPU.
     pub sharing: Option<GpuSharing>,
@@ -87,7 +91,11 @@ pub struct GpuConfig {
 /// that references it). The claim owns the whole card, so it may tune it;
 /// settings are undone when the claim is unprepared.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with fields strategy, timeSlicing, mps"
+)]
 pub struct GpuSharing {
     /// `None` (default): the card is left as the node has it; processes are
     /// time-sliced by the CUDA driver's defaults. `TimeSlicing`: set the
@@ -115,7 +123,11 @@ pub enum GpuSharingStrategy {
 
 /// `sharing.timeSlicing`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with field interval"
+)]
 pub struct TimeSlicing {
     /// Length of a compute time slice: `Default` (the driver's), `Short`,
     /// `Medium` or `Long`. Longer slices favour throughput, shorter ones
@@ -160,7 +172,11 @@ impl TimeSliceInterval {
 ///     computePercent: 50
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with field sharing"
+)]
 pub struct MigConfig {
     /// How the consumers of this claim share the MIG device.
     pub sharing: Option<MigSharing>,
@@ -170,7 +186,11 @@ pub struct MigConfig {
 /// time-slicing setting: the time slice is a property of the parent GPU,
 /// whose other MIG devices belong to other claims; it is node policy.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with fields strategy, mps"
+)]
 pub struct MigSharing {
     /// `None` (default) or `MPS` (an MPS control daemon on this MIG device).
     pub strategy: Option<MigSharingStrategy>,
@@ -198,7 +218,11 @@ pub enum MigSharingStrategy {
 ///   computePercent: 20
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with field processLimits"
+)]
 pub struct ShareConfig {
     /// Tighter per-process limits inside what the claim was allocated; only
     /// for `Isolated` share devices (on `Shared` ones nothing is enforced, so
@@ -217,7 +241,11 @@ pub struct ShareConfig {
 /// the whole device for GPUs and MIG devices, the consumed capacity for
 /// shares.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with fields memory, computePercent"
+)]
 pub struct ProcessLimits {
     /// Device memory each process may allocate, a Kubernetes quantity
     /// (`4Gi`, `512Mi`, `8G`). Greater than zero.
