@@ -34,7 +34,9 @@ pub struct Gpu {
     pub architecture: String,
     /// CUDA compute capability `major.minor`, e.g. `9.0`.
     pub cuda_compute_capability: String,
-    /// PCI bus id in NVML's canonical form, e.g. `0000:18:00.0`.
+    /// PCI bus id in the kernel's (sysfs) form, which is what the
+    /// `resource.kubernetes.io/pciBusID` attribute takes: lower case, 4-digit
+    /// domain, e.g. `0000:1b:00.0` (NVML itself reports `00000000:1B:00.0`).
     pub pci_bus_id: String,
     /// Total framebuffer memory in bytes.
     pub memory_bytes: u64,
@@ -92,7 +94,8 @@ pub struct MigProfile {
     pub id: u32,
     /// Canonical name, e.g. `1g.10gb`, `1g.10gb+me`.
     pub name: String,
-    /// Memory/compute slices it occupies.
+    /// Compute slices (GPCs) it takes, the `N` of `Ng`. The memory slices it
+    /// takes are its placements' `size` (e.g. 4 for `3g.20gb` on an A100).
     pub slices: u32,
     pub memory_bytes: u64,
     pub multiprocessors: u32,
@@ -128,14 +131,18 @@ pub struct MigPlacement {
 pub struct MigInstance {
     /// `MIG-xxxxxxxx-...`.
     pub uuid: String,
-    /// Name of the profile it was created from, e.g. `3g.40gb`.
+    /// Name of the profile it was created from, e.g. `3g.40gb`; prefixed with
+    /// `<n>c.` (`1c.3g.40gb`) when its compute instance spans only part of
+    /// the GPU instance.
     pub profile: String,
     /// NVML GPU instance profile id.
     pub profile_id: u32,
     pub gpu_instance_id: u32,
     pub compute_instance_id: u32,
+    /// Where its GPU instance sits, in memory slices.
     pub placement: MigPlacement,
     pub memory_bytes: u64,
+    /// SMs of its compute instance.
     pub multiprocessors: u32,
     pub engines: MigEngines,
 }

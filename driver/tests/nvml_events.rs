@@ -1,0 +1,152 @@
+//! XID errors injected while a process runs reach it through nvml-wrapper's
+//! event API, the way the driver's health monitoring will receive them.
+//!
+//! NVML is process-global, so the watching side runs in a child process: this
+//! same test binary, re-run on the ignored `child_watch_xids` test with the
+//! simulated NVML on its library path.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+
+const CHILD_ENV: &str = "TESSERA_TEST_XID_CHILD";
+/// Lines of the child's protocol start with this, to tell them from libtest's output.
+const TAG: &str = "xid-child:";
+
+const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
+const GPU1: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
+/// A MIG device on GPU 0; its XIDs are reported on GPU 0.
+const GPU0_MIG: &str = "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f";
+
+#[test]
+fn injected_xids_reach_nvml_wrapper_event_sets() {
+    let dir = scratch_dir("xid-injection");
+    let events = dir.join(format!("events-{}", std::process::id()));
+    std::fs::write(&events, "").unwrap();
+
+    let mut child = clean(Command::new(std::env::current_exe().unwrap()))
+        .args([
+            "--exact",
+            "child_watch_xids",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .env("LD_LIBRARY_PATH", fake_nvml_dir())
+        .env(TOPOLOGY_ENV, topology("a100-40gb-x2-mig.yaml"))
+        .env(EVENTS_ENV, &events)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the child");
+    let stdout = child.stdout.take().unwrap();
+    let mut child = KillOnDrop(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            // libtest may print `test child_watch_xids ... ` on the same line.
+            if let Some(at) = line.find(TAG) {
+                let _ = tx.send(line[at + TAG.len()..].trim().to_string());
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let next = || {
+        rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the child stopped reporting before the deadline")
+    };
+
+    assert_eq!(next(), "no events yet");
+    assert_eq!(next(), "ready");
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&events)
+        .unwrap();
+    // GPU 1 is not registered: its XID must not show up.
+    writeln!(f, "{GPU1} 31").unwrap();
+    writeln!(f, "{GPU0} 79").unwrap();
+    writeln!(f, "{GPU0_MIG} 94").unwrap();
+    drop(f);
+    assert_eq!(next(), format!("event {GPU0} xid 79"));
+    assert_eq!(next(), format!("event {GPU0} xid 94"));
+    assert_eq!(next(), "done");
+
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "child failed: {status}");
+    let _ = std::fs::remove_file(&events);
+}
+
+/// Stops the child when the parent test fails early.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The watching process: registers GPU 0 for XIDs, reports what arrives.
+#[test]
+#[ignore = "run in a child process by injected_xids_reach_nvml_wrapper_event_sets"]
+fn child_watch_xids() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let say = |msg: &str| {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{TAG} {msg}").unwrap();
+        out.flush().unwrap();
+    };
+    let nvml = Nvml::init().expect("NVML (simulated) init");
+    let gpu0 = nvml.device_by_index(0).unwrap();
+    assert!(
+        gpu0.supported_event_types()
+            .unwrap()
+            .contains(EventTypes::CRITICAL_XID_ERROR)
+    );
+    let set = gpu0
+        .register_events(
+            EventTypes::CRITICAL_XID_ERROR,
+            nvml.create_event_set().unwrap(),
+        )
+        .unwrap();
+    match set.wait(50) {
+        Err(NvmlError::Timeout) => say("no events yet"),
+        other => panic!("expected a timeout before any injection, got {other:?}"),
+    }
+    say("ready");
+    let deadline = Instant::now() + Duration::from_secs(50);
+    let mut seen = 0;
+    while seen < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no XID events before the deadline"
+        );
+        match set.wait(1000) {
+            Ok(event) => {
+                assert!(event.event_type.contains(EventTypes::CRITICAL_XID_ERROR));
+                let uuid = event.device.uuid().unwrap();
+                let Some(XidError::Value(xid)) = event.event_data else {
+                    panic!("XID event without an XID: {:?}", event.event_data);
+                };
+                say(&format!("event {uuid} xid {xid}"));
+                seen += 1;
+            }
+            Err(NvmlError::Timeout) => continue,
+            Err(e) => panic!("waiting for events: {e}"),
+        }
+    }
+    // Nothing else (GPU 1's XID) may arrive.
+    assert!(matches!(set.wait(200), Err(NvmlError::Timeout)));
+    say("done");
+}
