@@ -544,6 +544,8 @@ fn yaml_is_the_default_output_and_says_the_same() {
         text.contains("mode: enabled") && text.contains("mode: disabled"),
         "{text}"
     );
+    // YAML 1.1 readers would take an unquoted 0000:07:00.0 for a base-60 number.
+    assert!(text.contains("pciBusId: '0000:07:00.0'"), "{text}");
 }
 
 #[test]
