@@ -599,6 +599,11 @@ fn an_nvml_init_failure_is_a_clear_error() {
     let err = stderr(&out);
     assert!(err.contains("failed to initialize"), "{err}");
     assert!(err.contains("driver is not loaded"), "{err}");
+    assert_eq!(
+        err.matches("driver is not loaded").count(),
+        1,
+        "said once: {err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -656,4 +661,72 @@ fn a_lost_mig_gpu_does_not_hide_the_mig_devices_of_the_others() {
     assert_eq!(inv.gpus.len(), 1);
     assert_eq!(inv.gpus[0].mig.instances().len(), 3);
     assert!(stderr(&out).contains("GPU 1"));
+}
+
+#[test]
+fn a_split_gpu_instance_shows_one_mig_device_per_compute_instance() {
+    let text = std::fs::read_to_string(topology("a100-40gb-x2-mig.yaml")).unwrap();
+    let split = text.replace(
+        "{ profile: 3g.20gb, start: 4, uuid: MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f }",
+        "{ profile: 3g.20gb, start: 4, computeInstances: [
+             { slices: 2, uuid: MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f },
+             { slices: 1, uuid: MIG-7c0de5a1-2b3c-4d5e-8f90-a1b2c3d4e5f6 } ] }",
+    );
+    assert_ne!(text, split);
+    let inv = inventory(&write_topology("a100-split-3g.yaml", &split));
+    let p = a100_40gb_profiles();
+    let three_g = p.iter().find(|p| p.name == "3g.20gb").unwrap();
+    let part = |uuid: &str, ci: u32, name: &str, sms: u32| MigInstance {
+        compute_instance_id: ci,
+        profile: name.into(),
+        multiprocessors: sms,
+        ..instance(&p, "3g.20gb", uuid, 1, 4)
+    };
+    let want = vec![
+        instance(
+            &p,
+            "2g.10gb",
+            "MIG-004e26da-86c5-4f0b-984c-56d97a00b1b4",
+            5,
+            0,
+        ),
+        instance(
+            &p,
+            "1g.5gb",
+            "MIG-cc04a385-500f-4314-8218-133a4f8051b2",
+            13,
+            2,
+        ),
+        part(
+            "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f",
+            0,
+            "2c.3g.20gb",
+            28,
+        ),
+        part(
+            "MIG-7c0de5a1-2b3c-4d5e-8f90-a1b2c3d4e5f6",
+            1,
+            "1c.3g.20gb",
+            14,
+        ),
+    ];
+    assert_eq!(inv.gpus[0].mig.instances(), want.as_slice());
+    // Both share the GPU instance's memory and engines.
+    assert!(
+        want[2..]
+            .iter()
+            .all(|d| d.memory_bytes == three_g.memory_bytes)
+    );
+}
+
+#[test]
+fn a_library_that_is_not_nvml_is_a_clear_error() {
+    // Any shared library without nvmlInit_v2; the C library is always there.
+    let out = clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")))
+        .args(["inventory", "--nvml-library", "libc.so.6"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("it is not an NVML library"), "{err}");
 }

@@ -205,19 +205,28 @@ impl Machine {
                             p.placements.size,
                         )
                     });
-                    let ci = ComputeInstance {
-                        profile_id: compute_profile_id(p.slices).unwrap_or(0),
-                        slices: p.slices,
-                        start: 0,
-                        uuid: inst.uuid.clone(),
-                    };
+                    let compute_instances = inst
+                        .compute_layout(p)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .enumerate()
+                        .map(|(id, ci)| {
+                            let c = ComputeInstance {
+                                profile_id: compute_profile_id(ci.slices).unwrap_or(0),
+                                slices: ci.slices,
+                                start: ci.start,
+                                uuid: ci.uuid,
+                            };
+                            (id as u32, c)
+                        })
+                        .collect();
                     gpu_instances.insert(
                         id,
                         GpuInstance {
                             profile_id: p.id,
                             start: inst.start,
                             size: p.placements.size,
-                            compute_instances: BTreeMap::from([(0, ci)]),
+                            compute_instances,
                         },
                     );
                 }
@@ -563,7 +572,8 @@ pub fn compute_placements(gi_slices: u32, slices: u32) -> Vec<u32> {
         .collect()
 }
 
-fn overlaps(a: (u32, u32), b: (u32, u32)) -> bool {
+/// Whether two `(start, size)` ranges share a slice.
+pub fn overlaps(a: (u32, u32), b: (u32, u32)) -> bool {
     a.0 < b.0 + b.1 && b.0 < a.0 + a.1
 }
 

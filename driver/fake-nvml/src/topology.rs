@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 
 use crate::codes;
+use crate::machine;
 
 /// A whole simulated machine.
 #[derive(Debug, Clone, Deserialize)]
@@ -275,8 +276,67 @@ pub struct Instance {
     /// Defaults to the id NVML gives an instance at that placement.
     #[serde(default)]
     pub gpu_instance_id: Option<u32>,
-    /// `MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+    /// `MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` of the MIG device, when the
+    /// GPU instance holds one compute instance spanning it.
+    #[serde(default)]
+    pub uuid: Option<String>,
+    /// Instead of `uuid`: the compute instances the GPU instance is split
+    /// into, placed first-fit in this order (ids 0, 1, ...).
+    #[serde(default)]
+    pub compute_instances: Vec<ComputeInstanceSpec>,
+}
+
+/// One compute instance of a split GPU instance (one MIG device).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ComputeInstanceSpec {
+    /// Compute slices, e.g. 1 for a `1c.3g.20gb`.
+    pub slices: u32,
     pub uuid: String,
+}
+
+/// A compute instance as laid out in its GPU instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComputeLayout {
+    pub slices: u32,
+    pub start: u32,
+    pub uuid: String,
+}
+
+impl Instance {
+    /// Its compute instances, in id order.
+    pub fn compute_layout(&self, profile: &Profile) -> Result<Vec<ComputeLayout>, String> {
+        match (&self.uuid, self.compute_instances.as_slice()) {
+            (Some(uuid), []) => Ok(vec![ComputeLayout {
+                slices: profile.slices,
+                start: 0,
+                uuid: uuid.clone(),
+            }]),
+            (None, cis) if !cis.is_empty() => {
+                let mut taken: Vec<(u32, u32)> = Vec::new();
+                let mut out = Vec::new();
+                for ci in cis {
+                    let start = machine::compute_placements(profile.slices, ci.slices)
+                        .into_iter()
+                        .find(|&s| taken.iter().all(|&t| !machine::overlaps(t, (s, ci.slices))))
+                        .ok_or_else(|| {
+                            format!(
+                                "no room for a {}-slice compute instance in a {}-slice GPU instance",
+                                ci.slices, profile.slices
+                            )
+                        })?;
+                    taken.push((start, ci.slices));
+                    out.push(ComputeLayout {
+                        slices: ci.slices,
+                        start,
+                        uuid: ci.uuid.clone(),
+                    });
+                }
+                Ok(out)
+            }
+            _ => Err("give either uuid (one compute instance spanning the GPU instance) or computeInstances".into()),
+        }
+    }
 }
 
 /// A PCI address.
@@ -436,12 +496,7 @@ fn validate_instances(
     let mut per_profile: BTreeMap<u32, u32> = BTreeMap::new();
     let mut gi_ids = BTreeSet::new();
     for inst in instances {
-        let at = |msg: String| {
-            format!(
-                "mig instance {} ({}@{}): {msg}",
-                inst.uuid, inst.profile, inst.start
-            )
-        };
+        let at = |msg: String| format!("mig instance {}@{}: {msg}", inst.profile, inst.start);
         let p = cap
             .profiles
             .iter()
@@ -480,13 +535,16 @@ fn validate_instances(
         if !gi_ids.insert(gi) {
             return Err(at(format!("gpu instance id {gi} used twice")));
         }
-        if !is_uuid(&inst.uuid, "MIG-") {
-            return Err(at(
-                "uuid must look like MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".into(),
-            ));
-        }
-        if !uuids.insert(inst.uuid.clone()) {
-            return Err(at("duplicate uuid".into()));
+        for ci in inst.compute_layout(p).map_err(at)? {
+            if !is_uuid(&ci.uuid, "MIG-") {
+                return Err(at(format!(
+                    "uuid {} must look like MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
+                    ci.uuid
+                )));
+            }
+            if !uuids.insert(ci.uuid.clone()) {
+                return Err(at(format!("duplicate uuid {}", ci.uuid)));
+            }
         }
     }
     Ok(())

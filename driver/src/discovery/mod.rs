@@ -34,17 +34,14 @@ pub enum Error {
          its library on the loader path (ld.so.conf, LD_LIBRARY_PATH) or given with --nvml-library?"
     )]
     LibraryNotFound { library: String, reason: String },
-    #[error("NVML ({library}) failed to initialize: {source}{}", init_hint(.source))]
-    Init {
-        library: String,
-        #[source]
-        source: NvmlError,
-    },
-    #[error("NVML: {what} failed: {source}")]
+    // The NVML error is part of the message, not a `source`, so that
+    // printing the chain (`{:#}`) does not repeat it.
+    #[error("NVML ({library}) failed to initialize: {error}{}", init_hint(.error))]
+    Init { library: String, error: NvmlError },
+    #[error("NVML: {what} failed: {error}")]
     System {
         what: &'static str,
-        #[source]
-        source: NvmlError,
+        error: NvmlError,
     },
 }
 
@@ -68,8 +65,8 @@ pub struct GpuError {
     pub pci_bus_id: Option<String>,
     /// What was being done, e.g. `reading its memory info`.
     pub what: String,
-    #[source]
-    pub source: NvmlError,
+    /// Part of the message (not a `source`, which would print it twice).
+    pub error: NvmlError,
 }
 
 impl fmt::Display for GpuError {
@@ -81,7 +78,7 @@ impl fmt::Display for GpuError {
             (None, Some(p)) => write!(f, " ({p})")?,
             (None, None) => {}
         }
-        write!(f, ": {} failed: {}", self.what, self.source)
+        write!(f, ": {} failed: {}", self.what, self.error)
     }
 }
 
@@ -110,16 +107,16 @@ pub fn init(library: Option<&OsStr>) -> Result<Nvml, Error> {
             library: shown,
             reason: format!("it is not an NVML library ({e})"),
         },
-        source => Error::Init {
+        error => Error::Init {
             library: shown,
-            source,
+            error,
         },
     })
 }
 
 /// Discovers every GPU NVML reports.
 pub fn discover(nvml: &Nvml) -> Result<Discovery, Error> {
-    let system = |what| move |source| Error::System { what, source };
+    let system = |what| move |error| Error::System { what, error };
     let driver_version = nvml
         .sys_driver_version()
         .map_err(system("reading the driver version"))?;
@@ -155,12 +152,12 @@ struct Context {
 impl Context {
     fn fail(&self, what: impl Into<String>) -> impl FnOnce(NvmlError) -> GpuError + '_ {
         let what = what.into();
-        move |source| GpuError {
+        move |error| GpuError {
             index: self.index,
             uuid: self.uuid.clone(),
             pci_bus_id: self.pci_bus_id.clone(),
             what,
-            source,
+            error,
         }
     }
 }
@@ -376,4 +373,30 @@ fn discover_instances(
     // Stable, readable order: by where they sit on the GPU.
     instances.sort_by_key(|i| (i.placement.start, i.gpu_instance_id, i.compute_instance_id));
     Ok(instances)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_errors_name_the_gpu_with_what_is_known() {
+        let e = |uuid: Option<&str>, pci: Option<&str>| GpuError {
+            index: 3,
+            uuid: uuid.map(Into::into),
+            pci_bus_id: pci.map(Into::into),
+            what: "reading its name".into(),
+            error: NvmlError::GpuLost,
+        };
+        assert_eq!(
+            e(Some("GPU-1"), Some("0000:1b:00.0")).to_string(),
+            "GPU 3 (GPU-1, 0000:1b:00.0): reading its name failed: \
+             device fell off the bus or has otherwise become inacessible"
+        );
+        assert!(
+            e(None, None)
+                .to_string()
+                .starts_with("GPU 3: reading its name failed")
+        );
+    }
 }
