@@ -1503,11 +1503,8 @@ pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlRet
         let id = with_machine(|m| {
             // Only lines appended after the set exists are its events.
             let offset = m.events_path.as_deref().map_or(0, events::file_len);
-            let id = m.new_event_set(offset);
-            if id > 0xFFFF {
-                return Err(nvmlReturn_enum_NVML_ERROR_MEMORY);
-            }
-            Ok(id)
+            m.new_event_set(offset)
+                .ok_or(nvmlReturn_enum_NVML_ERROR_MEMORY)
         })?;
         // SAFETY: checked non-null; valid for a handle by contract.
         unsafe { put(set, handle(Kind::EventSet, id as usize, None, None)) }
@@ -1528,14 +1525,9 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
     event_types: *mut c_ulonglong,
 ) -> nvmlReturn_t {
     ffi(|| {
-        with_machine(|m| {
-            m.live_gpu(device.addr()).map_err(|e| {
-                if e == INVALID_ARGUMENT {
-                    NOT_SUPPORTED
-                } else {
-                    e
-                }
-            })
+        with_machine(|m| match m.live_device(device.addr())? {
+            DeviceRef::Gpu(_) => Ok(()),
+            DeviceRef::Mig { .. } => Err(NOT_SUPPORTED),
         })?;
         // SAFETY: NVML contract: null or valid for an unsigned long long.
         unsafe { put(event_types, SUPPORTED_EVENTS) }

@@ -79,7 +79,6 @@ pub struct Machine {
     /// File the test appends `<uuid> <xid>` lines to.
     pub events_path: Option<PathBuf>,
     pub event_sets: BTreeMap<u32, EventSet>,
-    next_event_set: u32,
     /// Makes every created compute instance's UUID unique.
     created: u64,
 }
@@ -257,7 +256,6 @@ impl Machine {
             gpus,
             events_path,
             event_sets: BTreeMap::new(),
-            next_event_set: 1,
             created: 0,
         })
     }
@@ -546,10 +544,10 @@ impl Machine {
         Ok(id)
     }
 
-    /// Registers a new event set.
-    pub fn new_event_set(&mut self, offset: u64) -> u32 {
-        let id = self.next_event_set;
-        self.next_event_set += 1;
+    /// Registers a new event set under the lowest free id (ids fit the
+    /// handle's 16-bit field); `None` when all are taken.
+    pub fn new_event_set(&mut self, offset: u64) -> Option<u32> {
+        let id = (1..=0xFFFF).find(|id| !self.event_sets.contains_key(id))?;
         self.event_sets.insert(
             id,
             EventSet {
@@ -557,7 +555,7 @@ impl Machine {
                 ..EventSet::default()
             },
         );
-        id
+        Some(id)
     }
 }
 
