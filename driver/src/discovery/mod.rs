@@ -220,11 +220,13 @@ fn discover_gpu(nvml: &Nvml, index: u32) -> Result<Gpu, GpuError> {
 /// devices only), so divide by the cores per SM of its compute capability;
 /// fall back to the attributes where that is unknown.
 fn multiprocessors(device: &Device, major: i32, minor: i32, cx: &Context) -> Result<u32, GpuError> {
-    let per_sm = naming::cores_per_multiprocessor(major, minor);
-    match device.num_cores() {
-        Ok(cores) if cores > 0 && per_sm.is_some() => return Ok(cores / per_sm.unwrap_or(1)),
-        Ok(_) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => {}
-        Err(e) => return Err(cx.fail("reading its CUDA core count")(e)),
+    match (
+        device.num_cores(),
+        naming::cores_per_multiprocessor(major, minor),
+    ) {
+        (Ok(cores), Some(per_sm)) if cores > 0 => return Ok(cores / per_sm),
+        (Ok(_) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)), _) => {}
+        (Err(e), _) => return Err(cx.fail("reading its CUDA core count")(e)),
     }
     device
         .attributes()
