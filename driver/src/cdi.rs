@@ -315,7 +315,8 @@ mod tests {
         };
         let spec = Spec::for_claim(vec![dev.clone()], common.clone());
         assert_eq!(spec.minimum_version(), CdiVersion::V0_4);
-        dev.container_edits.device_nodes[0].host_path = Some("/run/nvidia/driver/dev/nvidia0".into());
+        dev.container_edits.device_nodes[0].host_path =
+            Some("/run/nvidia/driver/dev/nvidia0".into());
         let spec = Spec::for_claim(vec![dev], common);
         assert_eq!(spec.cdi_version, "0.5.0");
     }
@@ -339,7 +340,10 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
-        assert_eq!(names, vec![format!("gpu.tessera.dev-claim_{}.json", uid().as_str())]);
+        assert_eq!(
+            names,
+            vec![format!("gpu.tessera.dev-claim_{}.json", uid().as_str())]
+        );
         assert_eq!(specs.claims().unwrap(), vec![uid()]);
         specs.remove(&uid()).unwrap();
         specs.remove(&uid()).unwrap();

@@ -241,9 +241,7 @@ fn encode<T: Serialize>(boot_id: &str, claims: &BTreeMap<ClaimUid, T>) -> Vec<u8
 }
 
 /// Decode a checkpoint file; `Err` carries a human-readable reason.
-fn decode<T: DeserializeOwned>(
-    bytes: &[u8],
-) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
     let envelope: Envelope =
         serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint envelope: {e}"))?;
     if envelope.version != FORMAT_VERSION {
@@ -305,8 +303,20 @@ mod tests {
         let f = Fixture::new();
         let (mut cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Fresh);
-        cp.put(uid(1), Entry { device: "gpu-0".into() }).unwrap();
-        cp.put(uid(2), Entry { device: "gpu-1".into() }).unwrap();
+        cp.put(
+            uid(1),
+            Entry {
+                device: "gpu-0".into(),
+            },
+        )
+        .unwrap();
+        cp.put(
+            uid(2),
+            Entry {
+                device: "gpu-1".into(),
+            },
+        )
+        .unwrap();
         cp.remove(&uid(2)).unwrap();
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
@@ -318,7 +328,13 @@ mod tests {
     fn reboot_discards_entries() {
         let f = Fixture::new();
         let (mut cp, _) = f.open();
-        cp.put(uid(1), Entry { device: "gpu-0".into() }).unwrap();
+        cp.put(
+            uid(1),
+            Entry {
+                device: "gpu-0".into(),
+            },
+        )
+        .unwrap();
         fs::write(&f.boot, "boot-b\n").unwrap();
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::PreviousBoot { claims: 1 });
@@ -330,7 +346,13 @@ mod tests {
     fn corruption_is_quarantined_not_fatal() {
         let f = Fixture::new();
         let (mut cp, _) = f.open();
-        cp.put(uid(1), Entry { device: "gpu-0".into() }).unwrap();
+        cp.put(
+            uid(1),
+            Entry {
+                device: "gpu-0".into(),
+            },
+        )
+        .unwrap();
         let path = cp.path().to_owned();
         // Flip one byte inside the embedded entries: valid JSON, bad checksum.
         let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
@@ -357,7 +379,10 @@ mod tests {
             fs::create_dir_all(f.dir.path().join("state")).unwrap();
             fs::write(f.dir.path().join("state").join(FILE_NAME), content).unwrap();
             let (_, outcome) = f.open();
-            assert!(matches!(outcome, LoadOutcome::Quarantined { .. }), "{outcome:?}");
+            assert!(
+                matches!(outcome, LoadOutcome::Quarantined { .. }),
+                "{outcome:?}"
+            );
         }
     }
 
@@ -383,7 +408,15 @@ mod tests {
             state ^= state << 17;
             state
         };
-        let valid = encode("b", &BTreeMap::from([(uid(1), Entry { device: "gpu-0".into() })]));
+        let valid = encode(
+            "b",
+            &BTreeMap::from([(
+                uid(1),
+                Entry {
+                    device: "gpu-0".into(),
+                },
+            )]),
+        );
         for _ in 0..2000 {
             let mut bytes = valid.clone();
             for _ in 0..(next() % 4 + 1) {

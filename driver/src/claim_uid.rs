@@ -89,7 +89,8 @@ mod tests {
 
     #[test]
     fn deserializing_validates() {
-        let ok: ClaimUid = serde_json::from_str("\"0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e\"").unwrap();
+        let ok: ClaimUid =
+            serde_json::from_str("\"0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e\"").unwrap();
         assert_eq!(ok.as_str().len(), 36);
         assert!(serde_json::from_str::<ClaimUid>("\"../x\"").is_err());
     }

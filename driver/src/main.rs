@@ -4,7 +4,7 @@
 //! function that returns the process exit code, so adding one is adding a
 //! variant and a match arm.
 
-mod discovery;
+use tessera_driver::discovery;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, Write};

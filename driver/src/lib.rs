@@ -1,0 +1,9 @@
+//! Tessera's node side: GPU discovery through NVML and the kubelet DRA plugin
+//! (prepare/unprepare, CDI specs, checkpoint, sharing enforcement).
+//!
+//! The `tessera` binary is a thin command line over this library.
+
+pub mod cdi;
+pub mod checkpoint;
+pub mod claim_uid;
+pub mod discovery;
