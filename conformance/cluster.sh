@@ -1,0 +1,594 @@
+#!/usr/bin/env bash
+# Tessera's local Kubernetes control plane: real etcd, kube-apiserver,
+# kube-controller-manager, kube-scheduler and kubelet (with a fake CRI), all
+# built from their Go modules into one binary (conformance/cluster) and run on
+# 127.0.0.1. See docs/development.md.
+#
+# usage: conformance/cluster.sh build|start|stop|status|env|add-nodes N|logs [component] [-f]
+set -euo pipefail
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SRC="$REPO_ROOT/conformance/cluster"
+CACHE="${TESSERA_CACHE:-$HOME/.cache/tessera}"
+DIR="${TESSERA_CLUSTER_DIR:-$REPO_ROOT/.tessera/cluster}"
+case "$DIR" in /*) ;; *) DIR="$PWD/$DIR" ;; esac
+START_TIMEOUT="${TESSERA_START_TIMEOUT:-240}"
+LOG_LEVEL="${TESSERA_LOG_LEVEL:-1}"
+
+# Gates Tessera relies on. In 1.36 all of them exist; DRAPrioritizedList and
+# DRAAdminAccess are GA (the latter locked), the others beta and on by default;
+# DRADeviceTaintRules is beta but off by default because its API
+# (resource.k8s.io/v1beta2 devicetaintrules) is off by default. Setting them
+# explicitly keeps the cluster's shape independent of upstream defaults.
+DEFAULT_FEATURE_GATES="DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,DRAResourceClaimDeviceStatus=true,ResourceHealthStatus=true,DRAPrioritizedList=true,DRAAdminAccess=true"
+DEFAULT_RUNTIME_CONFIG="resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
+
+# Components in start order; stop goes in reverse.
+COMPONENTS=(etcd fake-cri kube-apiserver kube-controller-manager kube-scheduler kubelet)
+
+# fd 4 stays the original stderr even where a condition's output is silenced.
+exec 4>&2
+
+log() { printf '[cluster] %s\n' "$*" >&2; }
+die() {
+	log "error: $*"
+	exit 1
+}
+
+# ---------------------------------------------------------------- build ----
+
+k8s_version() { awk '$1 == "k8s.io/kubernetes" { print $2; exit }' "$SRC/go.mod"; }
+
+# Everything that determines the binary: sources, module files, toolchain, flags.
+source_hash() {
+	(
+		cd "$SRC"
+		go env GOVERSION GOOS GOARCH
+		echo "$(build_ldflags "-")"
+		find . -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) -print | LC_ALL=C sort | xargs sha256sum
+	) | sha256sum | cut -c1-16
+}
+
+build_ldflags() {
+	local commit="$1" v major minor ldf=(-s -w)
+	v=$(k8s_version)
+	major=${v#v}
+	major=${major%%.*}
+	minor=${v#v*.}
+	minor=${minor%%.*}
+	# Stamp the version the way upstream's release build does, so /version and
+	# the node's kubeletVersion report the real release, not v0.0.0-master.
+	for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+		ldf+=(-X "$pkg.gitVersion=$v" -X "$pkg.gitMajor=$major" -X "$pkg.gitMinor=$minor"
+			-X "$pkg.gitTreeState=clean" -X "$pkg.gitCommit=$commit")
+	done
+	echo "${ldf[*]}"
+}
+
+# Prints the path of an up-to-date tessera-kube, building it when needed.
+ensure_binary() {
+	if [[ -n "${TESSERA_KUBE_BIN:-}" ]]; then
+		[[ -x "$TESSERA_KUBE_BIN" ]] || die "TESSERA_KUBE_BIN=$TESSERA_KUBE_BIN is not executable"
+		echo "$TESSERA_KUBE_BIN"
+		return
+	fi
+	command -v go >/dev/null || die "go is not installed (needed to build conformance/cluster)"
+	local hash out bin
+	hash=$(source_hash)
+	out="$CACHE/kube/$hash"
+	bin="$out/tessera-kube"
+	if [[ ! -x "$bin" ]]; then
+		mkdir -p "$out"
+		# One build at a time per cache; a second caller waits, then finds the binary.
+		exec 9>"$CACHE/kube/.build.lock"
+		flock 9
+		if [[ ! -x "$bin" ]]; then
+			log "building tessera-kube ($(k8s_version)) into $out (first build of Kubernetes takes long on a small machine)"
+			local t0=$SECONDS
+			(cd "$SRC" && go build -trimpath -ldflags "$(build_ldflags "$hash")" -o "$bin.tmp" ./cmd/tessera-kube) >&2
+			mv -f "$bin.tmp" "$bin"
+			log "built in $((SECONDS - t0))s"
+		fi
+		flock -u 9
+		exec 9>&-
+	fi
+	echo "$bin"
+}
+
+cmd_build() {
+	local t0=$SECONDS bin
+	bin=$(ensure_binary)
+	log "tessera-kube ready: $bin ($((SECONDS - t0))s)"
+	echo "$bin"
+}
+
+# ---------------------------------------------------------------- state ----
+
+pidfile() { echo "$DIR/pids/$1.pid"; }
+logfile() { echo "$DIR/logs/$1.log"; }
+
+proc_starttime() { # pid -> start time in clock ticks since boot (field 22 of /proc/PID/stat)
+	local stat
+	stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+	stat=${stat##*) } # the command name may contain spaces; fields restart after ") "
+	read -ra f <<<"$stat"
+	echo "${f[19]}"
+}
+
+# Pid files hold "PID STARTTIME". A recorded pid counts only while a process
+# with that pid and that start time exists, so a reused pid is never signalled.
+recorded_pid() {
+	local f pid start now
+	f=$(pidfile "$1")
+	[[ -f "$f" ]] || return 1
+	read -r pid start <"$f" || true
+	[[ "$pid" =~ ^[0-9]+$ && -n "$start" ]] || return 1
+	now=$(proc_starttime "$pid") || return 1
+	[[ "$now" == "$start" ]] || return 1
+	echo "$pid"
+}
+pid_alive() { recorded_pid "$1" >/dev/null; }
+
+load_state() {
+	[[ -f "$DIR/cluster.env" ]] || return 1
+	# shellcheck disable=SC1091
+	source "$DIR/cluster.env"
+}
+
+kubectl_() { "$KUBE_BIN" kubectl --kubeconfig "$DIR/kubeconfig" "$@"; }
+
+# wait_for <seconds> <what> <command...>: poll a condition until a deadline.
+# The condition returns 0 when met, 3 when it can never be met (a component
+# died), anything else to be polled again.
+wait_for() {
+	local timeout=$1 what=$2 rc
+	shift 2
+	local deadline=$((SECONDS + timeout))
+	while :; do
+		rc=0
+		"$@" 4>&2 >/dev/null 2>&1 || rc=$?
+		case $rc in
+		0) break ;;
+		3)
+			log "gave up waiting for $what"
+			return 1
+			;;
+		esac
+		if ((SECONDS >= deadline)); then
+			log "timed out after ${timeout}s waiting for $what"
+			return 1
+		fi
+		sleep 0.5
+	done
+	log "ok: $what"
+}
+
+# ---------------------------------------------------------------- start ----
+
+merge_gates() {
+	# Later entries win: defaults first, then TESSERA_FEATURE_GATES.
+	local -A val=()
+	local -a order=()
+	local kv k
+	IFS=',' read -ra kvs <<<"$DEFAULT_FEATURE_GATES,${TESSERA_FEATURE_GATES:-}"
+	for kv in "${kvs[@]}"; do
+		kv=${kv// /}
+		[[ -z "$kv" ]] && continue
+		[[ "$kv" == *=* ]] || die "bad feature gate '$kv' (want Name=true|false)"
+		k=${kv%%=*}
+		[[ -v "val[$k]" ]] || order+=("$k")
+		val[$k]=${kv#*=}
+	done
+	local out=()
+	for k in "${order[@]}"; do out+=("$k=${val[$k]}"); done
+	(
+		IFS=,
+		echo "${out[*]}"
+	)
+}
+
+pick_ports() {
+	local names=(ETCD_PORT ETCD_PEER_PORT APISERVER_PORT CONTROLLER_MANAGER_PORT SCHEDULER_PORT KUBELET_PORT KUBELET_HEALTHZ_PORT)
+	local free i=0 n
+	mapfile -t free < <("$KUBE_BIN" free-ports "${#names[@]}")
+	: >"$DIR/ports.env.tmp"
+	for n in "${names[@]}"; do
+		local override="TESSERA_$n"
+		echo "$n=${!override:-${free[$i]}}" >>"$DIR/ports.env.tmp"
+		i=$((i + 1))
+	done
+	mv "$DIR/ports.env.tmp" "$DIR/ports.env"
+}
+
+start_component() {
+	local name=$1
+	shift
+	if pid_alive "$name"; then
+		log "$name already running (pid $(recorded_pid "$name"))"
+		return
+	fi
+	local lf
+	lf=$(logfile "$name")
+	printf '\n==== %s start %s\n' "$name" "$(date -u +%FT%TZ)" >>"$lf"
+	# setsid: components outlive this script and an interactive Ctrl-C; they are
+	# stopped by `stop`, which signals exactly the recorded pids.
+	setsid "$KUBE_BIN" "$@" >>"$lf" 2>&1 </dev/null &
+	local pid=$!
+	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$name")"
+	log "started $name (pid $pid, log $lf)"
+}
+
+# Reports (once, on stderr) that a component died, so waits end early.
+alive_or_fatal() {
+	pid_alive "$1" && return 0
+	{
+		log "$1 is not running; last lines of $(logfile "$1"):"
+		tail -n 40 "$(logfile "$1")" || true
+	} >&4 2>&4
+	return 3
+}
+
+http_ok() { # url [curl args...]: 2xx and body "ok"
+	local url=$1
+	shift
+	[[ "$(curl -sS --max-time 5 --fail "$@" "$url")" == ok ]]
+}
+
+readyz_ok() {
+	http_ok "https://127.0.0.1:$APISERVER_PORT/readyz" --cacert "$DIR/pki/ca.crt" \
+		--cert "$DIR/pki/admin.crt" --key "$DIR/pki/admin.key"
+}
+apiserver_ready() { alive_or_fatal kube-apiserver && readyz_ok; }
+component_healthy() { # name port
+	alive_or_fatal "$1" && http_ok "https://127.0.0.1:$2/healthz" --cacert "$DIR/pki/ca.crt"
+}
+etcd_ready() {
+	alive_or_fatal etcd && curl -sS --max-time 5 --fail "http://127.0.0.1:$ETCD_PORT/health" | grep -q '"health":"true"'
+}
+cri_ready() { alive_or_fatal fake-cri && [[ -S "$CRI_SOCKET" ]]; }
+default_sa_exists() { kubectl_ get -n default serviceaccount default; }
+node_ready() {
+	alive_or_fatal kubelet || return 3
+	[[ "$(kubectl_ get node "$NODE_NAME" -o 'jsonpath={.status.conditions[?(@.type=="Ready")].status}')" == True ]]
+}
+
+write_kubelet_config() {
+	local gates=$1 f="$DIR/kubelet/config.yaml"
+	{
+		cat <<EOF
+# Generated by conformance/cluster.sh; see docs/development.md for why each
+# setting is needed in a container without systemd on cgroup v1.
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+tlsCertFile: $DIR/pki/kubelet.crt
+tlsPrivateKeyFile: $DIR/pki/kubelet.key
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: true
+  x509:
+    clientCAFile: $DIR/pki/ca.crt
+authorization:
+  mode: Webhook
+containerRuntimeEndpoint: unix://$CRI_SOCKET
+imageServiceEndpoint: unix://$CRI_SOCKET
+podLogsDir: $DIR/kubelet/pod-logs
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failCgroupV1: false
+failSwapOn: false
+localStorageCapacityIsolation: false
+evictionHard: {}
+evictionSoft: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+protectKernelDefaults: false
+registerNode: true
+maxPods: 110
+clusterDomain: cluster.local
+featureGates:
+EOF
+		local kv
+		IFS=',' read -ra kvs <<<"$gates"
+		for kv in "${kvs[@]}"; do echo "  ${kv%%=*}: ${kv#*=}"; done
+	} >"$f.tmp"
+	mv "$f.tmp" "$f"
+}
+
+cmd_start() {
+	if [[ -f "$DIR/cluster.env" ]] && cmd_status >/dev/null 2>&1; then
+		log "cluster in $DIR is already running"
+		return 0
+	fi
+	KUBE_BIN=$(ensure_binary)
+	mkdir -p "$DIR"/{pids,logs,pki,etcd,kubelet/pod-logs,bin}
+	chmod 700 "$DIR"
+
+	# Settings are fixed at the first start of a state dir and reused after.
+	if [[ ! -f "$DIR/ports.env" ]]; then pick_ports; fi
+	# shellcheck disable=SC1091
+	source "$DIR/ports.env"
+	local gates runtime_config kubelet_enabled node cri_socket
+	gates=$(merge_gates)
+	runtime_config="${TESSERA_RUNTIME_CONFIG:-$DEFAULT_RUNTIME_CONFIG}"
+	kubelet_enabled="${TESSERA_KUBELET:-1}"
+	node="${TESSERA_NODE_NAME:-tessera-node}"
+	cri_socket="$DIR/cri/cri.sock"
+	# Unix socket paths are limited to 107 bytes; kubelet plugin sockets live
+	# below the state dir too, so keep TESSERA_CLUSTER_DIR short.
+	((${#cri_socket} < 100)) || die "state dir path too long for unix sockets: $DIR"
+	cat >"$DIR/cluster.env" <<EOF
+KUBE_BIN='$KUBE_BIN'
+FEATURE_GATES='$gates'
+RUNTIME_CONFIG='$runtime_config'
+KUBELET_ENABLED='$kubelet_enabled'
+NODE_NAME='$node'
+CRI_SOCKET='$cri_socket'
+$(cat "$DIR/ports.env")
+EOF
+	load_state
+	ln -sfn "$KUBE_BIN" "$DIR/bin/kubectl"
+	ln -sfn "$KUBE_BIN" "$DIR/bin/tessera-kube"
+
+	local server="https://127.0.0.1:$APISERVER_PORT" pki="$DIR/pki"
+	"$KUBE_BIN" certs --dir "$pki" --server "$server" --node-name "$NODE_NAME"
+	cp "$pki/admin.kubeconfig" "$DIR/kubeconfig.tmp" && mv "$DIR/kubeconfig.tmp" "$DIR/kubeconfig"
+
+	local deadline_total=$((SECONDS + START_TIMEOUT)) t0=$SECONDS
+	remaining() { local r=$((deadline_total - SECONDS)); echo $((r > 0 ? r : 1)); }
+
+	start_component etcd etcd --data-dir "$DIR/etcd" \
+		--listen-client-url "http://127.0.0.1:$ETCD_PORT" --listen-peer-url "http://127.0.0.1:$ETCD_PEER_PORT"
+	if [[ "$KUBELET_ENABLED" == 1 ]]; then
+		start_component fake-cri fake-cri --socket "$CRI_SOCKET" --image-dir "$DIR/cri/images"
+	fi
+	wait_for "$(remaining)" "etcd healthy" etcd_ready
+
+	start_component kube-apiserver kube-apiserver \
+		--etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+		--bind-address 127.0.0.1 --secure-port "$APISERVER_PORT" --advertise-address 127.0.0.1 \
+		--endpoint-reconciler-type none \
+		--tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
+		--client-ca-file "$pki/ca.crt" \
+		--kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" \
+		--kubelet-client-key "$pki/apiserver-kubelet-client.key" \
+		--service-account-issuer https://kubernetes.default.svc.cluster.local \
+		--service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
+		--service-cluster-ip-range 10.0.0.0/24 \
+		--authorization-mode Node,RBAC --allow-privileged=true \
+		--cert-dir "$DIR/apiserver" \
+		--feature-gates "$FEATURE_GATES" --runtime-config "$RUNTIME_CONFIG" \
+		--v "$LOG_LEVEL"
+	wait_for "$(remaining)" "kube-apiserver /readyz" apiserver_ready
+
+	start_component kube-controller-manager kube-controller-manager \
+		--kubeconfig "$pki/controller-manager.kubeconfig" \
+		--authentication-kubeconfig "$pki/controller-manager.kubeconfig" \
+		--authorization-kubeconfig "$pki/controller-manager.kubeconfig" \
+		--bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" \
+		--cert-dir "$DIR/controller-manager" --leader-elect=false \
+		--use-service-account-credentials=true \
+		--service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
+		--cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
+		--feature-gates "$FEATURE_GATES" --v "$LOG_LEVEL"
+	start_component kube-scheduler kube-scheduler \
+		--kubeconfig "$pki/scheduler.kubeconfig" \
+		--authentication-kubeconfig "$pki/scheduler.kubeconfig" \
+		--authorization-kubeconfig "$pki/scheduler.kubeconfig" \
+		--bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" \
+		--cert-dir "$DIR/scheduler" --leader-elect=false \
+		--feature-gates "$FEATURE_GATES" --v "$LOG_LEVEL"
+	if [[ "$KUBELET_ENABLED" == 1 ]]; then
+		wait_for "$(remaining)" "fake CRI socket" cri_ready
+		write_kubelet_config "$FEATURE_GATES"
+		start_component kubelet kubelet \
+			--config "$DIR/kubelet/config.yaml" \
+			--kubeconfig "$pki/kubelet.kubeconfig" \
+			--root-dir "$DIR/kubelet" --cert-dir "$DIR/kubelet/pki" \
+			--hostname-override "$NODE_NAME" --v "$LOG_LEVEL"
+	fi
+	wait_for "$(remaining)" "kube-controller-manager /healthz" component_healthy kube-controller-manager "$CONTROLLER_MANAGER_PORT"
+	wait_for "$(remaining)" "kube-scheduler /healthz" component_healthy kube-scheduler "$SCHEDULER_PORT"
+	wait_for "$(remaining)" "default ServiceAccount" default_sa_exists
+	if [[ "$KUBELET_ENABLED" == 1 ]]; then
+		wait_for "$(remaining)" "node $NODE_NAME Ready" node_ready
+	fi
+	log "cluster up in $((SECONDS - t0))s; state in $DIR"
+	log "use it with: eval \"\$($0 env)\""
+}
+
+# ----------------------------------------------------------------- stop ----
+
+stop_pid_file() {
+	local name=$1 f pid
+	f=$(pidfile "$name")
+	[[ -f "$f" ]] || return 0
+	if ! pid_alive "$name"; then
+		rm -f "$f"
+		return 0
+	fi
+	pid=$(recorded_pid "$name")
+	kill -TERM "$pid" 2>/dev/null || true
+	local deadline=$((SECONDS + 30))
+	while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
+	if kill -0 "$pid" 2>/dev/null; then
+		log "$name (pid $pid) ignored SIGTERM for 30s; sending SIGKILL"
+		kill -KILL "$pid" 2>/dev/null || true
+		while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+	fi
+	rm -f "$f"
+	log "stopped $name (pid $pid)"
+}
+
+# The kubelet mounts tmpfs volumes (service-account tokens, secrets) below its
+# root dir; after it is gone they would keep the state dir from being removed.
+unmount_state_dir() {
+	local m
+	[[ -r /proc/self/mountinfo ]] || return 0
+	# Deepest first.
+	while read -r m; do
+		umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || log "could not unmount $m"
+	done < <(awk -v d="$DIR/" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r)
+}
+
+cmd_stop() {
+	[[ -d "$DIR/pids" ]] || {
+		log "nothing recorded in $DIR"
+		return 0
+	}
+	local f i
+	# Fake nodes first, then components in reverse start order.
+	for f in "$DIR"/pids/fake-nodes-*.pid; do
+		[[ -e "$f" ]] || continue
+		f=$(basename "$f" .pid)
+		stop_pid_file "$f"
+	done
+	for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+		stop_pid_file "${COMPONENTS[$i]}"
+	done
+	unmount_state_dir
+	log "cluster in $DIR stopped"
+}
+
+# --------------------------------------------------------------- status ----
+
+cmd_status() {
+	load_state || {
+		echo "no cluster state in $DIR"
+		return 1
+	}
+	local rc=0 c want
+	for c in "${COMPONENTS[@]}"; do
+		want=1
+		if [[ "$KUBELET_ENABLED" != 1 ]] && [[ "$c" == kubelet || "$c" == fake-cri ]]; then want=0; fi
+		if pid_alive "$c"; then
+			printf '%-26s running (pid %s)\n' "$c" "$(recorded_pid "$c")"
+		elif ((want)); then
+			printf '%-26s NOT RUNNING\n' "$c"
+			rc=1
+		else
+			printf '%-26s disabled\n' "$c"
+		fi
+	done
+	for f in "$DIR"/pids/fake-nodes-*.pid; do
+		[[ -e "$f" ]] || continue
+		c=$(basename "$f" .pid)
+		if pid_alive "$c"; then printf '%-26s running (pid %s)\n' "$c" "$(recorded_pid "$c")"; else
+			printf '%-26s NOT RUNNING\n' "$c"
+			rc=1
+		fi
+	done
+	if ((rc == 0)) && ! readyz_ok >/dev/null 2>&1; then
+		echo "kube-apiserver /readyz is not ok"
+		rc=1
+	fi
+	((rc == 0)) && echo "cluster in $DIR is running; API server https://127.0.0.1:$APISERVER_PORT"
+	return $rc
+}
+
+# ------------------------------------------------------------------ env ----
+
+cmd_env() {
+	load_state || die "no cluster state in $DIR (run: $0 start)"
+	cat <<EOF
+export TESSERA_CLUSTER_DIR='$DIR'
+export KUBECONFIG='$DIR/kubeconfig'
+export TESSERA_KUBE_BIN='$KUBE_BIN'
+export TESSERA_APISERVER_URL='https://127.0.0.1:$APISERVER_PORT'
+export TESSERA_NODE_NAME='$NODE_NAME'
+export TESSERA_KUBELET='$KUBELET_ENABLED'
+export TESSERA_KUBELET_ROOT_DIR='$DIR/kubelet'
+export TESSERA_KUBELET_REGISTRY_DIR='$DIR/kubelet/plugins_registry'
+export TESSERA_KUBELET_PLUGINS_DIR='$DIR/kubelet/plugins'
+export TESSERA_FEATURE_GATES='$FEATURE_GATES'
+export PATH='$DIR/bin':"\$PATH"
+EOF
+}
+
+# ------------------------------------------------------------ add-nodes ----
+
+fake_nodes_ready() { # expected-count
+	local n
+	n=$(kubectl_ get nodes -l tessera.dev/fake-node=true \
+		-o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | grep -c '^True$')
+	((n >= $1))
+}
+
+cmd_add_nodes() {
+	local count=${1:-}
+	[[ "$count" =~ ^[1-9][0-9]*$ ]] || die "usage: $0 add-nodes N"
+	load_state || die "no cluster state in $DIR (run: $0 start)"
+	readyz_ok >/dev/null 2>&1 || die "cluster in $DIR is not running"
+	local start=0
+	[[ -f "$DIR/fake-nodes.next" ]] && start=$(<"$DIR/fake-nodes.next")
+	echo $((start + count)) >"$DIR/fake-nodes.next"
+	start_component "fake-nodes-$start" fake-nodes --kubeconfig "$DIR/kubeconfig" \
+		--prefix "${TESSERA_FAKE_NODE_PREFIX:-tessera-fake-}" --start-index "$start" --count "$count" \
+		--cpu "${TESSERA_FAKE_NODE_CPU:-32}" --memory "${TESSERA_FAKE_NODE_MEMORY:-256Gi}" \
+		--pods "${TESSERA_FAKE_NODE_PODS:-110}"
+	wait_for "$START_TIMEOUT" "$((start + count)) fake nodes Ready" fake_nodes_ready $((start + count))
+}
+
+# ----------------------------------------------------------------- logs ----
+
+cmd_logs() {
+	[[ -d "$DIR/logs" ]] || die "no logs in $DIR/logs"
+	local follow=0 comp=""
+	for a in "$@"; do
+		case "$a" in
+		-f | --follow) follow=1 ;;
+		*) comp=$a ;;
+		esac
+	done
+	if [[ -n "$comp" ]]; then
+		local f
+		f=$(logfile "$comp")
+		[[ -f "$f" ]] || die "no log for '$comp'; have: $(cd "$DIR/logs" && ls)"
+		if ((follow)); then exec tail -n 100 -F "$f"; else tail -n "${TESSERA_LOG_LINES:-200}" "$f"; fi
+		return
+	fi
+	echo "logs in $DIR/logs:"
+	local f
+	for f in "$DIR"/logs/*.log; do
+		[[ -e "$f" ]] || continue
+		printf '\n--- %s (%s bytes) ---\n' "$f" "$(stat -c %s "$f")"
+		tail -n "${TESSERA_LOG_LINES:-15}" "$f"
+	done
+}
+
+usage() {
+	sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+	cat <<EOF
+
+state dir: $DIR (TESSERA_CLUSTER_DIR)
+build cache: $CACHE/kube (TESSERA_CACHE)
+EOF
+}
+
+main() {
+	local cmd=${1:-}
+	[[ $# -gt 0 ]] && shift
+	case "$cmd" in
+	build) cmd_build ;;
+	start) cmd_start ;;
+	stop) cmd_stop ;;
+	status) cmd_status ;;
+	env) cmd_env ;;
+	add-nodes) cmd_add_nodes "$@" ;;
+	logs) cmd_logs "$@" ;;
+	-h | --help | help) usage ;;
+	*)
+		usage >&2
+		exit 2
+		;;
+	esac
+}
+
+main "$@"
