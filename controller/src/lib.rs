@@ -5,7 +5,9 @@
 //! reconcile loop over [`model::SliceModel`].
 
 pub mod model;
+pub mod publisher;
 
 pub use model::{
     Capabilities, DriverName, Model, ModelError, NodePolicy, SliceModel, desired_slices,
 };
+pub use publisher::{Publisher, PublisherConfig};

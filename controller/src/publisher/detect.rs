@@ -1,0 +1,352 @@
+//! What the API server serves, detected rather than assumed.
+//!
+//! 1. Discovery: `resource.k8s.io/v1` must list `resourceslices` (Kubernetes
+//!    1.34+). Without it nothing can be published; the publisher says so and
+//!    retries with backoff (an upgrade may bring it), it never crashes.
+//! 2. Dropped fields: with a feature gate off the API server silently drops
+//!    that feature's fields on write. Three server-side dry-run creates of
+//!    probe slices for this node show what survives:
+//!    * a slice with only `sharedCounters`, and a slice whose device
+//!      `consumesCounters` from a set it does not define (the 1.35+ layout;
+//!      a 1.33/1.34 server rejects it, which also counts as "not served"):
+//!      partitionable devices;
+//!    * a slice with an `allowMultipleAllocations` device whose capacity has
+//!      a `requestPolicy`: consumable capacity.
+//!
+//!    A dry run persists nothing and is not counted as a write.
+//! 3. Version: the full model additionally needs a scheduler with the fixes
+//!    listed in [`super::version`]; below [`super::version::MIN_FULL_MODEL`]
+//!    partitionable devices are treated as absent, which selects the static
+//!    per-GPU mode (consumable capacity may still be used there: it involves
+//!    no counters).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceCapacity,
+    DeviceCounterConsumption, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::PostParams;
+use kube::{Api, Client};
+use tracing::{info, warn};
+
+use super::PublishError;
+use super::version::ServerVersion;
+use crate::model::{Capabilities, DriverName, SliceLimits};
+
+/// The group/version the publisher writes.
+pub const RESOURCE_API: &str = "resource.k8s.io/v1";
+
+/// The outcome of [`detect`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Detected {
+    /// What the model is given.
+    pub capabilities: Capabilities,
+    /// `gitVersion` as the server reports it.
+    pub git_version: String,
+    pub version: Option<ServerVersion>,
+    /// The server keeps the partitionable-device fields.
+    pub partitionable_served: bool,
+    /// The server keeps the consumable-capacity fields.
+    pub consumable_served: bool,
+    /// The version is at least the configured minimum for the full model.
+    pub version_ok: bool,
+    /// Why a feature counts as absent, for logs and `publish --once`.
+    pub reasons: Vec<String>,
+}
+
+impl Detected {
+    /// One line for logs.
+    pub fn summary(&self) -> String {
+        let mode = if self.capabilities.full_model() {
+            "full model"
+        } else {
+            "static per-GPU mode"
+        };
+        format!(
+            "server {}: partitionable devices {}, consumable capacity {}, {}",
+            self.git_version,
+            yes_no(self.capabilities.partitionable_devices),
+            yes_no(self.capabilities.consumable_capacity),
+            mode
+        )
+    }
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+/// Detects the server's capabilities for publishing `driver` slices of
+/// `node`. Errors are transport/authorization failures worth retrying;
+/// a feature that is simply absent is not an error.
+pub async fn detect(
+    client: &Client,
+    node: &str,
+    driver: &DriverName,
+    min_full_model: ServerVersion,
+) -> Result<Detected, PublishError> {
+    served(client).await?;
+    let info = client
+        .apiserver_version()
+        .await
+        .map_err(|e| PublishError::api("reading the server version", e))?;
+    let version = ServerVersion::from_info(&info);
+    let mut reasons = Vec::new();
+
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let probes = Probes::new(node, driver);
+
+    let counters = probe(&api, &probes.counters, "sharedCounters").await?;
+    let consumes = probe(&api, &probes.consumes, "consumesCounters").await?;
+    let partitionable_served = match (&counters, &consumes) {
+        (Probe::Kept(c), Probe::Kept(d)) => {
+            let kept_counters = c
+                .spec
+                .shared_counters
+                .as_ref()
+                .is_some_and(|s| !s.is_empty());
+            let kept_consumes = d
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()));
+            if !kept_counters || !kept_consumes {
+                reasons.push(
+                    "partitionable devices: the server drops sharedCounters/consumesCounters \
+                     (feature gate DRAPartitionableDevices off)"
+                        .to_string(),
+                );
+            }
+            kept_counters && kept_consumes
+        }
+        (Probe::Rejected(why), _) | (_, Probe::Rejected(why)) => {
+            reasons.push(format!(
+                "partitionable devices: the server rejects the 1.35+ layout: {why}"
+            ));
+            false
+        }
+    };
+
+    let consumable_served = match probe(&api, &probes.multi, "allowMultipleAllocations").await? {
+        Probe::Kept(s) => {
+            let kept = s.spec.devices.iter().flatten().any(|d| {
+                d.allow_multiple_allocations == Some(true)
+                    && d.capacity
+                        .iter()
+                        .flatten()
+                        .any(|(_, c)| c.request_policy.is_some())
+            });
+            if !kept {
+                reasons.push(
+                    "consumable capacity: the server drops allowMultipleAllocations/requestPolicy \
+                     (feature gate DRAConsumableCapacity off)"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("consumable capacity: probe rejected: {why}"));
+            false
+        }
+    };
+
+    let version_ok = version.is_some_and(|v| v >= min_full_model);
+    if partitionable_served && consumable_served && !version_ok {
+        reasons.push(format!(
+            "server {} is older than {min_full_model}, the first release whose scheduler \
+             has the counter fixes the full model needs: using the static per-GPU mode",
+            info.git_version
+        ));
+    }
+    let detected = Detected {
+        capabilities: Capabilities {
+            partitionable_devices: partitionable_served && version_ok,
+            consumable_capacity: consumable_served,
+            limits: SliceLimits::V1_36,
+        },
+        git_version: info.git_version,
+        version,
+        partitionable_served,
+        consumable_served,
+        version_ok,
+        reasons,
+    };
+    info!("{}", detected.summary());
+    for r in &detected.reasons {
+        info!("capabilities: {r}");
+    }
+    Ok(detected)
+}
+
+/// Fails unless `resource.k8s.io/v1` serves ResourceSlices.
+async fn served(client: &Client) -> Result<(), PublishError> {
+    match client.list_api_group_resources(RESOURCE_API).await {
+        Ok(list) if list.resources.iter().any(|r| r.name == "resourceslices") => Ok(()),
+        Ok(_) => Err(PublishError::NotServed(format!(
+            "{RESOURCE_API} is served without resourceslices"
+        ))),
+        Err(kube::Error::Api(s)) if s.code == 404 => Err(PublishError::NotServed(format!(
+            "{RESOURCE_API} is not served (Kubernetes 1.34 or newer is needed)"
+        ))),
+        Err(e) => Err(PublishError::api("discovering resource.k8s.io/v1", e)),
+    }
+}
+
+enum Probe {
+    /// The server accepted the dry run; what it would have stored.
+    Kept(Box<ResourceSlice>),
+    /// The server refused it as invalid.
+    Rejected(String),
+}
+
+async fn probe(
+    api: &Api<ResourceSlice>,
+    slice: &ResourceSlice,
+    what: &str,
+) -> Result<Probe, PublishError> {
+    let params = PostParams {
+        dry_run: true,
+        field_manager: Some(super::FIELD_MANAGER.to_string()),
+    };
+    match api.create(&params, slice).await {
+        Ok(s) => Ok(Probe::Kept(Box::new(s))),
+        Err(kube::Error::Api(s)) if s.code == 422 || s.code == 400 => {
+            warn!("capability probe ({what}) rejected: {}", s.message);
+            Ok(Probe::Rejected(s.message))
+        }
+        Err(e) => Err(PublishError::api("probing capabilities (dry run)", e)),
+    }
+}
+
+/// The three probe slices.
+struct Probes {
+    counters: ResourceSlice,
+    consumes: ResourceSlice,
+    multi: ResourceSlice,
+}
+
+impl Probes {
+    fn new(node: &str, driver: &DriverName) -> Self {
+        let slice = |suffix: &str, spec: ResourceSliceSpec| ResourceSlice {
+            metadata: ObjectMeta {
+                name: Some(probe_name(node, driver, suffix)),
+                ..ObjectMeta::default()
+            },
+            spec: ResourceSliceSpec {
+                driver: driver.as_str().to_string(),
+                node_name: Some(node.to_string()),
+                pool: ResourcePool {
+                    name: node.to_string(),
+                    generation: 0,
+                    resource_slice_count: 1,
+                },
+                ..spec
+            },
+        };
+        let q = |s: &str| Quantity(s.to_string());
+        let counters = slice(
+            "counters",
+            ResourceSliceSpec {
+                shared_counters: Some(vec![CounterSet {
+                    name: "probe".into(),
+                    counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
+                }]),
+                ..ResourceSliceSpec::default()
+            },
+        );
+        let consumes = slice(
+            "consumes",
+            ResourceSliceSpec {
+                devices: Some(vec![Device {
+                    name: "probe".into(),
+                    consumes_counters: Some(vec![DeviceCounterConsumption {
+                        counter_set: "probe".into(),
+                        counters: BTreeMap::from([(
+                            "units".to_string(),
+                            Counter { value: q("1") },
+                        )]),
+                    }]),
+                    ..Device::default()
+                }]),
+                ..ResourceSliceSpec::default()
+            },
+        );
+        let multi = slice(
+            "multi",
+            ResourceSliceSpec {
+                devices: Some(vec![Device {
+                    name: "probe".into(),
+                    allow_multiple_allocations: Some(true),
+                    capacity: Some(BTreeMap::from([(
+                        "memory".to_string(),
+                        DeviceCapacity {
+                            value: q("2Gi"),
+                            request_policy: Some(CapacityRequestPolicy {
+                                default: Some(q("1Gi")),
+                                valid_range: Some(CapacityRequestPolicyRange {
+                                    min: q("1Gi"),
+                                    max: Some(q("2Gi")),
+                                    step: Some(q("1Gi")),
+                                }),
+                                valid_values: None,
+                            }),
+                        },
+                    )])),
+                    ..Device::default()
+                }]),
+                ..ResourceSliceSpec::default()
+            },
+        );
+        Probes {
+            counters,
+            consumes,
+            multi,
+        }
+    }
+}
+
+/// `<node>-<driver>-probe-<what>`, shortened to a valid object name.
+fn probe_name(node: &str, driver: &DriverName, what: &str) -> String {
+    let mut name = format!("{node}-{driver}");
+    let tail = format!("-probe-{what}");
+    name.truncate(253 - tail.len());
+    let name = name.trim_end_matches(['-', '.']);
+    format!("{name}{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_names_are_valid_and_bounded() {
+        let d = DriverName::default();
+        assert_eq!(
+            probe_name("node-a", &d, "multi"),
+            "node-a-gpu.tessera.dev-probe-multi"
+        );
+        // A node name at the length limit (labels of at most 63 characters).
+        let long = vec!["n".repeat(63); 4].join(".")[..253].to_string();
+        assert!(crate::model::naming::is_dns_subdomain(&long));
+        let name = probe_name(&long, &d, "counters");
+        assert!(name.len() <= 253);
+        assert!(crate::model::naming::is_dns_subdomain(&name), "{name}");
+    }
+
+    #[test]
+    fn probes_pass_the_models_own_checks() {
+        // The probes must be valid slices on a server that serves everything,
+        // or detection would report a feature missing that is there.
+        let p = Probes::new("node-a", &DriverName::default());
+        for s in [&p.counters, &p.consumes, &p.multi] {
+            let spec = &s.spec;
+            assert!(spec.devices.is_some() != spec.shared_counters.is_some());
+            assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+        }
+    }
+}

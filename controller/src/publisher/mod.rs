@@ -1,0 +1,649 @@
+//! The publisher: keeps this node's ResourceSlices on the API server equal
+//! to what [`crate::model`] computes. A thin reconcile loop:
+//!
+//! 1. Know what the server serves ([`detect`]); until that is known nothing
+//!    is written.
+//! 2. Read the world: the Node (slices are owned by it, so they go when the
+//!    node object goes), this driver's slices of this node (field selectors
+//!    `spec.nodeName`, `spec.driver`), and the devices of this pool that
+//!    ResourceClaims hold (those stay published whatever the policy says:
+//!    dropping an allocated device lets the scheduler over-commit its
+//!    counters, kubernetes#140806).
+//! 3. Build the model. If the server already has exactly that content
+//!    ([`slices::same_content`], one generation on every slice): no write
+//!    at all. This is what makes a restart with an unchanged inventory
+//!    cost zero writes.
+//! 4. Otherwise write every desired slice with the next pool generation
+//!    (highest existing + 1) by server-side apply (field manager `tessera`,
+//!    forced), so fields newer than our API types are not dropped, then
+//!    delete slices that are no longer desired.
+//!
+//! A write the server refuses is logged with the server's reason and
+//! retried with exponential backoff (capped), never hammered; capabilities
+//! are detected again before the retry, in case the server changed under
+//! us. Should the server keep normalising our content (so it never compares
+//! equal), the publisher notices that nothing changed since its own last
+//! write and stops writing instead of looping.
+//!
+//! [`Publisher::run`] re-reconciles when the caller sends a new inventory,
+//! when someone else changes or deletes our slices (watch), and
+//! periodically (re-detecting capabilities, in case the server was
+//! upgraded).
+
+pub mod backoff;
+pub mod counts;
+pub mod detect;
+pub mod version;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tessera_api::inventory::Inventory;
+use tokio::sync::watch;
+use tracing::{debug, error, info, warn};
+
+pub use backoff::Backoff;
+pub use counts::{WriteCounters, WriteCounts};
+pub use detect::Detected;
+pub use version::{MIN_FULL_MODEL, ServerVersion};
+
+use crate::model::naming::GpuIndices;
+use crate::model::{
+    Capabilities, DriverName, ModelError, NodePolicy, SliceModel, slices::same_content,
+};
+
+/// Field manager of every write.
+pub const FIELD_MANAGER: &str = "tessera";
+
+/// Why a reconcile failed. Every variant is retried by [`Publisher::run`].
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("{what}: {}", describe(.source))]
+    Api {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// The server refused one of our slices; `message` is its reason.
+    #[error("the API server rejected slice {slice}: {message}")]
+    Rejected { slice: String, message: String },
+    #[error("cannot publish: {0}")]
+    NotServed(String),
+    #[error("node {0} does not exist (slices are owned by the Node object)")]
+    NodeNotFound(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl PublishError {
+    pub(crate) fn api(what: impl Into<String>, source: kube::Error) -> Self {
+        PublishError::Api {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// The server's own words for an API error, without kube's debug dump.
+fn describe(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => format!("{} ({} {})", s.message, s.code, s.reason),
+        other => other.to_string(),
+    }
+}
+
+/// Settings of a [`Publisher`].
+#[derive(Debug, Clone)]
+pub struct PublisherConfig {
+    pub node: String,
+    pub driver: DriverName,
+    pub policy: NodePolicy,
+    /// Oldest server that gets the full model ([`MIN_FULL_MODEL`]).
+    pub min_full_model: ServerVersion,
+    /// Skip detection and use these (tests; operators who know better).
+    pub capabilities: Option<Capabilities>,
+    /// Periodic reconcile, re-detecting capabilities first.
+    pub resync: Duration,
+    /// Backoff after a failed reconcile.
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    /// How long to collect slice watch events before reconciling.
+    pub debounce: Duration,
+}
+
+impl PublisherConfig {
+    pub fn new(node: impl Into<String>, driver: DriverName, policy: NodePolicy) -> Self {
+        PublisherConfig {
+            node: node.into(),
+            driver,
+            policy,
+            min_full_model: MIN_FULL_MODEL,
+            capabilities: None,
+            resync: Duration::from_secs(600),
+            backoff_initial: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(120),
+            debounce: Duration::from_millis(300),
+        }
+    }
+}
+
+/// What one reconcile did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Reconciled {
+    /// The server already had the desired content (no write).
+    pub unchanged: bool,
+    /// Pool generation on the server afterwards.
+    pub generation: i64,
+    pub slices: usize,
+    pub devices: usize,
+    /// Full model (counters, share devices, dynamic MIG) or static mode.
+    pub full_model: bool,
+    /// Devices kept because claims hold them.
+    pub held_devices: usize,
+    /// Writes made by this reconcile.
+    pub writes: WriteCounts,
+    /// Operator notes from the model (odd inventory, policy overrides).
+    pub notes: Vec<String>,
+}
+
+/// Our last write: its content (generation 0) and the resourceVersions the
+/// server gave the slices. Used to stop writing when the server stores our
+/// content in a form that never compares equal.
+#[derive(Debug, Clone)]
+struct LastWrite {
+    desired: Vec<ResourceSlice>,
+    versions: BTreeMap<String, String>,
+}
+
+/// Publishes one node's pool. See the module docs.
+pub struct Publisher {
+    client: Client,
+    config: PublisherConfig,
+    counters: Arc<WriteCounters>,
+    detected: Option<Detected>,
+    indices: GpuIndices,
+    owned_mig: BTreeSet<String>,
+    last_write: Option<LastWrite>,
+    warned_normalising: bool,
+}
+
+impl Publisher {
+    pub fn new(client: Client, config: PublisherConfig) -> Self {
+        Publisher {
+            client,
+            config,
+            counters: Arc::new(WriteCounters::default()),
+            detected: None,
+            indices: GpuIndices::new(),
+            owned_mig: BTreeSet::new(),
+            last_write: None,
+            warned_normalising: false,
+        }
+    }
+
+    /// The write counters (shared; they keep counting while [`Publisher::run`] runs).
+    pub fn counters(&self) -> Arc<WriteCounters> {
+        self.counters.clone()
+    }
+
+    /// What the last detection found.
+    pub fn detected(&self) -> Option<&Detected> {
+        self.detected.as_ref()
+    }
+
+    /// GPU numbering in use (persist it to keep numbers across GPU loss).
+    pub fn gpu_indices(&self) -> &GpuIndices {
+        &self.indices
+    }
+
+    /// Numbering from an earlier run.
+    pub fn set_gpu_indices(&mut self, indices: GpuIndices) {
+        self.indices = indices;
+    }
+
+    /// MIG instances Tessera created for claims (published as the placement
+    /// device they came from).
+    pub fn set_owned_mig_instances(&mut self, uuids: impl IntoIterator<Item = String>) {
+        self.owned_mig = uuids.into_iter().collect();
+    }
+
+    /// Detects capabilities now (or takes the configured override).
+    pub async fn detect(&mut self) -> Result<Detected, PublishError> {
+        let detected = match self.config.capabilities {
+            Some(capabilities) => Detected {
+                capabilities,
+                git_version: String::new(),
+                version: None,
+                partitionable_served: capabilities.partitionable_devices,
+                consumable_served: capabilities.consumable_capacity,
+                version_ok: true,
+                reasons: vec!["capabilities set by configuration".into()],
+            },
+            None => {
+                detect::detect(
+                    &self.client,
+                    &self.config.node,
+                    &self.config.driver,
+                    self.config.min_full_model,
+                )
+                .await?
+            }
+        };
+        self.detected = Some(detected.clone());
+        Ok(detected)
+    }
+
+    fn slices_api(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+
+    fn field_selector(&self) -> String {
+        format!(
+            "spec.nodeName={},spec.driver={}",
+            self.config.node, self.config.driver
+        )
+    }
+
+    /// This driver's slices of this node, by name.
+    async fn existing(&self) -> Result<Vec<ResourceSlice>, PublishError> {
+        let lp = ListParams::default().fields(&self.field_selector());
+        let list = self
+            .slices_api()
+            .list(&lp)
+            .await
+            .map_err(|e| PublishError::api("listing our ResourceSlices", e))?;
+        let mut slices: Vec<ResourceSlice> = list
+            .items
+            .into_iter()
+            // The field selector already did this; be certain anyway.
+            .filter(|s| {
+                s.spec.driver == self.config.driver.as_str()
+                    && s.spec.node_name.as_deref() == Some(self.config.node.as_str())
+            })
+            .collect();
+        slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        Ok(slices)
+    }
+
+    /// The Node as owner of our slices.
+    async fn owner(&self) -> Result<OwnerReference, PublishError> {
+        let node = Api::<Node>::all(self.client.clone())
+            .get_opt(&self.config.node)
+            .await
+            .map_err(|e| PublishError::api(format!("reading node {}", self.config.node), e))?
+            .ok_or_else(|| PublishError::NodeNotFound(self.config.node.clone()))?;
+        let uid = node
+            .metadata
+            .uid
+            .ok_or_else(|| PublishError::NodeNotFound(self.config.node.clone()))?;
+        Ok(OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: self.config.node.clone(),
+            uid,
+            controller: Some(true),
+            block_owner_deletion: None,
+        })
+    }
+
+    /// Devices of our pool that allocated claims hold.
+    async fn held_devices(&self) -> Result<BTreeSet<String>, PublishError> {
+        let api: Api<ResourceClaim> = Api::all(self.client.clone());
+        let mut held = BTreeSet::new();
+        let mut lp = ListParams::default().limit(500);
+        loop {
+            let page = api
+                .list(&lp)
+                .await
+                .map_err(|e| PublishError::api("listing ResourceClaims", e))?;
+            held.extend(held_in(
+                &page.items,
+                self.config.driver.as_str(),
+                &self.config.node,
+            ));
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => lp = lp.continue_token(&token),
+                None => break,
+            }
+        }
+        Ok(held)
+    }
+
+    /// One reconcile pass for `inventory`. See the module docs.
+    pub async fn reconcile(&mut self, inventory: &Inventory) -> Result<Reconciled, PublishError> {
+        self.counters.reconciled();
+        let detected = match &self.detected {
+            Some(d) => d.clone(),
+            None => self.detect().await?,
+        };
+        let owner = self.owner().await?;
+        let existing = self.existing().await?;
+        let held = self.held_devices().await?;
+
+        let mut indices = indices_from_slices(&existing);
+        // What this process numbered itself wins over what it reads back.
+        indices.extend(self.indices.clone());
+        let model = SliceModel::new(
+            inventory,
+            &self.config.policy,
+            detected.capabilities,
+            &self.config.node,
+        )
+        .driver(self.config.driver.clone())
+        .owner(owner)
+        .held_devices(held.iter().cloned())
+        .owned_mig_instances(self.owned_mig.iter().cloned())
+        .previous_indices(indices)
+        .build()?;
+        self.indices = model.gpu_indices.clone();
+
+        let notes: Vec<String> = model.notes.iter().map(ToString::to_string).collect();
+        let devices = model.devices.len();
+        let held_devices = held
+            .iter()
+            .filter(|d| model.devices.contains_key(*d))
+            .count();
+        let current_generation = existing.iter().map(|s| s.spec.pool.generation).max();
+        let one_generation = existing
+            .iter()
+            .all(|s| Some(s.spec.pool.generation) == current_generation);
+        let unchanged = |generation| Reconciled {
+            unchanged: true,
+            generation,
+            slices: model.slices.len(),
+            devices,
+            full_model: model.full,
+            held_devices,
+            writes: WriteCounts::default(),
+            notes: notes.clone(),
+        };
+
+        if one_generation && same_content(&model.slices, &existing) {
+            debug!(
+                "{} slices up to date (generation {})",
+                existing.len(),
+                current_generation.unwrap_or(0)
+            );
+            return Ok(unchanged(current_generation.unwrap_or(0)));
+        }
+        if let Some(last) = &self.last_write
+            && same_content(&last.desired, &model.slices)
+            && versions(&existing) == last.versions
+        {
+            if !self.warned_normalising {
+                warn!(
+                    "the API server stores our slices in a form that differs from what we \
+                     wrote (fields dropped or normalised?); not rewriting until the inventory \
+                     or the slices change"
+                );
+                self.warned_normalising = true;
+            }
+            return Ok(unchanged(current_generation.unwrap_or(0)));
+        }
+
+        let generation = current_generation.unwrap_or(0) + 1;
+        let desired = model.slices.clone();
+        let model = model.with_generation(generation);
+        let existing_names: BTreeSet<String> = existing
+            .iter()
+            .filter_map(|s| s.metadata.name.clone())
+            .collect();
+        let before = self.counters.snapshot();
+        let api = self.slices_api();
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let mut written = BTreeMap::new();
+        for slice in &model.slices {
+            let name = slice.metadata.name.clone().unwrap_or_default();
+            match api.patch(&name, &params, &Patch::Apply(slice)).await {
+                Ok(stored) => {
+                    if existing_names.contains(&name) {
+                        self.counters.updated();
+                    } else {
+                        self.counters.created();
+                    }
+                    if let Some(rv) = stored.metadata.resource_version {
+                        written.insert(name, rv);
+                    }
+                }
+                Err(kube::Error::Api(s)) if matches!(s.code, 400 | 403 | 409 | 422) => {
+                    self.counters.refused();
+                    // The server may have changed (downgrade, gates): look again.
+                    self.detected = None;
+                    self.last_write = None;
+                    return Err(PublishError::Rejected {
+                        slice: name,
+                        message: format!("{} ({} {})", s.message, s.code, s.reason),
+                    });
+                }
+                Err(e) => {
+                    self.last_write = None;
+                    return Err(PublishError::api(format!("applying slice {name}"), e));
+                }
+            }
+        }
+        let desired_names: BTreeSet<&str> = model
+            .slices
+            .iter()
+            .filter_map(|s| s.metadata.name.as_deref())
+            .collect();
+        for name in existing_names
+            .iter()
+            .filter(|n| !desired_names.contains(n.as_str()))
+        {
+            match api.delete(name, &DeleteParams::default()).await {
+                Ok(_) => self.counters.deleted(),
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => {
+                    self.last_write = None;
+                    return Err(PublishError::api(
+                        format!("deleting obsolete slice {name}"),
+                        e,
+                    ));
+                }
+            }
+        }
+        self.last_write = Some(LastWrite {
+            desired,
+            versions: written,
+        });
+        self.warned_normalising = false;
+        let writes = self.counters.snapshot() - before;
+        info!(
+            "published {} slices ({} devices, {}) at generation {generation}: {} created, {} updated, {} deleted",
+            model.slices.len(),
+            devices,
+            if model.full {
+                "full model"
+            } else {
+                "static mode"
+            },
+            writes.creates,
+            writes.updates,
+            writes.deletes
+        );
+        Ok(Reconciled {
+            unchanged: false,
+            generation,
+            slices: model.slices.len(),
+            devices,
+            full_model: model.full,
+            held_devices,
+            writes,
+            notes,
+        })
+    }
+
+    /// Reconciles until `shutdown` completes or the inventory sender is
+    /// dropped: on start, on each new inventory, on changes to our slices
+    /// made by anyone (including deletion), and every `resync`. Failures
+    /// back off exponentially up to `backoff_max`; nothing here returns an
+    /// error or panics on a server that is old, down or refusing.
+    pub async fn run(
+        mut self,
+        mut inventory: watch::Receiver<Inventory>,
+        shutdown: impl Future<Output = ()>,
+    ) {
+        let mut shutdown = std::pin::pin!(shutdown.fuse());
+        let cfg = watcher::Config::default().fields(&self.field_selector());
+        let mut events = std::pin::pin!(watcher(self.slices_api(), cfg).default_backoff());
+        let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
+        let mut resync = tokio::time::interval(self.config.resync);
+        resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        resync.tick().await; // the first tick is immediate; we reconcile anyway
+        let mut notes_logged: Vec<String> = Vec::new();
+
+        loop {
+            let current = inventory.borrow_and_update().clone();
+            let delay = match self.reconcile(&current).await {
+                Ok(r) => {
+                    backoff.reset();
+                    if r.notes != notes_logged {
+                        for n in &r.notes {
+                            info!("model: {n}");
+                        }
+                        notes_logged = r.notes;
+                    }
+                    None
+                }
+                Err(e) => {
+                    let d = backoff.next_delay();
+                    match &e {
+                        PublishError::Rejected { .. } | PublishError::NotServed(_) => {
+                            error!("{e}; retrying in {d:?}")
+                        }
+                        _ => warn!("{e}; retrying in {d:?}"),
+                    }
+                    Some(d)
+                }
+            };
+
+            if let Some(delay) = delay {
+                // Back off: only shutdown interrupts. Events that arrive
+                // meanwhile are drained when we reconcile anyway.
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+                drain(&mut events);
+                continue;
+            }
+
+            tokio::select! {
+                _ = &mut shutdown => return,
+                changed = inventory.changed() => {
+                    if changed.is_err() {
+                        info!("inventory source closed; publisher stops");
+                        return;
+                    }
+                    debug!("inventory changed");
+                }
+                event = events.next() => {
+                    match event {
+                        Some(Ok(_)) => {
+                            // Our own writes come back here too; the next
+                            // reconcile finds nothing to do.
+                            tokio::select! {
+                                _ = &mut shutdown => return,
+                                _ = tokio::time::sleep(self.config.debounce) => {}
+                            }
+                            drain(&mut events);
+                        }
+                        Some(Err(e)) => {
+                            warn!("watching ResourceSlices: {e}");
+                            continue;
+                        }
+                        None => {}
+                    }
+                }
+                _ = resync.tick() => {
+                    // Re-detect: the server may have been upgraded or its
+                    // feature gates changed.
+                    self.detected = None;
+                }
+            }
+        }
+    }
+}
+
+/// Consumes whatever watch events are ready without waiting.
+fn drain<S>(events: &mut std::pin::Pin<&mut S>)
+where
+    S: futures::Stream,
+{
+    while let Some(Some(_)) = events.next().now_or_never() {}
+}
+
+/// resourceVersion of each slice, by name.
+fn versions(slices: &[ResourceSlice]) -> BTreeMap<String, String> {
+    slices
+        .iter()
+        .filter_map(|s| {
+            Some((
+                s.metadata.name.clone()?,
+                s.metadata.resource_version.clone()?,
+            ))
+        })
+        .collect()
+}
+
+/// Names of the devices of pool `node` of `driver` that `claims` hold.
+pub fn held_in(claims: &[ResourceClaim], driver: &str, node: &str) -> BTreeSet<String> {
+    claims
+        .iter()
+        .filter_map(|c| c.status.as_ref()?.allocation.as_ref()?.devices.as_ref())
+        .flat_map(|d| d.results.iter().flatten())
+        .filter(|r| r.driver == driver && r.pool == node)
+        .map(|r| r.device.clone())
+        .collect()
+}
+
+/// The GPU numbering the published slices use, read back from device names
+/// (`gpu-<n>...`) and the card UUID they carry (`parentUUID` on share and
+/// MIG devices, `uuid` on whole GPUs). This keeps a GPU's number across a
+/// restart even if another GPU vanished meanwhile.
+pub fn indices_from_slices(slices: &[ResourceSlice]) -> GpuIndices {
+    use tessera_api::names::{attr, device_type};
+    let mut indices = GpuIndices::new();
+    let mut taken = BTreeSet::new();
+    for device in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+        let Some(n) = device
+            .name
+            .strip_prefix("gpu-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let attrs = device.attributes.as_ref();
+        let get = |key: &str| {
+            attrs
+                .and_then(|a| a.get(key))
+                .and_then(|v| v.string.clone())
+        };
+        let uuid = get(attr::PARENT_UUID).or_else(|| {
+            (get(attr::TYPE).as_deref() == Some(device_type::GPU))
+                .then(|| get(attr::UUID))
+                .flatten()
+        });
+        if let Some(uuid) = uuid
+            && !indices.contains_key(&uuid)
+            && taken.insert(n)
+        {
+            indices.insert(uuid, n);
+        }
+    }
+    indices
+}
+
+#[cfg(test)]
+mod tests;
