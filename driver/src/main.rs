@@ -6,6 +6,8 @@
 
 use tessera_driver::discovery;
 
+mod publish_cmd;
+
 use std::ffi::{OsStr, OsString};
 use std::io::{self, Write};
 use std::process::ExitCode;
@@ -38,6 +40,15 @@ enum Command {
     /// be read; the GPUs that could be read are still printed, the failures
     /// are reported on stderr.
     Inventory(InventoryArgs),
+
+    /// Publish this node's GPUs as ResourceSlices and keep them up to date
+    /// (GPU discovery, node policy and what the API server serves decide
+    /// what is published; nothing is written when nothing changed).
+    Publish(publish_cmd::PublishArgs),
+
+    /// Print the ResourceSlices this node would publish, without an API
+    /// server.
+    Slices(publish_cmd::SlicesArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -57,6 +68,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match &cli.command {
         Command::Inventory(args) => inventory(&cli.nvml_library, args),
+        Command::Publish(args) => publish_cmd::publish(&cli.nvml_library, args),
+        Command::Slices(args) => publish_cmd::slices(&cli.nvml_library, args),
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

@@ -1,0 +1,356 @@
+//! `tessera publish` and `tessera slices`: GPU discovery -> ResourceSlice
+//! model -> API server (or stdout). Part of the `tessera` binary (declared
+//! in `main.rs`); the logic lives in `tessera_controller`.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::ValueEnum;
+use serde::Serialize;
+use tessera_api::inventory::Inventory;
+use tessera_controller::model::{Capabilities, DriverName, NodePolicy, SliceModel};
+use tessera_controller::publisher::{
+    Detected, MIN_FULL_MODEL, Publisher, PublisherConfig, Reconciled, ServerVersion, WriteCounts,
+};
+use tessera_driver::discovery;
+
+use crate::{quote_base60_lookalikes, write_stdout};
+
+/// Which node and driver the pool belongs to, and the node policy.
+#[derive(Debug, clap::Args)]
+pub struct PoolArgs {
+    /// Name of this node (the pool is named after it).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+
+    /// DRA driver name; attributes are qualified with it.
+    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = tessera_api::names::DEFAULT_DRIVER_NAME)]
+    driver_name: String,
+
+    /// Node policy file (YAML, kind NodePolicy); default: every mode on
+    /// every GPU.
+    #[arg(long, env = "TESSERA_POLICY")]
+    policy: Option<PathBuf>,
+}
+
+/// What the model may assume the API server serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CapabilityChoice {
+    /// Detect from the API server (publish only).
+    Auto,
+    /// Partitionable devices and consumable capacity: the full model.
+    Full,
+    /// Neither: the static per-GPU mode with share replicas.
+    Legacy,
+    /// Consumable capacity without partitionable devices (static mode with
+    /// multi-allocatable share devices).
+    ConsumableOnly,
+    /// Partitionable devices without consumable capacity (static mode).
+    PartitionableOnly,
+}
+
+impl CapabilityChoice {
+    fn capabilities(self) -> Option<Capabilities> {
+        let both = Capabilities::full();
+        match self {
+            CapabilityChoice::Auto => None,
+            CapabilityChoice::Full => Some(both),
+            CapabilityChoice::Legacy => Some(Capabilities::legacy()),
+            CapabilityChoice::ConsumableOnly => Some(Capabilities {
+                partitionable_devices: false,
+                ..both
+            }),
+            CapabilityChoice::PartitionableOnly => Some(Capabilities {
+                consumable_capacity: false,
+                ..both
+            }),
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PublishArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+
+    /// Kubeconfig file; without it the usual places (KUBECONFIG,
+    /// ~/.kube/config, the in-cluster service account).
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+
+    /// Reconcile once, print what was written (JSON) and exit.
+    #[arg(long)]
+    once: bool,
+
+    /// What the API server serves; `auto` detects it (discovery, dry-run
+    /// probes, version).
+    #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
+    capabilities: CapabilityChoice,
+
+    /// Oldest server version that gets the full model (its scheduler must
+    /// have the 2026 counter fixes; see docs/device-model.md).
+    #[arg(long, default_value_t = MIN_FULL_MODEL)]
+    full_model_min_version: ServerVersion,
+
+    /// How often GPUs are discovered again (seconds); a change is published
+    /// at once.
+    #[arg(long, default_value_t = 10)]
+    rediscover_seconds: u64,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SlicesArgs {
+    #[command(flatten)]
+    pool: PoolArgs,
+
+    /// What the API server is assumed to serve.
+    #[arg(long, value_enum, default_value_t = CapabilityChoice::Full)]
+    capabilities: CapabilityChoice,
+
+    /// Shorthand for `--capabilities legacy` (an API server without
+    /// partitionable devices and consumable capacity).
+    #[arg(long, conflicts_with = "capabilities")]
+    legacy: bool,
+
+    /// Output format: YAML documents, or a JSON `v1 List`.
+    #[arg(long, short, value_enum, default_value_t = SliceFormat::Yaml)]
+    output: SliceFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum SliceFormat {
+    Yaml,
+    Json,
+}
+
+impl PoolArgs {
+    fn node(&self) -> anyhow::Result<String> {
+        match &self.node_name {
+            Some(n) if !n.is_empty() => Ok(n.clone()),
+            _ => bail!("the node name is required: --node-name or NODE_NAME"),
+        }
+    }
+
+    fn driver(&self) -> anyhow::Result<DriverName> {
+        DriverName::new(&self.driver_name).map_err(Into::into)
+    }
+
+    fn policy(&self) -> anyhow::Result<NodePolicy> {
+        match &self.policy {
+            None => Ok(NodePolicy::default()),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the node policy {}", path.display()))?;
+                NodePolicy::from_yaml(&text).with_context(|| path.display().to_string())
+            }
+        }
+    }
+}
+
+/// Discovers the GPUs; GPUs that fail are reported and left out.
+fn discover_once(nvml: &nvml_wrapper::Nvml) -> anyhow::Result<Inventory> {
+    let found = discovery::discover(nvml)?;
+    for e in &found.failed {
+        eprintln!("tessera: error: {e} (not published)");
+    }
+    Ok(found.inventory)
+}
+
+/// `tessera slices`.
+pub fn slices(library: &OsStr, args: &SlicesArgs) -> anyhow::Result<ExitCode> {
+    let node = match args.pool.node() {
+        Ok(n) => n,
+        Err(_) => hostname().context("no --node-name/NODE_NAME and no hostname")?,
+    };
+    let choice = if args.legacy {
+        CapabilityChoice::Legacy
+    } else {
+        args.capabilities
+    };
+    let Some(capabilities) = choice.capabilities() else {
+        bail!("--capabilities auto needs an API server; use `tessera publish`, or pick one");
+    };
+    let policy = args.pool.policy()?;
+    let driver = args.pool.driver()?;
+    let nvml = discovery::init(Some(library))?;
+    let inventory = discover_once(&nvml)?;
+    let model = SliceModel::new(&inventory, &policy, capabilities, &node)
+        .driver(driver)
+        .build()?;
+    for note in &model.notes {
+        eprintln!("tessera: note: {note}");
+    }
+    let text = match args.output {
+        SliceFormat::Yaml => {
+            let mut out = String::new();
+            for slice in &model.slices {
+                out.push_str("---\n");
+                out.push_str(&serde_yaml::to_string(slice).context("encoding YAML")?);
+            }
+            quote_base60_lookalikes(&out)
+        }
+        SliceFormat::Json => {
+            let list = serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "List",
+                "items": model.slices,
+            });
+            serde_json::to_string_pretty(&list).context("encoding JSON")? + "\n"
+        }
+    };
+    write_stdout(&text)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hostname() -> anyhow::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")?;
+    Ok(name.trim().to_ascii_lowercase())
+}
+
+/// What `publish --once` prints.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct OnceReport {
+    /// API writes of this run (creates/updates/deletes of slices).
+    writes: WriteCounts,
+    /// Writes the server refused.
+    rejected: u64,
+    result: Reconciled,
+    server: ServerReport,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ServerReport {
+    git_version: String,
+    partitionable_devices: bool,
+    consumable_capacity: bool,
+    version_ok: bool,
+    reasons: Vec<String>,
+}
+
+impl From<&Detected> for ServerReport {
+    fn from(d: &Detected) -> Self {
+        ServerReport {
+            git_version: d.git_version.clone(),
+            partitionable_devices: d.capabilities.partitionable_devices,
+            consumable_capacity: d.capabilities.consumable_capacity,
+            version_ok: d.version_ok,
+            reasons: d.reasons.clone(),
+        }
+    }
+}
+
+async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .context("loading the kubeconfig")?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no kubeconfig and not in a cluster")?,
+    };
+    kube::Client::try_from(config).context("building the API client")
+}
+
+/// `tessera publish`.
+pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> {
+    init_logging();
+    let node = args.pool.node()?;
+    let mut config = PublisherConfig::new(&node, args.pool.driver()?, args.pool.policy()?);
+    config.capabilities = args.capabilities.capabilities();
+    config.min_full_model = args.full_model_min_version;
+
+    let nvml = discovery::init(Some(library))?;
+    let inventory = discover_once(&nvml)?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    if args.once {
+        return runtime.block_on(async {
+            let mut publisher = Publisher::new(client(args.kubeconfig.as_deref()).await?, config);
+            let counters = publisher.counters();
+            let result = publisher.reconcile(&inventory).await;
+            let server = publisher.detected().map(ServerReport::from);
+            let result = result?;
+            let report = OnceReport {
+                writes: counters.snapshot(),
+                rejected: counters.rejected(),
+                result,
+                server: server.context("capabilities were not detected")?,
+            };
+            write_stdout(&(serde_json::to_string(&report)? + "\n"))?;
+            Ok(ExitCode::SUCCESS)
+        });
+    }
+
+    let (tx, rx) = tokio::sync::watch::channel(inventory);
+    let (stop_tx, stop_rx) = mpsc::channel::<()>();
+    let interval = Duration::from_secs(args.rediscover_seconds.max(1));
+    // NVML calls block: rediscover on a thread of its own and hand changed
+    // inventories to the publisher.
+    let rediscovery = std::thread::spawn(move || {
+        while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(interval) {
+            match discovery::discover(&nvml) {
+                Ok(found) => {
+                    for e in &found.failed {
+                        tracing::warn!("{e} (not published)");
+                    }
+                    tx.send_if_modified(|current| {
+                        let changed = *current != found.inventory;
+                        if changed {
+                            tracing::info!("GPU inventory changed");
+                            *current = found.inventory;
+                        }
+                        changed
+                    });
+                }
+                Err(e) => tracing::warn!("GPU discovery failed: {e}; keeping the last inventory"),
+            }
+        }
+    });
+    runtime.block_on(async {
+        let client = client(args.kubeconfig.as_deref()).await?;
+        let publisher = Publisher::new(client, config);
+        tracing::info!("publishing ResourceSlices for node {node}");
+        publisher.run(rx, shutdown_signal()).await;
+        anyhow::Ok(())
+    })?;
+    let _ = stop_tx.send(());
+    let _ = rediscovery.join();
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
