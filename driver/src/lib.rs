@@ -7,3 +7,5 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
+pub mod plugin;
+pub mod prepare;

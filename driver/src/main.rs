@@ -49,6 +49,10 @@ enum Command {
     /// Print the ResourceSlices this node would publish, without an API
     /// server.
     Slices(publish_cmd::SlicesArgs),
+
+    /// Run the kubelet plugin: register with the kubelet and serve
+    /// NodePrepareResources / NodeUnprepareResources until SIGTERM.
+    Plugin(tessera_driver::plugin::cli::PluginArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -70,6 +74,9 @@ fn main() -> ExitCode {
         Command::Inventory(args) => inventory(&cli.nvml_library, args),
         Command::Publish(args) => publish_cmd::publish(&cli.nvml_library, args),
         Command::Slices(args) => publish_cmd::slices(&cli.nvml_library, args),
+        Command::Plugin(args) => {
+            tessera_driver::plugin::cli::main(&cli.nvml_library, args).map(|()| ExitCode::SUCCESS)
+        }
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

@@ -1,0 +1,274 @@
+//! `tessera plugin`: the kubelet plugin as a process (flags, wiring,
+//! signals). The `tessera` binary declares the subcommand; everything else
+//! is here so a combined `run` can reuse [`start`].
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use tessera_controller::model::naming::GpuIndices;
+use tessera_controller::model::{DriverName, NodePolicy};
+use tessera_controller::publisher::indices_from_slices;
+use tracing::{info, warn};
+
+use super::{Plugin, PluginConfig, sockets};
+use crate::checkpoint::KERNEL_BOOT_ID;
+use crate::discovery;
+use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::prepare::claims::ApiClaims;
+use crate::prepare::plan::{Layout, discover_driver_files};
+use crate::prepare::sharing::Unsupported;
+use crate::prepare::status::{NodeEvents, StatusWriter};
+use crate::prepare::{Dependencies, PrepareConfig, Preparer};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct PluginArgs {
+    /// Name of this node (the pool is named after it).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+
+    /// DRA driver name.
+    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = tessera_api::names::DEFAULT_DRIVER_NAME)]
+    pub driver_name: String,
+
+    /// The kubelet's plugin registration directory.
+    #[arg(
+        long,
+        env = "TESSERA_KUBELET_REGISTRY_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub kubelet_registry_dir: PathBuf,
+
+    /// The kubelet's plugin directory; the DRA socket goes into
+    /// `<dir>/<driver name>/`.
+    #[arg(
+        long,
+        env = "TESSERA_KUBELET_PLUGINS_DIR",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    pub kubelet_plugins_dir: PathBuf,
+
+    /// Directory the container runtime reads CDI specs from.
+    #[arg(long, env = "TESSERA_CDI_DIR", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
+
+    /// Directory of the prepared-claims checkpoint.
+    #[arg(long, env = "TESSERA_STATE_DIR", default_value = "/var/lib/tessera")]
+    pub state_dir: PathBuf,
+
+    /// Root of the NVIDIA driver installation (libraries, tools,
+    /// /proc/driver/nvidia); `/run/nvidia/driver` for a containerized driver.
+    #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+
+    /// Root below which the NVIDIA device nodes (`dev/nvidia*`) are; default:
+    /// the driver root.
+    #[arg(long, env = "TESSERA_DEV_ROOT")]
+    pub dev_root: Option<PathBuf>,
+
+    /// Node policy file (YAML, kind NodePolicy); must be the publisher's.
+    #[arg(long, env = "TESSERA_POLICY")]
+    pub policy: Option<PathBuf>,
+
+    /// Kubeconfig file; without it the usual places (KUBECONFIG,
+    /// ~/.kube/config, the in-cluster service account).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// File holding the kernel's boot id (tests simulate reboots with it).
+    #[arg(long, env = "TESSERA_BOOT_ID_FILE", default_value = KERNEL_BOOT_ID)]
+    pub boot_id_file: PathBuf,
+
+    /// Seconds to wait for the API server when reading a claim.
+    #[arg(long, default_value_t = 20)]
+    pub api_timeout_seconds: u64,
+}
+
+/// Builds a client from `--kubeconfig` or the usual places.
+pub async fn client(kubeconfig: Option<&PathBuf>, timeout: Duration) -> anyhow::Result<Client> {
+    let mut config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer().await.context(
+            "no kubeconfig given and none found (KUBECONFIG, ~/.kube/config, in-cluster)",
+        )?,
+    };
+    config.connect_timeout = Some(timeout);
+    config.read_timeout = Some(timeout);
+    Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// GPU numbering as published (so names resolve as the publisher made them).
+async fn published_indices(client: &Client, node: &str, driver: &str) -> GpuIndices {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let params =
+        ListParams::default().fields(&format!("spec.nodeName={node},spec.driver={driver}"));
+    match api.list(&params).await {
+        Ok(list) => indices_from_slices(&list.items),
+        Err(e) => {
+            warn!(
+                "cannot read this node's ResourceSlices for the GPU numbering (using PCI order): {e}"
+            );
+            GpuIndices::new()
+        }
+    }
+}
+
+/// Sets up everything and returns the plugin, ready to [`Plugin::run`].
+pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Plugin> {
+    let timeout = Duration::from_secs(args.api_timeout_seconds.max(1));
+    let client = client(args.kubeconfig.as_ref(), timeout).await?;
+    let driver =
+        DriverName::new(&args.driver_name).map_err(|e| anyhow::anyhow!("--driver-name: {e}"))?;
+    let policy = match &args.policy {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading node policy {}", path.display()))?;
+            NodePolicy::from_yaml(&text)
+                .map_err(|e| anyhow::anyhow!("node policy {}: {e}", path.display()))?
+        }
+        None => NodePolicy::default(),
+    };
+
+    let nvml = Arc::new(discovery::init(Some(nvml_library))?);
+    let discover = {
+        let nvml = nvml.clone();
+        move || -> anyhow::Result<tessera_api::inventory::Inventory> {
+            let found = discovery::discover(&nvml)?;
+            for e in &found.failed {
+                warn!("GPU discovery: {e}");
+            }
+            Ok(found.inventory)
+        }
+    };
+    let inventory = tokio::task::spawn_blocking(discover.clone()).await??;
+    let indices = published_indices(&client, &args.node_name, driver.as_str()).await;
+    let catalog = Catalog::compute(&inventory, &policy, &args.node_name, &driver, &indices)
+        .map_err(|e| anyhow::anyhow!("computing this node's devices: {e}"))?;
+    info!(
+        gpus = inventory.gpus.len(),
+        devices = catalog.len(),
+        "devices of this node resolved"
+    );
+    let refresh = {
+        let (client, node, driver, policy) = (
+            client.clone(),
+            args.node_name.clone(),
+            driver.clone(),
+            policy.clone(),
+        );
+        Box::new(move || {
+            let (client, node, driver, policy, discover) = (
+                client.clone(),
+                node.clone(),
+                driver.clone(),
+                policy.clone(),
+                discover.clone(),
+            );
+            Box::pin(async move {
+                let inventory = tokio::task::spawn_blocking(discover).await??;
+                let indices = published_indices(&client, &node, driver.as_str()).await;
+                Catalog::compute(&inventory, &policy, &node, &driver, &indices)
+                    .map_err(|e| anyhow::anyhow!("computing this node's devices: {e}"))
+            }) as crate::prepare::catalog::RefreshFuture
+        })
+    };
+
+    let dev_root = args
+        .dev_root
+        .clone()
+        .unwrap_or_else(|| args.driver_root.clone());
+    let driver_files = discover_driver_files(&args.driver_root);
+    if driver_files.is_empty() {
+        warn!(
+            "no NVIDIA driver libraries or tools found below {}; containers get device nodes only \
+             (set --driver-root to the driver installation)",
+            args.driver_root.display()
+        );
+    }
+    let config = PrepareConfig {
+        driver: args.driver_name.clone(),
+        node: args.node_name.clone(),
+        cdi_dir: args.cdi_dir.clone(),
+        state_dir: args.state_dir.clone(),
+        boot_id_file: args.boot_id_file.clone(),
+        layout: Layout {
+            driver_root: args.driver_root.clone(),
+            dev_root,
+            driver_files,
+        },
+    };
+    let deps = Dependencies {
+        claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
+        catalog: Arc::new(DeviceCatalog::refreshing(catalog, refresh)),
+        sharing: Arc::new(Unsupported),
+        mig: Arc::new(Unsupported),
+        status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
+        events: Some(NodeEvents::new(
+            client,
+            args.node_name.clone(),
+            format!("{}-plugin", args.driver_name),
+        )),
+    };
+    let (preparer, recovery) = Preparer::open(config, deps).await?;
+    info!(
+        rolled_back = recovery.rolled_back.len(),
+        unprepared = recovery.unprepared.len(),
+        specs_restored = recovery.specs_restored.len(),
+        orphans_removed = recovery.orphans_removed.len(),
+        "start-up recovery done"
+    );
+    Ok(Plugin::new(
+        PluginConfig {
+            driver_name: args.driver_name.clone(),
+            registry_dir: args.kubelet_registry_dir.clone(),
+            plugins_dir: args.kubelet_plugins_dir.clone(),
+            instance: sockets::instance_id(),
+        },
+        preparer,
+    ))
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn termination() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        warn!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM"),
+        _ = int.recv() => info!("SIGINT"),
+    }
+}
+
+/// `tessera plugin`.
+pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let plugin = start(nvml_library, args).await?;
+        plugin.run(termination()).await
+    })
+}

@@ -1,0 +1,675 @@
+//! NodePrepareResources / NodeUnprepareResources: claims -> CDI specs.
+//!
+//! For each claim of a kubelet call, concurrently (claims never wait on each
+//! other; calls for the same claim are serialized by a per-claim lock):
+//!
+//! 1. A claim with a `Completed` checkpoint entry gets its recorded answer
+//!    again, without any API call or side effect (idempotence).
+//! 2. Otherwise the ResourceClaim is read from the API server and checked
+//!    ([`claims::select`]): UID, allocation, results of this driver in this
+//!    node's pool, opaque configs of this driver.
+//! 3. Devices are resolved through the slice model ([`catalog`]) and their
+//!    configs merged ([`tessera_api::config::resolve_claim`]).
+//! 4. The checkpoint entry is written `Started` with the side effects about
+//!    to be made; then MIG devices are created, MPS daemons acquired, the
+//!    CDI spec written ([`plan`]); then the entry becomes `Completed` with
+//!    the answer and the spec. Any failure rolls back what was done.
+//! 5. `status.devices` is written in the background ([`status`]).
+//!
+//! Unprepare marks the entry `Unpreparing`, undoes the side effects, removes
+//! the spec and the entry. Unknown claims succeed.
+//!
+//! At start-up ([`Preparer::open`]) entries left `Started` are rolled back,
+//! `Unpreparing` ones finished, lost specs of `Completed` ones rewritten, and
+//! CDI specs of claims the checkpoint does not know are deleted, but only
+//! when the checkpoint could be read (after a quarantine a running Pod's
+//! spec may be among them).
+//!
+//! One bad claim never fails the others: every claim gets its own answer.
+
+pub mod catalog;
+pub mod claims;
+pub mod mig_caps;
+pub mod plan;
+pub mod sharing;
+pub mod state;
+pub mod status;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+
+use tessera_api::config::{EffectiveConfig, resolve_claim};
+use tracing::{error, info, warn};
+
+use crate::cdi::SpecDir;
+use crate::checkpoint::{Checkpoint, CheckpointError, LoadOutcome};
+use crate::claim_uid::ClaimUid;
+
+use catalog::DeviceCatalog;
+use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
+use plan::{Built, Layout, Resolved};
+use sharing::{MigManager, Sharing};
+use state::{Action, ClaimEntry, EntryState, PreparedDevice};
+use status::{NodeEvents, StatusWriter};
+
+/// Settings of a [`Preparer`].
+#[derive(Debug, Clone)]
+pub struct PrepareConfig {
+    /// The DRA driver name (results and configs of other drivers are not ours).
+    pub driver: String,
+    /// This node; also the name of its pool.
+    pub node: String,
+    /// CDI spec directory (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+    /// Directory of the checkpoint.
+    pub state_dir: PathBuf,
+    /// The file holding the kernel's boot id.
+    pub boot_id_file: PathBuf,
+    /// Where the driver's files and device nodes are.
+    pub layout: Layout,
+}
+
+/// What prepare needs from outside.
+pub struct Dependencies {
+    pub claims: Arc<dyn ClaimSource>,
+    pub catalog: Arc<DeviceCatalog>,
+    pub sharing: Arc<dyn Sharing>,
+    pub mig: Arc<dyn MigManager>,
+    /// Writes `status.devices`; `None` leaves the status alone.
+    pub status: Option<Arc<StatusWriter>>,
+    /// Receives the quarantine Event; `None` only logs.
+    pub events: Option<NodeEvents>,
+}
+
+/// What start-up recovery found and did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    pub outcome: LoadOutcome,
+    /// Claims left `Started` and rolled back.
+    pub rolled_back: Vec<ClaimUid>,
+    /// Claims left `Unpreparing` and finished.
+    pub unprepared: Vec<ClaimUid>,
+    /// `Completed` claims whose CDI spec was missing or altered and was written again.
+    pub specs_restored: Vec<ClaimUid>,
+    /// CDI specs no checkpoint entry accounts for, deleted.
+    pub orphans_removed: Vec<ClaimUid>,
+    /// Problems that did not stop start-up.
+    pub problems: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("cannot list CDI specs in {dir}: {source}")]
+    CdiDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The prepare/unprepare engine.
+pub struct Preparer {
+    config: PrepareConfig,
+    deps: Dependencies,
+    checkpoint: Mutex<Checkpoint<ClaimEntry>>,
+    specs: SpecDir,
+    locks: ClaimLocks,
+}
+
+/// One claim's answer.
+pub type ClaimResult<T> = Result<T, ClaimError>;
+
+impl Preparer {
+    /// Loads the checkpoint and recovers from whatever the last run left.
+    pub async fn open(
+        config: PrepareConfig,
+        deps: Dependencies,
+    ) -> Result<(Arc<Preparer>, Recovery), SetupError> {
+        let (checkpoint, outcome) = {
+            let (dir, boot) = (config.state_dir.clone(), config.boot_id_file.clone());
+            blocking(move || Checkpoint::<ClaimEntry>::open(&dir, &boot)).await?
+        };
+        let specs = SpecDir::new(&config.cdi_dir);
+        let preparer = Arc::new(Preparer {
+            config,
+            deps,
+            checkpoint: Mutex::new(checkpoint),
+            specs,
+            locks: ClaimLocks::default(),
+        });
+        let recovery = preparer.clone().recover(outcome).await?;
+        Ok((preparer, recovery))
+    }
+
+    pub fn config(&self) -> &PrepareConfig {
+        &self.config
+    }
+
+    async fn recover(self: Arc<Self>, outcome: LoadOutcome) -> Result<Recovery, SetupError> {
+        let mut recovery = Recovery {
+            outcome: outcome.clone(),
+            rolled_back: Vec::new(),
+            unprepared: Vec::new(),
+            specs_restored: Vec::new(),
+            orphans_removed: Vec::new(),
+            problems: Vec::new(),
+        };
+        match &outcome {
+            LoadOutcome::Quarantined { reason, moved_to } => {
+                let message = format!(
+                    "the prepared-claims checkpoint was unreadable ({reason}) and was moved to {}; \
+                     starting with no prepared claims. CDI specs of running Pods are kept; \
+                     claims prepared before will be prepared again when their Pods restart",
+                    moved_to.display()
+                );
+                error!("{message}");
+                if let Some(events) = &self.deps.events {
+                    events.warning("CheckpointQuarantined", &message).await;
+                }
+            }
+            LoadOutcome::PreviousBoot { claims } => {
+                info!("checkpoint from a previous boot ({claims} claims) discarded");
+                let this = self.clone();
+                if let Err(e) = blocking(move || this.lock_checkpoint().persist()).await {
+                    recovery.problems.push(e.to_string());
+                }
+            }
+            LoadOutcome::Restored { claims } => info!("checkpoint restored: {claims} claims"),
+            LoadOutcome::Fresh => info!("no checkpoint yet"),
+        }
+
+        let entries: Vec<(ClaimUid, ClaimEntry)> = self
+            .lock_checkpoint()
+            .entries()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for (uid, entry) in entries {
+            match entry.state {
+                EntryState::Started => match self.clone().undo(uid.clone(), entry).await {
+                    Ok(()) => recovery.rolled_back.push(uid),
+                    Err(e) => recovery
+                        .problems
+                        .push(format!("rolling back claim {uid}: {e}")),
+                },
+                EntryState::Unpreparing => match self.clone().undo(uid.clone(), entry).await {
+                    Ok(()) => recovery.unprepared.push(uid),
+                    Err(e) => recovery
+                        .problems
+                        .push(format!("finishing unprepare of claim {uid}: {e}")),
+                },
+                EntryState::Completed => {
+                    let this = self.clone();
+                    let id = uid.clone();
+                    match blocking(move || this.restore_spec(&id, &entry)).await {
+                        Ok(true) => recovery.specs_restored.push(uid),
+                        Ok(false) => {}
+                        Err(e) => recovery
+                            .problems
+                            .push(format!("restoring the CDI spec of claim {uid}: {e}")),
+                    }
+                }
+            }
+        }
+
+        if outcome.knows_all_prepared_claims() {
+            let this = self.clone();
+            let removed = blocking(move || {
+                let known: Vec<ClaimUid> = this
+                    .lock_checkpoint()
+                    .entries()
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                this.specs.remove_orphans(|c| known.contains(c))
+            })
+            .await
+            .map_err(|source| SetupError::CdiDir {
+                dir: self.config.cdi_dir.clone(),
+                source,
+            })?;
+            if !removed.is_empty() {
+                info!(count = removed.len(), "removed orphaned CDI specs");
+            }
+            recovery.orphans_removed = removed;
+        } else {
+            warn!("checkpoint was quarantined: orphaned CDI specs are left in place");
+        }
+        for p in &recovery.problems {
+            error!("start-up recovery: {p}");
+        }
+        Ok(recovery)
+    }
+
+    /// Rewrites the spec of a completed claim if it is missing or differs.
+    fn restore_spec(&self, uid: &ClaimUid, entry: &ClaimEntry) -> std::io::Result<bool> {
+        let Some(spec) = &entry.spec else {
+            return Ok(false);
+        };
+        let current = std::fs::read(self.specs.spec_path(uid))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<crate::cdi::Spec>(&b).ok());
+        if current.as_ref() == Some(spec) {
+            return Ok(false);
+        }
+        self.specs.write(uid, spec)?;
+        Ok(true)
+    }
+
+    fn lock_checkpoint(&self) -> std::sync::MutexGuard<'_, Checkpoint<ClaimEntry>> {
+        self.checkpoint.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The checkpoint entry of a claim (tests, diagnostics).
+    pub fn entry(&self, uid: &ClaimUid) -> Option<ClaimEntry> {
+        self.lock_checkpoint().get(uid).cloned()
+    }
+
+    /// Prepares every claim; one result per claim, in order.
+    pub async fn prepare(
+        self: &Arc<Self>,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, ClaimResult<Vec<PreparedDevice>>)> {
+        let futures = claims.into_iter().map(|claim| {
+            let this = self.clone();
+            async move {
+                let result = this.prepare_one(&claim).await;
+                match &result {
+                    Ok(devices) => info!(claim = %claim, devices = devices.len(), "prepared"),
+                    Err(e) => warn!("prepare failed: {e}"),
+                }
+                (claim, result)
+            }
+        });
+        futures::future::join_all(futures).await
+    }
+
+    /// Unprepares every claim; one result per claim, in order.
+    pub async fn unprepare(
+        self: &Arc<Self>,
+        claims: Vec<ClaimRef>,
+    ) -> Vec<(ClaimRef, ClaimResult<()>)> {
+        let futures = claims.into_iter().map(|claim| {
+            let this = self.clone();
+            async move {
+                let result = this.unprepare_one(&claim).await;
+                match &result {
+                    Ok(()) => info!(claim = %claim, "unprepared"),
+                    Err(e) => warn!("unprepare failed: {e}"),
+                }
+                (claim, result)
+            }
+        });
+        futures::future::join_all(futures).await
+    }
+
+    async fn prepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<Vec<PreparedDevice>> {
+        let uid = validate(claim)?;
+        let _guard = self.locks.lock(&uid).await;
+
+        if let Some(entry) = self.entry(&uid) {
+            match entry.state {
+                EntryState::Completed => {
+                    if entry.namespace != claim.namespace || entry.name != claim.name {
+                        return Err(ClaimError::new(
+                            claim,
+                            format!(
+                                "this UID was prepared as claim {}/{}",
+                                entry.namespace, entry.name
+                            ),
+                        )
+                        .field("uid")
+                        .fix("the kubelet's request is inconsistent; restart the kubelet"));
+                    }
+                    // A spec lost from the CDI directory is written again.
+                    let this = self.clone();
+                    let id = uid.clone();
+                    let recorded = entry.clone();
+                    blocking(move || this.restore_spec(&id, &recorded))
+                        .await
+                        .map_err(|e| {
+                            ClaimError::new(claim, format!("cannot restore its CDI spec: {e}"))
+                        })?;
+                    return Ok(entry.devices);
+                }
+                EntryState::Started | EntryState::Unpreparing => {
+                    self.clone().undo(uid.clone(), entry).await.map_err(|e| {
+                        ClaimError::new(
+                            claim,
+                            format!("cannot undo an earlier, unfinished prepare/unprepare: {e}"),
+                        )
+                        .fix("see the driver's log; the kubelet retries")
+                    })?;
+                }
+            }
+        }
+
+        let object = self
+            .deps
+            .claims
+            .get(&claim.namespace, &claim.name)
+            .await
+            .map_err(|e| match e {
+                FetchError::NotFound => ClaimError::new(claim, "the ResourceClaim does not exist")
+                    .fix("it was deleted; delete the Pod that references it"),
+                FetchError::Failed(why) => {
+                    ClaimError::new(claim, format!("cannot read the ResourceClaim: {why}"))
+                        .fix("check the API server and the driver's RBAC; the kubelet retries")
+                }
+            })?;
+        let allocation = claims::select(claim, &object, &self.config.driver, &self.config.node)?;
+
+        let catalog = self
+            .deps
+            .catalog
+            .for_devices(allocation.devices.iter().map(|d| d.device.as_str()))
+            .await
+            .map_err(|e| {
+                ClaimError::new(claim, format!("cannot look up this node's devices: {e:#}"))
+            })?;
+        let resolved: Vec<Resolved> = allocation
+            .devices
+            .iter()
+            .map(|d| plan::resolve(claim, d, &catalog))
+            .collect::<Result<_, _>>()?;
+        let targets: Vec<_> = resolved.iter().map(|r| r.target.clone()).collect();
+        let configs = resolve_claim(&claim.to_string(), &allocation.configs, &targets)
+            .map_err(|e| ClaimError::preformatted(claim, e.to_string()))?;
+
+        let actions: Vec<Action> = resolved
+            .iter()
+            .zip(&configs)
+            .flat_map(|(d, c)| plan::actions(d, c))
+            .collect();
+        let started = ClaimEntry {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: EntryState::Started,
+            actions,
+            devices: Vec::new(),
+            spec: None,
+            status: Vec::new(),
+        };
+        self.put(&uid, started.clone()).await.map_err(|e| {
+            ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
+        })?;
+
+        let this = self.clone();
+        let (id, who) = (uid.clone(), claim.clone());
+        let done = tokio::task::spawn_blocking(move || this.make(&who, &id, resolved, configs))
+            .await
+            .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))));
+        match done {
+            Ok(entry) => {
+                if let Some(writer) = &self.deps.status {
+                    writer.spawn(
+                        &claim.namespace,
+                        &claim.name,
+                        &claim.uid,
+                        entry.status.clone(),
+                    );
+                }
+                Ok(entry.devices)
+            }
+            Err(e) => {
+                let recorded = self.entry(&uid).unwrap_or(started);
+                if let Err(undo) = self.clone().undo(uid.clone(), recorded).await {
+                    error!(claim = %claim, "rollback after a failed prepare failed (retried at the next call and at start-up): {undo}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes the side effects, writes the spec, completes the entry.
+    /// Runs on a blocking thread.
+    fn make(
+        &self,
+        claim: &ClaimRef,
+        uid: &ClaimUid,
+        mut resolved: Vec<Resolved>,
+        configs: Vec<EffectiveConfig>,
+    ) -> ClaimResult<ClaimEntry> {
+        let fail = |what: String| ClaimError::new(claim, what);
+        let mut entry = self
+            .lock_checkpoint()
+            .get(uid)
+            .cloned()
+            .ok_or_else(|| fail("its checkpoint entry vanished".into()))?;
+
+        // Dynamic MIG first: later steps need the instance.
+        for device in &mut resolved {
+            if let plan::Kind::Mig {
+                instance,
+                create: Some((profile_id, placement)),
+                ..
+            } = &mut device.kind
+            {
+                let created = self
+                    .deps
+                    .mig
+                    .create(uid, &device.gpu.uuid, *profile_id, *placement)
+                    .map_err(|e| {
+                        fail(format!(
+                            "cannot create MIG device {} on GPU {}: {e}",
+                            device.selected.device, device.gpu.uuid
+                        ))
+                    })?;
+                // Record the MIG UUID for MPS actions on it before using it.
+                for action in &mut entry.actions {
+                    if let Action::Mps { gpu_uuid, mig_uuid } = action
+                        && *gpu_uuid == device.gpu.uuid
+                        && mig_uuid.is_none()
+                    {
+                        *mig_uuid = Some(created.uuid.clone());
+                    }
+                }
+                *instance = Some(created);
+            }
+        }
+        self.put_blocking(uid, entry.clone())
+            .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))?;
+
+        let mut built = Vec::with_capacity(resolved.len());
+        for (device, config) in resolved.into_iter().zip(configs) {
+            if let EffectiveConfig::Gpu {
+                sharing: tessera_api::config::Sharing::TimeSlicing { interval },
+            } = config
+            {
+                self.deps
+                    .sharing
+                    .set_time_slice(uid, &device.gpu.uuid, interval)
+                    .map_err(|e| {
+                        fail(format!(
+                            "cannot set the time slice of GPU {}: {e}",
+                            device.gpu.uuid
+                        ))
+                    })?;
+            }
+            let mps = match plan::mps_limits(&config) {
+                Some(limits) => Some(
+                    self.deps
+                        .sharing
+                        .mps_acquire(uid, &plan::mps_target(&device), &limits)
+                        .map_err(|e| {
+                            fail(format!(
+                                "cannot start MPS for device {}: {e}",
+                                device.selected.device
+                            ))
+                        })?,
+                ),
+                None => None,
+            };
+            built.push(Built {
+                device,
+                config,
+                mps,
+            });
+        }
+
+        let (spec, devices, status) = plan::build(claim, uid, &self.config.layout, &built)?;
+        self.specs.write(uid, &spec).map_err(|e| {
+            fail(format!("cannot write its CDI spec: {e}")).fix(format!(
+                "check that {} is writable",
+                self.config.cdi_dir.display()
+            ))
+        })?;
+        entry.state = EntryState::Completed;
+        entry.devices = devices;
+        entry.spec = Some(spec);
+        entry.status = status;
+        self.put_blocking(uid, entry.clone())
+            .map_err(|e| fail(format!("cannot record it in the checkpoint: {e}")))?;
+        Ok(entry)
+    }
+
+    async fn unprepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<()> {
+        let uid = validate(claim)?;
+        let _guard = self.locks.lock(&uid).await;
+        let Some(mut entry) = self.entry(&uid) else {
+            // Unknown: nothing of ours, except maybe a stray spec.
+            let this = self.clone();
+            let id = uid.clone();
+            return blocking(move || this.specs.remove(&id))
+                .await
+                .map_err(|e| ClaimError::new(claim, format!("cannot remove its CDI spec: {e}")));
+        };
+        let written_status = !entry.status.is_empty();
+        if entry.state == EntryState::Completed {
+            entry.state = EntryState::Unpreparing;
+            self.put(&uid, entry.clone()).await.map_err(|e| {
+                ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
+            })?;
+        }
+        let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
+        self.clone().undo(uid.clone(), entry).await.map_err(|e| {
+            ClaimError::new(claim, e).fix("see the driver's log; the kubelet retries")
+        })?;
+        if written_status && let Some(writer) = &self.deps.status {
+            writer.spawn(&namespace, &name, uid.as_str(), Vec::new());
+        }
+        Ok(())
+    }
+
+    /// Undoes an entry's side effects (newest first), removes its spec and
+    /// the entry. Idempotent; on failure the entry stays for a later retry.
+    async fn undo(self: Arc<Self>, uid: ClaimUid, entry: ClaimEntry) -> Result<(), String> {
+        blocking(move || {
+            for action in entry.actions.iter().rev() {
+                let done = match action {
+                    Action::Mps { gpu_uuid, mig_uuid } => self.deps.sharing.mps_release(
+                        &uid,
+                        &sharing::MpsTarget {
+                            gpu_uuid: gpu_uuid.clone(),
+                            mig_uuid: mig_uuid.clone(),
+                        },
+                    ),
+                    Action::TimeSlice { gpu_uuid } => {
+                        self.deps.sharing.reset_time_slice(&uid, gpu_uuid)
+                    }
+                    Action::MigCreate {
+                        gpu_uuid,
+                        placement,
+                        ..
+                    } => self.deps.mig.destroy(&uid, gpu_uuid, *placement),
+                };
+                done.map_err(|e| format!("undoing {action:?}: {e}"))?;
+            }
+            self.specs
+                .remove(&uid)
+                .map_err(|e| format!("removing its CDI spec: {e}"))?;
+            self.lock_checkpoint()
+                .remove(&uid)
+                .map_err(|e| format!("removing its checkpoint entry: {e}"))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn put(
+        self: &Arc<Self>,
+        uid: &ClaimUid,
+        entry: ClaimEntry,
+    ) -> Result<(), CheckpointError> {
+        let this = self.clone();
+        let uid = uid.clone();
+        blocking(move || this.put_blocking(&uid, entry)).await
+    }
+
+    fn put_blocking(&self, uid: &ClaimUid, entry: ClaimEntry) -> Result<(), CheckpointError> {
+        self.lock_checkpoint().put(uid.clone(), entry)
+    }
+}
+
+/// Checks what the kubelet sent before it is used in a path or a URL.
+fn validate(claim: &ClaimRef) -> ClaimResult<ClaimUid> {
+    let uid = ClaimUid::parse(&claim.uid)
+        .map_err(|e| ClaimError::new(claim, e.to_string()).field("uid"))?;
+    if !is_dns_label(&claim.namespace) {
+        return Err(ClaimError::new(
+            claim,
+            format!(
+                "namespace {:?} is not a valid namespace name",
+                claim.namespace
+            ),
+        )
+        .field("namespace")
+        .fix("namespaces are DNS labels (lower-case letters, digits, '-', at most 63)"));
+    }
+    if !is_dns_subdomain(&claim.name) {
+        return Err(ClaimError::new(
+            claim,
+            format!("name {:?} is not a valid ResourceClaim name", claim.name),
+        )
+        .field("name")
+        .fix(
+            "claim names are DNS subdomains (lower-case letters, digits, '-', '.', at most 253)",
+        ));
+    }
+    Ok(uid)
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(v) => v,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
+/// One async lock per claim UID; entries disappear when unused.
+#[derive(Default)]
+struct ClaimLocks(Mutex<HashMap<ClaimUid, Weak<tokio::sync::Mutex<()>>>>);
+
+impl ClaimLocks {
+    async fn lock(&self, uid: &ClaimUid) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            map.retain(|_, w| w.strong_count() > 0);
+            match map.get(uid).and_then(Weak::upgrade) {
+                Some(lock) => lock,
+                None => {
+                    let lock = Arc::new(tokio::sync::Mutex::new(()));
+                    map.insert(uid.clone(), Arc::downgrade(&lock));
+                    lock
+                }
+            }
+        };
+        lock.lock_owned().await
+    }
+}
+
+#[cfg(test)]
+mod tests;

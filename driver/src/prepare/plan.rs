@@ -1,0 +1,653 @@
+//! The enforcement plan: from allocated devices and their effective config
+//! to side effects ([`Action`]), a CDI spec and the claim status data.
+//!
+//! # CDI layout
+//!
+//! One spec per claim (`gpu.tessera.dev-claim_<uid>.json`), one CDI device
+//! per *request* of the claim, named `<request>_<claim uid>` (a subrequest
+//! `gpu/large` becomes `gpu.large`; request names are DNS labels, so `.`
+//! cannot clash). The kubelet hands each allocated device the CDI id of its
+//! request, and gives a container the CDI ids of the devices of the requests
+//! it references (`resources.claims[].request`), so a container sees the
+//! GPUs of its requests and nothing else:
+//!
+//! * per device: its `/dev/nvidia<minor>`, for MIG devices also the GPU
+//!   instance and compute instance capability nodes;
+//! * per request: `NVIDIA_VISIBLE_DEVICES` and `CUDA_VISIBLE_DEVICES` set to
+//!   exactly the request's GPU / MIG UUIDs, and the MPS client settings when
+//!   its devices run under MPS;
+//! * per spec (any request): `/dev/nvidiactl`, `/dev/nvidia-uvm`,
+//!   `/dev/nvidia-uvm-tools` and the driver's libraries and tools from the
+//!   driver root.
+//!
+//! A request with devices on two GPUs that each need their own MPS daemon
+//! cannot be served (a CUDA process talks to one MPS pipe directory); that
+//! is a per-claim error.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use tessera_api::config::{
+    DeviceTarget, DeviceType, EffectiveConfig, Holdings, IsolationLevel, Limits, Quantity,
+    Sharing as ConfigSharing,
+};
+use tessera_api::inventory::{Gpu, MigInstance, MigPlacement};
+use tessera_api::names;
+use tessera_controller::model::{DeviceKind, IsolationLevel as ModelLevel};
+
+use super::catalog::Catalog;
+use super::claims::{ClaimError, ClaimRef, Selected};
+use super::mig_caps;
+use super::sharing::{MpsClient, MpsTarget};
+use super::state::{Action, ConsumedData, DeviceData, DeviceStatus, LimitsData, PreparedDevice};
+use crate::cdi::{self, ContainerEdits, DeviceNode, Mount, Spec};
+use crate::claim_uid::ClaimUid;
+
+/// Where the NVIDIA driver's files are on this host.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    /// Root of the driver installation (`/`, or `/run/nvidia/driver` for a
+    /// containerized driver): libraries, tools, `/proc/driver/nvidia`.
+    pub driver_root: PathBuf,
+    /// Where the device nodes are (`/dev` below this root).
+    pub dev_root: PathBuf,
+    /// Driver libraries and tools mounted into every container with a
+    /// claim (see [`discover_driver_files`]).
+    pub driver_files: Vec<Mount>,
+}
+
+impl Layout {
+    fn node(&self, container_path: &str) -> DeviceNode {
+        let host = host_path(&self.dev_root, container_path);
+        DeviceNode {
+            path: container_path.to_owned(),
+            host_path: (host.to_str() != Some(container_path))
+                .then(|| host.to_string_lossy().into_owned()),
+            permissions: None,
+        }
+    }
+
+    fn exists(&self, container_path: &str) -> bool {
+        host_path(&self.dev_root, container_path).exists()
+    }
+}
+
+fn host_path(root: &Path, container_path: &str) -> PathBuf {
+    root.join(container_path.trim_start_matches('/'))
+}
+
+/// What an allocated device is, resolved through the catalog.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub selected: Selected,
+    pub gpu: Gpu,
+    pub kind: Kind,
+    pub target: DeviceTarget,
+}
+
+#[derive(Debug, Clone)]
+pub enum Kind {
+    Whole,
+    Mig {
+        profile: String,
+        /// The existing instance, or `None` until a dynamic one is created.
+        instance: Option<MigInstance>,
+        /// For dynamic MIG: what to create.
+        create: Option<(u32, MigPlacement)>,
+    },
+    Share {
+        level: IsolationLevel,
+        consumed: Holdings,
+    },
+}
+
+/// Resolves one allocated device.
+pub fn resolve(
+    claim: &ClaimRef,
+    selected: &Selected,
+    catalog: &Catalog,
+) -> Result<Resolved, ClaimError> {
+    let field = format!("status.allocation.devices.results[{}]", selected.index);
+    let reference = catalog.resolve(&selected.device).ok_or_else(|| {
+        ClaimError::new(
+            claim,
+            format!(
+                "device {} of pool {} is not a device this node publishes",
+                selected.device, selected.pool
+            ),
+        )
+        .field(format!("{field}.device"))
+        .fix("the GPU may have gone or the node policy changed since allocation: delete the Pod so the claim is allocated again")
+    })?;
+    let gpu = catalog.gpu(&reference.gpu_uuid).cloned().ok_or_else(|| {
+        ClaimError::new(
+            claim,
+            format!(
+                "GPU {} of device {} is not on this node any more",
+                reference.gpu_uuid, selected.device
+            ),
+        )
+        .field(format!("{field}.device"))
+        .fix("check the GPU (tessera inventory, nvidia-smi); delete the Pod to allocate another device")
+    })?;
+    let (kind, device_type, holds) = match &reference.kind {
+        DeviceKind::Whole => (
+            Kind::Whole,
+            DeviceType::Gpu,
+            Holdings {
+                memory_bytes: gpu.memory_bytes,
+                compute_percent: 100,
+            },
+        ),
+        DeviceKind::Mig {
+            profile_id,
+            profile,
+            placement,
+            existing,
+            ..
+        } => {
+            let instance = match existing {
+                Some(uuid) => Some(
+                    gpu.mig
+                        .instances()
+                        .iter()
+                        .find(|i| &i.uuid == uuid)
+                        .cloned()
+                        .ok_or_else(|| {
+                            ClaimError::new(
+                                claim,
+                                format!(
+                                    "MIG device {uuid} ({}) no longer exists on GPU {}",
+                                    selected.device, gpu.uuid
+                                ),
+                            )
+                            .field(format!("{field}.device"))
+                            .fix("delete the Pod so the claim is allocated again")
+                        })?,
+                ),
+                None => None,
+            };
+            let memory_bytes = instance
+                .as_ref()
+                .map(|i| i.memory_bytes)
+                .or_else(|| {
+                    gpu.mig
+                        .profiles()
+                        .iter()
+                        .find(|p| p.id == *profile_id)
+                        .map(|p| p.memory_bytes)
+                })
+                .unwrap_or(gpu.memory_bytes);
+            let create = instance.is_none().then_some((*profile_id, *placement));
+            (
+                Kind::Mig {
+                    profile: profile.clone(),
+                    instance,
+                    create,
+                },
+                DeviceType::Mig,
+                Holdings {
+                    memory_bytes,
+                    compute_percent: 100,
+                },
+            )
+        }
+        DeviceKind::Share { level, .. } => {
+            let level = api_level(*level);
+            let consumed = consumed_capacity(claim, selected, &field)?;
+            (
+                Kind::Share { level, consumed },
+                DeviceType::Share(level),
+                consumed,
+            )
+        }
+        DeviceKind::Replica {
+            level,
+            memory_bytes,
+            cores,
+            ..
+        } => {
+            let level = api_level(*level);
+            let consumed = Holdings {
+                memory_bytes: *memory_bytes,
+                compute_percent: *cores,
+            };
+            (
+                Kind::Share { level, consumed },
+                DeviceType::Share(level),
+                consumed,
+            )
+        }
+    };
+    Ok(Resolved {
+        selected: selected.clone(),
+        gpu,
+        kind,
+        target: DeviceTarget {
+            request: selected.request.clone(),
+            device: selected.device.clone(),
+            device_type,
+            holds,
+        },
+    })
+}
+
+fn api_level(level: ModelLevel) -> IsolationLevel {
+    match level {
+        ModelLevel::Isolated => IsolationLevel::Isolated,
+        ModelLevel::Shared => IsolationLevel::Shared,
+    }
+}
+
+fn consumed_capacity(
+    claim: &ClaimRef,
+    selected: &Selected,
+    field: &str,
+) -> Result<Holdings, ClaimError> {
+    let get = |name: &str| {
+        let raw = selected.consumed.get(name).ok_or_else(|| {
+            ClaimError::new(
+                claim,
+                format!(
+                    "share device {} has no consumed `{name}` capacity in its allocation",
+                    selected.device
+                ),
+            )
+            .field(format!("{field}.consumedCapacity.{name}"))
+            .fix("the API server must serve consumable capacity (DRAConsumableCapacity) for share devices")
+        })?;
+        Quantity::parse(raw).map(Quantity::bytes).map_err(|e| {
+            ClaimError::new(
+                claim,
+                format!("consumed capacity {raw:?} does not parse: {e}"),
+            )
+            .field(format!("{field}.consumedCapacity.{name}"))
+        })
+    };
+    let memory_bytes = get(names::capacity::MEMORY)?;
+    let cores = get(names::capacity::CORES)?;
+    Ok(Holdings {
+        memory_bytes,
+        compute_percent: u32::try_from(cores.min(100)).unwrap_or(100),
+    })
+}
+
+/// Side effects one device needs, in the order they are made.
+pub fn actions(device: &Resolved, config: &EffectiveConfig) -> Vec<Action> {
+    let mut actions = Vec::new();
+    if let Kind::Mig {
+        create: Some((profile_id, placement)),
+        ..
+    } = &device.kind
+    {
+        actions.push(Action::MigCreate {
+            gpu_uuid: device.gpu.uuid.clone(),
+            profile_id: *profile_id,
+            placement: *placement,
+        });
+    }
+    match config {
+        EffectiveConfig::Gpu {
+            sharing: ConfigSharing::TimeSlicing { .. },
+        } => actions.push(Action::TimeSlice {
+            gpu_uuid: device.gpu.uuid.clone(),
+        }),
+        EffectiveConfig::Gpu {
+            sharing: ConfigSharing::Mps { .. },
+        }
+        | EffectiveConfig::Share {
+            limits: Some(_), ..
+        } => actions.push(Action::Mps {
+            gpu_uuid: device.gpu.uuid.clone(),
+            mig_uuid: None,
+        }),
+        EffectiveConfig::Mig {
+            sharing: ConfigSharing::Mps { .. },
+        } => actions.push(Action::Mps {
+            gpu_uuid: device.gpu.uuid.clone(),
+            // Filled in once the instance exists (dynamic MIG).
+            mig_uuid: mig_instance(device).map(|i| i.uuid.clone()),
+        }),
+        _ => {}
+    }
+    actions
+}
+
+fn mig_instance(device: &Resolved) -> Option<&MigInstance> {
+    match &device.kind {
+        Kind::Mig { instance, .. } => instance.as_ref(),
+        _ => None,
+    }
+}
+
+/// The MPS target of a device, once its MIG instance (if any) exists.
+pub fn mps_target(device: &Resolved) -> MpsTarget {
+    MpsTarget {
+        gpu_uuid: device.gpu.uuid.clone(),
+        mig_uuid: mig_instance(device).map(|i| i.uuid.clone()),
+    }
+}
+
+/// Per-process limits a device's config asks MPS to enforce.
+pub fn mps_limits(config: &EffectiveConfig) -> Option<Limits> {
+    match config {
+        EffectiveConfig::Gpu {
+            sharing: ConfigSharing::Mps { limits },
+        }
+        | EffectiveConfig::Mig {
+            sharing: ConfigSharing::Mps { limits },
+        } => Some(*limits),
+        EffectiveConfig::Share { limits } => *limits,
+        _ => None,
+    }
+}
+
+/// A device with everything decided and every side effect made.
+#[derive(Debug, Clone)]
+pub struct Built {
+    pub device: Resolved,
+    pub config: EffectiveConfig,
+    pub mps: Option<MpsClient>,
+}
+
+/// The CDI device name of a request of a claim.
+pub fn cdi_device_name(request: &str, claim: &ClaimUid) -> String {
+    format!("{}_{}", request.replace('/', "."), claim.as_str())
+}
+
+/// Builds the claim's CDI spec, the kubelet's answer and the status data.
+pub fn build(
+    claim: &ClaimRef,
+    uid: &ClaimUid,
+    layout: &Layout,
+    devices: &[Built],
+) -> Result<(Spec, Vec<PreparedDevice>, Vec<DeviceStatus>), ClaimError> {
+    // Requests in order of first appearance.
+    let mut requests: Vec<&str> = Vec::new();
+    for d in devices {
+        if !requests.contains(&d.device.selected.request.as_str()) {
+            requests.push(&d.device.selected.request);
+        }
+    }
+
+    let mut cdi_devices = Vec::new();
+    let mut ids: BTreeMap<&str, String> = BTreeMap::new();
+    for request in &requests {
+        let members: Vec<&Built> = devices
+            .iter()
+            .filter(|d| d.device.selected.request == *request)
+            .collect();
+        let name = cdi_device_name(request, uid);
+        ids.insert(request, cdi::qualified_name(&name));
+        cdi_devices.push(cdi::Device {
+            name,
+            container_edits: request_edits(claim, layout, request, &members)?,
+        });
+    }
+
+    let mut common = ContainerEdits::default();
+    for node in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
+        if node == "/dev/nvidiactl" || layout.exists(node) {
+            common.device_nodes.push(layout.node(node));
+        }
+    }
+    common.mounts = layout.driver_files.clone();
+
+    let answer = devices
+        .iter()
+        .map(|d| PreparedDevice {
+            request_names: vec![d.device.selected.request.clone()],
+            pool_name: d.device.selected.pool.clone(),
+            device_name: d.device.selected.device.clone(),
+            cdi_device_ids: vec![ids[d.device.selected.request.as_str()].clone()],
+        })
+        .collect();
+    let status = devices.iter().map(status_of).collect();
+    Ok((Spec::for_claim(cdi_devices, common), answer, status))
+}
+
+fn request_edits(
+    claim: &ClaimRef,
+    layout: &Layout,
+    request: &str,
+    members: &[&Built],
+) -> Result<ContainerEdits, ClaimError> {
+    let mut edits = ContainerEdits::default();
+    let mut visible: Vec<String> = Vec::new();
+    let push_node = |edits: &mut ContainerEdits, path: String| {
+        if !edits.device_nodes.iter().any(|n| n.path == path) {
+            edits.device_nodes.push(layout.node(&path));
+        }
+    };
+    for m in members {
+        let d = &m.device;
+        let gpu_node = format!("/dev/nvidia{}", d.gpu.minor);
+        if !layout.exists(&gpu_node) {
+            return Err(ClaimError::new(
+                claim,
+                format!(
+                    "device node {} of GPU {} does not exist under {}",
+                    gpu_node,
+                    d.gpu.uuid,
+                    layout.dev_root.display()
+                ),
+            )
+            .fix("load the NVIDIA driver (nvidia-modprobe), or point --dev-root/--driver-root at where its /dev is"));
+        }
+        push_node(&mut edits, gpu_node);
+        let uuid = match mig_instance(d) {
+            Some(instance) => {
+                let caps = mig_caps::read(
+                    &layout.driver_root,
+                    d.gpu.minor,
+                    instance.gpu_instance_id,
+                    instance.compute_instance_id,
+                )
+                .map_err(|e| {
+                    ClaimError::new(claim, e).field(format!(
+                        "status.allocation.devices.results[{}]",
+                        d.selected.index
+                    ))
+                })?;
+                push_node(&mut edits, mig_caps::device_path(caps.gpu_instance));
+                push_node(&mut edits, mig_caps::device_path(caps.compute_instance));
+                instance.uuid.clone()
+            }
+            None => d.gpu.uuid.clone(),
+        };
+        if !visible.contains(&uuid) {
+            visible.push(uuid);
+        }
+    }
+    let list = visible.join(",");
+    edits.env.push(format!("NVIDIA_VISIBLE_DEVICES={list}"));
+    edits.env.push(format!("CUDA_VISIBLE_DEVICES={list}"));
+
+    // MPS: one daemon per request at most.
+    let mps: Vec<&Built> = members
+        .iter()
+        .copied()
+        .filter(|m| m.mps.is_some())
+        .collect();
+    if let Some(first) = mps.first() {
+        let client = first.mps.as_ref().expect("filtered");
+        if mps.iter().any(|m| m.mps.as_ref() != Some(client)) || mps.len() != members.len() {
+            return Err(ClaimError::new(
+                claim,
+                format!(
+                    "request {request} has devices that would need different MPS daemons (or \
+                     some under MPS and some not); a CUDA process can use one MPS daemon only"
+                ),
+            )
+            .field(format!("spec.devices.requests[{request}]"))
+            .fix("split the request into one request per GPU, or do not combine MPS and non-MPS devices"));
+        }
+        edits.env.push(format!(
+            "CUDA_MPS_PIPE_DIRECTORY={}",
+            client.pipe_dir.display()
+        ));
+        edits.env.push(format!(
+            "CUDA_MPS_LOG_DIRECTORY={}",
+            client.log_dir.display()
+        ));
+        // Ordinals are positions in the request's visible devices.
+        let memory: Vec<String> = mps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| {
+                mps_limits(&m.config).map(|l| format!("{i}={}M", l.memory_bytes / (1 << 20)))
+            })
+            .collect();
+        if !memory.is_empty() {
+            edits.env.push(format!(
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}",
+                memory.join(",")
+            ));
+        }
+        if let Some(percent) = mps
+            .iter()
+            .filter_map(|m| mps_limits(&m.config).map(|l| l.compute_percent))
+            .min()
+        {
+            edits
+                .env
+                .push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}"));
+        }
+        for dir in [&client.pipe_dir, &client.log_dir] {
+            let path = dir.to_string_lossy().into_owned();
+            edits.mounts.push(Mount {
+                host_path: path.clone(),
+                container_path: path,
+                options: vec!["rw".into(), "bind".into()],
+                mount_type: None,
+            });
+        }
+    }
+    Ok(edits)
+}
+
+fn status_of(built: &Built) -> DeviceStatus {
+    let d = &built.device;
+    let limits = mps_limits(&built.config).map(|l| LimitsData {
+        memory: Quantity::from_bytes(l.memory_bytes).to_string(),
+        memory_bytes: l.memory_bytes,
+        compute_percent: l.compute_percent,
+    });
+    let (sharing, time_slice) = match built.config {
+        EffectiveConfig::Gpu { sharing } | EffectiveConfig::Mig { sharing } => match sharing {
+            ConfigSharing::None => (Some("None"), None),
+            ConfigSharing::TimeSlicing { interval } => {
+                (Some("TimeSlicing"), Some(format!("{interval:?}")))
+            }
+            ConfigSharing::Mps { .. } => (Some("MPS"), None),
+        },
+        EffectiveConfig::Share { .. } => (None, None),
+    };
+    let (profile, isolation_level, consumed) = match &d.kind {
+        Kind::Whole => (None, None, None),
+        Kind::Mig { profile, .. } => (Some(profile.clone()), None, None),
+        Kind::Share { level, consumed } => (
+            None,
+            Some(level.as_str().to_owned()),
+            Some(ConsumedData {
+                memory_bytes: consumed.memory_bytes,
+                cores_percent: consumed.compute_percent,
+            }),
+        ),
+    };
+    DeviceStatus {
+        pool: d.selected.pool.clone(),
+        device: d.selected.device.clone(),
+        share_id: d.selected.share_id.clone(),
+        data: DeviceData {
+            device_type: d.target.device_type.as_str().to_owned(),
+            gpu_uuid: d.gpu.uuid.clone(),
+            mig_uuid: mig_instance(d).map(|i| i.uuid.clone()),
+            profile,
+            isolation_level,
+            sharing: sharing.map(str::to_owned),
+            time_slice,
+            limits,
+            consumed,
+        },
+    }
+}
+
+/// The driver's user-space files to mount into containers: the libraries
+/// CUDA programs load and the tools operators expect (`nvidia-smi`), found
+/// below `root` in the usual library and binary directories. Each file is
+/// mounted read-only at the same path inside the container; a versioned
+/// library reached through its soname link (`libcuda.so.1 ->
+/// libcuda.so.550.90.07`) is mounted under both names.
+pub fn discover_driver_files(root: &Path) -> Vec<Mount> {
+    const LIB_DIRS: &[&str] = &[
+        "usr/lib/x86_64-linux-gnu",
+        "usr/lib/aarch64-linux-gnu",
+        "usr/lib64",
+        "usr/lib",
+        "lib64",
+        "lib/x86_64-linux-gnu",
+    ];
+    const LIB_PREFIXES: &[&str] = &[
+        "libcuda.so",
+        "libcudadebugger.so",
+        "libnvidia-ml.so",
+        "libnvidia-ptxjitcompiler.so",
+        "libnvidia-nvvm.so",
+        "libnvidia-opencl.so",
+        "libnvidia-cfg.so",
+        "libnvidia-allocator.so",
+        "libnvidia-gpucomp.so",
+    ];
+    const BIN_DIRS: &[&str] = &["usr/bin", "bin"];
+    const TOOLS: &[&str] = &[
+        "nvidia-smi",
+        "nvidia-debugdump",
+        "nvidia-persistenced",
+        "nvidia-cuda-mps-control",
+        "nvidia-cuda-mps-server",
+    ];
+    let mut mounts: Vec<Mount> = Vec::new();
+    let mut add = |host: &Path, container: String| {
+        if mounts.iter().any(|m| m.container_path == container) {
+            return;
+        }
+        mounts.push(Mount {
+            host_path: host.to_string_lossy().into_owned(),
+            container_path: container,
+            options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+            mount_type: None,
+        });
+    };
+    for dir in LIB_DIRS {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else {
+            continue;
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| LIB_PREFIXES.iter().any(|p| n.starts_with(p)))
+            .collect();
+        names.sort();
+        for name in names {
+            let host = root.join(dir).join(&name);
+            // Resolve links so the mount source is a file; skip dangling ones.
+            let Ok(real) = std::fs::canonicalize(&host) else {
+                continue;
+            };
+            // `libcuda.so` (no version) is for linking only.
+            if name.ends_with(".so") {
+                continue;
+            }
+            add(&real, format!("/{dir}/{name}"));
+        }
+    }
+    for dir in BIN_DIRS {
+        for tool in TOOLS {
+            let host = root.join(dir).join(tool);
+            if let Ok(real) = std::fs::canonicalize(&host) {
+                add(&real, format!("/usr/bin/{tool}"));
+            }
+        }
+    }
+    mounts
+}

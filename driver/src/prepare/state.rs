@@ -1,0 +1,145 @@
+//! What the checkpoint records per claim, and the claim status data.
+//!
+//! An entry moves `Started` -> `Completed` -> (`Unpreparing` ->) gone:
+//!
+//! * `Started` is written before any side effect, with the side effects
+//!   about to be made ([`Action`]). Work left in this state (a crash, or an
+//!   error part way) is rolled back: undo every action, remove the CDI spec.
+//! * `Completed` carries the answer given to the kubelet and the CDI spec, so
+//!   a repeated prepare returns exactly the same answer without redoing work
+//!   (and a spec lost from the CDI directory can be written again).
+//! * `Unpreparing` is written before unprepare removes anything, so a crash
+//!   in the middle of an unprepare is finished at start-up rather than
+//!   leaving a `Completed` entry whose spec is gone.
+
+use serde::{Deserialize, Serialize};
+use tessera_api::inventory::MigPlacement;
+
+use crate::cdi::Spec;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EntryState {
+    Started,
+    Completed,
+    Unpreparing,
+}
+
+/// One prepared (or being prepared) claim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimEntry {
+    pub namespace: String,
+    pub name: String,
+    pub state: EntryState,
+    /// Side effects made (or about to be made) for this claim, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub actions: Vec<Action>,
+    /// The answer returned to the kubelet (set when `Completed`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<PreparedDevice>,
+    /// The CDI spec written for the claim (set when `Completed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<Spec>,
+    /// What was (or will be) written to `status.devices`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub status: Vec<DeviceStatus>,
+}
+
+/// A side effect of prepare that unprepare (or rollback) must undo.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    tag = "type",
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    deny_unknown_fields
+)]
+pub enum Action {
+    /// A reference on the MPS daemon of a GPU (or MIG device).
+    Mps {
+        gpu_uuid: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        mig_uuid: Option<String>,
+    },
+    /// The GPU's compute time slice was changed.
+    TimeSlice { gpu_uuid: String },
+    /// A MIG device created for the claim.
+    MigCreate {
+        gpu_uuid: String,
+        profile_id: u32,
+        placement: MigPlacement,
+    },
+}
+
+/// One entry of the kubelet's answer: a device and its CDI ids.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PreparedDevice {
+    pub request_names: Vec<String>,
+    pub pool_name: String,
+    pub device_name: String,
+    pub cdi_device_ids: Vec<String>,
+}
+
+/// One `status.devices[]` entry of ours.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceStatus {
+    pub pool: String,
+    pub device: String,
+    #[serde(rename = "shareID", default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+    pub data: DeviceData,
+}
+
+/// `status.devices[].data`: which physical device the claim got and what is
+/// enforced on it. Answers "which GPU did my pod get" from
+/// `kubectl get resourceclaim -o yaml`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceData {
+    /// `gpu`, `mig` or `share`.
+    #[serde(rename = "type")]
+    pub device_type: String,
+    /// The physical GPU.
+    #[serde(rename = "gpuUUID")]
+    pub gpu_uuid: String,
+    /// The MIG device, for MIG allocations.
+    #[serde(rename = "migUUID", default, skip_serializing_if = "Option::is_none")]
+    pub mig_uuid: Option<String>,
+    /// MIG profile, for MIG allocations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    /// `Isolated` or `Shared`, for shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation_level: Option<String>,
+    /// Sharing among the claim's consumers: `None`, `TimeSlicing`, `MPS`
+    /// (whole GPUs and MIG devices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<String>,
+    /// Time-slice interval, with `TimeSlicing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slice: Option<String>,
+    /// Limits enforced per process (Isolated shares, MPS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsData>,
+    /// For shares: the capacity the claim consumed (accounting for Shared).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumed: Option<ConsumedData>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LimitsData {
+    /// Device memory per process, as a quantity (`4Gi`).
+    pub memory: String,
+    pub memory_bytes: u64,
+    /// Compute per process, percent of the device.
+    pub compute_percent: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ConsumedData {
+    pub memory_bytes: u64,
+    pub cores_percent: u32,
+}
