@@ -34,6 +34,8 @@ pub struct ClaimError {
     pub field: Option<String>,
     pub problem: String,
     pub fix: Option<String>,
+    /// `problem` already names the claim (config errors).
+    named: bool,
 }
 
 impl ClaimError {
@@ -43,6 +45,7 @@ impl ClaimError {
             field: None,
             problem: problem.into(),
             fix: None,
+            named: false,
         }
     }
 
@@ -63,13 +66,14 @@ impl ClaimError {
             field: None,
             problem: message,
             fix: None,
+            named: true,
         }
     }
 }
 
 impl fmt::Display for ClaimError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.problem.starts_with("claim ") {
+        if self.named {
             f.write_str(&self.problem)?;
         } else {
             write!(f, "claim {}: ", self.claim)?;

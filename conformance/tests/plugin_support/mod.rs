@@ -1,0 +1,526 @@
+//! Running `tessera plugin` against the local API server and talking to it
+//! over its unix sockets exactly as the kubelet's DRA manager does:
+//! `GetInfo` on the registration socket, then the DRA service on the
+//! endpoint it names.
+//!
+//! Claims are allocated by writing `status.allocation` directly (the
+//! scheduler is not involved): these tests are about the plugin, and this
+//! lets them craft allocations a scheduler would never produce (other
+//! nodes, other drivers, bad configs). The real scheduler + kubelet path is
+//! covered by `plugin_kubelet.rs`.
+//!
+//! GPUs come from the simulated NVML (`a100-40gb-x2-mig.yaml`: GPU 0 with
+//! three MIG devices, GPU 1 MIG-capable with MIG off); the driver root is a
+//! temporary directory with the device nodes and MIG capability files the
+//! NVIDIA driver would provide.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tessera_api::inventory::Inventory;
+use tessera_api::kubelet::{dra_v1, registration};
+use tessera_conformance::{TestCluster, unique_name, wait_for};
+use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
+use tessera_driver::prepare::catalog::Catalog;
+use tonic::transport::{Channel, Endpoint};
+
+pub const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Workspace root (conformance/..).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("conformance has a parent")
+        .to_path_buf()
+}
+
+/// The `tessera` binary and the fake NVML library, built if missing.
+pub struct Binaries {
+    pub tessera: PathBuf,
+    pub fake_nvml: PathBuf,
+}
+
+pub fn binaries() -> &'static Binaries {
+    static B: OnceLock<Binaries> = OnceLock::new();
+    B.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps")
+            .to_path_buf();
+        let tessera = profile_dir.join("tessera");
+        let fake_nvml = profile_dir.join("libtessera_fake_nvml.so");
+        if !tessera.is_file() || !fake_nvml.is_file() {
+            let status = Command::new(env!("CARGO"))
+                .args([
+                    "build",
+                    "-p",
+                    "tessera-driver",
+                    "--bin",
+                    "tessera",
+                    "-p",
+                    "tessera-fake-nvml",
+                ])
+                .current_dir(repo_root())
+                .status()
+                .expect("running cargo build");
+            assert!(status.success(), "cargo build of tessera / fake NVML failed");
+        }
+        assert!(tessera.is_file(), "{} missing", tessera.display());
+        assert!(fake_nvml.is_file(), "{} missing", fake_nvml.display());
+        Binaries { tessera, fake_nvml }
+    })
+}
+
+pub fn topology_path() -> PathBuf {
+    repo_root().join("driver/fake-nvml/topologies").join(TOPOLOGY)
+}
+
+/// The simulated node's inventory, as `tessera inventory` reports it.
+pub fn inventory() -> &'static Inventory {
+    static I: OnceLock<Inventory> = OnceLock::new();
+    I.get_or_init(|| {
+        let b = binaries();
+        let out = Command::new(&b.tessera)
+            .arg("--nvml-library")
+            .arg(&b.fake_nvml)
+            .args(["inventory", "-o", "json"])
+            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+            .output()
+            .expect("running tessera inventory");
+        assert!(
+            out.status.success(),
+            "tessera inventory: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("inventory JSON")
+    })
+}
+
+/// Device names the node publishes, with what they stand for.
+pub fn devices(node: &str, driver: &str) -> BTreeMap<String, DeviceRef> {
+    let catalog = Catalog::compute(
+        inventory(),
+        &NodePolicy::default(),
+        node,
+        &DriverName::new(driver).unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
+    let mut out = BTreeMap::new();
+    // The full model's names, each checked against what the plugin resolves.
+    let model = tessera_controller::model::SliceModel::new(
+        inventory(),
+        &NodePolicy::default(),
+        tessera_controller::model::Capabilities::full(),
+        node,
+    )
+    .driver(DriverName::new(driver).unwrap())
+    .build()
+    .unwrap();
+    for (name, reference) in model.devices {
+        assert!(catalog.resolve(&name).is_some());
+        out.insert(name, reference);
+    }
+    out
+}
+
+/// A device name of the wanted kind.
+pub fn device_where(node: &str, driver: &str, want: impl Fn(&DeviceRef) -> bool) -> String {
+    devices(node, driver)
+        .into_iter()
+        .find(|(_, r)| want(r))
+        .map(|(n, _)| n)
+        .expect("no device of the wanted kind")
+}
+
+pub fn whole_gpu(node: &str, driver: &str) -> String {
+    device_where(node, driver, |r| matches!(r.kind, DeviceKind::Whole))
+}
+
+pub fn existing_mig(node: &str, driver: &str) -> (String, String) {
+    let name = device_where(node, driver, |r| {
+        matches!(&r.kind, DeviceKind::Mig { existing: Some(_), .. })
+    });
+    let uuid = match &devices(node, driver)[&name].kind {
+        DeviceKind::Mig {
+            existing: Some(u), ..
+        } => u.clone(),
+        _ => unreachable!(),
+    };
+    (name, uuid)
+}
+
+pub fn share(node: &str, driver: &str, shared: bool) -> String {
+    use tessera_controller::model::IsolationLevel;
+    device_where(node, driver, |r| match &r.kind {
+        DeviceKind::Share { level, .. } => (*level == IsolationLevel::Shared) == shared,
+        _ => false,
+    })
+}
+
+/// Directories of one plugin instance; survive restarts of the process.
+pub struct PluginDirs {
+    pub root: tempfile::TempDir,
+}
+
+impl PluginDirs {
+    pub fn new() -> Result<Self> {
+        let root = tempfile::Builder::new().prefix("tp").tempdir()?;
+        let dirs = PluginDirs { root };
+        for d in ["registry", "plugins", "cdi", "state", "driver"] {
+            std::fs::create_dir_all(dirs.path(d))?;
+        }
+        std::fs::write(dirs.boot_id(), "boot-1\n")?;
+        dirs.fake_driver_root()?;
+        Ok(dirs)
+    }
+
+    pub fn path(&self, what: &str) -> PathBuf {
+        self.root.path().join(what)
+    }
+
+    pub fn registry(&self) -> PathBuf {
+        self.path("registry")
+    }
+    pub fn plugins(&self) -> PathBuf {
+        self.path("plugins")
+    }
+    pub fn cdi(&self) -> PathBuf {
+        self.path("cdi")
+    }
+    pub fn state(&self) -> PathBuf {
+        self.path("state")
+    }
+    pub fn driver_root(&self) -> PathBuf {
+        self.path("driver")
+    }
+    pub fn boot_id(&self) -> PathBuf {
+        self.path("boot_id")
+    }
+
+    /// Device nodes (plain files: nothing opens them here) and the MIG
+    /// capability files the NVIDIA driver publishes, with the minors
+    /// `100*gpu_minor + 2*gi (+1 for the ci)`.
+    fn fake_driver_root(&self) -> Result<()> {
+        let root = self.driver_root();
+        std::fs::create_dir_all(root.join("dev/nvidia-caps"))?;
+        std::fs::write(root.join("dev/nvidiactl"), "")?;
+        std::fs::write(root.join("dev/nvidia-uvm"), "")?;
+        for gpu in &inventory().gpus {
+            std::fs::write(root.join(format!("dev/nvidia{}", gpu.minor)), "")?;
+            for i in gpu.mig.instances() {
+                let (gi, ci) = mig_cap_minors(gpu.minor, i.gpu_instance_id);
+                let dir = root.join(format!(
+                    "proc/driver/nvidia/capabilities/gpu{}/mig/gi{}",
+                    gpu.minor, i.gpu_instance_id
+                ));
+                std::fs::create_dir_all(dir.join(format!("ci{}", i.compute_instance_id)))?;
+                std::fs::write(
+                    dir.join("access"),
+                    format!("DeviceFileMinor: {gi}\nDeviceFileMode: 292\n"),
+                )?;
+                std::fs::write(
+                    dir.join(format!("ci{}/access", i.compute_instance_id)),
+                    format!("DeviceFileMinor: {ci}\nDeviceFileMode: 292\n"),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn cdi_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(self.cdi())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    pub fn spec(&self, uid: &str) -> Option<Value> {
+        let path = self.cdi().join(format!("gpu.tessera.dev-claim_{uid}.json"));
+        std::fs::read(path)
+            .ok()
+            .map(|b| serde_json::from_slice(&b).expect("spec is JSON"))
+    }
+
+    /// The checkpoint's entries (decoded from the envelope).
+    pub fn checkpoint(&self) -> BTreeMap<String, Value> {
+        let Ok(bytes) = std::fs::read(self.state().join("checkpoint.json")) else {
+            return BTreeMap::new();
+        };
+        let envelope: Value = serde_json::from_slice(&bytes).expect("checkpoint JSON");
+        serde_json::from_str(envelope["claims"].as_str().expect("claims text")).unwrap()
+    }
+}
+
+pub fn mig_cap_minors(gpu_minor: u32, gi: u32) -> (u32, u32) {
+    (100 * gpu_minor + 2 * gi, 100 * gpu_minor + 2 * gi + 1)
+}
+
+/// A running `tessera plugin`.
+pub struct PluginProcess {
+    child: Child,
+    pub log: PathBuf,
+}
+
+pub struct PluginOptions {
+    pub node: String,
+    pub driver: String,
+    pub kubeconfig: PathBuf,
+}
+
+impl PluginProcess {
+    pub fn start(dirs: &PluginDirs, opts: &PluginOptions) -> Result<Self> {
+        let b = binaries();
+        let log = dirs.path("plugin.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)?;
+        let child = Command::new(&b.tessera)
+            .arg("--nvml-library")
+            .arg(&b.fake_nvml)
+            .arg("plugin")
+            .args(["--node-name", &opts.node, "--driver-name", &opts.driver])
+            .arg("--kubeconfig")
+            .arg(&opts.kubeconfig)
+            .arg("--kubelet-registry-dir")
+            .arg(dirs.registry())
+            .arg("--kubelet-plugins-dir")
+            .arg(dirs.plugins())
+            .arg("--cdi-dir")
+            .arg(dirs.cdi())
+            .arg("--state-dir")
+            .arg(dirs.state())
+            .arg("--driver-root")
+            .arg(dirs.driver_root())
+            .arg("--boot-id-file")
+            .arg(dirs.boot_id())
+            .args(["--api-timeout-seconds", "10"])
+            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting tessera plugin")?;
+        Ok(PluginProcess { child, log })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn check_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "tessera plugin exited ({status}); log:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
+
+    /// SIGKILL, no cleanup.
+    pub fn kill(mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub async fn terminate(mut self) -> Result<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        let child = &mut self.child;
+        wait_for("plugin exit after SIGTERM", TIMEOUT, || {
+            let r = child.try_wait();
+            async move { Ok(r?) }
+        })
+        .await
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A gRPC channel over a unix socket.
+pub async fn connect(socket: &Path) -> Result<Channel> {
+    let path = socket.to_path_buf();
+    Ok(Endpoint::try_from("http://[::1]:1")?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await?)
+}
+
+/// What the kubelet learns at registration, and a DRA client for it.
+pub struct Kubelet {
+    pub info: registration::PluginInfo,
+    pub dra: dra_v1::dra_plugin_client::DraPluginClient<Channel>,
+}
+
+/// Waits for the plugin's registration socket, calls GetInfo on it and
+/// connects to the endpoint it names, like the kubelet's plugin manager.
+pub async fn register(dirs: &PluginDirs, process: &mut PluginProcess, driver: &str) -> Result<Kubelet> {
+    let registry = dirs.registry();
+    let socket = wait_for("registration socket", TIMEOUT, || {
+        let running = process.check_running();
+        let found = std::fs::read_dir(&registry).ok().and_then(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .find(|p| {
+                    p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock"))
+                        && std::os::unix::net::UnixStream::connect(p).is_ok()
+                })
+        });
+        async move {
+            running?;
+            Ok(found)
+        }
+    })
+    .await?;
+    let mut reg = registration::registration_client::RegistrationClient::new(connect(&socket).await?);
+    let info = reg
+        .get_info(registration::InfoRequest {})
+        .await?
+        .into_inner();
+    reg.notify_registration_status(registration::RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    })
+    .await?;
+    let dra = dra_v1::dra_plugin_client::DraPluginClient::new(connect(Path::new(&info.endpoint)).await?);
+    Ok(Kubelet { info, dra })
+}
+
+/// Creates a claim with the given requests and writes its allocation.
+pub struct ClaimSpec {
+    pub name: String,
+    /// `(request name, device class)`.
+    pub requests: Vec<(String, String)>,
+    /// `status.allocation.devices.results`.
+    pub results: Vec<Value>,
+    /// `status.allocation.devices.config`.
+    pub config: Vec<Value>,
+    /// `spec.devices.config` (claim configs are copied there too).
+    pub spec_config: Vec<Value>,
+}
+
+pub fn result(request: &str, driver: &str, pool: &str, device: &str) -> Value {
+    json!({ "request": request, "driver": driver, "pool": pool, "device": device })
+}
+
+pub async fn create_allocated(client: &Client, namespace: &str, spec: &ClaimSpec) -> Result<ResourceClaim> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let requests: Vec<Value> = spec
+        .requests
+        .iter()
+        .map(|(name, class)| json!({ "name": name, "exactly": { "deviceClassName": class, "allocationMode": "ExactCount", "count": 1 } }))
+        .collect();
+    let mut devices = json!({ "requests": requests });
+    if !spec.spec_config.is_empty() {
+        devices["config"] = json!(spec.spec_config);
+    }
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": { "name": spec.name },
+        "spec": { "devices": devices },
+    }))?;
+    let created = api.create(&PostParams::default(), &claim).await?;
+    let mut alloc = json!({ "results": spec.results });
+    if !spec.config.is_empty() {
+        alloc["config"] = json!(spec.config);
+    }
+    let status = json!({ "status": { "allocation": { "devices": alloc } } });
+    api.patch_status(&spec.name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .with_context(|| format!("writing the allocation of claim {}", spec.name))?;
+    Ok(created)
+}
+
+pub fn claim_ref(namespace: &str, claim: &ResourceClaim) -> dra_v1::Claim {
+    dra_v1::Claim {
+        namespace: namespace.to_owned(),
+        uid: claim.metadata.uid.clone().unwrap_or_default(),
+        name: claim.metadata.name.clone().unwrap_or_default(),
+    }
+}
+
+pub async fn prepare(k: &mut Kubelet, claims: Vec<dra_v1::Claim>) -> Result<dra_v1::NodePrepareResourcesResponse> {
+    Ok(k.dra
+        .node_prepare_resources(dra_v1::NodePrepareResourcesRequest { claims })
+        .await?
+        .into_inner())
+}
+
+pub async fn unprepare(k: &mut Kubelet, claims: Vec<dra_v1::Claim>) -> Result<dra_v1::NodeUnprepareResourcesResponse> {
+    Ok(k.dra
+        .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest { claims })
+        .await?
+        .into_inner())
+}
+
+/// A DeviceClass-free device class name: the tests never ask the scheduler.
+pub const CLASS: &str = "gpu.tessera.dev";
+
+/// One test's world: namespace, node and driver names, plugin dirs.
+pub struct World {
+    pub cluster: TestCluster,
+    pub namespace: tessera_conformance::TestNamespace,
+    pub node: String,
+    pub driver: String,
+    pub dirs: PluginDirs,
+}
+
+impl World {
+    pub async fn new(prefix: &str) -> Result<Self> {
+        let cluster = TestCluster::shared().await?;
+        let namespace = cluster.create_namespace(prefix).await?;
+        let node = unique_name(&format!("{prefix}-node"));
+        Ok(World {
+            cluster,
+            namespace,
+            node,
+            driver: "gpu.tessera.dev".into(),
+            dirs: PluginDirs::new()?,
+        })
+    }
+
+    pub fn options(&self) -> PluginOptions {
+        PluginOptions {
+            node: self.node.clone(),
+            driver: self.driver.clone(),
+            kubeconfig: self.cluster.kubeconfig().to_path_buf(),
+        }
+    }
+
+    pub fn ns(&self) -> &str {
+        self.namespace.name()
+    }
+}
