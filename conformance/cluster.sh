@@ -212,7 +212,7 @@ start_component() {
 	printf '\n==== %s start %s\n' "$name" "$(date -u +%FT%TZ)" >>"$lf"
 	# setsid: components outlive this script and an interactive Ctrl-C; they are
 	# stopped by `stop`, which signals exactly the recorded pids.
-	setsid "$KUBE_BIN" "$@" >>"$lf" 2>&1 </dev/null &
+	setsid "$KUBE_BIN" "$@" >>"$lf" 2>&1 </dev/null 4>&- 9>&- &
 	local pid=$!
 	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$name")"
 	log "started $name (pid $pid, log $lf)"
@@ -357,6 +357,9 @@ EOF
 		--endpoint-reconciler-type none \
 		--tls-cert-file "$pki/apiserver.crt" --tls-private-key-file "$pki/apiserver.key" \
 		--client-ca-file "$pki/ca.crt" \
+		--requestheader-client-ca-file "$pki/ca.crt" --requestheader-allowed-names tessera-front-proxy \
+		--requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+		--requestheader-extra-headers-prefix X-Remote-Extra- \
 		--kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" \
 		--kubelet-client-key "$pki/apiserver-kubelet-client.key" \
 		--service-account-issuer https://kubernetes.default.svc.cluster.local \
@@ -373,7 +376,9 @@ EOF
 		--authentication-kubeconfig "$pki/controller-manager.kubeconfig" \
 		--authorization-kubeconfig "$pki/controller-manager.kubeconfig" \
 		--bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" \
-		--cert-dir "$DIR/controller-manager" --leader-elect=false \
+		--tls-cert-file "$pki/controller-manager-serving.crt" \
+		--tls-private-key-file "$pki/controller-manager-serving.key" \
+		--leader-elect=false \
 		--use-service-account-credentials=true \
 		--service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
 		--cluster-signing-cert-file "$pki/ca.crt" --cluster-signing-key-file "$pki/ca.key" \
@@ -383,7 +388,8 @@ EOF
 		--authentication-kubeconfig "$pki/scheduler.kubeconfig" \
 		--authorization-kubeconfig "$pki/scheduler.kubeconfig" \
 		--bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" \
-		--cert-dir "$DIR/scheduler" --leader-elect=false \
+		--tls-cert-file "$pki/scheduler-serving.crt" --tls-private-key-file "$pki/scheduler-serving.key" \
+		--leader-elect=false \
 		--feature-gates "$FEATURE_GATES" --v "$LOG_LEVEL"
 	if [[ "$KUBELET_ENABLED" == 1 ]]; then
 		wait_for "$(remaining)" "fake CRI socket" cri_ready
@@ -415,6 +421,7 @@ stop_pid_file() {
 		return 0
 	fi
 	pid=$(recorded_pid "$name")
+	local t0=$SECONDS
 	kill -TERM "$pid" 2>/dev/null || true
 	local deadline=$((SECONDS + 30))
 	while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
@@ -424,7 +431,7 @@ stop_pid_file() {
 		while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
 	fi
 	rm -f "$f"
-	log "stopped $name (pid $pid)"
+	log "stopped $name (pid $pid, $((SECONDS - t0))s)"
 }
 
 # The kubelet mounts tmpfs volumes (service-account tokens, secrets) below its

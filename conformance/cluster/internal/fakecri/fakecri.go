@@ -41,6 +41,9 @@ func NewCommand() *cobra.Command {
 				return err
 			}
 			rt := criFake.NewFakeRemoteRuntime()
+			// Any image "pulls" instantly; the kubelet rejects images without
+			// a size, so give every one a nominal size.
+			rt.ImageService.SetFakeImageSize(1 << 20)
 			if imageDir != "" {
 				if err := os.MkdirAll(imageDir, 0o750); err != nil {
 					return err

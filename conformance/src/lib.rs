@@ -1,0 +1,9 @@
+//! Tessera's conformance suite and the helpers its tests use to reach the
+//! local Kubernetes control plane started by `conformance/cluster.sh`.
+
+pub mod cluster;
+
+pub use cluster::{
+    ClusterEnv, DEFAULT_TIMEOUT, KubeletDirs, PluginCall, TestCluster, TestDraPlugin,
+    TestNamespace, delete_ignore_missing, unique_name, wait_for,
+};
