@@ -7,5 +7,6 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
+pub mod mps;
 pub mod plugin;
 pub mod prepare;

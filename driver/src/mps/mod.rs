@@ -1,0 +1,25 @@
+//! MPS (Multi-Process Service) enforcement for `Isolated` shares.
+//!
+//! - [`MpsSupervisor`]: one `nvidia-cuda-mps-control` daemon per device,
+//!   run by the driver itself (no Deployment per claim), reference-counted
+//!   by claim, adopted after a driver restart and restarted if it died.
+//! - [`client_limit_env`]: the per-claim limits as the environment
+//!   variables the CUDA driver reads in the client container.
+//!
+//! Tests run the supervisor against `fake-mps-control` from
+//! `driver/fake-nvml`, which behaves like the real tool's daemon and client
+//! modes.
+
+mod limits;
+mod process;
+mod supervisor;
+
+pub use limits::{
+    ACTIVE_THREAD_PERCENTAGE, ClientLimits, LOG_DIRECTORY, LimitError, PINNED_DEVICE_MEM_LIMIT,
+    PIPE_DIRECTORY, client_limit_env, is_device_uuid,
+};
+pub use process::ProcessId;
+pub use supervisor::{
+    CONTROL, DEFAULT_CONTROL_BINARY, MpsConfig, MpsDaemon, MpsError, MpsSupervisor, PID_FILE,
+    SupervisionReport, Watchdog,
+};
