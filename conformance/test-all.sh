@@ -26,16 +26,20 @@ say "Kubernetes components ready ($((SECONDS - t0))s)"
 # --- 2. clusters in a fresh state directory --------------------------------
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/tessera-test.XXXXXX")
 MAIN_DIR="$STATE/main"
+DEGRADED_DIR="$STATE/degraded"
 
 finish() {
 	local rc=$?
 	trap - EXIT INT TERM
 	TESSERA_CLUSTER_DIR="$MAIN_DIR" "$CLUSTER" stop || rc=1
-	# --- hook: degraded cluster -- stop it here as well:
-	# TESSERA_CLUSTER_DIR="$STATE/degraded" "$CLUSTER" stop || rc=1
+	TESSERA_CLUSTER_DIR="$DEGRADED_DIR" "$CLUSTER" stop || rc=1
 	if ((rc != 0)); then
 		say "FAILED (exit $rc); cluster state and logs kept in $STATE"
 		TESSERA_CLUSTER_DIR="$MAIN_DIR" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
+		if [[ -d "$DEGRADED_DIR/logs" ]]; then
+			say "degraded cluster:"
+			TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
+		fi
 	elif [[ "${TESSERA_KEEP_STATE:-0}" == 1 ]]; then
 		say "state kept in $STATE"
 	else
@@ -51,13 +55,15 @@ export TESSERA_CLUSTER_DIR="$MAIN_DIR"
 "$CLUSTER" start
 eval "$("$CLUSTER" env)"
 
-# --- hook: degraded cluster --------------------------------------------------
-# A second cluster with the API that older servers offer, for the capability
-# detection tests, e.g.:
-#   TESSERA_CLUSTER_DIR="$STATE/degraded" TESSERA_KUBELET=0 \
-#     TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,DRAConsumableCapacity=false \
-#     "$CLUSTER" start
-#   export TESSERA_DEGRADED_KUBECONFIG="$STATE/degraded/kubeconfig"
+# --- degraded cluster ---------------------------------------------------------
+# A second cluster serving the API of an older server: no partitionable
+# devices, no consumable capacity. The publisher must detect that and fall
+# back to the static per-GPU mode (conformance/tests/slices_degraded.rs).
+# No kubelet: those tests only need the API server and the scheduler.
+TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_KUBELET=0 \
+	TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,DRAConsumableCapacity=false \
+	"$CLUSTER" start
+export TESSERA_DEGRADED_KUBECONFIG="$DEGRADED_DIR/kubeconfig"
 
 # --- 3. tests ----------------------------------------------------------------
 say "running cargo test --workspace against $TESSERA_APISERVER_URL"
