@@ -91,7 +91,11 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     let uid = claim.metadata.uid.clone().context("uid")?;
     let inv = inventory();
     let gpu_ref = &devices(&w.node, &w.driver)[&gpu];
-    let gpu_info = inv.gpus.iter().find(|g| g.uuid == gpu_ref.gpu_uuid).unwrap();
+    let gpu_info = inv
+        .gpus
+        .iter()
+        .find(|g| g.uuid == gpu_ref.gpu_uuid)
+        .unwrap();
     let mig_gpu = inv
         .gpus
         .iter()
@@ -121,7 +125,10 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     // The CDI spec: one device per request, each with exactly its GPUs.
     let spec = w.dirs.spec(&uid).context("no CDI spec written")?;
     ensure!(spec["kind"] == "gpu.tessera.dev/claim", "{spec}");
-    ensure!(spec["cdiVersion"] == "0.5.0", "hostPath needs 0.5.0: {spec}");
+    ensure!(
+        spec["cdiVersion"] == "0.5.0",
+        "hostPath needs 0.5.0: {spec}"
+    );
     let dev = |name: &str| -> Value {
         spec["devices"]
             .as_array()
@@ -140,7 +147,11 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     let nodes = |d: &Value| -> Vec<String> {
         d["containerEdits"]["deviceNodes"]
             .as_array()
-            .map(|a| a.iter().map(|v| v["path"].as_str().unwrap().to_owned()).collect())
+            .map(|a| {
+                a.iter()
+                    .map(|v| v["path"].as_str().unwrap().to_owned())
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let g = dev("gpu");
@@ -149,10 +160,17 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
             && env(&g).contains(&format!("CUDA_VISIBLE_DEVICES={}", gpu_info.uuid)),
         "{g}"
     );
-    ensure!(nodes(&g) == vec![format!("/dev/nvidia{}", gpu_info.minor)], "{g}");
+    ensure!(
+        nodes(&g) == vec![format!("/dev/nvidia{}", gpu_info.minor)],
+        "{g}"
+    );
     ensure!(
         g["containerEdits"]["deviceNodes"][0]["hostPath"]
-            == json!(w.dirs.driver_root().join(format!("dev/nvidia{}", gpu_info.minor))),
+            == json!(
+                w.dirs
+                    .driver_root()
+                    .join(format!("dev/nvidia{}", gpu_info.minor))
+            ),
         "{g}"
     );
     let m = dev("mig");
@@ -166,16 +184,25 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
             ],
         "{m}"
     );
-    ensure!(env(&m).contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}")), "{m}");
+    ensure!(
+        env(&m).contains(&format!("NVIDIA_VISIBLE_DEVICES={mig_uuid}")),
+        "{m}"
+    );
     let s = dev("share");
-    ensure!(!env(&s).iter().any(|e| e.starts_with("CUDA_MPS")), "Shared gets no MPS: {s}");
+    ensure!(
+        !env(&s).iter().any(|e| e.starts_with("CUDA_MPS")),
+        "Shared gets no MPS: {s}"
+    );
     let common: Vec<&str> = spec["containerEdits"]["deviceNodes"]
         .as_array()
         .unwrap()
         .iter()
         .map(|n| n["path"].as_str().unwrap())
         .collect();
-    ensure!(common == ["/dev/nvidiactl", "/dev/nvidia-uvm"], "{common:?}");
+    ensure!(
+        common == ["/dev/nvidiactl", "/dev/nvidia-uvm"],
+        "{common:?}"
+    );
 
     // Checkpoint entry.
     let cp = w.dirs.checkpoint();
@@ -188,24 +215,53 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
         Ok((d.len() == 3).then_some(d))
     })
     .await?;
-    let entry = |device: &str| status.iter().find(|d| d["device"] == device).unwrap().clone();
+    let entry = |device: &str| {
+        status
+            .iter()
+            .find(|d| d["device"] == device)
+            .unwrap()
+            .clone()
+    };
     ensure!(entry(&gpu)["driver"] == json!(w.driver));
-    ensure!(entry(&gpu)["data"]["gpuUUID"] == json!(gpu_info.uuid), "{status:?}");
+    ensure!(
+        entry(&gpu)["data"]["gpuUUID"] == json!(gpu_info.uuid),
+        "{status:?}"
+    );
     ensure!(entry(&gpu)["data"]["sharing"] == "None", "{status:?}");
-    ensure!(entry(&mig)["data"]["migUUID"] == json!(mig_uuid), "{status:?}");
-    ensure!(entry(&mig)["data"]["gpuUUID"] == json!(mig_gpu.uuid), "{status:?}");
+    ensure!(
+        entry(&mig)["data"]["migUUID"] == json!(mig_uuid),
+        "{status:?}"
+    );
+    ensure!(
+        entry(&mig)["data"]["gpuUUID"] == json!(mig_gpu.uuid),
+        "{status:?}"
+    );
     let sh = entry(&shared);
-    ensure!(sh["shareID"] == "6f1e2d3c-4b5a-4978-8a6b-5c4d3e2f1a0b", "{sh}");
+    ensure!(
+        sh["shareID"] == "6f1e2d3c-4b5a-4978-8a6b-5c4d3e2f1a0b",
+        "{sh}"
+    );
     ensure!(sh["data"]["isolationLevel"] == "Shared", "{sh}");
-    ensure!(sh["data"]["consumed"]["memoryBytes"] == json!(4u64 << 30), "{sh}");
+    ensure!(
+        sh["data"]["consumed"]["memoryBytes"] == json!(4u64 << 30),
+        "{sh}"
+    );
     ensure!(sh["data"]["consumed"]["coresPercent"] == 20, "{sh}");
 
     // Idempotent: the same answer again, the same spec file.
-    let spec_bytes = std::fs::read(w.dirs.cdi().join(format!("gpu.tessera.dev-claim_{uid}.json")))?;
+    let spec_bytes = std::fs::read(
+        w.dirs
+            .cdi()
+            .join(format!("gpu.tessera.dev-claim_{uid}.json")),
+    )?;
     let again = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(again.claims[&uid] == *mine, "second prepare differs");
     ensure!(
-        std::fs::read(w.dirs.cdi().join(format!("gpu.tessera.dev-claim_{uid}.json")))? == spec_bytes
+        std::fs::read(
+            w.dirs
+                .cdi()
+                .join(format!("gpu.tessera.dev-claim_{uid}.json"))
+        )? == spec_bytes
     );
 
     // Unprepare: spec, entry and our status entries gone; twice is fine.
@@ -214,7 +270,10 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     ensure!(w.dirs.spec(&uid).is_none(), "spec left behind");
     ensure!(!w.dirs.checkpoint().contains_key(&uid), "entry left behind");
     wait_for("status.devices cleared", TIMEOUT, || async {
-        Ok(status_devices(&claims, "life").await?.is_empty().then_some(()))
+        Ok(status_devices(&claims, "life")
+            .await?
+            .is_empty()
+            .then_some(()))
     })
     .await?;
     let un = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
@@ -225,7 +284,10 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     let exit = plugin.terminate().await?;
     ensure!(exit.success(), "exit {exit:?}");
     ensure!(!endpoint.exists(), "DRA socket left behind");
-    ensure!(std::fs::read_dir(&reg)?.next().is_none(), "registration socket left behind");
+    ensure!(
+        std::fs::read_dir(&reg)?.next().is_none(),
+        "registration socket left behind"
+    );
     w.namespace.delete().await
 }
 
@@ -266,7 +328,10 @@ async fn bad_claims_fail_alone() -> Result<()> {
     let malformed = create_allocated(
         &client,
         w.ns(),
-        &gpu_with_config("malformed", json!({"apiVersion": api_version, "kind": "GpuConfig", "sharing": "yes"})),
+        &gpu_with_config(
+            "malformed",
+            json!({"apiVersion": api_version, "kind": "GpuConfig", "sharing": "yes"}),
+        ),
     )
     .await?;
     let unknown = create_allocated(
@@ -281,7 +346,10 @@ async fn bad_claims_fail_alone() -> Result<()> {
     let wrong_kind = create_allocated(
         &client,
         w.ns(),
-        &gpu_with_config("wrong-kind", json!({"apiVersion": api_version, "kind": "MigConfig"})),
+        &gpu_with_config(
+            "wrong-kind",
+            json!({"apiVersion": api_version, "kind": "MigConfig"}),
+        ),
     )
     .await?;
     let mut other_node = ok_share("other-node");
@@ -315,26 +383,67 @@ async fn bad_claims_fail_alone() -> Result<()> {
 
     let mut request = vec![claim_ref(w.ns(), &good)];
     let cases: Vec<(tessera_api::kubelet::dra_v1::Claim, &[&str])> = vec![
-        (claim_ref(w.ns(), &malformed), &["malformed", "sharing", "fix:"]),
-        (claim_ref(w.ns(), &unknown), &["unknown-field", "stratgy", "fix:"]),
-        (claim_ref(w.ns(), &wrong_kind), &["wrong-kind", "MigConfig", "fix:"]),
-        (claim_ref(w.ns(), &other_node), &["other-node", "another node", "fix:"]),
-        (claim_ref(w.ns(), &other_driver), &["other-driver", "no device of driver gpu.tessera.dev", "fix:"]),
-        (claim_ref(w.ns(), &unallocated), &["unallocated", "not allocated", "fix:"]),
+        (
+            claim_ref(w.ns(), &malformed),
+            &["malformed", "sharing", "fix:"],
+        ),
+        (
+            claim_ref(w.ns(), &unknown),
+            &["unknown-field", "stratgy", "fix:"],
+        ),
+        (
+            claim_ref(w.ns(), &wrong_kind),
+            &["wrong-kind", "MigConfig", "fix:"],
+        ),
+        (
+            claim_ref(w.ns(), &other_node),
+            &["other-node", "another node", "fix:"],
+        ),
+        (
+            claim_ref(w.ns(), &other_driver),
+            &[
+                "other-driver",
+                "no device of driver gpu.tessera.dev",
+                "fix:",
+            ],
+        ),
+        (
+            claim_ref(w.ns(), &unallocated),
+            &["unallocated", "not allocated", "fix:"],
+        ),
         (uid_mismatch.clone(), &["metadata.uid", "fix:"]),
         (traversal_uid.clone(), &["not a Kubernetes UID"]),
-        (traversal_name.clone(), &["not a valid ResourceClaim name", "fix:"]),
+        (
+            traversal_name.clone(),
+            &["not a valid ResourceClaim name", "fix:"],
+        ),
     ];
     request.extend(cases.iter().map(|(c, _)| c.clone()));
     let answer = prepare(&mut k, request).await?;
-    ensure!(answer.claims.len() == cases.len() + 1, "every claim answered: {:?}", answer.claims.keys());
+    ensure!(
+        answer.claims.len() == cases.len() + 1,
+        "every claim answered: {:?}",
+        answer.claims.keys()
+    );
     let good_uid = good.metadata.uid.clone().unwrap();
-    ensure!(answer.claims[&good_uid].error.is_empty(), "{}", answer.claims[&good_uid].error);
+    ensure!(
+        answer.claims[&good_uid].error.is_empty(),
+        "{}",
+        answer.claims[&good_uid].error
+    );
     for (claim, needles) in &cases {
-        let got = answer.claims.get(&claim.uid).with_context(|| format!("no answer for {claim:?}"))?;
+        let got = answer
+            .claims
+            .get(&claim.uid)
+            .with_context(|| format!("no answer for {claim:?}"))?;
         ensure!(got.devices.is_empty(), "{claim:?} got devices");
         for needle in *needles {
-            ensure!(got.error.contains(needle), "error for {} lacks {needle:?}: {}", claim.name, got.error);
+            ensure!(
+                got.error.contains(needle),
+                "error for {} lacks {needle:?}: {}",
+                claim.name,
+                got.error
+            );
         }
         ensure!(
             got.error.contains(&format!("claim {}/", claim.namespace)),
@@ -362,19 +471,37 @@ async fn bad_claims_fail_alone() -> Result<()> {
         .lines()
         .find(|l| l.trim_start().starts_with("server:"))
         .context("kubeconfig has no server")?;
-    std::fs::write(&kubeconfig, text.replace(server_line, "    server: https://127.0.0.1:1"))?;
+    std::fs::write(
+        &kubeconfig,
+        text.replace(server_line, "    server: https://127.0.0.1:1"),
+    )?;
     let mut options = w.options();
     options.kubeconfig = kubeconfig;
     let mut plugin = PluginProcess::start(&w.dirs, &options)?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
-    let answer = prepare(&mut k, vec![claim_ref(w.ns(), &good), claim_ref(w.ns(), &malformed)]).await?;
+    let answer = prepare(
+        &mut k,
+        vec![claim_ref(w.ns(), &good), claim_ref(w.ns(), &malformed)],
+    )
+    .await?;
     // The prepared claim answers from the checkpoint; the other cannot be read.
-    ensure!(answer.claims[&good_uid].error.is_empty(), "{}", answer.claims[&good_uid].error);
+    ensure!(
+        answer.claims[&good_uid].error.is_empty(),
+        "{}",
+        answer.claims[&good_uid].error
+    );
     let err = &answer.claims[malformed.metadata.uid.as_ref().unwrap()].error;
-    ensure!(err.contains("cannot read the ResourceClaim") && err.contains("fix:"), "{err}");
+    ensure!(
+        err.contains("cannot read the ResourceClaim") && err.contains("fix:"),
+        "{err}"
+    );
     ensure!(w.dirs.cdi_files().len() == 1);
     let un = unprepare(&mut k, vec![claim_ref(w.ns(), &good)]).await?;
-    ensure!(un.claims[&good_uid].error.is_empty(), "{:?}", un.claims[&good_uid]);
+    ensure!(
+        un.claims[&good_uid].error.is_empty(),
+        "{:?}",
+        un.claims[&good_uid]
+    );
     ensure!(w.dirs.cdi_files().is_empty());
     w.namespace.delete().await
 }
@@ -439,9 +566,11 @@ async fn many_claims_in_parallel() -> Result<()> {
         let mut dra = k.dra.clone();
         let claims = chunk.to_vec();
         calls.push(tokio::spawn(async move {
-            dra.node_unprepare_resources(tessera_api::kubelet::dra_v1::NodeUnprepareResourcesRequest { claims })
-                .await
-                .map(|r| r.into_inner())
+            dra.node_unprepare_resources(
+                tessera_api::kubelet::dra_v1::NodeUnprepareResourcesRequest { claims },
+            )
+            .await
+            .map(|r| r.into_inner())
         }));
     }
     for call in calls {

@@ -217,6 +217,12 @@ impl SpecDir {
         Ok(claims)
     }
 
+    /// Remove temp files of interrupted spec writes (see
+    /// [`remove_stale_temp_files`]).
+    pub fn remove_stale_temp_files(&self) -> std::io::Result<Vec<PathBuf>> {
+        remove_stale_temp_files(&self.dir, FILE_PREFIX)
+    }
+
     /// Delete spec files of claims not in `keep` (crash leftovers). Returns
     /// what was removed.
     pub fn remove_orphans(
@@ -232,6 +238,48 @@ impl SpecDir {
         }
         Ok(removed)
     }
+}
+
+/// Removes temp files that [`write_atomically`] left in `dir` for targets
+/// named `<prefix>...` when their writer was killed between create and
+/// rename. A temp file of a live process (another instance during a rolling
+/// update) is kept unless it is older than a minute. Returns what was
+/// removed.
+pub fn remove_stale_temp_files(dir: &Path, prefix: &str) -> std::io::Result<Vec<PathBuf>> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let own = std::process::id();
+    let mut removed = Vec::new();
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = name
+            .strip_prefix('.')
+            .filter(|n| n.starts_with(prefix))
+            .and_then(|n| n.rsplit_once(".tmp-"))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == own {
+            continue;
+        }
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > std::time::Duration::from_secs(60));
+        if (!alive || old) && fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
+        }
+    }
+    Ok(removed)
 }
 
 fn ignore_missing(e: std::io::Error) -> std::io::Result<()> {
@@ -348,6 +396,27 @@ mod tests {
         specs.remove(&uid()).unwrap();
         specs.remove(&uid()).unwrap();
         assert!(specs.claims().unwrap().is_empty());
+    }
+
+    #[test]
+    fn stale_temp_files_of_dead_writers_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let specs = SpecDir::new(dir.path());
+        // pid 0 is never a process; our own pid is alive.
+        let dead = dir
+            .path()
+            .join(format!(".{FILE_PREFIX}{}.json.tmp-0", uid().as_str()));
+        let mine = dir.path().join(format!(
+            ".{FILE_PREFIX}{}.json.tmp-{}",
+            uid().as_str(),
+            std::process::id()
+        ));
+        let foreign = dir.path().join(".other.json.tmp-0");
+        for f in [&dead, &mine, &foreign] {
+            fs::write(f, b"{").unwrap();
+        }
+        assert_eq!(specs.remove_stale_temp_files().unwrap(), vec![dead.clone()]);
+        assert!(!dead.exists() && mine.exists() && foreign.exists());
     }
 
     #[test]

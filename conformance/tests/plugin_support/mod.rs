@@ -77,7 +77,10 @@ pub fn binaries() -> &'static Binaries {
                 .current_dir(repo_root())
                 .status()
                 .expect("running cargo build");
-            assert!(status.success(), "cargo build of tessera / fake NVML failed");
+            assert!(
+                status.success(),
+                "cargo build of tessera / fake NVML failed"
+            );
         }
         assert!(tessera.is_file(), "{} missing", tessera.display());
         assert!(fake_nvml.is_file(), "{} missing", fake_nvml.display());
@@ -86,7 +89,9 @@ pub fn binaries() -> &'static Binaries {
 }
 
 pub fn topology_path() -> PathBuf {
-    repo_root().join("driver/fake-nvml/topologies").join(TOPOLOGY)
+    repo_root()
+        .join("driver/fake-nvml/topologies")
+        .join(TOPOLOGY)
 }
 
 /// The simulated node's inventory, as `tessera inventory` reports it.
@@ -153,7 +158,13 @@ pub fn whole_gpu(node: &str, driver: &str) -> String {
 
 pub fn existing_mig(node: &str, driver: &str) -> (String, String) {
     let name = device_where(node, driver, |r| {
-        matches!(&r.kind, DeviceKind::Mig { existing: Some(_), .. })
+        matches!(
+            &r.kind,
+            DeviceKind::Mig {
+                existing: Some(_),
+                ..
+            }
+        )
     });
     let uuid = match &devices(node, driver)[&name].kind {
         DeviceKind::Mig {
@@ -386,27 +397,14 @@ pub struct Kubelet {
 
 /// Waits for the plugin's registration socket, calls GetInfo on it and
 /// connects to the endpoint it names, like the kubelet's plugin manager.
-pub async fn register(dirs: &PluginDirs, process: &mut PluginProcess, driver: &str) -> Result<Kubelet> {
-    let registry = dirs.registry();
-    let socket = wait_for("registration socket", TIMEOUT, || {
-        let running = process.check_running();
-        let found = std::fs::read_dir(&registry).ok().and_then(|rd| {
-            rd.filter_map(|e| e.ok())
-                .map(|e| e.path())
-                .find(|p| {
-                    p.file_name()
-                        .and_then(|n| n.to_str())
-                        .is_some_and(|n| n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock"))
-                        && std::os::unix::net::UnixStream::connect(p).is_ok()
-                })
-        });
-        async move {
-            running?;
-            Ok(found)
-        }
-    })
-    .await?;
-    let mut reg = registration::registration_client::RegistrationClient::new(connect(&socket).await?);
+pub async fn register(
+    dirs: &PluginDirs,
+    process: &mut PluginProcess,
+    driver: &str,
+) -> Result<Kubelet> {
+    let socket = wait_for_registration_socket(dirs, process, driver).await?;
+    let mut reg =
+        registration::registration_client::RegistrationClient::new(connect(&socket).await?);
     let info = reg
         .get_info(registration::InfoRequest {})
         .await?
@@ -416,8 +414,40 @@ pub async fn register(dirs: &PluginDirs, process: &mut PluginProcess, driver: &s
         error: String::new(),
     })
     .await?;
-    let dra = dra_v1::dra_plugin_client::DraPluginClient::new(connect(Path::new(&info.endpoint)).await?);
+    let dra =
+        dra_v1::dra_plugin_client::DraPluginClient::new(connect(Path::new(&info.endpoint)).await?);
     Ok(Kubelet { info, dra })
+}
+
+/// Polls (every few milliseconds, until [`TIMEOUT`]) for a registration
+/// socket of `driver` that accepts connections.
+async fn wait_for_registration_socket(
+    dirs: &PluginDirs,
+    process: &mut PluginProcess,
+    driver: &str,
+) -> Result<PathBuf> {
+    let registry = dirs.registry();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    loop {
+        process.check_running()?;
+        let found = std::fs::read_dir(&registry).ok().and_then(|rd| {
+            rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock")
+                }) && std::os::unix::net::UnixStream::connect(p).is_ok()
+            })
+        });
+        if let Some(found) = found {
+            return Ok(found);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!(
+                "no registration socket of {driver} in {} after {TIMEOUT:?}",
+                registry.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 /// Creates a claim with the given requests and writes its allocation.
@@ -437,7 +467,11 @@ pub fn result(request: &str, driver: &str, pool: &str, device: &str) -> Value {
     json!({ "request": request, "driver": driver, "pool": pool, "device": device })
 }
 
-pub async fn create_allocated(client: &Client, namespace: &str, spec: &ClaimSpec) -> Result<ResourceClaim> {
+pub async fn create_allocated(
+    client: &Client,
+    namespace: &str,
+    spec: &ClaimSpec,
+) -> Result<ResourceClaim> {
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
     let requests: Vec<Value> = spec
         .requests
@@ -472,14 +506,20 @@ pub fn claim_ref(namespace: &str, claim: &ResourceClaim) -> dra_v1::Claim {
     }
 }
 
-pub async fn prepare(k: &mut Kubelet, claims: Vec<dra_v1::Claim>) -> Result<dra_v1::NodePrepareResourcesResponse> {
+pub async fn prepare(
+    k: &mut Kubelet,
+    claims: Vec<dra_v1::Claim>,
+) -> Result<dra_v1::NodePrepareResourcesResponse> {
     Ok(k.dra
         .node_prepare_resources(dra_v1::NodePrepareResourcesRequest { claims })
         .await?
         .into_inner())
 }
 
-pub async fn unprepare(k: &mut Kubelet, claims: Vec<dra_v1::Claim>) -> Result<dra_v1::NodeUnprepareResourcesResponse> {
+pub async fn unprepare(
+    k: &mut Kubelet,
+    claims: Vec<dra_v1::Claim>,
+) -> Result<dra_v1::NodeUnprepareResourcesResponse> {
     Ok(k.dra
         .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest { claims })
         .await?

@@ -180,6 +180,30 @@ impl Preparer {
             LoadOutcome::Fresh => info!("no checkpoint yet"),
         }
 
+        // Temp files of writes a kill interrupted (specs, checkpoint).
+        let this = self.clone();
+        let stale = blocking(move || {
+            let mut stale = this.specs.remove_stale_temp_files()?;
+            stale.extend(crate::cdi::remove_stale_temp_files(
+                &this.config.state_dir,
+                "checkpoint.json",
+            )?);
+            Ok::<_, std::io::Error>(stale)
+        })
+        .await;
+        match stale {
+            Ok(stale) if !stale.is_empty() => {
+                info!(
+                    count = stale.len(),
+                    "removed temp files of interrupted writes"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => recovery
+                .problems
+                .push(format!("removing temp files of interrupted writes: {e}")),
+        }
+
         let entries: Vec<(ClaimUid, ClaimEntry)> = self
             .lock_checkpoint()
             .entries()

@@ -1,0 +1,239 @@
+//! Crash safety: `tessera plugin` is killed with SIGKILL at random points
+//! of prepare and unprepare calls, hundreds of times, and restarted. After
+//! every restart:
+//!
+//! * no checkpoint entry is left half-done (`Started` / `Unpreparing`);
+//! * every CDI spec belongs to a completed claim (no orphans) and every
+//!   completed claim has exactly its recorded spec;
+//! * every completed claim is answered exactly as it was the first time.
+//!
+//! The random points come from a seeded generator: the seed is printed, and
+//! `TESSERA_CRASH_SEED=<n>` repeats a run; `TESSERA_CRASH_CYCLES` changes
+//! the number of kill/restart cycles (default 200).
+
+mod plugin_support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::{Value, json};
+use tessera_api::kubelet::dra_v1;
+
+use plugin_support::*;
+
+/// xorshift64*: small, deterministic, good enough to pick kill points.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn check_files(dirs: &PluginDirs, cycle: usize) -> Result<Vec<String>> {
+    let cp = dirs.checkpoint();
+    let mut completed = Vec::new();
+    for (uid, entry) in &cp {
+        ensure!(
+            entry["state"] == "Completed",
+            "cycle {cycle}: claim {uid} left in state {} after restart",
+            entry["state"]
+        );
+        let spec = dirs
+            .spec(uid)
+            .with_context(|| format!("cycle {cycle}: completed claim {uid} has no CDI spec"))?;
+        ensure!(
+            spec == entry["spec"],
+            "cycle {cycle}: CDI spec of {uid} differs from the recorded one"
+        );
+        completed.push(uid.clone());
+    }
+    for file in dirs.cdi_files() {
+        let uid = file
+            .strip_prefix("gpu.tessera.dev-claim_")
+            .and_then(|f| f.strip_suffix(".json"))
+            .with_context(|| format!("cycle {cycle}: unexpected file {file} in the CDI dir"))?;
+        ensure!(
+            cp.contains_key(uid),
+            "cycle {cycle}: orphaned CDI spec {file}"
+        );
+    }
+    Ok(completed)
+}
+
+#[tokio::test]
+async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
+    let seed: u64 = match std::env::var("TESSERA_CRASH_SEED") {
+        Ok(s) => s.parse().context("TESSERA_CRASH_SEED must be a number")?,
+        Err(_) => {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_nanos() as u64
+                | 1
+        }
+    };
+    let cycles: usize = std::env::var("TESSERA_CRASH_CYCLES")
+        .ok()
+        .map(|s| s.parse())
+        .transpose()
+        .context("TESSERA_CRASH_CYCLES must be a number")?
+        .unwrap_or(200);
+    eprintln!(
+        "crash test seed: {seed} (TESSERA_CRASH_SEED={seed} repeats this run), {cycles} cycles"
+    );
+    let mut rng = Rng(seed);
+
+    let w = World::new("plugin-crash").await?;
+    let client = w.cluster.client();
+    let shared = share(&w.node, &w.driver, true);
+    let gpu = whole_gpu(&w.node, &w.driver);
+    let (mig, _) = existing_mig(&w.node, &w.driver);
+    let mut claims = Vec::new();
+    for (i, device) in [&shared, &shared, &gpu, &mig].into_iter().enumerate() {
+        let mut r = result("dev", &w.driver, &w.node, device);
+        if device == &shared {
+            r["shareID"] = json!(format!("00000000-0000-4000-8000-{i:012}"));
+            r["consumedCapacity"] = json!({"memory": "512Mi", "cores": "5"});
+        }
+        let claim = create_allocated(
+            &client,
+            w.ns(),
+            &ClaimSpec {
+                name: format!("crash-{i}"),
+                requests: vec![("dev".into(), CLASS.into())],
+                results: vec![r],
+                config: vec![],
+                spec_config: vec![],
+            },
+        )
+        .await?;
+        claims.push(claim_ref(w.ns(), &claim));
+    }
+
+    // The first answer each claim ever got; every later one must equal it.
+    let mut canonical: BTreeMap<String, Vec<dra_v1::Device>> = BTreeMap::new();
+    let mut record = |uid: &str, devices: &[dra_v1::Device], cycle: usize| -> Result<()> {
+        match canonical.get(uid) {
+            Some(first) => ensure!(
+                first.as_slice() == devices,
+                "cycle {cycle}: claim {uid} answered differently than before"
+            ),
+            None => {
+                canonical.insert(uid.to_owned(), devices.to_vec());
+            }
+        }
+        Ok(())
+    };
+
+    let started = Instant::now();
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    // Kill points are drawn from [0, window); the window adapts so that
+    // about half of the kills land while a call is in flight, whatever the
+    // speed of the machine.
+    let mut window = Duration::from_millis(20);
+    let (mut kills_in_flight, mut prepares_done, mut completed_seen) = (0, 0, 0);
+    for cycle in 0..cycles {
+        let subset: Vec<dra_v1::Claim> = claims
+            .iter()
+            .filter(|_| rng.below(2) == 0)
+            .cloned()
+            .collect();
+        let subset = if subset.is_empty() {
+            vec![claims[rng.below(claims.len() as u64) as usize].clone()]
+        } else {
+            subset
+        };
+        let is_prepare = rng.below(10) < 6;
+        let mut dra = k.dra.clone();
+        let call = tokio::spawn(async move {
+            if is_prepare {
+                dra.node_prepare_resources(dra_v1::NodePrepareResourcesRequest { claims: subset })
+                    .await
+                    .map(|r| Some(r.into_inner()))
+            } else {
+                dra.node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+                    claims: subset,
+                })
+                .await
+                .map(|_| None)
+            }
+        });
+        // The fault: a kill at a random moment, usually while the call runs.
+        let delay = Duration::from_micros(rng.below(window.as_micros() as u64 + 1));
+        tokio::time::sleep(delay).await;
+        if call.is_finished() {
+            window = window.mul_f64(0.9).max(Duration::from_micros(200));
+        } else {
+            kills_in_flight += 1;
+            window = window.mul_f64(1.1).min(Duration::from_secs(2));
+        }
+        plugin.kill()?;
+        if let Ok(Ok(Some(answer))) = call.await {
+            for (uid, a) in &answer.claims {
+                ensure!(
+                    a.error.is_empty(),
+                    "cycle {cycle}: prepare of {uid} failed: {}",
+                    a.error
+                );
+                record(uid, &a.devices, cycle)?;
+                prepares_done += 1;
+            }
+        }
+
+        plugin = PluginProcess::start(&w.dirs, &w.options())?;
+        k = register(&w.dirs, &mut plugin, &w.driver).await?;
+        let completed = check_files(&w.dirs, cycle)?;
+        completed_seen += completed.len();
+        // Completed claims are answered unchanged (from the checkpoint).
+        let again: Vec<dra_v1::Claim> = claims
+            .iter()
+            .filter(|c| completed.contains(&c.uid))
+            .cloned()
+            .collect();
+        if !again.is_empty() {
+            let answer = prepare(&mut k, again).await?;
+            for (uid, a) in &answer.claims {
+                ensure!(
+                    a.error.is_empty(),
+                    "cycle {cycle}: re-prepare of {uid} failed: {}",
+                    a.error
+                );
+                record(uid, &a.devices, cycle)?;
+            }
+        }
+    }
+    eprintln!("final kill window {window:?}");
+    eprintln!(
+        "{cycles} kill/restart cycles in {:?}: {kills_in_flight} kills during a call, {prepares_done} prepares answered before a kill, \
+         {completed_seen} completed claims checked after restarts",
+        started.elapsed()
+    );
+    ensure!(
+        completed_seen >= cycles,
+        "only {completed_seen} completed claims were checked after {cycles} restarts"
+    );
+    ensure!(
+        kills_in_flight >= cycles / 3,
+        "only {kills_in_flight} of {cycles} kills hit a call in flight: the kill points are not spread over the calls"
+    );
+
+    // Clean end: everything unprepares, nothing is left.
+    let answer = unprepare(&mut k, claims.clone()).await?;
+    for (uid, a) in &answer.claims {
+        ensure!(a.error.is_empty(), "final unprepare of {uid}: {}", a.error);
+    }
+    ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
+    ensure!(w.dirs.checkpoint().is_empty());
+    let leftover: Vec<Value> = w.dirs.checkpoint().into_values().collect();
+    ensure!(leftover.is_empty());
+    drop(plugin);
+    w.namespace.delete().await
+}
