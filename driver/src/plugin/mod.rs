@@ -15,6 +15,7 @@
 //! the registration socket first (the kubelet stops routing to this
 //! instance), lets calls in flight finish, and removes the DRA socket.
 
+mod authority;
 pub mod cli;
 pub mod sockets;
 
@@ -26,7 +27,6 @@ use std::time::Duration;
 
 use tessera_api::kubelet::{self, dra_v1, dra_v1beta1, registration};
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::{error, info, warn};
 
@@ -129,7 +129,7 @@ impl Plugin {
                     registration,
                 ))
                 .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(reg_listener),
+                    authority::incoming(reg_listener),
                     until(reg_stopped),
                 ),
         );
@@ -142,7 +142,7 @@ impl Plugin {
                     DraV1beta1(self.preparer.clone()),
                 ))
                 .serve_with_incoming_shutdown(
-                    UnixListenerStream::new(dra_listener),
+                    authority::incoming(dra_listener),
                     until(dra_stopped),
                 ),
         );

@@ -1,0 +1,577 @@
+//! Make the kubelet's registration calls acceptable to our HTTP/2 server.
+//!
+//! The kubelet dials the registration socket by its bare path, and grpc-go
+//! then sends the percent-encoded socket path as the `:authority` pseudo
+//! header (e.g. `var%2Flib%2Fkubelet%2F...sock`). That is not a valid URI
+//! authority, and the HTTP/2 implementation under tonic resets every such
+//! stream with PROTOCOL_ERROR, so registration would never succeed. (The DRA
+//! service itself is dialled as `unix:<path>`, for which grpc-go sends
+//! `localhost`.)
+//!
+//! On a Unix socket the authority means nothing, so this module rewrites it on
+//! the way in: [`AuthorityRewrite`] wraps an accepted connection and replaces
+//! every literal `:authority` in the client's header blocks with `localhost`.
+//! Only header-block framing and HPACK field boundaries are parsed; all other
+//! bytes pass through untouched. Anything that does not parse as HTTP/2 is
+//! passed through unchanged, so the server reports the real error.
+//!
+//! HPACK dynamic-table consistency: a rewritten field keeps its representation
+//! (incremental indexing stays incremental indexing), so client and server
+//! add an entry at the same position; later indexed references resolve to
+//! `localhost` on the server. The server's entry is smaller than the client's,
+//! so the server evicts no earlier than the client does and every index the
+//! client uses still names the same entry.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{Stream, StreamExt as _};
+use tonic::transport::server::Connected;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FRAME_HEADER_LEN: usize = 9;
+const TYPE_HEADERS: u8 = 0x1;
+const TYPE_CONTINUATION: u8 = 0x9;
+const FLAG_END_HEADERS: u8 = 0x4;
+const FLAG_PADDED: u8 = 0x8;
+const FLAG_PRIORITY: u8 = 0x20;
+/// The smallest SETTINGS_MAX_FRAME_SIZE a peer may use; re-emitted header
+/// blocks are split to fit it whatever the server advertised.
+const MAX_FRAME: usize = 16_384;
+/// Static-table index of `:authority` (RFC 7541, appendix A).
+const AUTHORITY_INDEX: u64 = 1;
+const REPLACEMENT: &[u8] = b"localhost";
+
+/// Accepted connections of `listener`, each wrapped in [`AuthorityRewrite`].
+pub fn incoming(
+    listener: UnixListener,
+) -> impl Stream<Item = io::Result<AuthorityRewrite<UnixStream>>> {
+    UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityRewrite::new))
+}
+
+/// A connection whose inbound HTTP/2 header blocks get `:authority` rewritten.
+pub struct AuthorityRewrite<S> {
+    inner: S,
+    rewriter: Rewriter,
+    /// Transformed bytes not yet handed to the reader.
+    ready: Vec<u8>,
+    ready_pos: usize,
+    eof: bool,
+}
+
+impl<S> AuthorityRewrite<S> {
+    pub fn new(inner: S) -> Self {
+        AuthorityRewrite {
+            inner,
+            rewriter: Rewriter::default(),
+            ready: Vec::new(),
+            ready_pos: 0,
+            eof: false,
+        }
+    }
+}
+
+impl<S: Connected> Connected for AuthorityRewrite<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for AuthorityRewrite<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.ready_pos < this.ready.len() {
+                let n = buf.remaining().min(this.ready.len() - this.ready_pos);
+                buf.put_slice(&this.ready[this.ready_pos..this.ready_pos + n]);
+                this.ready_pos += n;
+                if this.ready_pos == this.ready.len() {
+                    this.ready.clear();
+                    this.ready_pos = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                return Poll::Ready(Ok(()));
+            }
+            let mut chunk = [0u8; 8192];
+            let mut read = ReadBuf::new(&mut chunk);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) if read.filled().is_empty() => {
+                    // Hand over whatever was held back (an incomplete frame)
+                    // so the server sees the truncation itself.
+                    this.ready.extend(this.rewriter.finish());
+                    this.eof = true;
+                }
+                Poll::Ready(Ok(())) => {
+                    this.rewriter.push(read.filled(), &mut this.ready);
+                }
+            }
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityRewrite<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// The byte-stream transformer, independent of any I/O.
+#[derive(Default)]
+struct Rewriter {
+    pending: Vec<u8>,
+    state: State,
+    /// A header block being collected: HEADERS frame header + payload
+    /// prefix (priority) and the fragments so far.
+    block: Option<PendingBlock>,
+}
+
+#[derive(Default, PartialEq, Eq)]
+enum State {
+    #[default]
+    Preface,
+    Frames,
+    /// Not HTTP/2 as expected: stop interpreting.
+    Passthrough,
+}
+
+struct PendingBlock {
+    stream_id: [u8; 4],
+    flags: u8,
+    priority: Option<[u8; 5]>,
+    fragment: Vec<u8>,
+    /// The frames as received, used if the block cannot be parsed.
+    original: Vec<u8>,
+}
+
+impl Rewriter {
+    fn push(&mut self, input: &[u8], out: &mut Vec<u8>) {
+        if self.state == State::Passthrough {
+            out.extend_from_slice(input);
+            return;
+        }
+        self.pending.extend_from_slice(input);
+        let mut pos = 0;
+        loop {
+            match self.state {
+                State::Passthrough => {
+                    out.extend_from_slice(&self.pending[pos..]);
+                    pos = self.pending.len();
+                    break;
+                }
+                State::Preface => {
+                    let have = &self.pending[pos..];
+                    let n = have.len().min(PREFACE.len());
+                    if have[..n] != PREFACE[..n] {
+                        self.state = State::Passthrough;
+                        continue;
+                    }
+                    if n < PREFACE.len() {
+                        break;
+                    }
+                    out.extend_from_slice(PREFACE);
+                    pos += PREFACE.len();
+                    self.state = State::Frames;
+                }
+                State::Frames => {
+                    let have = &self.pending[pos..];
+                    if have.len() < FRAME_HEADER_LEN {
+                        break;
+                    }
+                    let len = (usize::from(have[0]) << 16)
+                        | (usize::from(have[1]) << 8)
+                        | usize::from(have[2]);
+                    let total = FRAME_HEADER_LEN + len;
+                    if have.len() < total {
+                        break;
+                    }
+                    let frame = have[..total].to_vec();
+                    pos += total;
+                    self.frame(&frame, out);
+                }
+            }
+        }
+        self.pending.drain(..pos);
+    }
+
+    /// Bytes held back at end of stream, unchanged.
+    fn finish(&mut self) -> Vec<u8> {
+        let mut rest = self.block.take().map(|b| b.original).unwrap_or_default();
+        rest.append(&mut self.pending);
+        rest
+    }
+
+    fn frame(&mut self, frame: &[u8], out: &mut Vec<u8>) {
+        let kind = frame[3];
+        let flags = frame[4];
+        let payload = &frame[FRAME_HEADER_LEN..];
+        match (kind, self.block.as_mut()) {
+            (TYPE_CONTINUATION, Some(block)) => {
+                block.fragment.extend_from_slice(payload);
+                block.original.extend_from_slice(frame);
+                if flags & FLAG_END_HEADERS != 0 {
+                    let block = self.block.take().expect("block present");
+                    emit_block(block, out);
+                }
+            }
+            (TYPE_HEADERS, None) => match header_fragment(flags, payload) {
+                Some((priority, fragment)) => {
+                    let block = PendingBlock {
+                        stream_id: [frame[5], frame[6], frame[7], frame[8]],
+                        flags,
+                        priority,
+                        fragment: fragment.to_vec(),
+                        original: frame.to_vec(),
+                    };
+                    if flags & FLAG_END_HEADERS != 0 {
+                        emit_block(block, out);
+                    } else {
+                        self.block = Some(block);
+                    }
+                }
+                None => self.give_up(frame, out),
+            },
+            // Anything else inside a header block is a protocol error the
+            // server must see as such.
+            (_, Some(_)) => self.give_up(frame, out),
+            (_, None) => out.extend_from_slice(frame),
+        }
+    }
+
+    fn give_up(&mut self, frame: &[u8], out: &mut Vec<u8>) {
+        if let Some(block) = self.block.take() {
+            out.extend_from_slice(&block.original);
+        }
+        out.extend_from_slice(frame);
+        self.state = State::Passthrough;
+    }
+}
+
+/// Split a HEADERS payload into its priority fields and block fragment,
+/// dropping padding.
+fn header_fragment(flags: u8, payload: &[u8]) -> Option<(Option<[u8; 5]>, &[u8])> {
+    let mut body = payload;
+    let mut pad = 0usize;
+    if flags & FLAG_PADDED != 0 {
+        pad = usize::from(*body.first()?);
+        body = &body[1..];
+    }
+    let mut priority = None;
+    if flags & FLAG_PRIORITY != 0 {
+        priority = Some(body.get(..5)?.try_into().ok()?);
+        body = &body[5..];
+    }
+    let end = body.len().checked_sub(pad)?;
+    Some((priority, &body[..end]))
+}
+
+fn emit_block(block: PendingBlock, out: &mut Vec<u8>) {
+    let Some(fragment) = rewrite_authority(&block.fragment) else {
+        out.extend_from_slice(&block.original);
+        return;
+    };
+    let mut first_payload = Vec::with_capacity(fragment.len() + 5);
+    if let Some(p) = block.priority {
+        first_payload.extend_from_slice(&p);
+    }
+    let keep = block.flags & !(FLAG_PADDED | FLAG_END_HEADERS);
+    let first_room = MAX_FRAME - first_payload.len();
+    let (head, mut rest) = fragment.split_at(fragment.len().min(first_room));
+    first_payload.extend_from_slice(head);
+    let end = if rest.is_empty() { FLAG_END_HEADERS } else { 0 };
+    write_frame(
+        out,
+        TYPE_HEADERS,
+        keep | end,
+        block.stream_id,
+        &first_payload,
+    );
+    while !rest.is_empty() {
+        let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME));
+        rest = tail;
+        let end = if rest.is_empty() { FLAG_END_HEADERS } else { 0 };
+        write_frame(out, TYPE_CONTINUATION, end, block.stream_id, chunk);
+    }
+}
+
+fn write_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: [u8; 4], payload: &[u8]) {
+    let len = payload.len();
+    out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
+    out.extend_from_slice(&stream);
+    out.extend_from_slice(payload);
+}
+
+/// Rewrite every literal `:authority` field of an HPACK header block to
+/// `localhost`. `None` if the block does not parse (left to the server).
+fn rewrite_authority(block: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(block.len());
+    let mut pos = 0;
+    while pos < block.len() {
+        let start = pos;
+        let first = block[pos];
+        if first & 0x80 != 0 {
+            // Indexed field: a reference, nothing literal to rewrite.
+            decode_int(block, &mut pos, 7)?;
+            out.extend_from_slice(&block[start..pos]);
+            continue;
+        }
+        if first & 0xe0 == 0x20 {
+            // Dynamic table size update.
+            decode_int(block, &mut pos, 5)?;
+            out.extend_from_slice(&block[start..pos]);
+            continue;
+        }
+        // A literal field: incremental indexing (01), or without / never
+        // indexed (0000 / 0001).
+        let (prefix_bits, pattern) = if first & 0xc0 == 0x40 {
+            (6, first & 0xc0)
+        } else {
+            (4, first & 0xf0)
+        };
+        let name_index = decode_int(block, &mut pos, prefix_bits)?;
+        let name_start = pos;
+        let literal_authority_name = if name_index == 0 {
+            let (huffman, name) = decode_string(block, &mut pos)?;
+            !huffman && name == b":authority"
+        } else {
+            false
+        };
+        let value_start = pos;
+        decode_string(block, &mut pos)?;
+        if name_index == AUTHORITY_INDEX || literal_authority_name {
+            if name_index == 0 {
+                out.push(pattern);
+                out.extend_from_slice(&block[name_start..value_start]);
+            } else {
+                encode_int(&mut out, pattern, prefix_bits, AUTHORITY_INDEX);
+            }
+            encode_int(&mut out, 0, 7, REPLACEMENT.len() as u64);
+            out.extend_from_slice(REPLACEMENT);
+        } else {
+            out.extend_from_slice(&block[start..pos]);
+        }
+    }
+    Some(out)
+}
+
+/// HPACK integer with an N-bit prefix (RFC 7541 section 5.1).
+fn decode_int(buf: &[u8], pos: &mut usize, prefix_bits: u8) -> Option<u64> {
+    let max = (1u64 << prefix_bits) - 1;
+    let mut value = u64::from(*buf.get(*pos)?) & max;
+    *pos += 1;
+    if value < max {
+        return Some(value);
+    }
+    let mut shift = 0u32;
+    loop {
+        let byte = *buf.get(*pos)?;
+        *pos += 1;
+        value = value.checked_add(u64::from(byte & 0x7f).checked_shl(shift)?)?;
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
+        shift += 7;
+        if shift > 56 {
+            return None;
+        }
+    }
+}
+
+fn encode_int(out: &mut Vec<u8>, high_bits: u8, prefix_bits: u8, mut value: u64) {
+    let max = (1u64 << prefix_bits) - 1;
+    if value < max {
+        out.push(high_bits | value as u8);
+        return;
+    }
+    out.push(high_bits | max as u8);
+    value -= max;
+    while value >= 0x80 {
+        out.push((value as u8 & 0x7f) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// An HPACK string literal: (huffman-coded?, raw bytes).
+fn decode_string<'a>(buf: &'a [u8], pos: &mut usize) -> Option<(bool, &'a [u8])> {
+    let huffman = buf.get(*pos)? & 0x80 != 0;
+    let len = usize::try_from(decode_int(buf, pos, 7)?).ok()?;
+    let bytes = buf.get(*pos..pos.checked_add(len)?)?;
+    *pos += len;
+    Some((huffman, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn string(out: &mut Vec<u8>, s: &[u8]) {
+        encode_int(out, 0, 7, s.len() as u64);
+        out.extend_from_slice(s);
+    }
+
+    /// What grpc-go sends for a bare socket path: `:method POST` (indexed),
+    /// `:scheme http` (indexed), `:path` literal, `:authority` literal with
+    /// incremental indexing and the percent-encoded path as value.
+    fn grpc_go_block(authority: &[u8]) -> Vec<u8> {
+        let mut b = vec![0x83, 0x86];
+        b.push(0x44); // :path, incremental indexing, static name 4
+        string(&mut b, b"/pluginregistration.Registration/GetInfo");
+        b.push(0x41); // :authority, incremental indexing, static name 1
+        string(&mut b, authority);
+        b.push(0x40); // literal new name
+        string(&mut b, b"content-type");
+        string(&mut b, b"application/grpc");
+        b
+    }
+
+    fn headers_frame(flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = Vec::new();
+        write_frame(&mut f, TYPE_HEADERS, flags, stream.to_be_bytes(), payload);
+        f
+    }
+
+    #[test]
+    fn percent_encoded_socket_path_becomes_localhost() {
+        let block = grpc_go_block(b"var%2Flib%2Fkubelet%2Fplugins_registry%2Fx-reg.sock");
+        let rewritten = rewrite_authority(&block).unwrap();
+        let expected = grpc_go_block(b"localhost");
+        assert_eq!(rewritten, expected);
+    }
+
+    #[test]
+    fn literal_name_and_never_indexed_forms_are_rewritten() {
+        let mut block = vec![0x10]; // never indexed, new name
+        string(&mut block, b":authority");
+        string(&mut block, b"/run/x.sock");
+        let out = rewrite_authority(&block).unwrap();
+        let mut expected = vec![0x10];
+        string(&mut expected, b":authority");
+        string(&mut expected, b"localhost");
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn truncated_blocks_are_not_parsed() {
+        let block = grpc_go_block(b"x%2Fy");
+        assert!(rewrite_authority(&block[..block.len() - 3]).is_none());
+    }
+
+    #[test]
+    fn stream_is_rewritten_across_chunk_boundaries_and_continuations() {
+        let block = grpc_go_block(b"a%2Fb.sock");
+        let (part1, part2) = block.split_at(7);
+        let mut input = PREFACE.to_vec();
+        // SETTINGS frame passes through untouched.
+        write_frame(&mut input, 0x4, 0, [0; 4], &[0, 3, 0, 0, 0, 100]);
+        // HEADERS (padded, with priority) + CONTINUATION.
+        let mut payload = vec![2]; // pad length
+        payload.extend_from_slice(&[0x80, 0, 0, 0, 15]);
+        payload.extend_from_slice(part1);
+        payload.extend_from_slice(&[0, 0]);
+        input.extend(headers_frame(FLAG_PADDED | FLAG_PRIORITY, 1, &payload));
+        write_frame(
+            &mut input,
+            TYPE_CONTINUATION,
+            FLAG_END_HEADERS,
+            1u32.to_be_bytes(),
+            part2,
+        );
+        // DATA frame passes through.
+        write_frame(&mut input, 0x0, 0x1, 1u32.to_be_bytes(), b"hello");
+
+        let mut rewriter = Rewriter::default();
+        let mut out = Vec::new();
+        for chunk in input.chunks(5) {
+            rewriter.push(chunk, &mut out);
+        }
+        assert!(rewriter.finish().is_empty());
+
+        let mut expected = PREFACE.to_vec();
+        write_frame(&mut expected, 0x4, 0, [0; 4], &[0, 3, 0, 0, 0, 100]);
+        let mut payload = vec![0x80, 0, 0, 0, 15];
+        payload.extend(grpc_go_block(b"localhost"));
+        expected.extend(headers_frame(FLAG_PRIORITY | FLAG_END_HEADERS, 1, &payload));
+        write_frame(&mut expected, 0x0, 0x1, 1u32.to_be_bytes(), b"hello");
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn non_http2_input_passes_through() {
+        let mut rewriter = Rewriter::default();
+        let mut out = Vec::new();
+        rewriter.push(b"GET / HTTP/1.1\r\n\r\n", &mut out);
+        assert_eq!(out, b"GET / HTTP/1.1\r\n\r\n");
+    }
+
+    #[test]
+    fn large_integers_round_trip() {
+        for v in [0u64, 30, 31, 62, 63, 64, 127, 128, 300, 16_384, 1 << 40] {
+            let mut buf = Vec::new();
+            encode_int(&mut buf, 0x40, 6, v);
+            let mut pos = 0;
+            assert_eq!(decode_int(&buf, &mut pos, 6), Some(v));
+            assert_eq!(pos, buf.len());
+        }
+    }
+
+    #[tokio::test]
+    async fn wraps_an_async_stream() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut client, server) = tokio::io::duplex(64);
+        let mut input = PREFACE.to_vec();
+        input.extend(headers_frame(FLAG_END_HEADERS, 1, &grpc_go_block(b"p%2Fq")));
+        let writer = tokio::spawn(async move {
+            client.write_all(&input).await.unwrap();
+            client.shutdown().await.unwrap();
+        });
+        let mut wrapped = AuthorityRewrite::new(server);
+        let mut out = Vec::new();
+        wrapped.read_to_end(&mut out).await.unwrap();
+        writer.await.unwrap();
+        let mut expected = PREFACE.to_vec();
+        expected.extend(headers_frame(
+            FLAG_END_HEADERS,
+            1,
+            &grpc_go_block(b"localhost"),
+        ));
+        assert_eq!(out, expected);
+    }
+}
