@@ -241,7 +241,9 @@ fn encode<T: Serialize>(boot_id: &str, claims: &BTreeMap<ClaimUid, T>) -> Vec<u8
 }
 
 /// Decode a checkpoint file; `Err` carries a human-readable reason.
-fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
+pub(crate) fn decode<T: DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
     let envelope: Envelope =
         serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint envelope: {e}"))?;
     if envelope.version != FORMAT_VERSION {

@@ -101,13 +101,12 @@ pub fn remove_stale(dir: &Path, prefix: &str, suffix: &str, keep: &Path) -> Vec<
         if !is_socket {
             continue;
         }
-        match std::os::unix::net::UnixStream::connect(&path) {
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
-                if std::fs::remove_file(&path).is_ok() {
-                    removed.push(path);
-                }
-            }
-            _ => {}
+        let dead = matches!(
+            std::os::unix::net::UnixStream::connect(&path),
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused
+        );
+        if dead && std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
         }
     }
     removed

@@ -625,6 +625,13 @@ impl Preparer {
     }
 }
 
+/// Fuzzing entry point: decoding a checkpoint file with the plugin's real
+/// entry type must never panic, whatever the bytes.
+#[doc(hidden)]
+pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
+    let _ = crate::checkpoint::decode::<ClaimEntry>(bytes);
+}
+
 /// Checks what the kubelet sent before it is used in a path or a URL.
 fn validate(claim: &ClaimRef) -> ClaimResult<ClaimUid> {
     let uid = ClaimUid::parse(&claim.uid)

@@ -1,1 +1,371 @@
+//! Prepare without an API server: claims from a map, a recording sharing
+//! implementation, files in a temp dir. The API-server tests live in
+//! `conformance/tests/plugin_*.rs`.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use serde_json::json;
+use tessera_api::config::{Limits, TimeSliceInterval};
+use tessera_api::inventory::{Gpu, Inventory, Mig, MigPlacement};
+use tessera_controller::model::{DeviceKind, DeviceRef, IsolationLevel as ModelLevel};
+
+use super::catalog::{Catalog, DeviceCatalog};
+use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
+use super::sharing::{MpsClient, MpsTarget, Sharing, SharingError, Unsupported};
+use super::*;
+
+const NODE: &str = "node-a";
+const DRIVER: &str = "gpu.tessera.dev";
+const GPU: &str = "GPU-11111111-2222-3333-4444-555555555555";
+
+struct Claims(HashMap<String, ResourceClaim>);
+
+impl ClaimSource for Claims {
+    fn get<'a>(&'a self, _namespace: &'a str, name: &'a str) -> FetchFuture<'a> {
+        let found = self.0.get(name).cloned();
+        Box::pin(async move { found.ok_or(FetchError::NotFound) })
+    }
+}
+
+#[derive(Default)]
+struct Recorder {
+    calls: Mutex<Vec<String>>,
+    fail_mps: bool,
+}
+
+impl Recorder {
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Sharing for Recorder {
+    fn mps_acquire(
+        &self,
+        claim: &ClaimUid,
+        target: &MpsTarget,
+        limits: &Limits,
+    ) -> Result<MpsClient, SharingError> {
+        self.calls.lock().unwrap().push(format!(
+            "acquire {claim} {} {}",
+            target.gpu_uuid, limits.compute_percent
+        ));
+        if self.fail_mps {
+            return Err(SharingError("daemon did not start".into()));
+        }
+        Ok(MpsClient {
+            pipe_dir: format!("/run/tessera/mps/{}/pipe", target.gpu_uuid).into(),
+            log_dir: format!("/run/tessera/mps/{}/log", target.gpu_uuid).into(),
+        })
+    }
+    fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("release {claim} {}", target.gpu_uuid));
+        Ok(())
+    }
+    fn set_time_slice(
+        &self,
+        _claim: &ClaimUid,
+        _gpu_uuid: &str,
+        _interval: TimeSliceInterval,
+    ) -> Result<(), SharingError> {
+        Ok(())
+    }
+    fn reset_time_slice(&self, _claim: &ClaimUid, _gpu_uuid: &str) -> Result<(), SharingError> {
+        Ok(())
+    }
+}
+
+fn inventory() -> Inventory {
+    Inventory {
+        driver_version: "550.90.07".into(),
+        cuda_driver_version: "12.4".into(),
+        gpus: vec![Gpu {
+            uuid: GPU.into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "nvidia".into(),
+            architecture: "hopper".into(),
+            cuda_compute_capability: "9.0".into(),
+            pci_bus_id: "0000:18:00.0".into(),
+            memory_bytes: 80 << 30,
+            multiprocessors: 132,
+            minor: 3,
+            mig: Mig::NotSupported,
+        }],
+    }
+}
+
+fn catalog() -> Catalog {
+    let reference = |kind| DeviceRef {
+        gpu_uuid: GPU.into(),
+        gpu_index: 0,
+        kind,
+    };
+    Catalog::new(
+        inventory(),
+        [
+            ("gpu-0".to_owned(), reference(DeviceKind::Whole)),
+            (
+                "gpu-0-isolated".to_owned(),
+                reference(DeviceKind::Share {
+                    level: ModelLevel::Isolated,
+                    provider: None,
+                    time_slice: None,
+                }),
+            ),
+        ]
+        .into(),
+    )
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    sharing: Arc<Recorder>,
+}
+
+impl Fixture {
+    fn new(fail_mps: bool) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("root/dev")).unwrap();
+        for node in ["nvidia3", "nvidiactl"] {
+            std::fs::write(dir.path().join("root/dev").join(node), "").unwrap();
+        }
+        std::fs::write(dir.path().join("boot_id"), "boot\n").unwrap();
+        Fixture {
+            dir,
+            sharing: Arc::new(Recorder {
+                fail_mps,
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn config(&self) -> PrepareConfig {
+        let root = self.dir.path().join("root");
+        PrepareConfig {
+            driver: DRIVER.into(),
+            node: NODE.into(),
+            cdi_dir: self.dir.path().join("cdi"),
+            state_dir: self.dir.path().join("state"),
+            boot_id_file: self.dir.path().join("boot_id"),
+            layout: Layout {
+                driver_root: root.clone(),
+                dev_root: root,
+                driver_files: Vec::new(),
+            },
+        }
+    }
+
+    async fn open(&self, claims: Vec<ResourceClaim>) -> (Arc<Preparer>, Recovery) {
+        let claims = claims
+            .into_iter()
+            .map(|c| (c.metadata.name.clone().unwrap(), c))
+            .collect();
+        let deps = Dependencies {
+            claims: Arc::new(Claims(claims)),
+            catalog: Arc::new(DeviceCatalog::fixed(catalog())),
+            sharing: self.sharing.clone(),
+            mig: Arc::new(Unsupported),
+            status: None,
+            events: None,
+        };
+        Preparer::open(self.config(), deps).await.unwrap()
+    }
+
+    fn cdi_files(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("cdi"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+}
+
+fn uid(n: u8) -> String {
+    format!("{n:08x}-0000-4000-8000-000000000000")
+}
+
+fn isolated_claim(n: u8, config: serde_json::Value) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("c{n}"), "namespace": "ns", "uid": uid(n)},
+        "spec": {},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "share", "driver": DRIVER, "pool": NODE, "device": "gpu-0-isolated",
+                         "shareID": "7a0b8c0d-0000-4000-8000-000000000001",
+                         "consumedCapacity": {"memory": "8Gi", "cores": "25"}}],
+            "config": config,
+        }}}
+    }))
+    .unwrap()
+}
+
+fn claim_ref(n: u8) -> ClaimRef {
+    ClaimRef {
+        namespace: "ns".into(),
+        name: format!("c{n}"),
+        uid: uid(n),
+    }
+}
+
+#[tokio::test]
+async fn isolated_share_gets_mps_limits_from_capacity_tightened_by_config() {
+    let f = Fixture::new(false);
+    let tighter = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "ShareConfig",
+        "processLimits": {"memory": "2Gi"}}}}]);
+    let (preparer, _) = f
+        .open(vec![
+            isolated_claim(1, tighter),
+            isolated_claim(2, json!([])),
+        ])
+        .await;
+    let results = preparer.prepare(vec![claim_ref(1), claim_ref(2)]).await;
+    for (_, r) in &results {
+        assert!(r.is_ok(), "{r:?}");
+    }
+    let entry = preparer.entry(&ClaimUid::parse(&uid(1)).unwrap()).unwrap();
+    assert_eq!(entry.state, EntryState::Completed);
+    let env = &entry.spec.as_ref().unwrap().devices[0].container_edits.env;
+    for want in [
+        format!("NVIDIA_VISIBLE_DEVICES={GPU}"),
+        format!("CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps/{GPU}/pipe"),
+        format!("CUDA_MPS_LOG_DIRECTORY=/run/tessera/mps/{GPU}/log"),
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M".to_owned(),
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".to_owned(),
+    ] {
+        assert!(env.contains(&want), "{want} not in {env:?}");
+    }
+    let data = &entry.status[0].data;
+    assert_eq!(data.isolation_level.as_deref(), Some("Isolated"));
+    assert_eq!(data.limits.as_ref().unwrap().memory, "2Gi");
+    assert_eq!(data.limits.as_ref().unwrap().compute_percent, 25);
+    // Claim 2 has no config: the consumed capacity is the limit.
+    let entry2 = preparer.entry(&ClaimUid::parse(&uid(2)).unwrap()).unwrap();
+    let env2 = &entry2.spec.as_ref().unwrap().devices[0].container_edits.env;
+    assert!(env2.contains(&"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M".to_owned()));
+
+    // Unprepare releases this claim's MPS reference only.
+    let un = preparer.unprepare(vec![claim_ref(1)]).await;
+    assert!(un[0].1.is_ok());
+    assert!(
+        f.sharing
+            .calls()
+            .contains(&format!("release {} {GPU}", uid(1)))
+    );
+    assert!(
+        !f.sharing
+            .calls()
+            .contains(&format!("release {} {GPU}", uid(2)))
+    );
+    assert_eq!(f.cdi_files(), 1);
+}
+
+#[tokio::test]
+async fn failed_side_effect_rolls_back_and_other_claims_proceed() {
+    let f = Fixture::new(true);
+    let whole: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "c3", "namespace": "ns", "uid": uid(3)},
+        "spec": {},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}}}
+    }))
+    .unwrap();
+    let (preparer, _) = f.open(vec![isolated_claim(1, json!([])), whole]).await;
+    let results = preparer.prepare(vec![claim_ref(1), claim_ref(3)]).await;
+    let err = results[0].1.as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("cannot start MPS") && err.contains("daemon did not start"),
+        "{err}"
+    );
+    assert!(err.starts_with("claim ns/c1 (uid"), "{err}");
+    assert!(results[1].1.is_ok(), "{:?}", results[1].1);
+    // Rolled back: no entry, no spec, the reference released.
+    assert!(preparer.entry(&ClaimUid::parse(&uid(1)).unwrap()).is_none());
+    assert_eq!(f.cdi_files(), 1);
+    assert!(
+        f.sharing
+            .calls()
+            .contains(&format!("release {} {GPU}", uid(1)))
+    );
+}
+
+#[tokio::test]
+async fn start_up_rolls_back_started_and_finishes_unpreparing() {
+    let f = Fixture::new(false);
+    {
+        let (mut cp, _) =
+            Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
+                .unwrap();
+        for (n, state) in [(5, EntryState::Started), (6, EntryState::Unpreparing)] {
+            cp.put(
+                ClaimUid::parse(&uid(n)).unwrap(),
+                ClaimEntry {
+                    namespace: "ns".into(),
+                    name: format!("c{n}"),
+                    state,
+                    actions: vec![Action::Mps {
+                        gpu_uuid: GPU.into(),
+                        mig_uuid: None,
+                    }],
+                    devices: Vec::new(),
+                    spec: None,
+                    status: Vec::new(),
+                },
+            )
+            .unwrap();
+        }
+        // A spec for claim 6 and an orphan no entry knows.
+        let specs = SpecDir::new(f.config().cdi_dir);
+        let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+        specs
+            .write(&ClaimUid::parse(&uid(6)).unwrap(), &spec)
+            .unwrap();
+        specs
+            .write(&ClaimUid::parse(&uid(7)).unwrap(), &spec)
+            .unwrap();
+    }
+    let (preparer, recovery) = f.open(Vec::new()).await;
+    assert_eq!(
+        recovery.rolled_back,
+        vec![ClaimUid::parse(&uid(5)).unwrap()]
+    );
+    assert_eq!(recovery.unprepared, vec![ClaimUid::parse(&uid(6)).unwrap()]);
+    assert_eq!(
+        recovery.orphans_removed,
+        vec![ClaimUid::parse(&uid(7)).unwrap()]
+    );
+    assert!(recovery.problems.is_empty(), "{:?}", recovery.problems);
+    assert_eq!(f.cdi_files(), 0);
+    assert!(preparer.entry(&ClaimUid::parse(&uid(5)).unwrap()).is_none());
+    let calls = f.sharing.calls();
+    assert!(
+        calls.contains(&format!("release {} {GPU}", uid(5))),
+        "{calls:?}"
+    );
+    assert!(
+        calls.contains(&format!("release {} {GPU}", uid(6))),
+        "{calls:?}"
+    );
+}
+
+#[test]
+fn fuzz_seed_is_a_valid_checkpoint() {
+    let seed = include_bytes!("../../fuzz/seeds/two_claims.json");
+    let (boot, entries) = crate::checkpoint::decode::<ClaimEntry>(seed).unwrap();
+    assert_eq!(boot, "boot-a");
+    assert_eq!(entries.len(), 2);
+    let first = entries.values().next().unwrap();
+    assert_eq!(first.state, EntryState::Completed);
+    assert_eq!(
+        first.actions[1],
+        Action::MigCreate {
+            gpu_uuid: "GPU-1".into(),
+            profile_id: 9,
+            placement: MigPlacement { start: 4, size: 4 },
+        }
+    );
+    fuzz_decode_checkpoint(seed);
+    fuzz_decode_checkpoint(&seed[..seed.len() / 2]);
+}
