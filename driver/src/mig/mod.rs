@@ -1,0 +1,643 @@
+//! Dynamic MIG: GPU instances created at prepare and destroyed at unprepare.
+//!
+//! nvml-wrapper 0.13 does not wrap GPU/compute instance creation, so this
+//! module makes those NVML calls through its raw bindings ([`raw`]) and
+//! offers three safe operations:
+//!
+//! - [`create`]: a GPU instance of a profile at an exact placement
+//!   (`nvmlDeviceCreateGpuInstanceWithPlacement`), then one compute instance
+//!   spanning it (the GPU instance's largest compute profile,
+//!   `nvmlGpuInstanceCreateComputeInstance`), then the MIG device's UUID.
+//! - [`destroy`]: the compute instances of that GPU instance, then the GPU
+//!   instance. Something already gone is success.
+//! - [`list`]: every GPU instance with its compute instances and MIG UUIDs,
+//!   to reconcile after a crash.
+//!
+//! **Idempotent and crash-safe.** The caller records (checkpoint) the
+//! profile and placement *before* calling [`create`], so after a crash the
+//! same call is repeated. A GPU instance of that profile at exactly that
+//! placement is then taken to be the one the interrupted call created: if it
+//! has its full compute instance, it is returned as is; if the crash came
+//! between the two creations, the compute instance is added. Anything else
+//! at the placement (another profile overlapping it, or a GPU instance split
+//! into smaller compute instances) is not ours, and is reported, never
+//! touched. A `create` that fails after creating the GPU instance itself
+//! destroys it again, so a failure leaves nothing behind.
+//!
+//! MIG mode is never changed here: enabling it needs a GPU reset on most
+//! boards, which is node administration, not a claim's business.
+
+pub mod raw;
+
+use std::sync::Mutex;
+
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper_sys::bindings::{
+    NVML_COMPUTE_INSTANCE_PROFILE_COUNT, NVML_GPU_INSTANCE_PROFILE_COUNT,
+    nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES as INSUFFICIENT_RESOURCES,
+};
+use serde::{Deserialize, Serialize};
+pub use tessera_api::inventory::MigPlacement;
+
+/// A MIG device made of one GPU instance and one compute instance spanning
+/// it, as [`create`] made (or found) it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedMig {
+    pub gpu_uuid: String,
+    /// NVML GPU instance profile id.
+    pub profile_id: u32,
+    pub placement: MigPlacement,
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+    /// NVML compute instance profile id of the spanning compute instance.
+    pub compute_profile_id: u32,
+    /// `MIG-…`, what `CUDA_VISIBLE_DEVICES`/`NVIDIA_VISIBLE_DEVICES` name.
+    pub mig_uuid: String,
+    /// SMs of the compute instance.
+    pub multiprocessors: u32,
+}
+
+/// What [`create`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Created {
+    /// Both instances were created now.
+    New,
+    /// The GPU instance existed (an interrupted earlier call); its compute
+    /// instance was created now.
+    CompletedGpuInstance,
+    /// Both existed: a repeated call.
+    Existing,
+}
+
+/// What [`destroy`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destroyed {
+    /// The GPU instance (and its compute instances) were destroyed now.
+    Destroyed,
+    /// Nothing was at the placement.
+    AlreadyGone,
+}
+
+/// A GPU instance as [`list`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuInstanceState {
+    pub gpu_instance_id: u32,
+    pub profile_id: u32,
+    pub placement: MigPlacement,
+    pub compute_instances: Vec<ComputeInstanceState>,
+}
+
+/// A compute instance as [`list`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ComputeInstanceState {
+    pub compute_instance_id: u32,
+    pub profile_id: u32,
+    /// Compute slices it spans.
+    pub slices: u32,
+    /// The MIG device's UUID, when NVML lists the device.
+    pub mig_uuid: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigError {
+    #[error("MIG on {gpu}: no GPU with this UUID")]
+    GpuNotFound { gpu: String },
+    #[error(
+        "MIG on {gpu}: MIG mode is off; fix: enable it (nvidia-smi -i <gpu> -mig 1, then a GPU \
+         reset) or do not offer dynamic MIG devices on this GPU"
+    )]
+    MigDisabled { gpu: String },
+    #[error("MIG on {gpu}: the GPU has no GPU instance profile with id {profile_id}")]
+    UnknownProfile { gpu: String, profile_id: u32 },
+    #[error(
+        "MIG on {gpu}: profile {profile_id} cannot be placed at {}:{} (NVML: {error}); the \
+         placement must be one the profile lists (nvidia-smi mig -lgipp)",
+        placement.start, placement.size
+    )]
+    BadPlacement {
+        gpu: String,
+        profile_id: u32,
+        placement: MigPlacement,
+        error: NvmlError,
+    },
+    #[error(
+        "MIG on {gpu}: memory slices {}:{} for profile {profile_id} are taken by {by}; it was not \
+         created by this claim and is left alone",
+        placement.start, placement.size
+    )]
+    Occupied {
+        gpu: String,
+        profile_id: u32,
+        placement: MigPlacement,
+        by: String,
+    },
+    #[error(
+        "MIG on {gpu}: GPU instance {gpu_instance_id} holds compute instances {found}, not one \
+         {slices}-slice compute instance spanning it; it was not created by this driver and is \
+         left alone"
+    )]
+    Split {
+        gpu: String,
+        gpu_instance_id: u32,
+        slices: u32,
+        found: String,
+    },
+    #[error(
+        "MIG on {gpu}: no room for profile {profile_id} at {}:{} (NVML: insufficient \
+         resources); another GPU instance or the compute slices are in use",
+        placement.start, placement.size
+    )]
+    NoRoom {
+        gpu: String,
+        profile_id: u32,
+        placement: MigPlacement,
+    },
+    #[error(
+        "MIG on {gpu}: GPU instance {gpu_instance_id} was created but its MIG device does not \
+         show up in NVML's device list"
+    )]
+    DeviceMissing { gpu: String, gpu_instance_id: u32 },
+    #[error("MIG on {gpu}: {what} failed: {error}")]
+    Nvml {
+        gpu: String,
+        what: &'static str,
+        error: NvmlError,
+    },
+}
+
+fn nvml_err(gpu: &str, what: &'static str) -> impl FnOnce(NvmlError) -> MigError {
+    let gpu = gpu.to_owned();
+    move |error| MigError::Nvml { gpu, what, error }
+}
+
+/// NVML allows concurrent instance creation, but the check-then-create of
+/// [`create`] and the find-then-destroy of [`destroy`] must not interleave
+/// with each other within this process.
+static MUTATIONS: Mutex<()> = Mutex::new(());
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    MUTATIONS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn gpu<'n>(nvml: &'n Nvml, gpu_uuid: &str) -> Result<Device<'n>, MigError> {
+    match nvml.device_by_uuid(gpu_uuid) {
+        Ok(d) => Ok(d),
+        Err(NvmlError::NotFound | NvmlError::InvalidArg) => Err(MigError::GpuNotFound {
+            gpu: gpu_uuid.to_owned(),
+        }),
+        Err(e) => Err(nvml_err(gpu_uuid, "looking the GPU up")(e)),
+    }
+}
+
+fn require_mig(device: &Device, gpu_uuid: &str) -> Result<(), MigError> {
+    match device.mig_mode() {
+        Ok(mode) if mode.current == 1 => Ok(()),
+        Ok(_) | Err(NvmlError::NotSupported) => Err(MigError::MigDisabled {
+            gpu: gpu_uuid.to_owned(),
+        }),
+        Err(e) => Err(nvml_err(gpu_uuid, "reading the MIG mode")(e)),
+    }
+}
+
+/// A GPU or compute instance profile of NVML's.
+#[derive(Debug, Clone, Copy)]
+struct Profile {
+    id: u32,
+    /// Compute slices.
+    slices: u32,
+    /// How many can exist (bounds NVML's list arrays).
+    capacity: u32,
+    multiprocessors: u32,
+}
+
+/// A GPU instance that exists.
+struct GpuInstanceRow<'n> {
+    handle: raw::GpuInstance<'n>,
+    id: u32,
+    profile_id: u32,
+    placement: MigPlacement,
+}
+
+/// A compute instance that exists.
+struct ComputeInstanceRow<'n> {
+    handle: raw::ComputeInstance<'n>,
+    id: u32,
+    profile_id: u32,
+    slices: u32,
+}
+
+/// A MIG device NVML lists on the GPU.
+struct MigDevice {
+    gpu_instance_id: u32,
+    compute_instance_id: u32,
+    uuid: String,
+}
+
+/// GPU instance profiles of the GPU.
+fn profiles(nvml: &Nvml, device: &Device, gpu_uuid: &str) -> Result<Vec<Profile>, MigError> {
+    let mut out: Vec<Profile> = Vec::new();
+    for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+        if let Some(info) = raw::gpu_instance_profile(nvml, device, index)
+            .map_err(nvml_err(gpu_uuid, "reading GPU instance profiles"))?
+            && !out.iter().any(|p| p.id == info.id)
+        {
+            out.push(Profile {
+                id: info.id,
+                slices: info.sliceCount,
+                capacity: info.instanceCount,
+                multiprocessors: info.multiprocessorCount,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Every GPU instance, by id.
+fn gpu_instances<'n>(
+    nvml: &'n Nvml,
+    device: &Device<'n>,
+    gpu_uuid: &str,
+) -> Result<Vec<GpuInstanceRow<'n>>, MigError> {
+    let mut out = Vec::new();
+    for profile in profiles(nvml, device, gpu_uuid)? {
+        let handles = raw::gpu_instances(nvml, device, profile.id, profile.capacity)
+            .map_err(nvml_err(gpu_uuid, "listing GPU instances"))?;
+        for handle in handles {
+            let info = raw::gpu_instance_info(nvml, handle)
+                .map_err(nvml_err(gpu_uuid, "reading a GPU instance"))?;
+            out.push(GpuInstanceRow {
+                handle,
+                id: info.id,
+                profile_id: info.profileId,
+                placement: MigPlacement {
+                    start: info.placement.start,
+                    size: info.placement.size,
+                },
+            });
+        }
+    }
+    out.sort_by_key(|g| g.id);
+    Ok(out)
+}
+
+/// Compute instance profiles of a GPU instance.
+fn compute_profiles(
+    nvml: &Nvml,
+    instance: raw::GpuInstance<'_>,
+    gpu_uuid: &str,
+) -> Result<Vec<Profile>, MigError> {
+    let mut out: Vec<Profile> = Vec::new();
+    for index in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
+        if let Some(info) = raw::compute_instance_profile(nvml, instance, index)
+            .map_err(nvml_err(gpu_uuid, "reading compute instance profiles"))?
+            && !out.iter().any(|p| p.id == info.id)
+        {
+            out.push(Profile {
+                id: info.id,
+                slices: info.sliceCount,
+                capacity: info.instanceCount,
+                multiprocessors: info.multiprocessorCount,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Compute instances of a GPU instance, by id.
+fn compute_instances<'n>(
+    nvml: &'n Nvml,
+    instance: raw::GpuInstance<'n>,
+    gpu_uuid: &str,
+) -> Result<Vec<ComputeInstanceRow<'n>>, MigError> {
+    let mut out = Vec::new();
+    for profile in compute_profiles(nvml, instance, gpu_uuid)? {
+        let handles = raw::compute_instances(nvml, instance, profile.id, profile.capacity)
+            .map_err(nvml_err(gpu_uuid, "listing compute instances"))?;
+        for handle in handles {
+            let info = raw::compute_instance_info(nvml, handle)
+                .map_err(nvml_err(gpu_uuid, "reading a compute instance"))?;
+            out.push(ComputeInstanceRow {
+                handle,
+                id: info.id,
+                profile_id: info.profileId,
+                slices: profile.slices,
+            });
+        }
+    }
+    out.sort_by_key(|c| c.id);
+    Ok(out)
+}
+
+/// The GPU's MIG devices as NVML lists them.
+fn mig_devices(nvml: &Nvml, device: &Device, gpu_uuid: &str) -> Result<Vec<MigDevice>, MigError> {
+    // nvmlDeviceGetMaxMigDeviceCount: the bound on MIG device indices.
+    let max = device
+        .mig_device_count()
+        .map_err(nvml_err(gpu_uuid, "reading the MIG device count"))?;
+    let mut out = Vec::new();
+    for index in 0..max {
+        let mig = match device.mig_device_by_index(index) {
+            Ok(m) => m,
+            // Indices past the last device.
+            Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
+            Err(e) => return Err(nvml_err(gpu_uuid, "listing MIG devices")(e)),
+        };
+        let (gpu_instance_id, compute_instance_id) = raw::mig_device_ids(nvml, &mig)
+            .map_err(nvml_err(gpu_uuid, "reading a MIG device's instance ids"))?;
+        let uuid = mig
+            .uuid()
+            .map_err(nvml_err(gpu_uuid, "reading a MIG device's UUID"))?;
+        out.push(MigDevice {
+            gpu_instance_id,
+            compute_instance_id,
+            uuid,
+        });
+    }
+    Ok(out)
+}
+
+fn mig_uuid(
+    devices: &[MigDevice],
+    gpu_instance_id: u32,
+    compute_instance_id: u32,
+) -> Option<String> {
+    devices
+        .iter()
+        .find(|d| {
+            d.gpu_instance_id == gpu_instance_id && d.compute_instance_id == compute_instance_id
+        })
+        .map(|d| d.uuid.clone())
+}
+
+fn overlaps(a: MigPlacement, b: MigPlacement) -> bool {
+    a.start < b.start + b.size && b.start < a.start + a.size
+}
+
+/// Create a GPU instance of `profile_id` at `placement` on `gpu_uuid` with
+/// one compute instance spanning it; see the module documentation for what
+/// happens when (part of) it already exists.
+pub fn create(
+    nvml: &Nvml,
+    gpu_uuid: &str,
+    profile_id: u32,
+    placement: MigPlacement,
+) -> Result<(CreatedMig, Created), MigError> {
+    let _guard = lock();
+    let device = gpu(nvml, gpu_uuid)?;
+    require_mig(&device, gpu_uuid)?;
+    let Some(profile) = profiles(nvml, &device, gpu_uuid)?
+        .into_iter()
+        .find(|p| p.id == profile_id)
+    else {
+        return Err(MigError::UnknownProfile {
+            gpu: gpu_uuid.to_owned(),
+            profile_id,
+        });
+    };
+
+    // What sits on these memory slices already?
+    let mut existing = None;
+    for g in gpu_instances(nvml, &device, gpu_uuid)? {
+        if g.placement == placement && g.profile_id == profile_id {
+            existing = Some(g);
+        } else if overlaps(g.placement, placement) {
+            return Err(MigError::Occupied {
+                gpu: gpu_uuid.to_owned(),
+                profile_id,
+                placement,
+                by: format!(
+                    "GPU instance {} (profile {} at {}:{})",
+                    g.id, g.profile_id, g.placement.start, g.placement.size
+                ),
+            });
+        }
+    }
+
+    let (instance, gpu_instance_id, created_gi) = match existing {
+        Some(g) => (g.handle, g.id, false),
+        None => {
+            let handle = raw::create_gpu_instance(
+                nvml,
+                &device,
+                profile_id,
+                placement.start,
+                placement.size,
+            )
+            .map_err(|error| match error {
+                NvmlError::InvalidArg => MigError::BadPlacement {
+                    gpu: gpu_uuid.to_owned(),
+                    profile_id,
+                    placement,
+                    error,
+                },
+                NvmlError::UnexpectedVariant(INSUFFICIENT_RESOURCES) => MigError::NoRoom {
+                    gpu: gpu_uuid.to_owned(),
+                    profile_id,
+                    placement,
+                },
+                error => nvml_err(gpu_uuid, "creating the GPU instance")(error),
+            })?;
+            let id = raw::gpu_instance_info(nvml, handle)
+                .map_err(nvml_err(gpu_uuid, "reading the new GPU instance"))?
+                .id;
+            (handle, id, true)
+        }
+    };
+
+    match complete(
+        nvml,
+        &device,
+        gpu_uuid,
+        instance,
+        gpu_instance_id,
+        profile.slices,
+    ) {
+        Ok(c) => {
+            let how = match (created_gi, c.created) {
+                (true, _) => Created::New,
+                (false, true) => Created::CompletedGpuInstance,
+                (false, false) => Created::Existing,
+            };
+            Ok((
+                CreatedMig {
+                    gpu_uuid: gpu_uuid.to_owned(),
+                    profile_id,
+                    placement,
+                    gpu_instance_id,
+                    compute_instance_id: c.id,
+                    compute_profile_id: c.profile.id,
+                    mig_uuid: c.mig_uuid,
+                    multiprocessors: c.profile.multiprocessors,
+                },
+                how,
+            ))
+        }
+        Err(e) => {
+            if created_gi {
+                // Leave nothing half made by this call behind.
+                let _ = destroy_instance(nvml, gpu_uuid, instance);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The spanning compute instance of a GPU instance and its MIG device.
+struct Completed {
+    id: u32,
+    profile: Profile,
+    mig_uuid: String,
+    /// Whether the compute instance was created now.
+    created: bool,
+}
+
+/// Find or create the compute instance spanning a GPU instance of
+/// `gi_slices` compute slices, and its MIG device.
+fn complete<'n>(
+    nvml: &'n Nvml,
+    device: &Device<'n>,
+    gpu_uuid: &str,
+    instance: raw::GpuInstance<'n>,
+    gpu_instance_id: u32,
+    gi_slices: u32,
+) -> Result<Completed, MigError> {
+    // The full compute profile: the most slices (never more than the GPU
+    // instance has); among equals (a revision of the same size) the lowest id.
+    let full = compute_profiles(nvml, instance, gpu_uuid)?
+        .into_iter()
+        .filter(|p| p.slices <= gi_slices.max(1))
+        .min_by_key(|p| (std::cmp::Reverse(p.slices), p.id));
+    let Some(profile) = full else {
+        return Err(MigError::Nvml {
+            gpu: gpu_uuid.to_owned(),
+            what: "finding a compute instance profile for the GPU instance",
+            error: NvmlError::NotSupported,
+        });
+    };
+    let existing = compute_instances(nvml, instance, gpu_uuid)?;
+    let (id, created) = match existing.as_slice() {
+        [] => {
+            let ci = raw::create_compute_instance(nvml, instance, profile.id)
+                .map_err(nvml_err(gpu_uuid, "creating the compute instance"))?;
+            let info = raw::compute_instance_info(nvml, ci)
+                .map_err(nvml_err(gpu_uuid, "reading the new compute instance"))?;
+            (info.id, true)
+        }
+        [only] if only.profile_id == profile.id => (only.id, false),
+        others => {
+            return Err(MigError::Split {
+                gpu: gpu_uuid.to_owned(),
+                gpu_instance_id,
+                slices: profile.slices,
+                found: others
+                    .iter()
+                    .map(|c| format!("{} ({} slices)", c.id, c.slices))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+    };
+    let mig_uuid = mig_uuid(&mig_devices(nvml, device, gpu_uuid)?, gpu_instance_id, id)
+        .ok_or_else(|| MigError::DeviceMissing {
+            gpu: gpu_uuid.to_owned(),
+            gpu_instance_id,
+        })?;
+    Ok(Completed {
+        id,
+        profile,
+        mig_uuid,
+        created,
+    })
+}
+
+/// Destroy every compute instance of a GPU instance, then the GPU instance.
+fn destroy_instance(
+    nvml: &Nvml,
+    gpu_uuid: &str,
+    instance: raw::GpuInstance<'_>,
+) -> Result<(), MigError> {
+    for ci in compute_instances(nvml, instance, gpu_uuid)? {
+        match raw::destroy_compute_instance(nvml, ci.handle) {
+            // Gone between listing and destroying.
+            Ok(()) | Err(NvmlError::NotFound | NvmlError::InvalidArg) => {}
+            Err(e) => return Err(nvml_err(gpu_uuid, "destroying a compute instance")(e)),
+        }
+    }
+    match raw::destroy_gpu_instance(nvml, instance) {
+        Ok(()) | Err(NvmlError::NotFound) => Ok(()),
+        Err(e) => Err(nvml_err(gpu_uuid, "destroying the GPU instance")(e)),
+    }
+}
+
+/// Destroy the GPU instance of `profile_id` at `placement` on `gpu_uuid`
+/// with its compute instances. Nothing there is success; a GPU instance of
+/// another profile there is not ours and is an error.
+pub fn destroy(
+    nvml: &Nvml,
+    gpu_uuid: &str,
+    profile_id: u32,
+    placement: MigPlacement,
+) -> Result<Destroyed, MigError> {
+    let _guard = lock();
+    let device = match gpu(nvml, gpu_uuid) {
+        Ok(d) => d,
+        // The GPU is gone (or was never here): so is anything on it.
+        Err(MigError::GpuNotFound { .. }) => return Ok(Destroyed::AlreadyGone),
+        Err(e) => return Err(e),
+    };
+    if require_mig(&device, gpu_uuid).is_err() {
+        // With MIG off no GPU instance can exist.
+        return Ok(Destroyed::AlreadyGone);
+    }
+    let found = gpu_instances(nvml, &device, gpu_uuid)?
+        .into_iter()
+        .find(|g| g.placement == placement);
+    match found {
+        None => Ok(Destroyed::AlreadyGone),
+        Some(g) if g.profile_id == profile_id => {
+            destroy_instance(nvml, gpu_uuid, g.handle)?;
+            Ok(Destroyed::Destroyed)
+        }
+        Some(g) => Err(MigError::Occupied {
+            gpu: gpu_uuid.to_owned(),
+            profile_id,
+            placement,
+            by: format!("GPU instance {} of profile {}", g.id, g.profile_id),
+        }),
+    }
+}
+
+/// Every GPU instance on `gpu_uuid` with its compute instances and MIG
+/// UUIDs, ordered by GPU instance id. A GPU with MIG off has none.
+pub fn list(nvml: &Nvml, gpu_uuid: &str) -> Result<Vec<GpuInstanceState>, MigError> {
+    let device = gpu(nvml, gpu_uuid)?;
+    if require_mig(&device, gpu_uuid).is_err() {
+        return Ok(Vec::new());
+    }
+    let devices = mig_devices(nvml, &device, gpu_uuid)?;
+    let mut out = Vec::new();
+    for g in gpu_instances(nvml, &device, gpu_uuid)? {
+        let compute_instances = compute_instances(nvml, g.handle, gpu_uuid)?
+            .into_iter()
+            .map(|c| ComputeInstanceState {
+                compute_instance_id: c.id,
+                profile_id: c.profile_id,
+                slices: c.slices,
+                mig_uuid: mig_uuid(&devices, g.id, c.id),
+            })
+            .collect();
+        out.push(GpuInstanceState {
+            gpu_instance_id: g.id,
+            profile_id: g.profile_id,
+            placement: g.placement,
+            compute_instances,
+        });
+    }
+    Ok(out)
+}
