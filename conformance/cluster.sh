@@ -91,8 +91,22 @@ ensure_binary() {
 		fi
 		flock -u 9
 		exec 9>&-
+		prune_cache
 	fi
+	touch "$out" # marks it as recently used for prune_cache
 	echo "$bin"
+}
+
+# Each source change leaves a ~180 MB binary behind: keep the three most
+# recently used, and anything used within the last day (a running cluster may
+# still need it).
+prune_cache() {
+	local d
+	while read -r d; do
+		[[ -n "$d" && -n "$(find "$d" -maxdepth 0 -mmin +1440)" ]] || continue
+		rm -rf "$d"
+		log "pruned old build $d"
+	done < <(ls -1dt "$CACHE"/kube/*/ 2>/dev/null | tail -n +4)
 }
 
 cmd_build() {
@@ -521,11 +535,12 @@ EOF
 
 # ------------------------------------------------------------ add-nodes ----
 
-fake_nodes_ready() { # expected-count
+fake_nodes_ready() { # batch-name expected-count
+	alive_or_fatal "$1" || return 3
 	local n
 	n=$(kubectl_ get nodes -l tessera.dev/fake-node=true \
 		-o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | grep -c '^True$')
-	((n >= $1))
+	((n >= $2))
 }
 
 cmd_add_nodes() {
@@ -540,7 +555,7 @@ cmd_add_nodes() {
 		--prefix "${TESSERA_FAKE_NODE_PREFIX:-tessera-fake-}" --start-index "$start" --count "$count" \
 		--cpu "${TESSERA_FAKE_NODE_CPU:-32}" --memory "${TESSERA_FAKE_NODE_MEMORY:-256Gi}" \
 		--pods "${TESSERA_FAKE_NODE_PODS:-110}"
-	wait_for "$START_TIMEOUT" "$((start + count)) fake nodes Ready" fake_nodes_ready $((start + count))
+	wait_for "$START_TIMEOUT" "$((start + count)) fake nodes Ready" fake_nodes_ready "fake-nodes-$start" $((start + count))
 }
 
 # ----------------------------------------------------------------- logs ----

@@ -5,6 +5,7 @@ package fakenodes
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/signal"
@@ -18,6 +19,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
@@ -148,25 +150,30 @@ func register(ctx context.Context, cs kubernetes.Interface, name string, alloc c
 			},
 		},
 	}
-	created, err := cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		created, err = cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-	}
-	if err != nil {
+	if _, err := cs.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	now := metav1.Now()
-	created.Status.Capacity = alloc
-	created.Status.Allocatable = alloc
-	created.Status.Phase = corev1.NodeRunning
-	created.Status.NodeInfo = corev1.NodeSystemInfo{OperatingSystem: "linux", Architecture: "amd64", KubeletVersion: "fake"}
-	created.Status.Conditions = []corev1.NodeCondition{
-		{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "FakeNodeReady", Message: "no kubelet; kept Ready by tessera-kube fake-nodes", LastHeartbeatTime: now, LastTransitionTime: now},
-		{Type: corev1.NodeMemoryPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
-		{Type: corev1.NodeDiskPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
-		{Type: corev1.NodePIDPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
+	status := corev1.NodeStatus{
+		Capacity:    alloc,
+		Allocatable: alloc,
+		Phase:       corev1.NodeRunning,
+		NodeInfo:    corev1.NodeSystemInfo{OperatingSystem: "linux", Architecture: "amd64", KubeletVersion: "fake"},
+		Conditions: []corev1.NodeCondition{
+			{Type: corev1.NodeReady, Status: corev1.ConditionTrue, Reason: "FakeNodeReady", Message: "no kubelet; kept Ready by tessera-kube fake-nodes", LastHeartbeatTime: now, LastTransitionTime: now},
+			{Type: corev1.NodeMemoryPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
+			{Type: corev1.NodeDiskPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
+			{Type: corev1.NodePIDPressure, Status: corev1.ConditionFalse, Reason: "FakeNode", LastHeartbeatTime: now, LastTransitionTime: now},
+		},
 	}
-	if _, err := cs.CoreV1().Nodes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+	// A merge patch of the status subresource: controllers (node lifecycle,
+	// taints) update the node concurrently, so a read-modify-write would
+	// conflict.
+	patch, err := json.Marshal(map[string]any{"status": status})
+	if err != nil {
+		return err
+	}
+	if _, err := cs.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status"); err != nil {
 		return err
 	}
 	return renew(ctx, cs, name)
