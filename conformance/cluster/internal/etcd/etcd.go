@@ -51,6 +51,9 @@ func NewCommand() *cobra.Command {
 			cfg.UnsafeNoFsync = !fsync
 			cfg.AutoCompactionMode = "periodic"
 			cfg.AutoCompactionRetention = "5m"
+			// NewConfig leaves this at zero (etcd's own flag parsing sets
+			// it), which logs every single request as "expensive".
+			cfg.WarningUnaryRequestDuration = embed.DefaultWarningUnaryRequestDuration
 
 			e, err := embed.StartEtcd(cfg)
 			if err != nil {
