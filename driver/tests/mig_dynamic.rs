@@ -370,3 +370,52 @@ fn child_concurrent() {
     });
     assert!(mig::list(nvml, H100_EMPTY).unwrap().is_empty());
 }
+
+#[test]
+fn the_prepare_trait_creates_and_destroys_through_nvml() {
+    run_child("prepare_trait", "h100x8-mig.yaml");
+}
+
+#[test]
+#[ignore = "run in a child process by the_prepare_trait_creates_and_destroys_through_nvml"]
+fn child_prepare_trait() {
+    use std::sync::Arc;
+    use tessera_driver::claim_uid::ClaimUid;
+    use tessera_driver::mig::NvmlMig;
+    use tessera_driver::prepare::sharing::MigManager;
+
+    let Some(nvml) = child_nvml() else { return };
+    let nvml = Arc::new(nvml);
+    let inventory = tessera_driver::discovery::discover(&nvml)
+        .unwrap()
+        .inventory;
+    let manager = NvmlMig::new(nvml.clone(), &inventory);
+    let claim = ClaimUid::parse("00000000-0000-4000-8000-000000000001").unwrap();
+
+    let made = manager.create(&claim, H100_EMPTY, P_2G, at(2, 2)).unwrap();
+    assert_eq!(made.profile, "2g.20gb");
+    assert_eq!(made.profile_id, P_2G);
+    // 2g at 2:2 is the quarter node at 2: id 6.
+    assert_eq!((made.gpu_instance_id, made.compute_instance_id), (6, 0));
+    assert_eq!(made.placement, at(2, 2));
+    assert_eq!(made.memory_bytes, 20096 << 20);
+    assert_eq!(made.multiprocessors, 32);
+    assert!(is_mig_uuid(&made.uuid));
+    // Repeated (a retried prepare): the same instance.
+    assert_eq!(
+        manager.create(&claim, H100_EMPTY, P_2G, at(2, 2)).unwrap(),
+        made
+    );
+    // Unknown profile: a clear error, nothing created.
+    let err = manager
+        .create(&claim, H100_EMPTY, 77, at(0, 1))
+        .unwrap_err();
+    assert!(err.0.contains("77"), "{err}");
+
+    manager.destroy(&claim, H100_EMPTY, at(2, 2)).unwrap();
+    manager.destroy(&claim, H100_EMPTY, at(2, 2)).unwrap();
+    manager
+        .destroy(&claim, "GPU-00000000-0000-4000-8000-000000000000", at(2, 2))
+        .unwrap();
+    assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());
+}

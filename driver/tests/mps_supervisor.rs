@@ -518,3 +518,61 @@ fn a_state_dir_too_long_for_unix_sockets_is_refused() {
     assert!(matches!(err, MpsError::PathTooLong { .. }), "{err}");
     assert!(err.to_string().contains("fix:"), "{err}");
 }
+
+#[test]
+fn the_prepare_trait_maps_targets_to_per_device_daemons() {
+    use tessera_api::config::{Limits, TimeSliceInterval};
+    use tessera_driver::mps::MpsSharing;
+    use tessera_driver::prepare::sharing::{MpsTarget, Sharing, Unsupported};
+
+    let s = Scratch::new();
+    let sharing = MpsSharing::new(Arc::new(MpsSupervisor::new(s.config())), Unsupported);
+    let limits = Limits {
+        memory_bytes: 1 << 30,
+        compute_percent: 50,
+    };
+    let whole = MpsTarget {
+        gpu_uuid: GPU0.into(),
+        mig_uuid: None,
+    };
+    let mig = MpsTarget {
+        gpu_uuid: GPU0.into(),
+        mig_uuid: Some(MIG0.into()),
+    };
+    let a = sharing.mps_acquire(&claim(1), &whole, &limits).unwrap();
+    assert_eq!(a.pipe_dir, s.pipe_dir(GPU0));
+    assert_eq!(a.log_dir, s.dir.path().join(GPU0).join("log"));
+    // A MIG device gets its own daemon, serving only that MIG device.
+    let b = sharing.mps_acquire(&claim(2), &mig, &limits).unwrap();
+    assert_eq!(b.pipe_dir, s.pipe_dir(MIG0));
+    assert!(
+        s.log(MIG0)
+            .contains(&format!("CUDA_VISIBLE_DEVICES={MIG0}"))
+    );
+    let pids = (s.pid_file(GPU0).unwrap(), s.pid_file(MIG0).unwrap());
+    assert!(alive(pids.0) && alive(pids.1));
+
+    // Time slices are the inner implementation's business.
+    let err = sharing
+        .set_time_slice(&claim(1), GPU0, TimeSliceInterval::Short)
+        .unwrap_err();
+    assert!(err.0.contains("not implemented"), "{err}");
+
+    sharing.mps_release(&claim(1), &whole).unwrap();
+    sharing.mps_release(&claim(1), &whole).unwrap();
+    assert!(!alive(pids.0) && alive(pids.1));
+    sharing.mps_release(&claim(2), &mig).unwrap();
+    assert!(!alive(pids.1));
+    // Errors reach prepare as text naming the device.
+    let err = sharing
+        .mps_acquire(
+            &claim(3),
+            &MpsTarget {
+                gpu_uuid: "GPU-../x".into(),
+                mig_uuid: None,
+            },
+            &limits,
+        )
+        .unwrap_err();
+    assert!(err.0.contains("GPU-../x"), "{err}");
+}

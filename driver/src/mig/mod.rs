@@ -27,7 +27,10 @@
 //! MIG mode is never changed here: enabling it needs a GPU reset on most
 //! boards, which is node administration, not a claim's business.
 
+mod manager;
 pub mod raw;
+
+pub use manager::NvmlMig;
 
 use std::sync::Mutex;
 

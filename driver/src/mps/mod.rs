@@ -12,6 +12,7 @@
 
 mod limits;
 mod process;
+mod sharing;
 mod supervisor;
 
 pub use limits::{
@@ -19,6 +20,7 @@ pub use limits::{
     PIPE_DIRECTORY, client_limit_env, is_device_uuid,
 };
 pub use process::ProcessId;
+pub use sharing::MpsSharing;
 pub use supervisor::{
     CONTROL, DEFAULT_CONTROL_BINARY, MpsConfig, MpsDaemon, MpsError, MpsSupervisor, PID_FILE,
     SupervisionReport, Watchdog,

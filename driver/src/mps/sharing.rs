@@ -1,0 +1,81 @@
+//! [`MpsSharing`]: the prepare engine's [`Sharing`] trait on top of the
+//! supervisor, for wiring into the plugin:
+//!
+//! ```text
+//! sharing: Arc::new(MpsSharing::new(Arc::new(MpsSupervisor::new(config)), Unsupported)),
+//! ```
+//!
+//! MPS calls go to the supervisor; time-slice calls to `time_slicing`.
+
+use std::sync::Arc;
+
+use tessera_api::config::{Limits, TimeSliceInterval};
+
+use super::supervisor::MpsSupervisor;
+use crate::claim_uid::ClaimUid;
+use crate::prepare::sharing::{MpsClient, MpsTarget, Sharing, SharingError};
+
+/// MPS through an [`MpsSupervisor`], time slices through `T`.
+pub struct MpsSharing<T> {
+    supervisor: Arc<MpsSupervisor>,
+    time_slicing: T,
+}
+
+impl<T> MpsSharing<T> {
+    pub fn new(supervisor: Arc<MpsSupervisor>, time_slicing: T) -> Self {
+        MpsSharing {
+            supervisor,
+            time_slicing,
+        }
+    }
+
+    pub fn supervisor(&self) -> &Arc<MpsSupervisor> {
+        &self.supervisor
+    }
+}
+
+/// The device a daemon serves: the MIG device when there is one.
+fn device(target: &MpsTarget) -> &str {
+    target.mig_uuid.as_deref().unwrap_or(&target.gpu_uuid)
+}
+
+impl<T: Sharing> Sharing for MpsSharing<T> {
+    /// The daemon is shared by every claim on the device, so a claim's
+    /// limits are not daemon settings: prepare puts them in the claim's own
+    /// environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`,
+    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+    fn mps_acquire(
+        &self,
+        claim: &ClaimUid,
+        target: &MpsTarget,
+        _limits: &Limits,
+    ) -> Result<MpsClient, SharingError> {
+        let daemon = self
+            .supervisor
+            .ensure(device(target), claim)
+            .map_err(|e| SharingError(e.to_string()))?;
+        Ok(MpsClient {
+            pipe_dir: daemon.pipe_dir,
+            log_dir: daemon.log_dir,
+        })
+    }
+
+    fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
+        self.supervisor
+            .release(device(target), claim)
+            .map_err(|e| SharingError(e.to_string()))
+    }
+
+    fn set_time_slice(
+        &self,
+        claim: &ClaimUid,
+        gpu_uuid: &str,
+        interval: TimeSliceInterval,
+    ) -> Result<(), SharingError> {
+        self.time_slicing.set_time_slice(claim, gpu_uuid, interval)
+    }
+
+    fn reset_time_slice(&self, claim: &ClaimUid, gpu_uuid: &str) -> Result<(), SharingError> {
+        self.time_slicing.reset_time_slice(claim, gpu_uuid)
+    }
+}
