@@ -10,6 +10,7 @@ mod slices;
 use anyhow::{Context, Result, ensure};
 use slices::suite;
 use slices::*;
+use tessera_conformance::wait_for;
 
 #[tokio::test]
 async fn static_mode_t4() -> Result<()> {
@@ -63,6 +64,57 @@ async fn degraded_detection_and_restart() -> Result<()> {
             first.report
         );
         suite::restart_writes_nothing(&pool).await?;
+        Ok(())
+    }
+    .await;
+    let cleanup = pool.cleanup().await;
+    result.with_context(|| format!("node {}", pool.node))?;
+    cleanup
+}
+
+/// Told the server has everything (`--capabilities full`) while it drops
+/// the fields: the server stores something else than was written. The
+/// daemon must notice that nothing changed since its own write and stop,
+/// not rewrite in a loop.
+#[tokio::test]
+async fn forced_full_model_does_not_loop() -> Result<()> {
+    let cluster = Cluster::degraded().await?;
+    let pool = Pool::new(&cluster, "degraded-forced", suite::T4.file).await?;
+    let result = async {
+        let mut daemon = Daemon::start(&pool, &["--capabilities", "full"])?;
+        wait_for(
+            "the daemon to notice the server rewrites its slices",
+            SCHEDULING_TIMEOUT,
+            || async {
+                Ok(daemon
+                    .log()
+                    .contains("stores our slices in a form that differs")
+                    .then_some(()))
+            },
+        )
+        .await
+        .with_context(|| daemon.log())?;
+        daemon.check_running()?;
+        // What the server kept lacks the counters and the share devices'
+        // request policies.
+        let slices = pool.slices().await?;
+        ensure!(
+            slices.iter().all(|s| s.spec.shared_counters.is_none())
+                && slices
+                    .iter()
+                    .flat_map(|s| s.spec.devices.iter().flatten())
+                    .all(
+                        |d| d.consumes_counters.is_none() && d.allow_multiple_allocations.is_none()
+                    ),
+            "the degraded server kept partitionable/consumable fields"
+        );
+        daemon.stop().await?;
+        let log = daemon.log();
+        let writes = log.matches("published 2 slices").count();
+        ensure!(
+            writes == 1,
+            "expected one publishing pass, saw {writes}:\n{log}"
+        );
         Ok(())
     }
     .await;

@@ -9,12 +9,10 @@
 
 mod slices;
 
-use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
@@ -197,79 +195,6 @@ async fn lifecycle(pool: &mut Pool) -> Result<()> {
     // And restarting on the changed machine writes nothing again.
     suite::restart_writes_nothing(&pool.with_topology(lost)).await?;
     Ok(())
-}
-
-/// A `tessera publish` daemon; SIGTERM and wait on drop.
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn start(pool: &Pool, extra: &[&str]) -> Result<Daemon> {
-        let log = scratch_file(&format!("{}-daemon.log", pool.id), "");
-        let mut args = vec![
-            "publish",
-            "--node-name",
-            &pool.node,
-            "--driver-name",
-            &pool.driver,
-        ];
-        let kubeconfig = pool.cluster.kubeconfig.display().to_string();
-        args.extend(["--kubeconfig", &kubeconfig]);
-        args.extend(extra);
-        let child = tessera_command(&pool.topology, &args)
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(log.with_extension("out"))?)
-            .stderr(std::fs::OpenOptions::new().append(true).open(&log)?)
-            .spawn()
-            .context("starting tessera publish")?;
-        Ok(Daemon { child, log })
-    }
-
-    fn log(&self) -> String {
-        let mut s = String::new();
-        let _ = std::fs::File::open(&self.log).and_then(|mut f| f.read_to_string(&mut s));
-        s
-    }
-
-    fn check_running(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
-            bail!("tessera publish exited ({status}):\n{}", self.log());
-        }
-        Ok(())
-    }
-
-    /// SIGTERM; the daemon must exit on its own.
-    async fn stop(&mut self) -> Result<()> {
-        let pid = libc::pid_t::try_from(self.child.id())?;
-        // SAFETY: kill(2) on our own child, not yet reaped.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let child = &mut self.child;
-        let status = wait_for(
-            "tessera publish to exit after SIGTERM",
-            Duration::from_secs(30),
-            || {
-                let exited = child.try_wait();
-                async move { Ok(exited?) }
-            },
-        )
-        .await?;
-        ensure!(
-            status.success(),
-            "tessera publish exited with {status} on SIGTERM"
-        );
-        Ok(())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }
 
 /// The daemon notices when someone deletes one of its slices and restores

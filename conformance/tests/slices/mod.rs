@@ -12,8 +12,9 @@
 pub mod suite;
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -876,4 +877,79 @@ async fn create_namespace(client: &Client, name: &str) -> Result<()> {
         || async { Ok(sas.get_opt("default").await?.map(|_| ())) },
     )
     .await
+}
+
+// ---------------------------------------------------------------- daemon ----
+
+/// A `tessera publish` daemon; SIGTERM and wait on drop.
+pub struct Daemon {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Daemon {
+    pub fn start(pool: &Pool, extra: &[&str]) -> Result<Daemon> {
+        let log = scratch_file(&format!("{}-daemon.log", pool.id), "");
+        let mut args = vec![
+            "publish",
+            "--node-name",
+            &pool.node,
+            "--driver-name",
+            &pool.driver,
+        ];
+        let kubeconfig = pool.cluster.kubeconfig.display().to_string();
+        args.extend(["--kubeconfig", &kubeconfig]);
+        args.extend(extra);
+        let child = tessera_command(&pool.topology, &args)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(log.with_extension("out"))?)
+            .stderr(std::fs::OpenOptions::new().append(true).open(&log)?)
+            .spawn()
+            .context("starting tessera publish")?;
+        Ok(Daemon { child, log })
+    }
+
+    pub fn log(&self) -> String {
+        let mut s = String::new();
+        let _ = std::fs::File::open(&self.log).and_then(|mut f| f.read_to_string(&mut s));
+        s
+    }
+
+    pub fn check_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("tessera publish exited ({status}):\n{}", self.log());
+        }
+        Ok(())
+    }
+
+    /// SIGTERM; the daemon must exit on its own.
+    pub async fn stop(&mut self) -> Result<()> {
+        let pid = libc::pid_t::try_from(self.child.id())?;
+        // SAFETY: kill(2) on our own child, not yet reaped.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        let child = &mut self.child;
+        let status = wait_for(
+            "tessera publish to exit after SIGTERM",
+            Duration::from_secs(30),
+            || {
+                let exited = child.try_wait();
+                async move { Ok(exited?) }
+            },
+        )
+        .await?;
+        ensure!(
+            status.success(),
+            "tessera publish exited with {status} on SIGTERM"
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
