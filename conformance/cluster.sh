@@ -37,6 +37,8 @@ die() {
 
 # ---------------------------------------------------------------- build ----
 
+GO_BUILD_FLAGS=(-trimpath -buildvcs=false)
+
 k8s_version() { awk '$1 == "k8s.io/kubernetes" { print $2; exit }' "$SRC/go.mod"; }
 
 # Everything that determines the binary: sources, module files, toolchain, flags.
@@ -44,7 +46,7 @@ source_hash() {
 	(
 		cd "$SRC"
 		go env GOVERSION GOOS GOARCH
-		echo "$(build_ldflags "-")"
+		echo "${GO_BUILD_FLAGS[*]} $(build_ldflags "-")"
 		find . -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) -print | LC_ALL=C sort | xargs sha256sum
 	) | sha256sum | cut -c1-16
 }
@@ -85,7 +87,7 @@ ensure_binary() {
 		if [[ ! -x "$bin" ]]; then
 			log "building tessera-kube ($(k8s_version)) into $out (first build of Kubernetes takes long on a small machine)"
 			local t0=$SECONDS
-			(cd "$SRC" && go build -trimpath -ldflags "$(build_ldflags "$hash")" -o "$bin.tmp" ./cmd/tessera-kube) >&2
+			(cd "$SRC" && go build "${GO_BUILD_FLAGS[@]}" -ldflags "$(build_ldflags "$hash")" -o "$bin.tmp" ./cmd/tessera-kube) >&2
 			mv -f "$bin.tmp" "$bin"
 			log "built in $((SECONDS - t0))s"
 		fi
@@ -325,7 +327,8 @@ cmd_start() {
 	mkdir -p "$DIR"/{pids,logs,pki,etcd,kubelet/pod-logs,bin}
 	chmod 700 "$DIR"
 
-	# Settings are fixed at the first start of a state dir and reused after.
+	# Ports are fixed at the first start of a state dir and reused after; gates,
+	# kubelet and node name come from the environment of each start.
 	if [[ ! -f "$DIR/ports.env" ]]; then pick_ports; fi
 	# shellcheck disable=SC1091
 	source "$DIR/ports.env"
