@@ -583,3 +583,94 @@ async fn many_claims_in_parallel() -> Result<()> {
     plugin.check_running()?;
     w.namespace.delete().await
 }
+
+#[tokio::test]
+async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event;
+    let w = World::new("plugin-cp").await?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let shared = share(&w.node, &w.driver, true);
+    let mut r = result("share", &w.driver, &w.node, &shared);
+    r["consumedCapacity"] = json!({"memory": "1Gi", "cores": "10"});
+    let claim = create_allocated(
+        &w.cluster.client(),
+        w.ns(),
+        &ClaimSpec {
+            name: "kept".into(),
+            requests: vec![("share".into(), CLASS.into())],
+            results: vec![r],
+            config: vec![],
+            spec_config: vec![],
+        },
+    )
+    .await?;
+    let uid = claim.metadata.uid.clone().unwrap();
+    let first = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        first.claims[&uid].error.is_empty(),
+        "{}",
+        first.claims[&uid].error
+    );
+    drop(k);
+    ensure!(plugin.terminate().await?.success());
+
+    // Flip a byte inside the recorded entries: valid JSON, bad checksum.
+    let path = w.dirs.state().join("checkpoint.json");
+    let text = std::fs::read_to_string(&path)?;
+    std::fs::write(&path, text.replacen("Completed", "Completes", 1))?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let events: Api<Event> = Api::namespaced(w.cluster.client(), "default");
+    let node = w.node.clone();
+    let event = wait_for("CheckpointQuarantined event on the Node", TIMEOUT, || {
+        let (events, node) = (events.clone(), node.clone());
+        async move {
+            let list = events.list(&Default::default()).await?;
+            Ok(list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some("CheckpointQuarantined")
+                    && e.involved_object.kind.as_deref() == Some("Node")
+                    && e.involved_object.name.as_deref() == Some(node.as_str())
+            }))
+        }
+    })
+    .await?;
+    let message = event.message.unwrap_or_default();
+    ensure!(
+        message.contains("checksum mismatch") && message.contains("moved to"),
+        "{message}"
+    );
+    ensure!(
+        std::fs::read_dir(w.dirs.state())?
+            .filter_map(|e| e.ok())
+            .any(|e| e
+                .file_name()
+                .to_string_lossy()
+                .starts_with("checkpoint.json.corrupt-")),
+        "quarantined file kept for inspection"
+    );
+    // The running Pod's spec is not treated as an orphan.
+    ensure!(
+        w.dirs.spec(&uid).is_some(),
+        "spec of a possibly running Pod was deleted"
+    );
+    // The kubelet's retry prepares the claim again, with the same answer.
+    let again = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        again.claims[&uid] == first.claims[&uid],
+        "different answer after quarantine"
+    );
+    drop(k);
+    ensure!(plugin.terminate().await?.success());
+
+    // A reboot (new boot id): nothing of the old boot survives.
+    std::fs::write(w.dirs.boot_id(), "boot-2\n")?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let _k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    ensure!(
+        w.dirs.checkpoint().is_empty(),
+        "previous boot's entries kept"
+    );
+    ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
+    w.namespace.delete().await
+}
