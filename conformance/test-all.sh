@@ -14,6 +14,11 @@ cd "$REPO_ROOT"
 
 say() { printf '[test-all] %s\n' "$*" >&2; }
 
+# --- 0. static checks (fast; a formatting or lint error fails the run) ----
+say "cargo fmt --check, cargo clippy -D warnings"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
 # --- 1. Go components (cached by source hash; seconds when unchanged) -------
 t0=$SECONDS
 "$CLUSTER" build >/dev/null
@@ -88,3 +93,6 @@ export TESSERA_DEGRADED_KUBECONFIG="$DEGRADED_DIR/kubeconfig"
 # --- 3. tests ----------------------------------------------------------------
 say "running cargo test --workspace against $TESSERA_APISERVER_URL"
 cargo test --workspace --no-fail-fast "$@"
+
+# --- 4. bounded fuzzing of the untrusted-input decoders --------------------
+conformance/fuzz-smoke.sh
