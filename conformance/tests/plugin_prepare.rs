@@ -264,6 +264,32 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
         )? == spec_bytes
     );
 
+    // The v1beta1 service (kubelets before 1.34) gives the same answer.
+    {
+        use tessera_api::kubelet::dra_v1beta1 as beta;
+        let mut client = beta::dra_plugin_client::DraPluginClient::new(connect(&endpoint).await?);
+        let b = client
+            .node_prepare_resources(beta::NodePrepareResourcesRequest {
+                claims: vec![beta::Claim {
+                    namespace: w.ns().into(),
+                    uid: uid.clone(),
+                    name: "life".into(),
+                }],
+            })
+            .await?
+            .into_inner();
+        let b = &b.claims[&uid];
+        ensure!(b.error.is_empty(), "{}", b.error);
+        let same = b.devices.len() == mine.devices.len()
+            && b.devices.iter().zip(&mine.devices).all(|(x, y)| {
+                x.device_name == y.device_name
+                    && x.pool_name == y.pool_name
+                    && x.request_names == y.request_names
+                    && x.cdi_device_ids == y.cdi_device_ids
+            });
+        ensure!(same, "v1beta1 answer differs: {:?}", b.devices);
+    }
+
     // Unprepare: spec, entry and our status entries gone; twice is fine.
     let un = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(un.claims[&uid].error.is_empty(), "{:?}", un.claims[&uid]);
