@@ -651,3 +651,50 @@ pub fn discover_driver_files(root: &Path) -> Vec<Mount> {
     }
     mounts
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_files_are_found_below_the_root_and_mounted_at_their_paths() {
+        let root = tempfile::tempdir().unwrap();
+        let lib = root.path().join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::create_dir_all(root.path().join("usr/bin")).unwrap();
+        std::fs::write(lib.join("libcuda.so.550.90.07"), "").unwrap();
+        std::os::unix::fs::symlink("libcuda.so.550.90.07", lib.join("libcuda.so.1")).unwrap();
+        std::os::unix::fs::symlink("libcuda.so.1", lib.join("libcuda.so")).unwrap();
+        std::os::unix::fs::symlink("missing.so.1", lib.join("libnvidia-ml.so.1")).unwrap();
+        std::fs::write(lib.join("libunrelated.so.1"), "").unwrap();
+        std::fs::write(root.path().join("usr/bin/nvidia-smi"), "").unwrap();
+
+        let mounts = discover_driver_files(root.path());
+        let real = std::fs::canonicalize(lib.join("libcuda.so.550.90.07")).unwrap();
+        let got: Vec<(&str, &str)> = mounts
+            .iter()
+            .map(|m| (m.host_path.as_str(), m.container_path.as_str()))
+            .collect();
+        let real = real.to_str().unwrap();
+        let smi = std::fs::canonicalize(root.path().join("usr/bin/nvidia-smi")).unwrap();
+        assert_eq!(
+            got,
+            vec![
+                (real, "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+                (real, "/usr/lib/x86_64-linux-gnu/libcuda.so.550.90.07"),
+                (smi.to_str().unwrap(), "/usr/bin/nvidia-smi"),
+            ]
+        );
+        assert!(mounts.iter().all(|m| m.options.contains(&"ro".to_owned())));
+    }
+
+    #[test]
+    fn cdi_names_keep_subrequests_apart() {
+        let uid = ClaimUid::parse("0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e").unwrap();
+        assert_eq!(
+            cdi_device_name("gpu/large", &uid),
+            "gpu.large_0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e"
+        );
+        assert_ne!(cdi_device_name("a-b", &uid), cdi_device_name("a/b", &uid));
+    }
+}
