@@ -34,14 +34,18 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
+use tessera_api::inventory::{Gpu, Inventory};
 use tessera_controller::model::naming::DriverName;
-use tessera_controller::model::{Capabilities, DeviceKind, NodePolicy, SliceModel};
+use tessera_controller::model::{
+    Capabilities, DeviceKind, DeviceRef, IsolationLevel, NodePolicy, SliceModel,
+};
 use tessera_driver::cdi::Spec;
 use tessera_driver::claim_uid::ClaimUid;
+use tessera_driver::mps::{MpsConfig, MpsSharing, MpsSupervisor, PID_FILE, ProcessId};
 use tessera_driver::prepare::catalog::{Catalog, DeviceCatalog};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use tessera_driver::prepare::plan::Layout;
-use tessera_driver::prepare::sharing::Unsupported;
+use tessera_driver::prepare::sharing::{Sharing, Unsupported};
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 
 const NODE: &str = "podman-node";
@@ -56,110 +60,159 @@ const NVIDIA_MAJOR: u32 = 195;
 /// What the container reports: its NVIDIA device nodes with type and
 /// major:minor, and the two variables (or `<unset>`).
 const PROBE: &str = r#"for f in /dev/nvidia*; do [ -e "$f" ] && echo "node $f $(stat -c '%F %t:%T' "$f")"; done
-echo "env NVIDIA_VISIBLE_DEVICES=${NVIDIA_VISIBLE_DEVICES-<unset>}"
-echo "env CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-<unset>}"
+for v in NVIDIA_VISIBLE_DEVICES CUDA_VISIBLE_DEVICES CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_PINNED_DEVICE_MEM_LIMIT CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; do
+  eval "echo \"env $v=\${$v-<unset>}\""
+done
+[ -S "${CUDA_MPS_PIPE_DIRECTORY:-/nonexistent}/control" ] && echo "mps-control reachable"
 echo probe-done"#;
+
+/// A simulated node: 8x H100 as discovery reports them through the fake
+/// NVML, their device nodes (mknod) under a temporary driver root, a
+/// busybox rootfs, and the device names the published model offers.
+struct Node {
+    dir: tempfile::TempDir,
+    root: PathBuf,
+    rootfs: PathBuf,
+    inventory: Inventory,
+    driver: DriverName,
+    devices: Vec<(String, DeviceRef)>,
+}
+
+impl Node {
+    fn new(env: &Environment) -> Node {
+        let dir = tempfile::Builder::new().prefix("cdi").tempdir().unwrap();
+        let root = dir.path().join("root");
+        let rootfs = env.rootfs(dir.path());
+        let inventory = common::inventory(&common::topology("h100x8.yaml"));
+        assert_eq!(inventory.gpus.len(), 8);
+        for gpu in &inventory.gpus {
+            mknod(&root.join(format!("dev/nvidia{}", gpu.minor)), gpu.minor);
+        }
+        mknod(&root.join("dev/nvidiactl"), 255);
+        let driver = DriverName::new(DRIVER).unwrap();
+        let model = SliceModel::new(
+            &inventory,
+            &NodePolicy::default(),
+            Capabilities::full(),
+            NODE,
+        )
+        .driver(driver.clone())
+        .build()
+        .unwrap();
+        Node {
+            dir,
+            root,
+            rootfs,
+            inventory,
+            driver,
+            devices: model.devices.into_iter().collect(),
+        }
+    }
+
+    /// The device of the wanted kind on the highest-numbered GPU (not GPU
+    /// 0, so "the first node happens to match" cannot pass), and its GPU.
+    fn device(&self, want: impl Fn(&DeviceKind) -> bool) -> (String, Gpu) {
+        let (name, reference) = self
+            .devices
+            .iter()
+            .filter(|(_, r)| want(&r.kind))
+            .max_by_key(|(_, r)| r.gpu_index)
+            .expect("no device of the wanted kind");
+        let gpu = self
+            .inventory
+            .gpus
+            .iter()
+            .find(|g| g.uuid == reference.gpu_uuid)
+            .unwrap()
+            .clone();
+        assert_ne!(gpu.minor, 0);
+        (name.clone(), gpu)
+    }
+
+    /// Prepares `claim` as NodePrepareResources does, with `sharing` for
+    /// MPS; returns the preparer, the claim's reference, its one CDI id and
+    /// the spec file written.
+    async fn prepare(
+        &self,
+        claim: ResourceClaim,
+        sharing: Arc<dyn Sharing>,
+    ) -> (Arc<Preparer>, ClaimRef, String, PathBuf) {
+        let catalog = Catalog::compute(
+            &self.inventory,
+            &NodePolicy::default(),
+            NODE,
+            &self.driver,
+            &Default::default(),
+        )
+        .unwrap();
+        let base = self.dir.path();
+        fs::write(base.join("boot_id"), "podman-test-boot\n").unwrap();
+        let config = PrepareConfig {
+            driver: DRIVER.into(),
+            node: NODE.into(),
+            cdi_dir: base.join("cdi"),
+            state_dir: base.join("state"),
+            boot_id_file: base.join("boot_id"),
+            layout: Layout {
+                driver_root: self.root.clone(),
+                dev_root: self.root.clone(),
+                driver_files: Vec::new(),
+            },
+        };
+        let claim_ref = ClaimRef {
+            namespace: claim.metadata.namespace.clone().unwrap(),
+            name: claim.metadata.name.clone().unwrap(),
+            uid: claim.metadata.uid.clone().unwrap(),
+        };
+        let deps = Dependencies {
+            claims: Arc::new(OneClaim(claim)),
+            catalog: Arc::new(DeviceCatalog::fixed(catalog)),
+            sharing,
+            mig: Arc::new(Unsupported),
+            status: None,
+            events: None,
+        };
+        let (preparer, _) = Preparer::open(config, deps).await.unwrap();
+        let mut answers = preparer.prepare(vec![claim_ref.clone()]).await;
+        let prepared = answers.remove(0).1.expect("prepare failed");
+        assert_eq!(prepared.len(), 1);
+        let cdi_ids = &prepared[0].cdi_device_ids;
+        assert_eq!(cdi_ids.len(), 1);
+        let spec_file = fs::read_dir(base.join("cdi"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.file_name().unwrap().as_bytes().ends_with(b".json"))
+            .expect("prepare wrote no CDI spec");
+        (preparer, claim_ref, cdi_ids[0].clone(), spec_file)
+    }
+}
+
+fn claim_json(uid: &ClaimUid, result: serde_json::Value) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": "podman-claim", "namespace": "default", "uid": uid.as_str()},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}]}},
+        "status": {"allocation": {"devices": {"results": [result]}}}
+    }))
+    .unwrap()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     let Some(env) = Environment::check() else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("driver-root");
-    let rootfs = env.rootfs(dir.path());
-
-    // The node: 8x H100 as discovery reports them through the fake NVML.
-    let inventory = common::inventory(&common::topology("h100x8.yaml"));
-    assert_eq!(inventory.gpus.len(), 8);
-    for gpu in &inventory.gpus {
-        mknod(&root.join(format!("dev/nvidia{}", gpu.minor)), gpu.minor);
-    }
-    mknod(&root.join("dev/nvidiactl"), 255);
-
-    // A whole-GPU device name from the published model, and its GPU.
-    let driver = DriverName::new(DRIVER).unwrap();
-    let model = SliceModel::new(
-        &inventory,
-        &NodePolicy::default(),
-        Capabilities::full(),
-        NODE,
-    )
-    .driver(driver.clone())
-    .build()
-    .unwrap();
-    let (device, reference) = model
-        .devices
-        .iter()
-        .filter(|(_, r)| matches!(r.kind, DeviceKind::Whole))
-        .max_by_key(|(_, r)| r.gpu_index)
-        .expect("a whole-GPU device");
-    let gpu = inventory
-        .gpus
-        .iter()
-        .find(|g| g.uuid == reference.gpu_uuid)
-        .unwrap();
-    // Not GPU 0, so "the first node happens to match" cannot pass.
-    assert_ne!(gpu.minor, 0);
-
-    // Prepare, as NodePrepareResources does.
+    let node = Node::new(&env);
+    let rootfs = &node.rootfs;
+    let (device, gpu) = node.device(|k| matches!(k, DeviceKind::Whole));
     let uid = random_uid();
-    let claim: ResourceClaim = serde_json::from_value(json!({
-        "metadata": {"name": "podman-claim", "namespace": "default", "uid": uid.as_str()},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}]}},
-        "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
-        ]}}}
-    }))
-    .unwrap();
-    let catalog = Catalog::compute(
-        &inventory,
-        &NodePolicy::default(),
-        NODE,
-        &driver,
-        &Default::default(),
-    )
-    .unwrap();
-    fs::write(dir.path().join("boot_id"), "podman-test-boot\n").unwrap();
-    let config = PrepareConfig {
-        driver: DRIVER.into(),
-        node: NODE.into(),
-        cdi_dir: dir.path().join("cdi"),
-        state_dir: dir.path().join("state"),
-        boot_id_file: dir.path().join("boot_id"),
-        layout: Layout {
-            driver_root: root.clone(),
-            dev_root: root.clone(),
-            driver_files: Vec::new(),
-        },
-    };
-    let deps = Dependencies {
-        claims: Arc::new(OneClaim(claim)),
-        catalog: Arc::new(DeviceCatalog::fixed(catalog)),
-        sharing: Arc::new(Unsupported),
-        mig: Arc::new(Unsupported),
-        status: None,
-        events: None,
-    };
-    let (preparer, _) = Preparer::open(config, deps).await.unwrap();
-    let claim_ref = ClaimRef {
-        namespace: "default".into(),
-        name: "podman-claim".into(),
-        uid: uid.as_str().into(),
-    };
-    let mut answers = preparer.prepare(vec![claim_ref.clone()]).await;
-    let prepared = answers.remove(0).1.expect("prepare failed");
-    assert_eq!(prepared.len(), 1);
-    let cdi_ids = &prepared[0].cdi_device_ids;
-    assert_eq!(cdi_ids.len(), 1);
-    let cdi_id = &cdi_ids[0];
+    let claim = claim_json(
+        &uid,
+        json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}),
+    );
+    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, Arc::new(Unsupported)).await;
+    let cdi_id = &cdi_id;
 
     // The spec prepare wrote, installed where podman reads specs.
-    let spec_file = fs::read_dir(dir.path().join("cdi"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().as_bytes().ends_with(b".json"))
-        .expect("prepare wrote no CDI spec");
     let bytes = fs::read(&spec_file).unwrap();
     let spec: Spec = serde_json::from_slice(&bytes).unwrap();
     // hostPath on device nodes needs 0.5.0, the newest podman 4.3 accepts.
@@ -167,7 +220,7 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     let installed = Installed::new(spec_file.file_name().unwrap(), &bytes);
 
     // 1. With the claim's CDI id: exactly its GPU and the control node.
-    let out = env.podman(&rootfs, Some(cdi_id));
+    let out = env.podman(rootfs, Some(cdi_id));
     let seen = Probe::parse(&out);
     eprintln!("container with {cdi_id} reports:\n{}", seen.text);
     let gpu_node = format!("/dev/nvidia{}", gpu.minor);
@@ -187,9 +240,11 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
         seen.text
     );
     assert_eq!(seen.env("CUDA_VISIBLE_DEVICES"), gpu.uuid, "{}", seen.text);
+    assert_eq!(seen.env("CUDA_MPS_PIPE_DIRECTORY"), "<unset>");
+    assert!(!seen.text.contains("mps-control reachable"));
 
     // 2. Without it: no NVIDIA node, no variable.
-    let out = env.podman(&rootfs, None);
+    let out = env.podman(rootfs, None);
     let bare = Probe::parse(&out);
     eprintln!("container without a CDI id reports:\n{}", bare.text);
     assert!(bare.nodes.is_empty(), "{}", bare.text);
@@ -201,7 +256,7 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     let mut newer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     newer["cdiVersion"] = json!("0.6.0");
     installed.replace(&serde_json::to_vec(&newer).unwrap());
-    let out = env.podman(&rootfs, Some(cdi_id));
+    let out = env.podman(rootfs, Some(cdi_id));
     assert!(
         !out.status.success(),
         "podman accepted cdiVersion 0.6.0:\n{}",
@@ -218,6 +273,107 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     let mut answers = preparer.unprepare(vec![claim_ref]).await;
     answers.remove(0).1.expect("unprepare failed");
     assert!(!spec_file.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
+    let Some(env) = Environment::check() else {
+        return;
+    };
+    let node = Node::new(&env);
+    let (device, gpu) = node.device(|k| {
+        matches!(
+            k,
+            DeviceKind::Share {
+                level: IsolationLevel::Isolated,
+                ..
+            }
+        )
+    });
+    // The driver's own MPS supervision, with the simulated control binary.
+    let mut mps = MpsConfig::new(Path::new("/nonexistent"), node.dir.path().join("mps"));
+    mps.control_binary = fake_mps_control();
+    let supervisor = Arc::new(MpsSupervisor::new(mps));
+    let sharing = Arc::new(MpsSharing::new(supervisor.clone(), Unsupported));
+
+    let uid = random_uid();
+    let claim = claim_json(
+        &uid,
+        json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
+               "shareID": random_uid().as_str(),
+               "consumedCapacity": {"memory": "8Gi", "cores": "25"}}),
+    );
+    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, sharing).await;
+    let pipe_dir = node.dir.path().join("mps").join(&gpu.uuid).join("pipe");
+    let pid: i32 = fs::read_to_string(pipe_dir.join(PID_FILE))
+        .expect("prepare started no MPS daemon")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(ProcessId::of(pid).is_some());
+
+    let bytes = fs::read(&spec_file).unwrap();
+    let installed = Installed::new(spec_file.file_name().unwrap(), &bytes);
+    let out = env.podman(&node.rootfs, Some(&cdi_id));
+    let seen = Probe::parse(&out);
+    eprintln!("container with {cdi_id} reports:\n{}", seen.text);
+    drop(installed);
+    assert_eq!(
+        seen.nodes,
+        HashMap::from([
+            (
+                format!("/dev/nvidia{}", gpu.minor),
+                (NVIDIA_MAJOR, gpu.minor)
+            ),
+            ("/dev/nvidiactl".to_string(), (NVIDIA_MAJOR, 255)),
+        ]),
+        "{}",
+        seen.text
+    );
+    assert_eq!(seen.env("CUDA_VISIBLE_DEVICES"), gpu.uuid);
+    assert_eq!(
+        seen.env("CUDA_MPS_PIPE_DIRECTORY"),
+        pipe_dir.to_str().unwrap()
+    );
+    // The allocation's consumed capacity is the claim's limit.
+    assert_eq!(seen.env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "0=8192M");
+    assert_eq!(seen.env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), "25");
+    // The daemon's control endpoint is inside the container.
+    assert!(seen.text.contains("mps-control reachable"), "{}", seen.text);
+
+    // Unprepare drops the last reference: the daemon quits.
+    let mut answers = preparer.unprepare(vec![claim_ref]).await;
+    answers.remove(0).1.expect("unprepare failed");
+    assert!(
+        ProcessId::of(pid).is_none(),
+        "the MPS daemon outlived its last claim"
+    );
+    assert!(supervisor.claims().is_empty());
+    assert!(!spec_file.exists());
+}
+
+/// The built `fake-mps-control` (a no-op cargo build when it is fresh).
+fn fake_mps_control() -> PathBuf {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "-p",
+            "tessera-fake-nvml",
+            "--bin",
+            "fake-mps-control",
+        ])
+        .args(["--message-format=json"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running cargo build -p tessera-fake-nvml");
+    assert!(out.status.success(), "building fake-mps-control failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control")
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .expect("cargo reported no fake-mps-control executable")
 }
 
 struct OneClaim(ResourceClaim);
