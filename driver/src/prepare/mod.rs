@@ -462,6 +462,7 @@ impl Preparer {
             .ok_or_else(|| fail("its checkpoint entry vanished".into()))?;
 
         // Dynamic MIG first: later steps need the instance.
+        let mut created_any = false;
         for device in &mut resolved {
             if let plan::Kind::Mig {
                 instance,
@@ -489,10 +490,13 @@ impl Preparer {
                     }
                 }
                 *instance = Some(created);
+                created_any = true;
             }
         }
-        self.put_blocking(uid, entry.clone())
-            .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))?;
+        if created_any {
+            self.put_blocking(uid, entry.clone())
+                .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))?;
+        }
 
         let mut built = Vec::with_capacity(resolved.len());
         for (device, config) in resolved.into_iter().zip(configs) {
