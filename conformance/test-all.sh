@@ -48,7 +48,21 @@ ensure_packages() {
 ensure_packages podman runc busybox-static
 export TESSERA_REQUIRE_PODMAN=1
 
-# --- 2. clusters in a fresh state directory --------------------------------
+# --- 2. Rust: compile everything before the clusters take CPU -----------------
+# Binaries and cdylibs the tests launch (tessera, the fake libnvidia-ml.so)
+# come from `cargo build`; test executables from `--no-run`. Arguments after
+# `--` belong to the test executables, not to cargo.
+cargo_args=()
+for a in "$@"; do
+	[[ "$a" == -- ]] && break
+	cargo_args+=("$a")
+done
+t0=$SECONDS
+cargo build --workspace
+cargo test --workspace --no-run "${cargo_args[@]}"
+say "Rust build done ($((SECONDS - t0))s)"
+
+# --- 3. clusters in a fresh state directory --------------------------------
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/tessera-test.XXXXXX")
 MAIN_DIR="$STATE/main"
 DEGRADED_DIR="$STATE/degraded"
@@ -90,9 +104,9 @@ TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_KUBELET=0 \
 	"$CLUSTER" start
 export TESSERA_DEGRADED_KUBECONFIG="$DEGRADED_DIR/kubeconfig"
 
-# --- 3. tests ----------------------------------------------------------------
+# --- 4. tests ----------------------------------------------------------------
 say "running cargo test --workspace against $TESSERA_APISERVER_URL"
 cargo test --workspace --no-fail-fast "$@"
 
-# --- 4. bounded fuzzing of the untrusted-input decoders --------------------
+# --- 5. bounded fuzzing of the untrusted-input decoders --------------------
 conformance/fuzz-smoke.sh
