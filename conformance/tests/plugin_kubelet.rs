@@ -164,6 +164,14 @@ async fn run(
     ns.api::<ResourceClaimTemplate>()
         .create(&pp, &template)
         .await?;
+    // Like a DaemonSet's readiness: the kubelet has accepted the plugin
+    // (NotifyRegistrationStatus) before a Pod needs it.
+    let log = plugin.1.clone();
+    wait_for("the kubelet to register the plugin", TIMEOUT, || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        async move { Ok(text.contains("registered with the kubelet").then_some(())) }
+    })
+    .await?;
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": "gpu-pod" },
         "spec": {
