@@ -289,6 +289,16 @@ impl Preparer {
         self.lock_checkpoint().get(uid).cloned()
     }
 
+    /// Every checkpoint entry (after start-up recovery: only `Completed`
+    /// ones). Side-effect owners use it to reconcile their own state at
+    /// start, e.g. MPS references of claims that are no longer prepared.
+    pub fn entries(&self) -> Vec<(ClaimUid, ClaimEntry)> {
+        self.lock_checkpoint()
+            .entries()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// Prepares every claim; one result per claim, in order.
     pub async fn prepare(
         self: &Arc<Self>,
