@@ -72,6 +72,11 @@ trap cleanup EXIT
 mkdir -p "$RUN/nvml" "$RUN/gpu-root/dev" "$RUN/cdi" "$RUN/state"
 ln -sfn "$TARGET_DIR/debug/libtessera_fake_nvml.so" "$RUN/nvml/libnvidia-ml.so.1"
 for i in 0 1 2 3 4 5 6 7; do : >"$RUN/gpu-root/dev/nvidia$i"; done
+# The simulated MPS control daemon stands in for the driver's
+# nvidia-cuda-mps-control; its pipes need a short path (Unix socket limit).
+mkdir -p "$RUN/gpu-root/usr/bin"
+ln -sfn "$TARGET_DIR/debug/fake-mps-control" "$RUN/gpu-root/usr/bin/nvidia-cuda-mps-control"
+MPS_DIR="${TMPDIR:-/tmp}/tessera-demo-mps"
 : >"$RUN/gpu-root/dev/nvidiactl"
 export LD_LIBRARY_PATH="$RUN/nvml${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TESSERA_FAKE_NVML_TOPOLOGY="$TOPOLOGY"
@@ -89,7 +94,7 @@ echo $! >"$RUN/publish.pid"
 	--kubelet-registry-dir "$TESSERA_KUBELET_REGISTRY_DIR" \
 	--kubelet-plugins-dir "$TESSERA_KUBELET_PLUGINS_DIR" \
 	--cdi-dir "$RUN/cdi" --state-dir "$RUN/state" \
-	--driver-root "$RUN/gpu-root" >"$RUN/plugin.log" 2>&1 &
+	--driver-root "$RUN/gpu-root" --mps-dir "$MPS_DIR" >"$RUN/plugin.log" 2>&1 &
 echo $! >"$RUN/plugin.pid"
 
 kubectl apply -f deploy/deviceclasses.yaml

@@ -19,6 +19,8 @@ use tracing::{info, warn};
 use super::{Plugin, PluginConfig, sockets};
 use crate::checkpoint::KERNEL_BOOT_ID;
 use crate::discovery;
+use crate::mig::NvmlMig;
+use crate::mps::{MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::plan::{Layout, discover_driver_files};
@@ -60,6 +62,11 @@ pub struct PluginArgs {
     /// Directory of the prepared-claims checkpoint.
     #[arg(long, env = "TESSERA_STATE_DIR", default_value = "/var/lib/tessera")]
     pub state_dir: PathBuf,
+
+    /// Where the per-GPU MPS control daemons keep their pipes and logs. Unix
+    /// socket names are limited to 108 bytes, so this must be a short path.
+    #[arg(long, env = "TESSERA_MPS_DIR", default_value = "/run/tessera/mps")]
+    pub mps_dir: PathBuf,
 
     /// Root of the NVIDIA driver installation (libraries, tools,
     /// /proc/driver/nvidia); `/run/nvidia/driver` for a containerized driver.
@@ -208,11 +215,15 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
             driver_files,
         },
     };
+    let mps = Arc::new(MpsSupervisor::new(MpsConfig::new(
+        &args.driver_root,
+        args.mps_dir.clone(),
+    )));
     let deps = Dependencies {
         claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
         catalog: Arc::new(DeviceCatalog::refreshing(catalog, refresh)),
-        sharing: Arc::new(Unsupported),
-        mig: Arc::new(Unsupported),
+        sharing: Arc::new(MpsSharing::new(mps.clone(), Unsupported)),
+        mig: Arc::new(NvmlMig::new(nvml.clone(), &inventory)),
         status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
         events: Some(NodeEvents::new(
             client,
@@ -228,6 +239,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
         orphans_removed = recovery.orphans_removed.len(),
         "start-up recovery done"
     );
+    supervise_mps(&mps, &preparer);
     Ok(Plugin::new(
         PluginConfig {
             driver_name: args.driver_name.clone(),
@@ -237,6 +249,40 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
         },
         preparer,
     ))
+}
+
+/// Bring the MPS daemons in line with the checkpoint (claims that were
+/// unprepared while the plugin was down release theirs; daemons of prepared
+/// claims that died are restarted), then keep them alive.
+fn supervise_mps(mps: &Arc<MpsSupervisor>, preparer: &Preparer) {
+    let prepared: std::collections::BTreeSet<_> =
+        preparer.entries().into_iter().map(|(uid, _)| uid).collect();
+    log_supervision(&mps.retain_claims(|uid| prepared.contains(uid)));
+    log_supervision(&mps.supervise());
+    let watchdog = mps.spawn_watchdog(MPS_WATCHDOG_PERIOD, log_supervision);
+    // The watchdog stops when its handle drops: keep it for the life of the
+    // runtime.
+    tokio::spawn(async move {
+        let _watchdog = watchdog;
+        std::future::pending::<()>().await
+    });
+}
+
+const MPS_WATCHDOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn log_supervision(report: &SupervisionReport) {
+    for uuid in &report.adopted {
+        info!(device = %uuid, "adopted a running MPS control daemon");
+    }
+    for uuid in &report.restarted {
+        warn!(device = %uuid, "MPS control daemon was not running; restarted it");
+    }
+    for uuid in &report.stopped {
+        info!(device = %uuid, "stopped the MPS control daemon of a device without claims");
+    }
+    for (uuid, error) in &report.failed {
+        warn!(device = %uuid, "MPS control daemon needs attention: {error}");
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.
