@@ -929,9 +929,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceRemainingCapacity(
     ffi(|| {
         let n = with_machine(|m| {
             let (g, p) = profile_by_id(m, device, profile_id)?;
-            if !m.mig(g)?.enabled {
-                return Err(NOT_SUPPORTED);
-            }
+            m.mig_enabled(g)?;
             Ok(m.gpu_instance_room(g, &p).0)
         })?;
         // SAFETY: NVML contract: null or valid for an unsigned int.
@@ -963,10 +961,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
     ffi(|| {
         let h = with_machine(|m| {
             let g = m.live_gpu(device.addr())?;
-            let mig = m.mig(g)?;
-            if !mig.enabled {
-                return Err(NOT_SUPPORTED);
-            }
+            let mig = m.mig_enabled(g)?;
             if index >= mig.cap.max_devices {
                 return Err(INVALID_ARGUMENT);
             }
@@ -1038,6 +1033,25 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
 
 // ---------------------------------------------------------------------------
 // MIG: GPU instances
+
+/// Writes the instance handles of a profile and their count.
+///
+/// # Safety
+/// `count` is valid; `out` is valid for the profile's instanceCount
+/// entries (NVML's contract), which bounds how many instances of it can
+/// exist, so for `handles.len()`.
+unsafe fn put_instances<T: Copy>(
+    out: *mut T,
+    count: *mut c_uint,
+    handles: &[T],
+) -> Result<(), Ret> {
+    for (i, h) in handles.iter().enumerate() {
+        // SAFETY: i < handles.len() <= instanceCount <= the array length.
+        unsafe { out.add(i).write_unaligned(*h) };
+    }
+    // SAFETY: valid by the caller's contract.
+    unsafe { put(count, handles.len() as c_uint) }
+}
 
 fn gi_handle(gpu: usize, gi: u32) -> nvmlGpuInstance_t {
     handle(Kind::GpuInstance, gpu, Some(gi), None)
@@ -1123,25 +1137,15 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
         }
         let handles = with_machine(|m| {
             let (g, p) = profile_by_id(m, device, profile_id)?;
-            let mig = m.mig(g)?;
-            if !mig.enabled {
-                return Err(NOT_SUPPORTED);
-            }
-            Ok(mig
+            Ok(m.mig_enabled(g)?
                 .gpu_instances
                 .iter()
                 .filter(|(_, i)| i.profile_id == p.id)
                 .map(|(id, _)| gi_handle(g, *id))
                 .collect::<Vec<_>>())
         })?;
-        // NVML's contract: the array holds the profile's instanceCount
-        // entries, which bounds how many instances of it can exist.
-        for (i, h) in handles.iter().enumerate() {
-            // SAFETY: i < handles.len() <= instanceCount <= the array length.
-            unsafe { gpu_instances.add(i).write_unaligned(*h) };
-        }
-        // SAFETY: checked non-null; valid by contract.
-        unsafe { put(count, handles.len() as c_uint) }
+        // SAFETY: checked non-null; NVML contract on the array's length.
+        unsafe { put_instances(gpu_instances, count, &handles) }
     })
 }
 
@@ -1154,11 +1158,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
     ffi(|| {
         let g = with_machine(|m| {
             let g = m.live_gpu(device.addr())?;
-            let mig = m.mig(g)?;
-            if !mig.enabled {
-                return Err(NOT_SUPPORTED);
-            }
-            mig.gpu_instances.get(&id).ok_or(NOT_FOUND)?;
+            m.mig_enabled(g)?.gpu_instances.get(&id).ok_or(NOT_FOUND)?;
             Ok(g)
         })?;
         // SAFETY: NVML contract: null or valid for a handle.
@@ -1432,14 +1432,8 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
                 .map(|(id, _)| ci_handle(g, gi, *id))
                 .collect::<Vec<_>>())
         })?;
-        // NVML's contract: the array holds the compute profile's
-        // instanceCount entries, which bounds how many can exist.
-        for (i, h) in handles.iter().enumerate() {
-            // SAFETY: i < handles.len() <= instanceCount <= the array length.
-            unsafe { compute_instances.add(i).write_unaligned(*h) };
-        }
-        // SAFETY: checked non-null; valid by contract.
-        unsafe { put(count, handles.len() as c_uint) }
+        // SAFETY: checked non-null; NVML contract on the array's length.
+        unsafe { put_instances(compute_instances, count, &handles) }
     })
 }
 

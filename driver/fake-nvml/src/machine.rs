@@ -303,6 +303,15 @@ impl Machine {
     }
 
     /// MIG state of a GPU with MIG mode on.
+    pub fn mig_enabled(&self, gpu: usize) -> Result<&MigState, Ret> {
+        let mig = self.mig(gpu)?;
+        if !mig.enabled {
+            return Err(NOT_SUPPORTED);
+        }
+        Ok(mig)
+    }
+
+    /// MIG state of a GPU with MIG mode on.
     pub fn mig_enabled_mut(&mut self, gpu: usize) -> Result<&mut MigState, Ret> {
         let mig = self.mig_mut(gpu)?;
         if !mig.enabled {
