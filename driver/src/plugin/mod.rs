@@ -239,22 +239,26 @@ macro_rules! dra_service {
     ($service:ident, $pkg:ident) => {
         struct $service(Arc<Preparer>);
 
-        #[tonic::async_trait]
-        impl $pkg::dra_plugin_server::DraPlugin for $service {
-            async fn node_prepare_resources(
-                &self,
-                request: Request<$pkg::NodePrepareResourcesRequest>,
-            ) -> Result<Response<$pkg::NodePrepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
+        impl $service {
+            fn claim_refs(claims: Vec<$pkg::Claim>) -> Vec<ClaimRef> {
+                claims
                     .into_iter()
                     .map(|c| ClaimRef {
                         namespace: c.namespace,
                         name: c.name,
                         uid: c.uid,
                     })
-                    .collect();
+                    .collect()
+            }
+        }
+
+        #[tonic::async_trait]
+        impl $pkg::dra_plugin_server::DraPlugin for $service {
+            async fn node_prepare_resources(
+                &self,
+                request: Request<$pkg::NodePrepareResourcesRequest>,
+            ) -> Result<Response<$pkg::NodePrepareResourcesResponse>, Status> {
+                let claims = Self::claim_refs(request.into_inner().claims);
                 let mut answer = HashMap::new();
                 for (claim, result) in self.0.prepare(claims).await {
                     let entry = match result {
@@ -286,16 +290,7 @@ macro_rules! dra_service {
                 &self,
                 request: Request<$pkg::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$pkg::NodeUnprepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| ClaimRef {
-                        namespace: c.namespace,
-                        name: c.name,
-                        uid: c.uid,
-                    })
-                    .collect();
+                let claims = Self::claim_refs(request.into_inner().claims);
                 let mut answer = HashMap::new();
                 for (claim, result) in self.0.unprepare(claims).await {
                     let error = result.err().map(|e| e.to_string()).unwrap_or_default();
