@@ -306,6 +306,17 @@ fn l4x2() {
     assert_inventory(&got, &want);
 }
 
+/// The MIG devices of GPU 0 in `a100-40gb-x2-mig.yaml`, with GPU instance
+/// ids as NVML numbers these placements.
+fn a100_gpu0_instances(p: &[MigProfile]) -> Vec<MigInstance> {
+    let i = |name: &str, uuid: &str, gi: u32, start: u32| instance(p, name, uuid, gi, start);
+    vec![
+        i("2g.10gb", "MIG-004e26da-86c5-4f0b-984c-56d97a00b1b4", 5, 0),
+        i("1g.5gb", "MIG-cc04a385-500f-4314-8218-133a4f8051b2", 13, 2),
+        i("3g.20gb", "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f", 1, 4),
+    ]
+}
+
 #[test]
 fn a100_40gb_x2_mig() {
     let got = inventory(&topology("a100-40gb-x2-mig.yaml"));
@@ -321,30 +332,7 @@ fn a100_40gb_x2_mig() {
                 0,
                 Mig::Enabled {
                     profiles: p.clone(),
-                    // GPU instance ids as NVML numbers these placements.
-                    instances: vec![
-                        instance(
-                            &p,
-                            "2g.10gb",
-                            "MIG-004e26da-86c5-4f0b-984c-56d97a00b1b4",
-                            5,
-                            0,
-                        ),
-                        instance(
-                            &p,
-                            "1g.5gb",
-                            "MIG-cc04a385-500f-4314-8218-133a4f8051b2",
-                            13,
-                            2,
-                        ),
-                        instance(
-                            &p,
-                            "3g.20gb",
-                            "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f",
-                            1,
-                            4,
-                        ),
-                    ],
+                    instances: a100_gpu0_instances(&p),
                 },
             ),
             gpu(
@@ -550,7 +538,7 @@ fn yaml_is_the_default_output_and_says_the_same() {
 
 #[test]
 fn the_library_can_be_named_explicitly() {
-    let mut cmd = clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")));
+    let mut cmd = tessera_command();
     let lib = fake_nvml_lib();
     let out = cmd
         .args(["inventory", "--output", "json", "--nvml-library"])
@@ -567,6 +555,11 @@ fn the_library_can_be_named_explicitly() {
     assert_eq!(inv.gpus[0].product_name, "Tesla T4");
 }
 
+/// `tessera` with a clean environment and no fake topology set.
+fn tessera_command() -> std::process::Command {
+    clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")))
+}
+
 fn stderr(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
@@ -574,7 +567,7 @@ fn stderr(out: &std::process::Output) -> String {
 #[test]
 fn a_missing_library_is_a_clear_error() {
     let missing = scratch_dir("no-nvml").join("libnvidia-ml.so.1");
-    let out = clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")))
+    let out = tessera_command()
         .args(["inventory", "--nvml-library"])
         .arg(&missing)
         .output()
@@ -609,7 +602,7 @@ fn an_nvml_init_failure_is_a_clear_error() {
 
 #[test]
 fn a_broken_simulation_setup_is_reported() {
-    let out = clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")))
+    let out = tessera_command()
         .arg("inventory")
         .env("LD_LIBRARY_PATH", fake_nvml_dir())
         .output()
@@ -623,15 +616,19 @@ fn a_broken_simulation_setup_is_reported() {
     assert!(err.contains("failed to initialize"), "{err}");
 }
 
+/// Writes `name`: topology `from` with the GPU at `pci_bus_id` fallen off
+/// the bus.
+fn lose_gpu(from: &str, pci_bus_id: &str, name: &str) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(topology(from)).unwrap();
+    let line = format!("    pciBusId: \"{pci_bus_id}\"");
+    let lost = text.replace(&line, &format!("{line}\n    lost: true"));
+    assert_ne!(text, lost, "{from} has no GPU at {pci_bus_id}");
+    write_topology(name, &lost)
+}
+
 #[test]
 fn a_lost_gpu_is_named_and_the_others_are_still_listed() {
-    let text = std::fs::read_to_string(topology("l4x2.yaml")).unwrap();
-    let text = text.replace(
-        "    pciBusId: \"00000000:00:04.0\"",
-        "    pciBusId: \"00000000:00:04.0\"\n    lost: true",
-    );
-    assert!(text.contains("lost: true"));
-    let path = write_topology("l4x2-gpu1-lost.yaml", &text);
+    let path = lose_gpu("l4x2.yaml", "00000000:00:04.0", "l4x2-gpu1-lost.yaml");
     let out = tessera(&path, &["inventory", "--output", "json"]);
     assert_eq!(
         out.status.code(),
@@ -649,12 +646,11 @@ fn a_lost_gpu_is_named_and_the_others_are_still_listed() {
 
 #[test]
 fn a_lost_mig_gpu_does_not_hide_the_mig_devices_of_the_others() {
-    let text = std::fs::read_to_string(topology("a100-40gb-x2-mig.yaml")).unwrap();
-    let text = text.replace(
-        "    pciBusId: \"00000000:0F:00.0\"",
-        "    pciBusId: \"00000000:0F:00.0\"\n    lost: true",
+    let path = lose_gpu(
+        "a100-40gb-x2-mig.yaml",
+        "00000000:0F:00.0",
+        "a100-gpu1-lost.yaml",
     );
-    let path = write_topology("a100-gpu1-lost.yaml", &text);
     let out = tessera(&path, &["inventory", "--output", "json"]);
     assert_eq!(out.status.code(), Some(1));
     let inv: Inventory = serde_json::from_slice(&out.stdout).unwrap();
@@ -682,21 +678,9 @@ fn a_split_gpu_instance_shows_one_mig_device_per_compute_instance() {
         multiprocessors: sms,
         ..instance(&p, "3g.20gb", uuid, 1, 4)
     };
-    let want = vec![
-        instance(
-            &p,
-            "2g.10gb",
-            "MIG-004e26da-86c5-4f0b-984c-56d97a00b1b4",
-            5,
-            0,
-        ),
-        instance(
-            &p,
-            "1g.5gb",
-            "MIG-cc04a385-500f-4314-8218-133a4f8051b2",
-            13,
-            2,
-        ),
+    let mut want = a100_gpu0_instances(&p);
+    want.truncate(2);
+    want.extend([
         part(
             "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f",
             0,
@@ -709,7 +693,7 @@ fn a_split_gpu_instance_shows_one_mig_device_per_compute_instance() {
             "1c.3g.20gb",
             14,
         ),
-    ];
+    ]);
     assert_eq!(inv.gpus[0].mig.instances(), want.as_slice());
     // Both share the GPU instance's memory and engines.
     assert!(
@@ -722,7 +706,7 @@ fn a_split_gpu_instance_shows_one_mig_device_per_compute_instance() {
 #[test]
 fn a_library_that_is_not_nvml_is_a_clear_error() {
     // Any shared library without nvmlInit_v2; the C library is always there.
-    let out = clean(std::process::Command::new(env!("CARGO_BIN_EXE_tessera")))
+    let out = tessera_command()
         .args(["inventory", "--nvml-library", "libc.so.6"])
         .output()
         .unwrap();
