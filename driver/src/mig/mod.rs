@@ -244,18 +244,29 @@ struct MigDevice {
 
 /// GPU instance profiles of the GPU.
 fn profiles(nvml: &Nvml, device: &Device, gpu_uuid: &str) -> Result<Vec<Profile>, MigError> {
+    distinct_profiles(NVML_GPU_INSTANCE_PROFILE_COUNT, |index| {
+        let info = raw::gpu_instance_profile(nvml, device, index)
+            .map_err(nvml_err(gpu_uuid, "reading GPU instance profiles"))?;
+        Ok(info.map(|info| Profile {
+            id: info.id,
+            slices: info.sliceCount,
+            capacity: info.instanceCount,
+            multiprocessors: info.multiprocessorCount,
+        }))
+    })
+}
+
+/// The profiles `read` finds at indices `0..count`, each id once (the first).
+fn distinct_profiles(
+    count: u32,
+    mut read: impl FnMut(u32) -> Result<Option<Profile>, MigError>,
+) -> Result<Vec<Profile>, MigError> {
     let mut out: Vec<Profile> = Vec::new();
-    for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
-        if let Some(info) = raw::gpu_instance_profile(nvml, device, index)
-            .map_err(nvml_err(gpu_uuid, "reading GPU instance profiles"))?
-            && !out.iter().any(|p| p.id == info.id)
+    for index in 0..count {
+        if let Some(p) = read(index)?
+            && !out.iter().any(|o| o.id == p.id)
         {
-            out.push(Profile {
-                id: info.id,
-                slices: info.sliceCount,
-                capacity: info.instanceCount,
-                multiprocessors: info.multiprocessorCount,
-            });
+            out.push(p);
         }
     }
     Ok(out)
@@ -295,21 +306,16 @@ fn compute_profiles(
     instance: raw::GpuInstance<'_>,
     gpu_uuid: &str,
 ) -> Result<Vec<Profile>, MigError> {
-    let mut out: Vec<Profile> = Vec::new();
-    for index in 0..NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
-        if let Some(info) = raw::compute_instance_profile(nvml, instance, index)
-            .map_err(nvml_err(gpu_uuid, "reading compute instance profiles"))?
-            && !out.iter().any(|p| p.id == info.id)
-        {
-            out.push(Profile {
-                id: info.id,
-                slices: info.sliceCount,
-                capacity: info.instanceCount,
-                multiprocessors: info.multiprocessorCount,
-            });
-        }
-    }
-    Ok(out)
+    distinct_profiles(NVML_COMPUTE_INSTANCE_PROFILE_COUNT, |index| {
+        let info = raw::compute_instance_profile(nvml, instance, index)
+            .map_err(nvml_err(gpu_uuid, "reading compute instance profiles"))?;
+        Ok(info.map(|info| Profile {
+            id: info.id,
+            slices: info.sliceCount,
+            capacity: info.instanceCount,
+            multiprocessors: info.multiprocessorCount,
+        }))
+    })
 }
 
 /// Compute instances of a GPU instance, by id.
