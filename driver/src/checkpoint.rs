@@ -296,6 +296,12 @@ mod tests {
         }
     }
 
+    fn entry(device: &str) -> Entry {
+        Entry {
+            device: device.into(),
+        }
+    }
+
     fn uid(n: u8) -> ClaimUid {
         ClaimUid::parse(&format!("{n:08x}-0000-4000-8000-000000000000")).unwrap()
     }
@@ -305,20 +311,8 @@ mod tests {
         let f = Fixture::new();
         let (mut cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Fresh);
-        cp.put(
-            uid(1),
-            Entry {
-                device: "gpu-0".into(),
-            },
-        )
-        .unwrap();
-        cp.put(
-            uid(2),
-            Entry {
-                device: "gpu-1".into(),
-            },
-        )
-        .unwrap();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        cp.put(uid(2), entry("gpu-1")).unwrap();
         cp.remove(&uid(2)).unwrap();
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
@@ -330,13 +324,7 @@ mod tests {
     fn reboot_discards_entries() {
         let f = Fixture::new();
         let (mut cp, _) = f.open();
-        cp.put(
-            uid(1),
-            Entry {
-                device: "gpu-0".into(),
-            },
-        )
-        .unwrap();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
         fs::write(&f.boot, "boot-b\n").unwrap();
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::PreviousBoot { claims: 1 });
@@ -348,13 +336,7 @@ mod tests {
     fn corruption_is_quarantined_not_fatal() {
         let f = Fixture::new();
         let (mut cp, _) = f.open();
-        cp.put(
-            uid(1),
-            Entry {
-                device: "gpu-0".into(),
-            },
-        )
-        .unwrap();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
         let path = cp.path().to_owned();
         // Flip one byte inside the embedded entries: valid JSON, bad checksum.
         let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
@@ -410,15 +392,7 @@ mod tests {
             state ^= state << 17;
             state
         };
-        let valid = encode(
-            "b",
-            &BTreeMap::from([(
-                uid(1),
-                Entry {
-                    device: "gpu-0".into(),
-                },
-            )]),
-        );
+        let valid = encode("b", &BTreeMap::from([(uid(1), entry("gpu-0"))]));
         for _ in 0..2000 {
             let mut bytes = valid.clone();
             for _ in 0..(next() % 4 + 1) {
