@@ -23,7 +23,7 @@ LOG_LEVEL="${TESSERA_LOG_LEVEL:-1}"
 DEFAULT_FEATURE_GATES="DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,DRAResourceClaimDeviceStatus=true,ResourceHealthStatus=true,DRAPrioritizedList=true,DRAAdminAccess=true"
 DEFAULT_RUNTIME_CONFIG="resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
 
-# Components in start order; stop goes in reverse.
+# Components in start order (stop: clients, then the API server, then etcd and the CRI).
 COMPONENTS=(etcd fake-cri kube-apiserver kube-controller-manager kube-scheduler kubelet)
 
 # fd 4 stays the original stderr even where a condition's output is silenced.
@@ -429,26 +429,34 @@ EOF
 
 # ----------------------------------------------------------------- stop ----
 
-stop_pid_file() {
-	local name=$1 f pid
-	f=$(pidfile "$name")
-	[[ -f "$f" ]] || return 0
-	if ! pid_alive "$name"; then
-		rm -f "$f"
-		return 0
-	fi
-	pid=$(recorded_pid "$name")
-	local t0=$SECONDS
-	kill -TERM "$pid" 2>/dev/null || true
-	local deadline=$((SECONDS + 30))
-	while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-	if kill -0 "$pid" 2>/dev/null; then
-		log "$name (pid $pid) ignored SIGTERM for 30s; sending SIGKILL"
-		kill -KILL "$pid" 2>/dev/null || true
-		while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
-	fi
-	rm -f "$f"
-	log "stopped $name (pid $pid, $((SECONDS - t0))s)"
+# stop_group NAME...: SIGTERM to every recorded, live pid of the group at
+# once, then wait for all of them (SIGKILL to what is left after 30s).
+stop_group() {
+	local name f pid t0=$SECONDS
+	local -a names=() pids=()
+	for name in "$@"; do
+		f=$(pidfile "$name")
+		[[ -f "$f" ]] || continue
+		if pid=$(recorded_pid "$name"); then
+			kill -TERM "$pid" 2>/dev/null || true
+			names+=("$name")
+			pids+=("$pid")
+		else
+			rm -f "$f"
+		fi
+	done
+	local i deadline=$((SECONDS + 30))
+	for i in "${!pids[@]}"; do
+		pid=${pids[$i]}
+		while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+		if kill -0 "$pid" 2>/dev/null; then
+			log "${names[$i]} (pid $pid) ignored SIGTERM for 30s; sending SIGKILL"
+			kill -KILL "$pid" 2>/dev/null || true
+			while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+		fi
+		rm -f "$(pidfile "${names[$i]}")"
+		log "stopped ${names[$i]} (pid $pid, $((SECONDS - t0))s)"
+	done
 }
 
 # The kubelet mounts tmpfs volumes (service-account tokens, secrets) below its
@@ -467,16 +475,15 @@ cmd_stop() {
 		log "nothing recorded in $DIR"
 		return 0
 	}
-	local f i
-	# Fake nodes first, then components in reverse start order.
+	local f
+	local -a clients=()
 	for f in "$DIR"/pids/fake-nodes-*.pid; do
-		[[ -e "$f" ]] || continue
-		f=$(basename "$f" .pid)
-		stop_pid_file "$f"
+		[[ -e "$f" ]] && clients+=("$(basename "$f" .pid)")
 	done
-	for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
-		stop_pid_file "${COMPONENTS[$i]}"
-	done
+	# API clients first (together), then the API server, then its backends.
+	stop_group "${clients[@]}" kubelet kube-scheduler kube-controller-manager
+	stop_group kube-apiserver
+	stop_group fake-cri etcd
 	unmount_state_dir
 	log "cluster in $DIR stopped"
 }
