@@ -224,6 +224,19 @@ impl Preparer {
                         .push(format!("finishing unprepare of claim {uid}: {e}")),
                 },
                 EntryState::Completed => {
+                    // The status write runs in the background after prepare;
+                    // a kill may have lost it. Applying it again is
+                    // idempotent (server-side apply of the same content).
+                    if let Some(writer) = &self.deps.status
+                        && !entry.status.is_empty()
+                    {
+                        writer.spawn(
+                            &entry.namespace,
+                            &entry.name,
+                            uid.as_str(),
+                            entry.status.clone(),
+                        );
+                    }
                     let this = self.clone();
                     let id = uid.clone();
                     match blocking(move || this.restore_spec(&id, &entry)).await {
