@@ -530,6 +530,20 @@ impl Pool {
     /// Waits until the scheduler reports claim `name`'s pod unschedulable
     /// (the pod condition carries its reason); checks it is neither bound
     /// nor allocated and returns the scheduler's message.
+    /// Requests a claim the scheduler must refuse; returns its name (for
+    /// cleanup) once its pod is reported unschedulable.
+    pub async fn request_refused(
+        &self,
+        what: &str,
+        class: &str,
+        selectors: &[String],
+        capacity: &[(&str, &str)],
+    ) -> Result<String> {
+        let name = self.request(what, class, selectors, capacity).await?;
+        self.refused(&name).await?;
+        Ok(name)
+    }
+
     pub async fn refused(&self, name: &str) -> Result<String> {
         let pods: Api<Pod> = Api::namespaced(self.client(), &self.namespace);
         let message = wait_for(

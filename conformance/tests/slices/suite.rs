@@ -286,16 +286,15 @@ async fn full_model_on(pool: &Pool, topo: Topology) -> Result<()> {
             "{c} landed on {a:?}, not {iso_device}"
         );
     }
-    let big = pool
-        .request(
+    refused.push(
+        pool.request_refused(
             "iso-too-big",
             &pool.class("gpu-isolated"),
             &[pin("uuid", &g)],
             &[("memory", &gib(too_big))],
         )
-        .await?;
-    pool.refused(&big).await?;
-    refused.push(big);
+        .await?,
+    );
     let small = pool
         .request(
             "iso-fits",
@@ -311,42 +310,39 @@ async fn full_model_on(pool: &Pool, topo: Topology) -> Result<()> {
     held.push(small);
 
     // Nothing of another mode on that GPU: not Shared, not whole, not MIG.
-    let shared_there = pool
-        .request(
+    refused.push(
+        pool.request_refused(
             "shared-on-isolated",
             &pool.class("gpu-shared"),
             &[pin("uuid", &g)],
             &[],
         )
-        .await?;
-    pool.refused(&shared_there).await?;
-    refused.push(shared_there);
-    let whole_there = pool
-        .request(
+        .await?,
+    );
+    refused.push(
+        pool.request_refused(
             "whole-on-shares",
             &pool.class("gpu"),
             &[pin("uuid", &g)],
             &[],
         )
-        .await?;
-    pool.refused(&whole_there).await?;
-    refused.push(whole_there);
+        .await?,
+    );
     if !devices_where(&slices, |_, ty| ty == "mig")
         .iter()
         .filter(|(_, gpu)| *gpu == g)
         .collect::<Vec<_>>()
         .is_empty()
     {
-        let mig_there = pool
-            .request(
+        refused.push(
+            pool.request_refused(
                 "mig-on-shares",
                 &pool.class("mig"),
                 &[pin("parentUUID", &g)],
                 &[],
             )
-            .await?;
-        pool.refused(&mig_there).await?;
-        refused.push(mig_there);
+            .await?,
+        );
     }
 
     // A Shared claim goes elsewhere (or nowhere), and then that GPU takes
@@ -370,26 +366,24 @@ async fn full_model_on(pool: &Pool, topo: Topology) -> Result<()> {
             "Shared claim {shared} landed on the GPU with Isolated claims"
         );
         held.push(shared);
-        let iso_there = pool
-            .request(
+        refused.push(
+            pool.request_refused(
                 "iso-on-shared",
                 &pool.class("gpu-isolated"),
                 &[pin("uuid", &h.gpu)],
                 &[("memory", "1Gi")],
             )
-            .await?;
-        pool.refused(&iso_there).await?;
-        refused.push(iso_there);
-        let whole_there = pool
-            .request(
+            .await?,
+        );
+        refused.push(
+            pool.request_refused(
                 "whole-on-shared",
                 &pool.class("gpu"),
                 &[pin("uuid", &h.gpu)],
                 &[],
             )
-            .await?;
-        pool.refused(&whole_there).await?;
-        refused.push(whole_there);
+            .await?,
+        );
     }
     for r in &refused {
         pool.still_refused(r).await?;
@@ -477,8 +471,8 @@ async fn static_phases(pool: &mut Pool, topo: Topology) -> Result<()> {
         names.push(mig);
     }
     let beyond = floor_gib(max_gpu_memory(&slices)) + 2 * GIB_BYTES;
-    let huge = pool
-        .request(
+    names.push(
+        pool.request_refused(
             "whole-huge",
             &pool.class("gpu"),
             &[format!(
@@ -488,9 +482,8 @@ async fn static_phases(pool: &mut Pool, topo: Topology) -> Result<()> {
             )],
             &[],
         )
-        .await?;
-    pool.refused(&huge).await?;
-    names.push(huge);
+        .await?,
+    );
     pool.release(&names).await?;
 
     // Phase B: GPUs that phase A published whole get a share mode.
@@ -564,46 +557,42 @@ async fn static_phases(pool: &mut Pool, topo: Topology) -> Result<()> {
         got.insert(a.device);
     }
     ensure!(got.len() == 3, "3 claims share a replica: {got:?}");
-    let big = pool
-        .request(
+    refused.push(
+        pool.request_refused(
             "iso-too-big",
             &pool.class("gpu-isolated"),
             &[pin(pool, "uuid", &g), at_least(pool, too_big)],
             &[],
         )
-        .await?;
-    pool.refused(&big).await?;
-    refused.push(big);
-    let fourth = pool
-        .request(
+        .await?,
+    );
+    refused.push(
+        pool.request_refused(
             "iso-fourth",
             &pool.class("gpu-isolated"),
             &[pin(pool, "uuid", &g), at_least(pool, share)],
             &[],
         )
-        .await?;
-    pool.refused(&fourth).await?;
-    refused.push(fourth);
-    let shared_there = pool
-        .request(
+        .await?,
+    );
+    refused.push(
+        pool.request_refused(
             "shared-on-isolated",
             &pool.class("gpu-shared"),
             &[pin(pool, "uuid", &g)],
             &[],
         )
-        .await?;
-    pool.refused(&shared_there).await?;
-    refused.push(shared_there);
-    let whole_there = pool
-        .request(
+        .await?,
+    );
+    refused.push(
+        pool.request_refused(
             "whole-on-shares",
             &pool.class("gpu"),
             &[pin(pool, "uuid", &g)],
             &[],
         )
-        .await?;
-    pool.refused(&whole_there).await?;
-    refused.push(whole_there);
+        .await?,
+    );
 
     let shared = pool
         .request("shared", &pool.class("gpu-shared"), &[], &[])
