@@ -61,35 +61,16 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
     );
 
     // The plugin, in the kubelet's own directories.
-    let mut plugin = {
-        let log = dirs.path("plugin.log");
-        let out = std::fs::File::create(&log)?;
-        let child = std::process::Command::new(&b.tessera)
-            .arg("--nvml-library")
-            .arg(&b.fake_nvml)
-            .arg("plugin")
-            .args(["--node-name", &node, "--driver-name", &driver])
-            .arg("--kubeconfig")
-            .arg(cluster.kubeconfig())
-            .arg("--kubelet-registry-dir")
-            .arg(&kubelet.registry)
-            .arg("--kubelet-plugins-dir")
-            .arg(&kubelet.plugins)
-            .arg("--cdi-dir")
-            .arg(dirs.cdi())
-            .arg("--state-dir")
-            .arg(dirs.state())
-            .arg("--driver-root")
-            .arg(dirs.driver_root())
-            .arg("--boot-id-file")
-            .arg(dirs.boot_id())
-            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
-            .stdin(std::process::Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()?;
-        KillOnDrop(child, log)
-    };
+    let mut plugin = PluginProcess::start(
+        &dirs,
+        &PluginOptions {
+            node: node.clone(),
+            driver: driver.clone(),
+            kubeconfig: cluster.kubeconfig().to_path_buf(),
+            kubelet: Some(kubelet.clone()),
+        },
+    )?;
+    let log = plugin.log.clone();
 
     let result = run(&cluster, &ns, &driver, &id, &dirs, &mut plugin).await;
     // Cleanup whatever happened.
@@ -109,32 +90,15 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
                 .await;
         }
     }
+    // SIGTERM lets it remove its sockets from the kubelet's directories.
+    let _ = plugin.terminate().await;
     if result.is_err() {
         eprintln!(
             "plugin log:\n{}",
-            std::fs::read_to_string(&plugin.1).unwrap_or_default()
+            std::fs::read_to_string(&log).unwrap_or_default()
         );
     }
     result
-}
-
-struct KillOnDrop(std::process::Child, std::path::PathBuf);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child, not yet reaped; SIGTERM lets it
-        // remove its sockets from the kubelet's directories.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let deadline = std::time::Instant::now() + TIMEOUT;
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn run(
@@ -143,7 +107,7 @@ async fn run(
     driver: &str,
     id: &str,
     dirs: &PluginDirs,
-    plugin: &mut KillOnDrop,
+    plugin: &mut PluginProcess,
 ) -> Result<()> {
     let client = cluster.client();
     let pp = PostParams::default();
@@ -166,7 +130,7 @@ async fn run(
         .await?;
     // Like a DaemonSet's readiness: the kubelet has accepted the plugin
     // (NotifyRegistrationStatus) before a Pod needs it.
-    let log = plugin.1.clone();
+    let log = plugin.log.clone();
     wait_for("the kubelet to register the plugin", TIMEOUT, || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         async move { Ok(text.contains("registered with the kubelet").then_some(())) }
@@ -192,12 +156,10 @@ async fn run(
         "pod Running after the kubelet prepared its claim",
         TIMEOUT * 2,
         || {
-            let exited = plugin.0.try_wait();
+            let alive = plugin.check_running();
             let pods = pods.clone();
             async move {
-                if let Ok(Some(status)) = exited {
-                    anyhow::bail!("tessera plugin exited: {status}");
-                }
+                alive?;
                 let p = pods.get("gpu-pod").await?;
                 let phase = p.status.as_ref().and_then(|s| s.phase.clone());
                 Ok((phase.as_deref() == Some("Running")).then_some(p))

@@ -295,6 +295,9 @@ pub struct PluginOptions {
     pub node: String,
     pub driver: String,
     pub kubeconfig: PathBuf,
+    /// Register with the cluster's real kubelet (its registry and plugin
+    /// directories) instead of the instance's own directories.
+    pub kubelet: Option<tessera_conformance::KubeletDirs>,
 }
 
 impl PluginProcess {
@@ -305,6 +308,10 @@ impl PluginProcess {
             .create(true)
             .append(true)
             .open(&log)?;
+        let (registry, plugins) = match &opts.kubelet {
+            Some(k) => (k.registry.clone(), k.plugins.clone()),
+            None => (dirs.registry(), dirs.plugins()),
+        };
         let child = Command::new(&b.tessera)
             .arg("--nvml-library")
             .arg(&b.fake_nvml)
@@ -313,9 +320,9 @@ impl PluginProcess {
             .arg("--kubeconfig")
             .arg(&opts.kubeconfig)
             .arg("--kubelet-registry-dir")
-            .arg(dirs.registry())
+            .arg(registry)
             .arg("--kubelet-plugins-dir")
-            .arg(dirs.plugins())
+            .arg(plugins)
             .arg("--cdi-dir")
             .arg(dirs.cdi())
             .arg("--state-dir")
@@ -557,6 +564,7 @@ impl World {
             node: self.node.clone(),
             driver: self.driver.clone(),
             kubeconfig: self.cluster.kubeconfig().to_path_buf(),
+            kubelet: None,
         }
     }
 
