@@ -1,6 +1,7 @@
 //! Tessera's conformance suite and the helpers its tests use to reach the
 //! local Kubernetes control plane started by `conformance/cluster.sh`.
 
+pub mod artifacts;
 pub mod cluster;
 
 pub use cluster::{

@@ -47,46 +47,7 @@ pub fn repo_root() -> PathBuf {
 }
 
 /// The `tessera` binary and the fake NVML library, built if missing.
-pub struct Binaries {
-    pub tessera: PathBuf,
-    pub fake_nvml: PathBuf,
-}
-
-pub fn binaries() -> &'static Binaries {
-    static B: OnceLock<Binaries> = OnceLock::new();
-    B.get_or_init(|| {
-        let exe = std::env::current_exe().expect("test binary path");
-        let profile_dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target/<profile>/deps")
-            .to_path_buf();
-        let tessera = profile_dir.join("tessera");
-        let fake_nvml = profile_dir.join("libtessera_fake_nvml.so");
-        if !tessera.is_file() || !fake_nvml.is_file() {
-            let status = Command::new(env!("CARGO"))
-                .args([
-                    "build",
-                    "-p",
-                    "tessera-driver",
-                    "--bin",
-                    "tessera",
-                    "-p",
-                    "tessera-fake-nvml",
-                ])
-                .current_dir(repo_root())
-                .status()
-                .expect("running cargo build");
-            assert!(
-                status.success(),
-                "cargo build of tessera / fake NVML failed"
-            );
-        }
-        assert!(tessera.is_file(), "{} missing", tessera.display());
-        assert!(fake_nvml.is_file(), "{} missing", fake_nvml.display());
-        Binaries { tessera, fake_nvml }
-    })
-}
+pub use tessera_conformance::artifacts::binaries;
 
 pub fn topology_path() -> PathBuf {
     repo_root()
