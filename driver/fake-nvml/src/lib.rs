@@ -15,12 +15,51 @@
 //! arguments, `NVML_ERROR_NOT_SUPPORTED` for MIG calls on GPUs without MIG, and
 //! `NVML_ERROR_GPU_IS_LOST` for every query on a GPU the topology marks lost.
 //!
+//! # Hardware state is machine-wide
+//!
+//! As on a real GPU, what one process changes every other process sees: a
+//! MIG instance created by the node plugin is listed by `tessera inventory`
+//! in another shell, by a restarted plugin and inside a container. Static
+//! facts (names, memory, PCI, MIG profiles) come from the topology, loaded
+//! once per process. Run-time state (per GPU: MIG mode current and pending,
+//! GPU instances with id, profile, start and size, their compute instances
+//! with id, profile, slices, start and UUID, the compute mode; the counter
+//! that makes created UUIDs unique; the driver root below) lives in a JSON
+//! state file (`"version": 1`):
+//!
+//! - `TESSERA_FAKE_NVML_STATE` ([`STATE_ENV`]) names it; by default it is
+//!   `<topology file>.state` beside the topology. Processes meant to be one
+//!   machine use the same path; tests give every machine its own.
+//! - A missing file is seeded from the topology (at the first call that
+//!   needs it, normally `nvmlInit*`). A file that is corrupt, of another
+//!   version or of another machine (other GPU UUIDs) is never replaced: init
+//!   and every call answer `NVML_ERROR_UNKNOWN`, and stderr says once what is
+//!   wrong with which file.
+//! - Every call that reads or changes run-time state takes an exclusive
+//!   `flock` on `<state>.lock`, re-reads the file (parsing it only when its
+//!   bytes changed), and a call that changed something writes it back
+//!   atomically (temporary file + rename, still under the lock). Calls that
+//!   change nothing do not write.
+//!
+//! `TESSERA_FAKE_NVML_DRIVER_ROOT` ([`DRIVER_ROOT_ENV`]) makes the library
+//! keep the MIG capability files the NVIDIA kernel driver publishes, below
+//! that root: `proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access`
+//! and `.../gi<G>/ci<C>/access` for every GPU and compute instance that
+//! exists (plus `capabilities/mig/config` and `mig/monitor`), with the
+//! kernel driver's minor numbering (`gi = 3 + 135 * gpu minor + 9 * G`,
+//! `ci = gi + 1 + C`). The root is recorded in the state file at init, so
+//! every process on the machine keeps the same tree in step, with or without
+//! the variable.
+//!
+//! # Faults and events
+//!
 //! Faults a topology can provoke: `faults.init` (every init fails with that
 //! code) and `lost: true` on a card. XID errors are injected at run time by
 //! appending `<uuid> <xid>` lines to the file named by
 //! `TESSERA_FAKE_NVML_EVENTS`; `nvmlEventSetWait_v2` delivers them to event
 //! sets registered for XID events on that GPU (a MIG UUID targets its parent
-//! GPU and fills in the GPU/compute instance ids).
+//! GPU and fills in the GPU/compute instance ids). Event sets belong to the
+//! process that created them.
 //!
 //! Safety contract of every exported function (the same as NVML's): each
 //! pointer argument is either null or valid for reading/writing the type (or,
@@ -32,9 +71,11 @@
 // Each exported function's safety contract is the NVML one stated above.
 #![allow(clippy::missing_safety_doc)]
 
+mod caps;
 mod codes;
 mod events;
 mod machine;
+mod state;
 pub mod topology;
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong};
@@ -50,12 +91,19 @@ use crate::codes::*;
 use crate::machine::{
     DeviceRef, Kind, Machine, QueuedEvent, compute_instance_sizes, compute_placements, encode,
 };
+use crate::state::{Access, ComputeMode, Store};
 use crate::topology::{Profile, Topology};
 
 /// Environment variable naming the topology file.
 pub const TOPOLOGY_ENV: &str = "TESSERA_FAKE_NVML_TOPOLOGY";
 /// Environment variable naming the XID injection file.
 pub const EVENTS_ENV: &str = "TESSERA_FAKE_NVML_EVENTS";
+/// Environment variable naming the machine-wide state file (default:
+/// `<topology file>.state`).
+pub const STATE_ENV: &str = "TESSERA_FAKE_NVML_STATE";
+/// Environment variable naming the driver root below which the MIG
+/// capability files (`proc/driver/nvidia/capabilities/...`) are kept.
+pub const DRIVER_ROOT_ENV: &str = "TESSERA_FAKE_NVML_DRIVER_ROOT";
 
 /// Event types every simulated GPU supports: ECC errors, P-state and clock
 /// changes and critical XID errors.
@@ -70,25 +118,46 @@ const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
 
 struct Lib {
     init_count: u32,
-    machine: Option<Machine>,
+    /// The topology (loaded once) and the process's copy of the run-time
+    /// state, with the state file it is kept in step with.
+    sim: Option<Sim>,
+}
+
+struct Sim {
+    machine: Machine,
+    store: Store,
+    /// `TESSERA_FAKE_NVML_DRIVER_ROOT` of this process.
+    driver_root: Option<PathBuf>,
 }
 
 static LIB: Mutex<Lib> = Mutex::new(Lib {
     init_count: 0,
-    machine: None,
+    sim: None,
 });
 
 fn lock() -> MutexGuard<'static, Lib> {
     LIB.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Runs `f` on the machine, or answers UNINITIALIZED outside init/shutdown.
+/// Runs `f` on the machine, up to date with the state file, or answers
+/// UNINITIALIZED outside init/shutdown. `f` must not change run-time state.
 fn with_machine<R>(f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, Ret> {
+    synced(Access::Read, f)
+}
+
+/// Like [`with_machine`] for calls that change run-time state: what `f`
+/// changes is written back to the state file.
+fn with_machine_mut<R>(f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, Ret> {
+    synced(Access::Write, f)
+}
+
+fn synced<R>(access: Access, f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, Ret> {
     let mut lib = lock();
     if lib.init_count == 0 {
         return Err(UNINITIALIZED);
     }
-    f(lib.machine.as_mut().ok_or(UNINITIALIZED)?)
+    let sim = lib.sim.as_mut().ok_or(UNINITIALIZED)?;
+    sim.store.sync(&mut sim.machine, access, f)
 }
 
 /// Turns a body into an NVML return code; a panic becomes UNKNOWN instead of
@@ -174,44 +243,106 @@ const fn struct_version<T>(version: u32) -> u32 {
 // ---------------------------------------------------------------------------
 // Init and system queries
 
-#[cfg(test)]
-static TEST_CONFIG: Mutex<Option<(String, Option<PathBuf>)>> = Mutex::new(None);
+/// Where the simulated machine comes from.
+#[derive(Debug, Clone)]
+struct Config {
+    topology: Topology,
+    events: Option<PathBuf>,
+    state: PathBuf,
+    driver_root: Option<PathBuf>,
+}
 
-/// Where the topology (and events file) come from.
-fn load_machine() -> Result<Machine, String> {
+/// In-process tests configure the machine here instead of the environment.
+#[cfg(test)]
+#[derive(Debug, Clone)]
+struct TestConfig {
+    topology: String,
+    events: Option<PathBuf>,
+    state: PathBuf,
+    driver_root: Option<PathBuf>,
+}
+
+#[cfg(test)]
+static TEST_CONFIG: Mutex<Option<TestConfig>> = Mutex::new(None);
+
+fn config() -> Result<Config, String> {
     #[cfg(test)]
-    if let Some((text, events)) = TEST_CONFIG
+    if let Some(c) = TEST_CONFIG
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .clone()
     {
-        return Machine::new(Topology::parse(&text)?, events);
+        return Ok(Config {
+            topology: Topology::parse(&c.topology)?,
+            events: c.events,
+            state: c.state,
+            driver_root: c.driver_root,
+        });
     }
     let path = std::env::var_os(TOPOLOGY_ENV)
+        .map(PathBuf::from)
         .ok_or_else(|| format!("{TOPOLOGY_ENV} is not set; it must name a topology file"))?;
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("reading {}: {e}", PathBuf::from(&path).display()))?;
-    let topology = Topology::parse(&text)
-        .map_err(|e| format!("topology {}: {e}", PathBuf::from(&path).display()))?;
-    let events = std::env::var_os(EVENTS_ENV).map(PathBuf::from);
-    Machine::new(topology, events)
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let topology =
+        Topology::parse(&text).map_err(|e| format!("topology {}: {e}", path.display()))?;
+    let state = std::env::var_os(STATE_ENV)
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let mut state = path.into_os_string();
+            state.push(".state");
+            PathBuf::from(state)
+        });
+    let non_empty = |name| std::env::var_os(name).filter(|s| !s.is_empty());
+    Ok(Config {
+        topology,
+        events: non_empty(EVENTS_ENV).map(PathBuf::from),
+        state,
+        driver_root: non_empty(DRIVER_ROOT_ENV).map(PathBuf::from),
+    })
+}
+
+/// The topology, once per process, and a store for the state file; the
+/// state seeded into a missing file is the topology's.
+fn load() -> Result<Sim, String> {
+    let config = config()?;
+    let mut machine = Machine::new(config.topology, config.events)?;
+    machine.driver_root = config.driver_root.clone();
+    let store = Store::new(config.state, machine.snapshot());
+    Ok(Sim {
+        machine,
+        store,
+        driver_root: config.driver_root,
+    })
 }
 
 fn init() -> Ret {
     ffi(|| {
         let mut lib = lock();
-        if lib.machine.is_none() {
-            // The topology is loaded once per process, like hardware state
-            // outliving NVML sessions (created MIG instances survive shutdown).
-            let machine = load_machine().map_err(|msg| {
+        if lib.sim.is_none() {
+            // The topology is loaded once per process; run-time state lives
+            // in the state file, like hardware state outliving NVML sessions
+            // and processes.
+            let sim = load().map_err(|msg| {
                 eprintln!("tessera-fake-nvml: {msg}");
                 UNKNOWN
             })?;
-            lib.machine = Some(machine);
+            lib.sim = Some(sim);
         }
-        if let Some(code) = lib.machine.as_ref().and_then(|m| m.init_fault) {
+        let sim = lib.sim.as_mut().ok_or(UNKNOWN)?;
+        if let Some(code) = sim.machine.init_fault {
             return Err(code);
         }
+        // Load (or seed) the state now, so a broken state file fails init;
+        // a driver root given to this process becomes the machine's.
+        let root = sim.driver_root.clone();
+        sim.store.sync(&mut sim.machine, Access::Write, |m| {
+            if root.is_some() {
+                m.driver_root = root;
+            }
+            Ok(())
+        })?;
         lib.init_count += 1;
         Ok(())
     })
@@ -674,6 +805,46 @@ pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(
     })
 }
 
+/// The GPU's compute mode; a MIG device has none of its own (NOT_SUPPORTED).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
+    device: nvmlDevice_t,
+    mode: *mut nvmlComputeMode_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let value = with_machine(|m| match m.live_device(device.addr())? {
+            DeviceRef::Gpu(g) => Ok(m.gpus[g].compute_mode.nvml()),
+            DeviceRef::Mig { .. } => Err(NOT_SUPPORTED),
+        })?;
+        // SAFETY: NVML contract: null or valid for the enum.
+        unsafe { put(mode, value) }
+    })
+}
+
+/// Sets the GPU's compute mode, machine-wide. EXCLUSIVE_THREAD is no longer
+/// supported by NVIDIA's drivers (NOT_SUPPORTED); values beyond the enum
+/// are INVALID_ARGUMENT.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceSetComputeMode(
+    device: nvmlDevice_t,
+    mode: nvmlComputeMode_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let wanted = ComputeMode::from_nvml(mode).ok_or(INVALID_ARGUMENT)?;
+        with_machine_mut(|m| {
+            let g = match m.live_device(device.addr())? {
+                DeviceRef::Gpu(g) => g,
+                DeviceRef::Mig { .. } => return Err(NOT_SUPPORTED),
+            };
+            if wanted == ComputeMode::ExclusiveThread {
+                return Err(NOT_SUPPORTED);
+            }
+            m.gpus[g].compute_mode = wanted;
+            Ok(())
+        })
+    })
+}
+
 // ---------------------------------------------------------------------------
 // MIG: mode, profiles, placements
 
@@ -714,7 +885,7 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
         if activation_status.is_null() || mode > 1 {
             return Err(INVALID_ARGUMENT);
         }
-        with_machine(|m| {
+        with_machine_mut(|m| {
             let g = m.live_gpu(device.addr())?;
             let mig = m.mig_mut(g)?;
             if mode == 0 && !mig.gpu_instances.is_empty() {
@@ -1071,7 +1242,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstance(
         if gpu_instance.is_null() {
             return Err(INVALID_ARGUMENT);
         }
-        let (g, gi) = with_machine(|m| {
+        let (g, gi) = with_machine_mut(|m| {
             let g = m.live_gpu(device.addr())?;
             Ok((g, m.create_gpu_instance(g, profile_id, None)?))
         })?;
@@ -1093,7 +1264,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
         }
         // SAFETY: non-null and valid for the struct by contract.
         let wanted = unsafe { placement.read_unaligned() };
-        let (g, gi) = with_machine(|m| {
+        let (g, gi) = with_machine_mut(|m| {
             let (g, p) = profile_by_id(m, device, profile_id)?;
             if wanted.size != p.placements.size {
                 return Err(INVALID_ARGUMENT);
@@ -1108,7 +1279,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlGpuInstanceDestroy(gpu_instance: nvmlGpuInstance_t) -> nvmlReturn_t {
     ffi(|| {
-        with_machine(|m| {
+        with_machine_mut(|m| {
             let (g, gi) = m.gpu_instance(gpu_instance.addr())?;
             let mig = m.mig_enabled_mut(g)?;
             if mig
@@ -1357,7 +1528,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
         if compute_instance.is_null() {
             return Err(INVALID_ARGUMENT);
         }
-        let (g, gi, ci) = with_machine(|m| {
+        let (g, gi, ci) = with_machine_mut(|m| {
             let (g, gi, _, _) = compute_profile(m, gpu_instance, profile_id, 0)?;
             Ok((g, gi, m.create_compute_instance(g, gi, profile_id, None)?))
         })?;
@@ -1379,7 +1550,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(
         }
         // SAFETY: non-null and valid for the struct by contract.
         let wanted = unsafe { placement.read_unaligned() };
-        let (g, gi, ci) = with_machine(|m| {
+        let (g, gi, ci) = with_machine_mut(|m| {
             let (g, gi, slices, _) = compute_profile(m, gpu_instance, profile_id, 0)?;
             if wanted.size != slices {
                 return Err(INVALID_ARGUMENT);
@@ -1400,7 +1571,7 @@ pub extern "C" fn nvmlComputeInstanceDestroy(
     compute_instance: nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
     ffi(|| {
-        with_machine(|m| {
+        with_machine_mut(|m| {
             let (g, gi, ci) = m.compute_instance_handle(compute_instance.addr())?;
             let mig = m.mig_enabled_mut(g)?;
             if let Some(inst) = mig.gpu_instances.get_mut(&gi) {

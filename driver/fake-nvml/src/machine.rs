@@ -1,5 +1,10 @@
-//! The simulated machine's run-time state (GPUs, GPU instances, compute
-//! instances, event sets) and the opaque handles NVML hands out for them.
+//! The simulated machine (GPUs, GPU instances, compute instances, event
+//! sets) and the opaque handles NVML hands out for them.
+//!
+//! A `Machine` is one process's copy: the run-time part (MIG mode, GPU and
+//! compute instances, compute mode, the UUID counter) is loaded from and
+//! written back to the machine-wide state file by `state::Store` around every
+//! call, so every process sees what any process changed.
 //!
 //! Handles are never pointers to memory: they are tagged integers that only
 //! this library decodes (and validates against the current state), so a stale
@@ -10,6 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 
 use crate::codes::*;
+use crate::state::ComputeMode;
 use crate::topology::{self, Card, MigCapability, MigMode, PciAddress, Profile, Topology};
 
 /// What a device handle refers to.
@@ -79,8 +85,12 @@ pub struct Machine {
     /// File the test appends `<uuid> <xid>` lines to.
     pub events_path: Option<PathBuf>,
     pub event_sets: BTreeMap<u32, EventSet>,
-    /// Makes every created compute instance's UUID unique.
-    created: u64,
+    /// Makes every created compute instance's UUID unique (machine-wide: it
+    /// is part of the state file).
+    pub created: u64,
+    /// Where the MIG capability files are kept (`None`: nowhere); part of
+    /// the state file.
+    pub driver_root: Option<PathBuf>,
 }
 
 #[derive(Debug)]
@@ -88,6 +98,8 @@ pub struct Gpu {
     pub card: Card,
     pub bus: PciAddress,
     pub minor: u32,
+    /// `nvmlDeviceGetComputeMode`.
+    pub compute_mode: ComputeMode,
     /// `None`: the model cannot do MIG.
     pub mig: Option<MigState>,
 }
@@ -243,6 +255,7 @@ impl Machine {
             });
             gpus.push(Gpu {
                 minor: card.minor.unwrap_or(index as u32),
+                compute_mode: ComputeMode::Default,
                 bus,
                 card,
                 mig,
@@ -257,6 +270,7 @@ impl Machine {
             events_path,
             event_sets: BTreeMap::new(),
             created: 0,
+            driver_root: None,
         })
     }
 

@@ -1,11 +1,17 @@
 //! The C ABI exercised in-process, the way a C caller would use it.
 //!
 //! The library state is process-global, so tests take a lock and start from
-//! a fresh machine.
+//! a fresh machine: the topology given and a state file of its own in a
+//! fresh directory (removed when the test's [`TestMachine`] drops), so no two
+//! tests ever share run-time state.
 
 use std::io::Write;
 use std::mem::zeroed;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::MutexGuard;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::*;
 
@@ -17,14 +23,74 @@ const H100X8_MIG: &str = include_str!("../topologies/h100x8-mig.yaml");
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Fresh library state on `topology`; released when the guard drops.
-fn machine(topology: &str, events: Option<PathBuf>) -> MutexGuard<'static, ()> {
-    let guard = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    *TEST_CONFIG.lock().unwrap() = Some((topology.to_string(), events));
+/// One test's simulated machine; holds the library for the test.
+struct TestMachine {
+    dir: PathBuf,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl TestMachine {
+    /// The machine's state file.
+    fn state(&self) -> PathBuf {
+        self.dir.join("nvml.state")
+    }
+
+    /// The driver root of a machine made by [`machine_with_root`].
+    fn root(&self) -> PathBuf {
+        self.dir.join("root")
+    }
+}
+
+impl Drop for TestMachine {
+    fn drop(&mut self) {
+        let mut lib = lock();
+        lib.init_count = 0;
+        lib.sim = None;
+        drop(lib);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A fresh, empty directory of this test process.
+fn scratch_dir(what: &str) -> PathBuf {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "tessera-fake-nvml-{what}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMachine {
+    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let dir = scratch_dir("machine");
+    *TEST_CONFIG.lock().unwrap() = Some(TestConfig {
+        topology: topology.to_string(),
+        events,
+        state: dir.join("nvml.state"),
+        driver_root: with_root.then(|| dir.join("root")),
+    });
     let mut lib = lock();
     lib.init_count = 0;
-    lib.machine = None;
-    guard
+    lib.sim = None;
+    drop(lib);
+    TestMachine {
+        dir,
+        _serial: serial,
+    }
+}
+
+/// Fresh library state on `topology`; released when the guard drops.
+fn machine(topology: &str, events: Option<PathBuf>) -> TestMachine {
+    configure(topology, events, false)
+}
+
+/// Like [`machine`], keeping MIG capability files below [`TestMachine::root`].
+fn machine_with_root(topology: &str) -> TestMachine {
+    configure(topology, None, true)
 }
 
 fn init_ok() {
@@ -634,4 +700,545 @@ fn injected_xids_are_delivered_to_registered_event_sets() {
     assert_eq!(nvmlEventSetFree(set), INVALID_ARGUMENT);
     nvmlShutdown();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// ---------------------------------------------------------------------------
+// Machine-wide state
+
+fn state_json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) {
+    std::fs::write(path, serde_json::to_vec_pretty(value).unwrap()).unwrap();
+}
+
+fn mig_mode(d: nvmlDevice_t) -> (c_uint, c_uint) {
+    let (mut current, mut pending) = (9, 9);
+    assert_eq!(
+        unsafe { nvmlDeviceGetMigMode(d, &mut current, &mut pending) },
+        SUCCESS
+    );
+    (current, pending)
+}
+
+fn compute_mode(d: nvmlDevice_t) -> nvmlComputeMode_t {
+    let mut mode = 99;
+    assert_eq!(unsafe { nvmlDeviceGetComputeMode(d, &mut mode) }, SUCCESS);
+    mode
+}
+
+/// The error the library last reported on stderr.
+fn last_error() -> Option<String> {
+    lock().sim.as_ref()?.store.last_error.clone()
+}
+
+fn create_gi(d: nvmlDevice_t, profile: c_uint) -> nvmlGpuInstance_t {
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceCreateGpuInstance(d, profile, &mut gi) },
+        SUCCESS
+    );
+    gi
+}
+
+fn create_ci(gi: nvmlGpuInstance_t) -> nvmlComputeInstance_t {
+    let mut ci: nvmlComputeInstance_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlGpuInstanceCreateComputeInstance(gi, 0, &mut ci) },
+        SUCCESS
+    );
+    ci
+}
+
+#[test]
+fn the_state_file_is_seeded_from_the_topology() {
+    let m = machine(A100, None);
+    assert!(!m.state().exists());
+    init_ok();
+    let state = state_json(&m.state());
+    assert_eq!(state["version"], 1);
+    assert_eq!(state["created"], 0);
+    let gpu0 = &state["gpus"][0];
+    assert_eq!(gpu0["uuid"], "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10");
+    assert_eq!(gpu0["computeMode"], "default");
+    assert_eq!(gpu0["mig"]["current"], "enabled");
+    assert_eq!(gpu0["mig"]["pending"], "enabled");
+    let gis: Vec<(u64, u64, u64, &str)> = gpu0["mig"]["gpuInstances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|gi| {
+            let ci = &gi["computeInstances"][0];
+            assert_eq!(ci["id"], 0);
+            (
+                gi["id"].as_u64().unwrap(),
+                gi["profileId"].as_u64().unwrap(),
+                gi["start"].as_u64().unwrap(),
+                ci["uuid"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        gis,
+        [
+            (1, 9, 4, "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f"),
+            (5, 14, 0, "MIG-004e26da-86c5-4f0b-984c-56d97a00b1b4"),
+            (13, 19, 2, "MIG-cc04a385-500f-4314-8218-133a4f8051b2"),
+        ]
+    );
+    assert_eq!(state["gpus"][1]["mig"]["current"], "disabled");
+    assert_eq!(
+        state["gpus"][1]["mig"]["gpuInstances"],
+        serde_json::json!([])
+    );
+    nvmlShutdown();
+
+    // A GPU that cannot do MIG has no MIG state.
+    drop(m);
+    let m = machine(T4, None);
+    init_ok();
+    assert!(state_json(&m.state())["gpus"][0].get("mig").is_none());
+    nvmlShutdown();
+}
+
+#[test]
+fn changes_written_by_another_process_are_seen_without_init() {
+    let m = machine(A100, None);
+    init_ok();
+    let (d0, d1) = (device(0), device(1));
+    assert_eq!(mig_mode(d1), (0, 0));
+    let mut gone: nvmlDevice_t = ptr::null_mut();
+    let uuid = c"MIG-cc04a385-500f-4314-8218-133a4f8051b2";
+    assert_eq!(
+        unsafe { nvmlDeviceGetHandleByUUID(uuid.as_ptr(), &mut gone) },
+        SUCCESS
+    );
+
+    // What another process's calls would have written.
+    let mut state = state_json(&m.state());
+    state["gpus"][1]["mig"]["current"] = "enabled".into();
+    state["gpus"][1]["mig"]["pending"] = "enabled".into();
+    state["gpus"][0]["computeMode"] = "prohibited".into();
+    state["gpus"][0]["mig"]["gpuInstances"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|gi| gi["id"] != 13);
+    write_json(&m.state(), &state);
+
+    assert_eq!(mig_mode(d1), (1, 1));
+    assert_eq!(
+        compute_mode(d0),
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED
+    );
+    let mut h: nvmlDevice_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetHandleByUUID(uuid.as_ptr(), &mut h) },
+        NOT_FOUND
+    );
+    let mut name = [0 as c_char; 96];
+    assert_eq!(
+        unsafe { nvmlDeviceGetName(gone, name.as_mut_ptr(), 96) },
+        INVALID_ARGUMENT,
+        "a handle to a MIG device destroyed elsewhere is stale"
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceGetMigDeviceHandleByIndex(d0, 2, &mut h) },
+        NOT_FOUND
+    );
+    nvmlShutdown();
+}
+
+#[test]
+fn the_file_is_written_when_and_only_when_state_changes() {
+    let m = machine(A100, None);
+    init_ok();
+    let d0 = device(0);
+    let before = std::fs::metadata(m.state()).unwrap().ino();
+    // Queries, a MIG mode already set, a compute mode already set and a
+    // failed creation change nothing.
+    assert_eq!(name_of(d0), "NVIDIA A100-SXM4-40GB");
+    let mut status = SUCCESS;
+    assert_eq!(unsafe { nvmlDeviceSetMigMode(d0, 1, &mut status) }, SUCCESS);
+    assert_eq!(nvmlDeviceSetComputeMode(d0, 0), SUCCESS);
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceCreateGpuInstance(d0, 14, &mut gi) },
+        INSUFFICIENT_RESOURCES
+    );
+    assert_eq!(std::fs::metadata(m.state()).unwrap().ino(), before);
+
+    let gi = create_gi(d0, 19);
+    let after = std::fs::metadata(m.state()).unwrap().ino();
+    assert_ne!(after, before, "replaced by a rename");
+    let ids: Vec<u64> = state_json(&m.state())["gpus"][0]["mig"]["gpuInstances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids, [1, 5, 13, 14]);
+    let _ci = create_ci(gi);
+    let state = state_json(&m.state());
+    assert_eq!(state["created"], 1);
+    let ci = &state["gpus"][0]["mig"]["gpuInstances"][3]["computeInstances"][0];
+    assert!(ci["uuid"].as_str().unwrap().starts_with("MIG-"));
+    assert_eq!(
+        (ci["slices"].as_u64(), ci["start"].as_u64()),
+        (Some(1), Some(0))
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&m.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    nvmlShutdown();
+}
+
+#[test]
+fn compute_mode_follows_nvml() {
+    let m = machine(A100, None);
+    init_ok();
+    let d0 = device(0);
+    assert_eq!(
+        compute_mode(d0),
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT
+    );
+    assert_eq!(
+        nvmlDeviceSetComputeMode(d0, nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_PROCESS),
+        SUCCESS
+    );
+    assert_eq!(
+        compute_mode(d0),
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    );
+    assert_eq!(
+        compute_mode(device(1)),
+        nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT
+    );
+    assert_eq!(
+        state_json(&m.state())["gpus"][0]["computeMode"],
+        "exclusive-process"
+    );
+    assert_eq!(
+        nvmlDeviceSetComputeMode(d0, nvmlComputeMode_enum_NVML_COMPUTEMODE_EXCLUSIVE_THREAD),
+        NOT_SUPPORTED
+    );
+    assert_eq!(nvmlDeviceSetComputeMode(d0, 4), INVALID_ARGUMENT);
+    assert_eq!(
+        unsafe { nvmlDeviceGetComputeMode(d0, ptr::null_mut()) },
+        INVALID_ARGUMENT
+    );
+    let mut mig: nvmlDevice_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetMigDeviceHandleByIndex(d0, 0, &mut mig) },
+        SUCCESS
+    );
+    let mut mode = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetComputeMode(mig, &mut mode) },
+        NOT_SUPPORTED
+    );
+    assert_eq!(nvmlDeviceSetComputeMode(mig, 0), NOT_SUPPORTED);
+    nvmlShutdown();
+    assert_eq!(nvmlDeviceSetComputeMode(d0, 0), UNINITIALIZED);
+}
+
+#[test]
+fn a_broken_state_file_is_an_error_naming_it_and_is_not_replaced() {
+    let m = machine(A100, None);
+    std::fs::write(m.state(), "{ not json").unwrap();
+    assert_eq!(nvmlInit_v2(), UNKNOWN);
+    let err = last_error().unwrap();
+    assert!(err.contains(&m.state().display().to_string()), "{err}");
+    assert!(err.contains("corrupt"), "{err}");
+    assert_eq!(std::fs::read_to_string(m.state()).unwrap(), "{ not json");
+
+    // Broken while in use: calls fail until the file is good again.
+    std::fs::remove_file(m.state()).unwrap();
+    init_ok();
+    let good = std::fs::read(m.state()).unwrap();
+    let mut n = 0;
+    std::fs::write(m.state(), "").unwrap();
+    assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut n) }, UNKNOWN);
+    let mut state: serde_json::Value = serde_json::from_slice(&good).unwrap();
+    state["version"] = 2.into();
+    write_json(&m.state(), &state);
+    assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut n) }, UNKNOWN);
+    assert!(last_error().unwrap().contains("version 2"));
+    std::fs::write(m.state(), &good).unwrap();
+    assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut n) }, SUCCESS);
+    assert_eq!(last_error(), None);
+    nvmlShutdown();
+
+    // Another machine's state (an L4 node's) does not fit this topology.
+    drop(m);
+    let l4 = machine(L4X2, None);
+    init_ok();
+    nvmlShutdown();
+    let other = std::fs::read(l4.state()).unwrap();
+    drop(l4);
+    let m = machine(A100, None);
+    std::fs::write(m.state(), &other).unwrap();
+    assert_eq!(nvmlInit_v2(), UNKNOWN);
+    let err = last_error().unwrap();
+    assert!(err.contains("does not fit the topology"), "{err}");
+    assert!(err.contains(&m.state().display().to_string()), "{err}");
+}
+
+/// `<root>/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>[/ci<C>]/access`.
+fn cap_file(root: &Path, gpu: u32, gi: u32, ci: Option<u32>) -> PathBuf {
+    let dir = root.join(format!(
+        "proc/driver/nvidia/capabilities/gpu{gpu}/mig/gi{gi}"
+    ));
+    match ci {
+        Some(ci) => dir.join(format!("ci{ci}/access")),
+        None => dir.join("access"),
+    }
+}
+
+fn cap_minor(path: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(path).ok()?;
+    assert!(
+        text.ends_with("DeviceFileMode: 292\nDeviceFileModify: 1\n"),
+        "{text}"
+    );
+    text.strip_prefix("DeviceFileMinor: ")?
+        .lines()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// GPU instance ids with capability files on GPU `gpu`.
+fn cap_gpu_instances(root: &Path, gpu: u32) -> Vec<String> {
+    let dir = root.join(format!("proc/driver/nvidia/capabilities/gpu{gpu}/mig"));
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[test]
+fn capability_files_follow_the_instances() {
+    let m = machine_with_root(A100);
+    let root = m.root();
+    init_ok();
+    assert_eq!(
+        state_json(&m.state())["driverRoot"],
+        root.display().to_string()
+    );
+    // Seeded: GPU 0's three MIG devices (GI 1, 5, 13, CI 0 each).
+    assert_eq!(cap_gpu_instances(&root, 0), ["gi1", "gi13", "gi5"]);
+    assert_eq!(cap_minor(&cap_file(&root, 0, 1, None)), Some(3 + 9));
+    assert_eq!(cap_minor(&cap_file(&root, 0, 1, Some(0))), Some(3 + 9 + 1));
+    assert_eq!(
+        cap_minor(&cap_file(&root, 0, 13, Some(0))),
+        Some(3 + 13 * 9 + 1)
+    );
+    assert!(cap_gpu_instances(&root, 1).is_empty(), "GPU 1 has MIG off");
+    let config = root.join("proc/driver/nvidia/capabilities/mig/config");
+    assert!(
+        std::fs::read_to_string(config)
+            .unwrap()
+            .starts_with("DeviceFileMinor: 1\n")
+    );
+
+    // Created and destroyed with the instances.
+    let d0 = device(0);
+    let gi = create_gi(d0, 19);
+    assert_eq!(cap_minor(&cap_file(&root, 0, 14, None)), Some(3 + 14 * 9));
+    assert!(!cap_file(&root, 0, 14, Some(0)).exists());
+    let ci = create_ci(gi);
+    assert_eq!(
+        cap_minor(&cap_file(&root, 0, 14, Some(0))),
+        Some(3 + 14 * 9 + 1)
+    );
+    assert_eq!(nvmlComputeInstanceDestroy(ci), SUCCESS);
+    assert!(!cap_file(&root, 0, 14, Some(0)).exists());
+    assert!(cap_file(&root, 0, 14, None).exists());
+    assert_eq!(nvmlGpuInstanceDestroy(gi), SUCCESS);
+    assert_eq!(cap_gpu_instances(&root, 0), ["gi1", "gi13", "gi5"]);
+
+    // GPU 1 (device minor 1): MIG on, an instance, MIG off again.
+    let d1 = device(1);
+    let mut status = UNKNOWN;
+    assert_eq!(unsafe { nvmlDeviceSetMigMode(d1, 1, &mut status) }, SUCCESS);
+    let gi = create_gi(d1, 0);
+    let ci = create_ci(gi);
+    let mut info: nvmlComputeInstanceInfo_t = unsafe { zeroed() };
+    assert_eq!(
+        unsafe { nvmlComputeInstanceGetInfo_v2(ci, &mut info) },
+        SUCCESS
+    );
+    assert_eq!(cap_gpu_instances(&root, 1), ["gi0"]);
+    assert_eq!(cap_minor(&cap_file(&root, 1, 0, None)), Some(3 + 135));
+    assert_eq!(
+        cap_minor(&cap_file(&root, 1, 0, Some(0))),
+        Some(3 + 135 + 1)
+    );
+    assert_eq!(nvmlComputeInstanceDestroy(ci), SUCCESS);
+    assert_eq!(nvmlGpuInstanceDestroy(gi), SUCCESS);
+    assert_eq!(unsafe { nvmlDeviceSetMigMode(d1, 0, &mut status) }, SUCCESS);
+    assert!(cap_gpu_instances(&root, 1).is_empty());
+
+    // A state whose GPU has MIG off keeps no files for it.
+    let mut state = state_json(&m.state());
+    state["gpus"][0]["mig"]["current"] = "disabled".into();
+    write_json(&m.state(), &state);
+    assert_eq!(nvmlDeviceSetComputeMode(d0, 2), SUCCESS);
+    assert!(cap_gpu_instances(&root, 0).is_empty());
+    nvmlShutdown();
+}
+
+/// Set in the children of `two_processes_filling_a_machine_lose_no_update`.
+const CHILD_ENV: &str = "TESSERA_FAKE_NVML_TEST_CHILD";
+const CHILD_TAG: &str = "fill-child:";
+
+#[test]
+fn two_processes_filling_a_machine_lose_no_update() {
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let dir = scratch_dir("fill");
+    let topology = dir.join("h100x8.yaml");
+    std::fs::write(&topology, H100X8).unwrap();
+    let state = dir.join("nvml.state");
+    let children: Vec<_> = (0..2)
+        .map(|n| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "tests::child_fill_every_gpu",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD_ENV, format!("{n}"))
+                .env(TOPOLOGY_ENV, &topology)
+                .env(STATE_ENV, &state)
+                .env("FILL_DIR", &dir)
+                .env_remove(EVENTS_ENV)
+                .env_remove(DRIVER_ROOT_ENV)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut reported = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("test result: ok. 1 passed"),
+            "child failed:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mine: Vec<String> = text
+            .lines()
+            .filter_map(|l| Some(l[l.find(CHILD_TAG)? + CHILD_TAG.len()..].trim().to_owned()))
+            .collect();
+        assert!(!mine.is_empty(), "each child created some:\n{text}");
+        reported.extend(mine);
+    }
+    // Every creation either child saw succeed is on the machine, and nothing else.
+    reported.sort();
+    let mut on_machine: Vec<String> = state_json(&state)["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["mig"]["gpuInstances"].as_array().unwrap().clone())
+        .flat_map(|gi| gi["computeInstances"].as_array().unwrap().clone())
+        .map(|ci| ci["uuid"].as_str().unwrap().to_owned())
+        .collect();
+    on_machine.sort();
+    assert_eq!(reported.len(), 8 * 7, "seven 1g.10gb per H100");
+    assert_eq!(on_machine, reported);
+    on_machine.dedup();
+    assert_eq!(on_machine.len(), 8 * 7, "UUIDs are unique machine-wide");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "run in a child process by two_processes_filling_a_machine_lose_no_update"]
+fn child_fill_every_gpu() {
+    let Some(me) = std::env::var_os(CHILD_ENV) else {
+        return;
+    };
+    let dir = PathBuf::from(std::env::var_os("FILL_DIR").unwrap());
+    init_ok();
+    // Start together, so the two really interleave.
+    std::fs::write(dir.join(format!("ready-{}", me.to_str().unwrap())), "").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !(dir.join("ready-0").exists() && dir.join("ready-1").exists()) {
+        assert!(Instant::now() < deadline, "the other child never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut full = [false; 8];
+    while full.contains(&false) {
+        for (g, full) in full.iter_mut().enumerate() {
+            if *full {
+                continue;
+            }
+            let d = device(g as u32);
+            let mut status = UNKNOWN;
+            assert_eq!(unsafe { nvmlDeviceSetMigMode(d, 1, &mut status) }, SUCCESS);
+            let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+            match unsafe { nvmlDeviceCreateGpuInstance(d, 19, &mut gi) } {
+                SUCCESS => {}
+                INSUFFICIENT_RESOURCES => {
+                    *full = true;
+                    continue;
+                }
+                other => panic!("creating a GPU instance: {other}"),
+            }
+            let ci = create_ci(gi);
+            let mut info: nvmlComputeInstanceInfo_t = unsafe { zeroed() };
+            assert_eq!(
+                unsafe { nvmlComputeInstanceGetInfo_v2(ci, &mut info) },
+                SUCCESS
+            );
+            let mut gi_info: nvmlGpuInstanceInfo_t = unsafe { zeroed() };
+            assert_eq!(unsafe { nvmlGpuInstanceGetInfo(gi, &mut gi_info) }, SUCCESS);
+            // The MIG device of the new compute instance, by its ids.
+            let mut found = None;
+            for i in 0..7 {
+                let mut mig: nvmlDevice_t = ptr::null_mut();
+                if unsafe { nvmlDeviceGetMigDeviceHandleByIndex(d, i, &mut mig) } != SUCCESS {
+                    break;
+                }
+                let (mut gid, mut cid) = (0, 0);
+                assert_eq!(
+                    unsafe { nvmlDeviceGetGpuInstanceId(mig, &mut gid) },
+                    SUCCESS
+                );
+                assert_eq!(
+                    unsafe { nvmlDeviceGetComputeInstanceId(mig, &mut cid) },
+                    SUCCESS
+                );
+                if (gid, cid) == (gi_info.id, info.id) {
+                    let mut uuid = [0 as c_char; 96];
+                    assert_eq!(
+                        unsafe { nvmlDeviceGetUUID(mig, uuid.as_mut_ptr(), 96) },
+                        SUCCESS
+                    );
+                    found = Some(
+                        unsafe { CStr::from_ptr(uuid.as_ptr()) }
+                            .to_str()
+                            .unwrap()
+                            .to_owned(),
+                    );
+                }
+            }
+            println!(
+                "{CHILD_TAG} {}",
+                found.expect("the new MIG device is listed")
+            );
+        }
+    }
+    nvmlShutdown();
 }

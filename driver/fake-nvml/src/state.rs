@@ -1,0 +1,447 @@
+//! Machine-wide run-time state: the state file and its lock.
+//!
+//! On a real GPU, MIG mode, GPU and compute instances and the compute mode
+//! belong to the hardware: every process sees what any process changed. The
+//! simulated machine keeps them in a JSON state file shared by every process
+//! that loads the library with the same path (`TESSERA_FAKE_NVML_STATE`, by
+//! default `<topology>.state`). Static facts (names, memory, PCI, profiles)
+//! come from the topology and are loaded once per process.
+//!
+//! Every call that reads or changes run-time state goes through
+//! [`Store::sync`]: it takes an exclusive `flock` on `<state>.lock` (the state
+//! file itself is replaced by renames, so it cannot carry the lock), re-reads
+//! the file and parses it only if its bytes differ from what this process saw
+//! last, runs the call on the process's [`Machine`], and (for calls that may
+//! change state) writes the new state back atomically (temporary file +
+//! rename, under the lock) only if it differs. A missing file is seeded from
+//! the topology; a file that cannot be parsed, has another version or
+//! describes other GPUs is an error naming the file, never silently replaced.
+
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::caps;
+use crate::codes::*;
+use crate::machine::{ComputeInstance, GpuInstance, Machine, compute_profile_slices};
+use crate::topology::MigMode;
+
+/// Version of the state file format this library reads and writes.
+pub const STATE_VERSION: u32 = 1;
+
+/// The state file's contents.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct State {
+    /// [`STATE_VERSION`].
+    pub version: u32,
+    /// Compute instances created so far on this machine; makes every created
+    /// MIG device's UUID unique.
+    pub created: u64,
+    /// Where the MIG capability files are kept, if anywhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_root: Option<PathBuf>,
+    /// One entry per GPU, in NVML index order.
+    pub gpus: Vec<GpuState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuState {
+    /// The GPU's UUID, to tell a state file of another machine.
+    pub uuid: String,
+    pub compute_mode: ComputeMode,
+    /// Present exactly for MIG-capable GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<MigRunState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigRunState {
+    pub current: MigMode,
+    pub pending: MigMode,
+    pub gpu_instances: Vec<GpuInstanceState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuInstanceState {
+    pub id: u32,
+    pub profile_id: u32,
+    pub start: u32,
+    pub size: u32,
+    pub compute_instances: Vec<ComputeInstanceState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ComputeInstanceState {
+    pub id: u32,
+    pub profile_id: u32,
+    pub slices: u32,
+    pub start: u32,
+    pub uuid: String,
+}
+
+/// `nvmlComputeMode_t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ComputeMode {
+    #[default]
+    Default,
+    ExclusiveThread,
+    Prohibited,
+    ExclusiveProcess,
+}
+
+impl ComputeMode {
+    pub fn nvml(self) -> u32 {
+        match self {
+            ComputeMode::Default => 0,
+            ComputeMode::ExclusiveThread => 1,
+            ComputeMode::Prohibited => 2,
+            ComputeMode::ExclusiveProcess => 3,
+        }
+    }
+
+    pub fn from_nvml(mode: u32) -> Option<ComputeMode> {
+        Some(match mode {
+            0 => ComputeMode::Default,
+            1 => ComputeMode::ExclusiveThread,
+            2 => ComputeMode::Prohibited,
+            3 => ComputeMode::ExclusiveProcess,
+            _ => return None,
+        })
+    }
+}
+
+fn mode(enabled: bool) -> MigMode {
+    if enabled {
+        MigMode::Enabled
+    } else {
+        MigMode::Disabled
+    }
+}
+
+impl Machine {
+    /// The run-time state, as the state file holds it.
+    pub fn snapshot(&self) -> State {
+        let gpus = self
+            .gpus
+            .iter()
+            .map(|g| GpuState {
+                uuid: g.card.uuid.clone(),
+                compute_mode: g.compute_mode,
+                mig: g.mig.as_ref().map(|m| MigRunState {
+                    current: mode(m.enabled),
+                    pending: mode(m.pending),
+                    gpu_instances: m
+                        .gpu_instances
+                        .iter()
+                        .map(|(id, gi)| GpuInstanceState {
+                            id: *id,
+                            profile_id: gi.profile_id,
+                            start: gi.start,
+                            size: gi.size,
+                            compute_instances: gi
+                                .compute_instances
+                                .iter()
+                                .map(|(id, ci)| ComputeInstanceState {
+                                    id: *id,
+                                    profile_id: ci.profile_id,
+                                    slices: ci.slices,
+                                    start: ci.start,
+                                    uuid: ci.uuid.clone(),
+                                })
+                                .collect(),
+                        })
+                        .collect(),
+                }),
+            })
+            .collect();
+        State {
+            version: STATE_VERSION,
+            created: self.created,
+            driver_root: self.driver_root.clone(),
+            gpus,
+        }
+    }
+
+    /// Replaces the run-time state with `state`, after checking it fits
+    /// this machine's topology; on error nothing is changed.
+    pub fn restore(&mut self, state: &State) -> Result<(), String> {
+        if state.version != STATE_VERSION {
+            return Err(format!(
+                "it has version {}, this library reads version {STATE_VERSION}",
+                state.version
+            ));
+        }
+        if state.gpus.len() != self.gpus.len() {
+            return Err(format!(
+                "it describes {} GPUs, the topology {}",
+                state.gpus.len(),
+                self.gpus.len()
+            ));
+        }
+        let mut migs = Vec::new();
+        for (index, (g, s)) in self.gpus.iter().zip(&state.gpus).enumerate() {
+            if !g.card.uuid.eq_ignore_ascii_case(&s.uuid) {
+                return Err(format!(
+                    "GPU {index} is {} there, {} in the topology",
+                    s.uuid, g.card.uuid
+                ));
+            }
+            let mig = match (&g.mig, &s.mig) {
+                (None, None) => None,
+                (Some(m), Some(sm)) => {
+                    let mut gpu_instances = std::collections::BTreeMap::new();
+                    for gi in &sm.gpu_instances {
+                        let Some(p) = m.cap.profiles.iter().find(|p| p.id == gi.profile_id) else {
+                            return Err(format!(
+                                "GPU {index}: GPU instance {} has profile {}, which the GPU \
+                                 does not have",
+                                gi.id, gi.profile_id
+                            ));
+                        };
+                        let mut compute_instances = std::collections::BTreeMap::new();
+                        for ci in &gi.compute_instances {
+                            if compute_profile_slices(ci.profile_id) != Some(ci.slices)
+                                || ci.start + ci.slices > p.slices
+                            {
+                                return Err(format!(
+                                    "GPU {index}: compute instance {} of GPU instance {} \
+                                     does not fit it",
+                                    ci.id, gi.id
+                                ));
+                            }
+                            let c = ComputeInstance {
+                                profile_id: ci.profile_id,
+                                slices: ci.slices,
+                                start: ci.start,
+                                uuid: ci.uuid.clone(),
+                            };
+                            if compute_instances.insert(ci.id, c).is_some() {
+                                return Err(format!(
+                                    "GPU {index}: compute instance {} of GPU instance {} twice",
+                                    ci.id, gi.id
+                                ));
+                            }
+                        }
+                        let inst = GpuInstance {
+                            profile_id: gi.profile_id,
+                            start: gi.start,
+                            size: gi.size,
+                            compute_instances,
+                        };
+                        if gpu_instances.insert(gi.id, inst).is_some() {
+                            return Err(format!("GPU {index}: GPU instance {} twice", gi.id));
+                        }
+                    }
+                    Some((
+                        sm.current == MigMode::Enabled,
+                        sm.pending == MigMode::Enabled,
+                        gpu_instances,
+                    ))
+                }
+                (None, Some(_)) => {
+                    return Err(format!("GPU {index} cannot do MIG but has MIG state there"));
+                }
+                (Some(_), None) => {
+                    return Err(format!("GPU {index} can do MIG but has no MIG state there"));
+                }
+            };
+            migs.push(mig);
+        }
+        for ((g, s), mig) in self.gpus.iter_mut().zip(&state.gpus).zip(migs) {
+            g.compute_mode = s.compute_mode;
+            if let (Some(m), Some((enabled, pending, gpu_instances))) = (g.mig.as_mut(), mig) {
+                m.enabled = enabled;
+                m.pending = pending;
+                m.gpu_instances = gpu_instances;
+            }
+        }
+        self.created = state.created;
+        self.driver_root = state.driver_root.clone();
+        Ok(())
+    }
+}
+
+/// Whether a call may change run-time state (and so may need a write).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    Write,
+}
+
+/// One process's handle on the state file.
+#[derive(Debug)]
+pub struct Store {
+    path: PathBuf,
+    lock_path: PathBuf,
+    /// What the topology describes: written when the file is missing.
+    seed: State,
+    /// The file's bytes as this process last read or wrote them; `None`
+    /// forces a reload.
+    seen: Option<Vec<u8>>,
+    /// The last error reported on stderr, so a broken file is reported once,
+    /// not on every call.
+    pub last_error: Option<String>,
+}
+
+impl Store {
+    pub fn new(path: PathBuf, seed: State) -> Store {
+        let mut lock_path = path.clone().into_os_string();
+        lock_path.push(".lock");
+        Store {
+            path,
+            lock_path: PathBuf::from(lock_path),
+            seed,
+            seen: None,
+            last_error: None,
+        }
+    }
+
+    /// Runs `f` on `machine` with the state file locked and `machine`
+    /// holding its current contents; with [`Access::Write`], writes back
+    /// whatever `f` changed. A broken state file answers UNKNOWN (and says
+    /// why on stderr).
+    pub fn sync<R>(
+        &mut self,
+        machine: &mut Machine,
+        access: Access,
+        f: impl FnOnce(&mut Machine) -> Result<R, Ret>,
+    ) -> Result<R, Ret> {
+        let result = self.sync_inner(machine, access, f);
+        match result {
+            Ok(r) => {
+                self.last_error = None;
+                r
+            }
+            Err(msg) => {
+                if self.last_error.as_deref() != Some(msg.as_str()) {
+                    eprintln!("tessera-fake-nvml: {msg}");
+                    self.last_error = Some(msg);
+                }
+                Err(UNKNOWN)
+            }
+        }
+    }
+
+    /// The outer error is the state file's (a message); the inner one the
+    /// call's own result.
+    fn sync_inner<R>(
+        &mut self,
+        machine: &mut Machine,
+        access: Access,
+        f: impl FnOnce(&mut Machine) -> Result<R, Ret>,
+    ) -> Result<Result<R, Ret>, String> {
+        let _lock = self.lock()?;
+        self.load(machine)?;
+        let result = f(machine);
+        if access == Access::Write {
+            let bytes = encode(&machine.snapshot());
+            if self.seen.as_deref() != Some(bytes.as_slice()) {
+                if let Err(e) = self.write(&bytes) {
+                    // The process's copy now differs from the file: re-read
+                    // it next time.
+                    self.seen = None;
+                    return Err(e);
+                }
+                self.seen = Some(bytes);
+                caps::reconcile(machine);
+            }
+        }
+        Ok(result)
+    }
+
+    /// Takes the exclusive lock; it is released when the file is closed.
+    fn lock(&self) -> Result<File, String> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&self.lock_path)
+            .map_err(|e| format!("opening the state lock {}: {e}", self.lock_path.display()))?;
+        loop {
+            // SAFETY: flock on a descriptor this function owns.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(file);
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                return Err(format!(
+                    "locking the state lock {}: {e}",
+                    self.lock_path.display()
+                ));
+            }
+        }
+    }
+
+    /// Brings `machine` up to date with the file (seeding a missing one).
+    fn load(&mut self, machine: &mut Machine) -> Result<(), String> {
+        let bytes = match std::fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                let bytes = encode(&self.seed);
+                machine
+                    .restore(&self.seed)
+                    .map_err(|e| format!("seeding {}: {e}", self.path.display()))?;
+                self.write(&bytes)?;
+                self.seen = Some(bytes);
+                caps::reconcile(machine);
+                return Ok(());
+            }
+            Err(e) => {
+                return Err(format!(
+                    "reading the state file {}: {e}",
+                    self.path.display()
+                ));
+            }
+        };
+        if self.seen.as_deref() == Some(bytes.as_slice()) {
+            return Ok(());
+        }
+        let state: State = serde_json::from_slice(&bytes).map_err(|e| {
+            format!(
+                "the state file {} is corrupt ({e}); fix it or delete it to start again from \
+                 the topology",
+                self.path.display()
+            )
+        })?;
+        machine.restore(&state).map_err(|e| {
+            format!(
+                "the state file {} does not fit the topology: {e}; it belongs to another \
+                 machine (delete it, or set TESSERA_FAKE_NVML_STATE to a path of its own)",
+                self.path.display()
+            )
+        })?;
+        self.seen = Some(bytes);
+        Ok(())
+    }
+
+    /// Replaces the file atomically (the caller holds the lock).
+    fn write(&self, bytes: &[u8]) -> Result<(), String> {
+        let mut tmp = self.path.clone().into_os_string();
+        tmp.push(format!(".tmp.{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let written = File::create(&tmp)
+            .and_then(|mut f| f.write_all(bytes))
+            .and_then(|()| std::fs::rename(&tmp, &self.path));
+        written.map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("writing the state file {}: {e}", self.path.display())
+        })
+    }
+}
+
+/// The file's bytes for `state`: pretty JSON, for people reading it.
+pub fn encode(state: &State) -> Vec<u8> {
+    let mut bytes = serde_json::to_vec_pretty(state).expect("state serializes");
+    bytes.push(b'\n');
+    bytes
+}
