@@ -544,6 +544,7 @@ fn the_library_can_be_named_explicitly() {
         .args(["inventory", "--output", "json", "--nvml-library"])
         .arg(&lib)
         .env(TOPOLOGY_ENV, topology("t4.yaml"))
+        .env(STATE_ENV, fresh_state("named-library"))
         .output()
         .unwrap();
     assert!(

@@ -44,6 +44,7 @@ fn injected_xids_reach_nvml_wrapper_event_sets() {
         .env(CHILD_ENV, "1")
         .env("LD_LIBRARY_PATH", fake_nvml_dir())
         .env(TOPOLOGY_ENV, topology("a100-40gb-x2-mig.yaml"))
+        .env(STATE_ENV, fresh_state("xid"))
         .env(EVENTS_ENV, &events)
         .stdout(Stdio::piped())
         .spawn()
