@@ -2,11 +2,12 @@
 //! repeat, complete after a crash between the two NVML creations, destroy,
 //! list, and refusing what is not ours.
 //!
-//! NVML state is process-global and the simulated GPU's instances live as
-//! long as the process, so every scenario runs in its own child process:
-//! this test binary re-run on one ignored `child_*` test with the fake
-//! library on its library path. Expected ids and UUIDs are written here from
-//! the topology files and NVML's documented numbering, not read back.
+//! NVML state is process-global and the simulated GPU's instances are
+//! machine-wide, so every scenario runs in its own child process on a
+//! machine of its own (a fresh state file): this test binary re-run on one
+//! ignored `child_*` test with the fake library on its library path.
+//! Expected ids and UUIDs are written here from the topology files and
+//! NVML's documented numbering, not read back.
 
 mod common;
 
@@ -50,6 +51,7 @@ fn run_child(name: &str, topology_file: &str) {
         .env(CHILD_ENV, "1")
         .env("LD_LIBRARY_PATH", fake_nvml_dir())
         .env(TOPOLOGY_ENV, topology(topology_file))
+        .env(STATE_ENV, fresh_state(name))
         .output()
         .expect("starting the child");
     let text = format!(
