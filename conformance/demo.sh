@@ -80,6 +80,10 @@ MPS_DIR="${TMPDIR:-/tmp}/tessera-demo-mps"
 : >"$RUN/gpu-root/dev/nvidiactl"
 export LD_LIBRARY_PATH="$RUN/nvml${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TESSERA_FAKE_NVML_TOPOLOGY="$TOPOLOGY"
+# One machine: every process here (inventory, publish, plugin) shares the
+# simulated GPUs' state, and the MIG capability files live in the driver root.
+export TESSERA_FAKE_NVML_STATE="$RUN/nvml.state"
+export TESSERA_FAKE_NVML_DRIVER_ROOT="$RUN/gpu-root"
 export NODE_NAME="$TESSERA_NODE_NAME"
 
 say "what this node has (tessera inventory)"

@@ -53,6 +53,7 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
         .arg("--kubeconfig")
         .arg(cluster.kubeconfig())
         .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+        .env("TESSERA_FAKE_NVML_STATE", dirs.nvml_state())
         .output()?;
     ensure!(
         out.status.success(),

@@ -60,11 +60,14 @@ pub fn inventory() -> &'static Inventory {
     static I: OnceLock<Inventory> = OnceLock::new();
     I.get_or_init(|| {
         let b = binaries();
+        // The node as its topology describes it: a simulated machine of its own.
+        let machine = tempfile::tempdir().expect("a directory for the NVML state");
         let out = Command::new(&b.tessera)
             .arg("--nvml-library")
             .arg(&b.fake_nvml)
             .args(["inventory", "-o", "json"])
             .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+            .env("TESSERA_FAKE_NVML_STATE", machine.path().join("nvml.state"))
             .output()
             .expect("running tessera inventory");
         assert!(
@@ -183,6 +186,11 @@ impl PluginDirs {
     pub fn boot_id(&self) -> PathBuf {
         self.path("boot_id")
     }
+    /// The simulated GPUs' machine-wide state (MIG instances, modes): every
+    /// process of this node uses it.
+    pub fn nvml_state(&self) -> PathBuf {
+        self.path("nvml.state")
+    }
 
     /// Device nodes (plain files: nothing opens them here) and the MIG
     /// capability files the NVIDIA driver publishes, with the minors
@@ -294,6 +302,8 @@ impl PluginProcess {
             .arg(dirs.boot_id())
             .args(["--api-timeout-seconds", "10"])
             .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+            // The node's GPU state, kept across restarts of the plugin.
+            .env("TESSERA_FAKE_NVML_STATE", dirs.nvml_state())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)

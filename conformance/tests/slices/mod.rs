@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -60,6 +61,18 @@ pub fn scratch_file(name: &str, text: &str) -> PathBuf {
 /// `tessera <args>` on `topology`, with nothing NVML-related inherited.
 pub fn tessera_command(topology: &Path, args: &[&str]) -> Command {
     let bins = binaries();
+    // A simulated machine of its own per command: nothing here changes GPU
+    // state, and parallel tests must never share a machine.
+    static MACHINES: AtomicU32 = AtomicU32::new(0);
+    let state = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("slices-nvml-state")
+        .join(format!(
+            "{}-{}.state",
+            std::process::id(),
+            MACHINES.fetch_add(1, Ordering::Relaxed)
+        ));
+    std::fs::create_dir_all(state.parent().unwrap()).expect("creating the NVML state directory");
+    let _ = std::fs::remove_file(&state);
     let mut cmd = Command::new(&bins.tessera);
     cmd.args(args)
         .env_remove("TESSERA_NVML_LIBRARY")
@@ -69,6 +82,7 @@ pub fn tessera_command(topology: &Path, args: &[&str]) -> Command {
         .env_remove("TESSERA_DRIVER_NAME")
         .env("LD_LIBRARY_PATH", &bins.fake_nvml_dir)
         .env("TESSERA_FAKE_NVML_TOPOLOGY", topology)
+        .env("TESSERA_FAKE_NVML_STATE", state)
         .env("RUST_LOG", "info");
     cmd
 }
