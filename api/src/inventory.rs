@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Everything discovered on one node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Inventory {
     /// Kernel driver version as NVML reports it, e.g. `550.90.07`.

@@ -9,5 +9,6 @@ pub mod claim_uid;
 pub mod discovery;
 pub mod mig;
 pub mod mps;
+pub mod node;
 pub mod plugin;
 pub mod prepare;

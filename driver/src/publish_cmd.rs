@@ -14,7 +14,8 @@ use serde::Serialize;
 use tessera_api::inventory::Inventory;
 use tessera_controller::model::{Capabilities, DriverName, NodePolicy, SliceModel};
 use tessera_controller::publisher::{
-    Detected, MIN_FULL_MODEL, Publisher, PublisherConfig, Reconciled, ServerVersion, WriteCounts,
+    Detected, MIN_FULL_MODEL, NodeView, Publisher, PublisherConfig, Reconciled, ServerVersion,
+    WriteCounts,
 };
 use tessera_driver::discovery;
 
@@ -281,7 +282,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
         return runtime.block_on(async {
             let mut publisher = Publisher::new(client(args.kubeconfig.as_deref()).await?, config);
             let counters = publisher.counters();
-            let result = publisher.reconcile(&inventory).await;
+            let result = publisher.reconcile(&inventory.into()).await;
             let server = publisher.detected().map(ServerReport::from);
             let result = result?;
             let report = OnceReport {
@@ -295,7 +296,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
         });
     }
 
-    let (tx, rx) = tokio::sync::watch::channel(inventory);
+    let (tx, rx) = tokio::sync::watch::channel(NodeView::from(inventory));
     let (stop_tx, stop_rx) = mpsc::channel::<()>();
     let interval = Duration::from_secs(args.rediscover_seconds.max(1));
     // NVML calls block: rediscover on a thread of its own and hand changed
@@ -308,10 +309,10 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
                         tracing::warn!("{e} (not published)");
                     }
                     tx.send_if_modified(|current| {
-                        let changed = *current != found.inventory;
+                        let changed = current.inventory != found.inventory;
                         if changed {
                             tracing::info!("GPU inventory changed");
-                            *current = found.inventory;
+                            current.inventory = found.inventory;
                         }
                         changed
                     });

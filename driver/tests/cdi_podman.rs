@@ -137,14 +137,16 @@ impl Node {
         claim: ResourceClaim,
         sharing: Arc<dyn Sharing>,
     ) -> (Arc<Preparer>, ClaimRef, String, PathBuf) {
-        let catalog = Catalog::compute(
+        let model = SliceModel::new(
             &self.inventory,
             &NodePolicy::default(),
+            Capabilities::full(),
             NODE,
-            &self.driver,
-            &Default::default(),
         )
+        .driver(self.driver.clone())
+        .build()
         .unwrap();
+        let catalog = Catalog::from_model(&self.inventory, &model);
         let base = self.dir.path();
         fs::write(base.join("boot_id"), "podman-test-boot\n").unwrap();
         let config = PrepareConfig {
@@ -171,6 +173,7 @@ impl Node {
             mig: Arc::new(Unsupported),
             status: None,
             events: None,
+            on_change: None,
         };
         let (preparer, _) = Preparer::open(config, deps).await.unwrap();
         let mut answers = preparer.prepare(vec![claim_ref.clone()]).await;

@@ -1,6 +1,6 @@
-//! Dynamic MIG (`tessera_driver::mig`) against the simulated NVML: create,
-//! repeat, complete after a crash between the two NVML creations, destroy,
-//! list, and refusing what is not ours.
+//! Dynamic MIG and MIG mode (`tessera_driver::mig`) against the simulated
+//! NVML: create, destroy what was recorded, list, adopt nothing, leave what
+//! is not ours alone, switch MIG mode where no reset is needed.
 //!
 //! NVML state is process-global and the simulated GPU's instances are
 //! machine-wide, so every scenario runs in its own child process on a
@@ -15,7 +15,7 @@ use std::process::Command;
 
 use common::*;
 use nvml_wrapper::Nvml;
-use tessera_driver::mig::{self, Created, CreatedMig, Destroyed, MigError, MigPlacement, raw};
+use tessera_driver::mig::{self, CreatedMig, Destroyed, MigError, MigPlacement, Recorded, raw};
 
 const CHILD_ENV: &str = "TESSERA_TEST_MIG_CHILD";
 
@@ -26,6 +26,8 @@ const H100_EMPTY: &str = "GPU-8f3b2a6c-5e1d-4c7a-9f08-4d6b1e3a7c95";
 const A100_MIXED: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 /// a100-40gb-x2-mig.yaml, GPU 1: MIG off.
 const A100_OFF: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
+/// h100x8.yaml, GPU 0: MIG off.
+const H100_OFF: &str = "GPU-3d2a07e5-04b3-4312-87c3-c23be8aaee0f";
 
 // Profile ids (`nvidia-smi mig -lgip`), the same on A100 and H100.
 const P_1G: u32 = 19;
@@ -73,6 +75,14 @@ fn child_nvml() -> Option<Nvml> {
     Some(Nvml::init().expect("NVML (simulated) init"))
 }
 
+/// What prepare records for a created device.
+fn recorded(m: &CreatedMig) -> Recorded<'_> {
+    Recorded::Instance {
+        gpu_instance_id: m.gpu_instance_id,
+        mig_uuid: &m.mig_uuid,
+    }
+}
+
 fn is_mig_uuid(s: &str) -> bool {
     s.len() == 40 && s.starts_with("MIG-") && tessera_driver::mps::is_device_uuid(s)
 }
@@ -103,8 +113,7 @@ fn child_create_repeat_destroy() {
     let Some(nvml) = child_nvml() else { return };
     assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());
 
-    let (one, how) = mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap();
-    assert_eq!(how, Created::New);
+    let one = mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap();
     // NVML numbers single-slice instances at 4,5,6,7,0,1,2,3 as 7..14.
     assert_eq!((one.gpu_instance_id, one.compute_instance_id), (11, 0));
     assert_eq!((one.profile_id, one.placement), (P_1G, at(0, 1)));
@@ -114,14 +123,15 @@ fn child_create_repeat_destroy() {
     assert!(is_mig_uuid(&one.mig_uuid), "{}", one.mig_uuid);
     assert_device(&nvml, &one);
 
-    // A repeated call (prepare retried) returns the very same device.
-    let (again, how) = mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap();
-    assert_eq!(how, Created::Existing);
-    assert_eq!(again, one);
+    // A second create at the placement adopts nothing, not even an
+    // instance of the same profile: NVML cannot say who made it.
+    let err = mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap_err();
+    assert!(matches!(err, MigError::Occupied { .. }), "{err}");
+    assert!(mig::check_free(&nvml, H100_EMPTY, P_1G, at(0, 1)).is_err());
+    assert!(mig::check_free(&nvml, H100_EMPTY, P_1G, at(1, 1)).is_ok());
 
     // A second, larger one beside it: 3g.40gb at 4:4 is GPU instance 1.
-    let (three, how) = mig::create(&nvml, H100_EMPTY, P_3G, at(4, 4)).unwrap();
-    assert_eq!(how, Created::New);
+    let three = mig::create(&nvml, H100_EMPTY, P_3G, at(4, 4)).unwrap();
     assert_eq!(three.gpu_instance_id, 1);
     // The spanning compute instance: 3 slices (NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE).
     assert_eq!(three.compute_profile_id, 2);
@@ -153,13 +163,23 @@ fn child_create_repeat_destroy() {
     assert!(matches!(err, MigError::Occupied { .. }), "{err}");
     assert!(err.to_string().contains("GPU instance 1"), "{err}");
 
+    // A record that names another device is not this instance's: left alone.
+    let other = Recorded::Instance {
+        gpu_instance_id: one.gpu_instance_id,
+        mig_uuid: "MIG-00000000-0000-4000-8000-000000000000",
+    };
+    assert_eq!(
+        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1), other).unwrap(),
+        Destroyed::AlreadyGone
+    );
+    assert_device(&nvml, &one);
     // Destroy: compute instance, then GPU instance; twice is fine.
     assert_eq!(
-        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap(),
+        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1), recorded(&one)).unwrap(),
         Destroyed::Destroyed
     );
     assert_eq!(
-        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap(),
+        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1), recorded(&one)).unwrap(),
         Destroyed::AlreadyGone
     );
     assert!(nvml.device_by_uuid(one.mig_uuid.as_str()).is_err());
@@ -168,27 +188,27 @@ fn child_create_repeat_destroy() {
     assert_eq!(listed[0].gpu_instance_id, 1);
 
     assert_eq!(
-        mig::destroy(&nvml, H100_EMPTY, P_3G, at(4, 4)).unwrap(),
+        mig::destroy(&nvml, H100_EMPTY, P_3G, at(4, 4), recorded(&three)).unwrap(),
         Destroyed::Destroyed
     );
     assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());
     // And the whole GPU fits again.
-    let (whole, _) = mig::create(&nvml, H100_EMPTY, P_7G, at(0, 8)).unwrap();
+    let whole = mig::create(&nvml, H100_EMPTY, P_7G, at(0, 8)).unwrap();
     assert_eq!((whole.gpu_instance_id, whole.multiprocessors), (0, 132));
-    mig::destroy(&nvml, H100_EMPTY, P_7G, at(0, 8)).unwrap();
+    mig::destroy(&nvml, H100_EMPTY, P_7G, at(0, 8), recorded(&whole)).unwrap();
 }
 
 #[test]
-fn a_crash_between_the_two_creations_is_completed_on_retry() {
-    run_child("crash_between_creations", "a100-40gb-x2-mig.yaml");
+fn a_half_made_instance_is_not_adopted_and_an_intent_destroys_it() {
+    run_child("half_made", "a100-40gb-x2-mig.yaml");
 }
 
 #[test]
-#[ignore = "run in a child process by a_crash_between_the_two_creations_is_completed_on_retry"]
-fn child_crash_between_creations() {
+#[ignore = "run in a child process by a_half_made_instance_is_not_adopted_and_an_intent_destroys_it"]
+fn child_half_made() {
     let Some(nvml) = child_nvml() else { return };
-    // What an interrupted create leaves: the GPU instance without its
-    // compute instance (memory slice 3 is the A100's free one).
+    // What a crash between NVML's two creations leaves: the GPU instance
+    // without its compute instance (memory slice 3 is the A100's free one).
     let gpu = nvml.device_by_uuid(A100_MIXED).unwrap();
     let gi = raw::create_gpu_instance(&nvml, &gpu, P_1G, 3, 1).unwrap();
     let gi_id = raw::gpu_instance_info(&nvml, gi).unwrap().id;
@@ -198,17 +218,24 @@ fn child_crash_between_creations() {
     let half = before.iter().find(|g| g.gpu_instance_id == 14).unwrap();
     assert!(half.compute_instances.is_empty());
 
-    let (m, how) = mig::create(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap();
-    assert_eq!(how, Created::CompletedGpuInstance);
-    assert_eq!((m.gpu_instance_id, m.compute_instance_id), (14, 0));
-    assert_device(&nvml, &m);
-    // The crash after both creations: a retry returns the same device.
-    let (again, how) = mig::create(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap();
-    assert_eq!((again, how), (m.clone(), Created::Existing));
+    // Not adopted: prepare's retry happens after a rollback, never over it.
+    let err = mig::create(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap_err();
+    assert!(matches!(err, MigError::Occupied { .. }), "{err}");
+    assert!(err.to_string().contains("GPU instance 14"), "{err}");
+    assert_eq!(mig::list(&nvml, A100_MIXED).unwrap(), before);
 
-    // The static instances were not touched.
-    let listed = mig::list(&nvml, A100_MIXED).unwrap();
-    let summary: Vec<_> = listed
+    // The rollback of a recorded intent (no instance recorded) destroys the
+    // instance of that profile at exactly that placement, and nothing else.
+    assert_eq!(
+        mig::destroy(&nvml, A100_MIXED, P_2G, at(3, 1), Recorded::Intent).unwrap(),
+        Destroyed::AlreadyGone
+    );
+    assert_eq!(
+        mig::destroy(&nvml, A100_MIXED, P_1G, at(3, 1), Recorded::Intent).unwrap(),
+        Destroyed::Destroyed
+    );
+    let summary: Vec<_> = mig::list(&nvml, A100_MIXED)
+        .unwrap()
         .iter()
         .map(|g| {
             (
@@ -236,19 +263,12 @@ fn child_crash_between_creations() {
                 at(2, 1),
                 "MIG-cc04a385-500f-4314-8218-133a4f8051b2".to_string()
             ),
-            (14, at(3, 1), m.mig_uuid.clone()),
         ]
     );
-
-    // Destroying a GPU instance left without its compute instance works too.
-    mig::destroy(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap();
-    let gi = raw::create_gpu_instance(&nvml, &gpu, P_1G, 3, 1).unwrap();
-    assert!(raw::gpu_instance_info(&nvml, gi).is_ok());
-    assert_eq!(
-        mig::destroy(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap(),
-        Destroyed::Destroyed
-    );
-    assert_eq!(mig::list(&nvml, A100_MIXED).unwrap().len(), 3);
+    // Now the placement is free and a create succeeds.
+    let m = mig::create(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap();
+    assert_eq!((m.gpu_instance_id, m.compute_instance_id), (14, 0));
+    assert_device(&nvml, &m);
 }
 
 #[test]
@@ -267,9 +287,22 @@ fn child_not_ours() {
     let err = mig::create(&nvml, A100_MIXED, P_3G, at(0, 4)).unwrap_err();
     assert!(matches!(err, MigError::Occupied { .. }), "{err}");
     assert!(err.to_string().contains("GPU instance 5"), "{err}");
-    // Destroying "our" 1g at 4:4 where a 3g.20gb sits.
-    let err = mig::destroy(&nvml, A100_MIXED, P_1G, at(4, 4)).unwrap_err();
-    assert!(matches!(err, MigError::Occupied { .. }), "{err}");
+    // Destroying "our" 1g at 4:4 where a 3g.20gb sits: ours is gone, the
+    // 3g.20gb is left alone.
+    assert_eq!(
+        mig::destroy(&nvml, A100_MIXED, P_1G, at(4, 4), Recorded::Intent).unwrap(),
+        Destroyed::AlreadyGone
+    );
+    // A record of the static 3g.20gb's GPU instance id with another UUID
+    // (a device of ours that was replaced by someone else's) is not it.
+    let stale = Recorded::Instance {
+        gpu_instance_id: 1,
+        mig_uuid: "MIG-00000000-0000-4000-8000-000000000001",
+    };
+    assert_eq!(
+        mig::destroy(&nvml, A100_MIXED, P_3G, at(4, 4), stale).unwrap(),
+        Destroyed::AlreadyGone
+    );
     assert_eq!(listed(), before);
 
     // Wrong inputs, each with its own error.
@@ -289,11 +322,11 @@ fn child_not_ours() {
     assert!(matches!(err, MigError::GpuNotFound { .. }), "{err}");
     // Unprepare after the GPU (or MIG mode) went away has nothing to undo.
     assert_eq!(
-        mig::destroy(&nvml, missing, P_1G, at(0, 1)).unwrap(),
+        mig::destroy(&nvml, missing, P_1G, at(0, 1), Recorded::Intent).unwrap(),
         Destroyed::AlreadyGone
     );
     assert_eq!(
-        mig::destroy(&nvml, A100_OFF, P_1G, at(0, 1)).unwrap(),
+        mig::destroy(&nvml, A100_OFF, P_1G, at(0, 1), Recorded::Intent).unwrap(),
         Destroyed::AlreadyGone
     );
     assert!(mig::list(&nvml, A100_OFF).unwrap().is_empty());
@@ -301,12 +334,12 @@ fn child_not_ours() {
 }
 
 #[test]
-fn a_gpu_instance_split_by_someone_else_is_not_returned() {
+fn a_gpu_instance_split_by_someone_else_is_left_alone() {
     run_child("split", "h100x8-mig.yaml");
 }
 
 #[test]
-#[ignore = "run in a child process by a_gpu_instance_split_by_someone_else_is_not_returned"]
+#[ignore = "run in a child process by a_gpu_instance_split_by_someone_else_is_left_alone"]
 fn child_split() {
     let Some(nvml) = child_nvml() else { return };
     let gpu = nvml.device_by_uuid(H100_EMPTY).unwrap();
@@ -314,24 +347,28 @@ fn child_split() {
     let gi = raw::create_gpu_instance(&nvml, &gpu, P_2G, 0, 2).unwrap();
     raw::create_compute_instance(&nvml, gi, 0).unwrap();
     raw::create_compute_instance(&nvml, gi, 0).unwrap();
+    let before = mig::list(&nvml, H100_EMPTY).unwrap();
 
     let err = mig::create(&nvml, H100_EMPTY, P_2G, at(0, 2)).unwrap_err();
-    assert!(matches!(err, MigError::Split { .. }), "{err}");
-    let listed = mig::list(&nvml, H100_EMPTY).unwrap();
-    assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].compute_instances.len(), 2);
+    assert!(matches!(err, MigError::Occupied { .. }), "{err}");
+    assert_eq!(before.len(), 1);
+    assert_eq!(before[0].compute_instances.len(), 2);
     assert!(
-        listed[0]
+        before[0]
             .compute_instances
             .iter()
             .all(|c| c.slices == 1 && c.mig_uuid.as_deref().is_some_and(is_mig_uuid))
     );
-    // A destroy for that placement removes every compute instance first.
+    // A record of a device of ours at that placement does not match it.
+    let ours = Recorded::Instance {
+        gpu_instance_id: before[0].gpu_instance_id,
+        mig_uuid: "MIG-00000000-0000-4000-8000-000000000002",
+    };
     assert_eq!(
-        mig::destroy(&nvml, H100_EMPTY, P_2G, at(0, 2)).unwrap(),
-        Destroyed::Destroyed
+        mig::destroy(&nvml, H100_EMPTY, P_2G, at(0, 2), ours).unwrap(),
+        Destroyed::AlreadyGone
     );
-    assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());
+    assert_eq!(mig::list(&nvml, H100_EMPTY).unwrap(), before);
 }
 
 #[test]
@@ -350,7 +387,7 @@ fn child_concurrent() {
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap().unwrap().0)
+            .map(|h| h.join().unwrap().unwrap())
             .collect()
     });
     let mut ids: Vec<u32> = made.iter().map(|m| m.gpu_instance_id).collect();
@@ -364,7 +401,7 @@ fn child_concurrent() {
         for m in &made {
             s.spawn(move || {
                 assert_eq!(
-                    mig::destroy(nvml, H100_EMPTY, P_1G, m.placement).unwrap(),
+                    mig::destroy(nvml, H100_EMPTY, P_1G, m.placement, recorded(m)).unwrap(),
                     Destroyed::Destroyed
                 )
             });
@@ -382,9 +419,9 @@ fn the_prepare_trait_creates_and_destroys_through_nvml() {
 #[ignore = "run in a child process by the_prepare_trait_creates_and_destroys_through_nvml"]
 fn child_prepare_trait() {
     use std::sync::Arc;
-    use tessera_driver::claim_uid::ClaimUid;
     use tessera_driver::mig::NvmlMig;
     use tessera_driver::prepare::sharing::MigManager;
+    use tessera_driver::prepare::state::MigRecord;
 
     let Some(nvml) = child_nvml() else { return };
     let nvml = Arc::new(nvml);
@@ -392,9 +429,9 @@ fn child_prepare_trait() {
         .unwrap()
         .inventory;
     let manager = NvmlMig::new(nvml.clone(), &inventory);
-    let claim = ClaimUid::parse("00000000-0000-4000-8000-000000000001").unwrap();
 
-    let made = manager.create(&claim, H100_EMPTY, P_2G, at(2, 2)).unwrap();
+    manager.check_free(H100_EMPTY, P_2G, at(2, 2)).unwrap();
+    let made = manager.create(H100_EMPTY, P_2G, at(2, 2)).unwrap();
     assert_eq!(made.profile, "2g.20gb");
     assert_eq!(made.profile_id, P_2G);
     // 2g at 2:2 is the quarter node at 2: id 6.
@@ -403,21 +440,72 @@ fn child_prepare_trait() {
     assert_eq!(made.memory_bytes, 20096 << 20);
     assert_eq!(made.multiprocessors, 32);
     assert!(is_mig_uuid(&made.uuid));
-    // Repeated (a retried prepare): the same instance.
-    assert_eq!(
-        manager.create(&claim, H100_EMPTY, P_2G, at(2, 2)).unwrap(),
-        made
-    );
+    assert!(manager.has_instances(H100_EMPTY).unwrap());
+    // Repeated: refused, nothing adopted.
+    let err = manager.check_free(H100_EMPTY, P_2G, at(2, 2)).unwrap_err();
+    assert!(err.0.contains("GPU instance 6"), "{err}");
+    assert!(manager.create(H100_EMPTY, P_2G, at(2, 2)).is_err());
     // Unknown profile: a clear error, nothing created.
-    let err = manager
-        .create(&claim, H100_EMPTY, 77, at(0, 1))
-        .unwrap_err();
+    let err = manager.create(H100_EMPTY, 77, at(0, 1)).unwrap_err();
     assert!(err.0.contains("77"), "{err}");
+    // MIG mode cannot go off under an instance.
+    assert!(manager.set_mig_mode(H100_EMPTY, false).is_err());
+    assert!(manager.mig_enabled(H100_EMPTY).unwrap());
 
-    manager.destroy(&claim, H100_EMPTY, at(2, 2)).unwrap();
-    manager.destroy(&claim, H100_EMPTY, at(2, 2)).unwrap();
+    let record = MigRecord {
+        gpu_instance_id: made.gpu_instance_id,
+        compute_instance_id: made.compute_instance_id,
+        mig_uuid: made.uuid.clone(),
+    };
     manager
-        .destroy(&claim, "GPU-00000000-0000-4000-8000-000000000000", at(2, 2))
+        .destroy(H100_EMPTY, P_2G, at(2, 2), Some(&record))
+        .unwrap();
+    manager
+        .destroy(H100_EMPTY, P_2G, at(2, 2), Some(&record))
+        .unwrap();
+    manager
+        .destroy(
+            "GPU-00000000-0000-4000-8000-000000000000",
+            P_2G,
+            at(2, 2),
+            Some(&record),
+        )
         .unwrap();
     assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());
+    assert!(!manager.has_instances(H100_EMPTY).unwrap());
+    manager.set_mig_mode(H100_EMPTY, false).unwrap();
+    assert!(!manager.mig_enabled(H100_EMPTY).unwrap());
+}
+
+#[test]
+fn mig_mode_switches_without_reset_on_hopper_only() {
+    run_child("mig_mode", "h100x8.yaml");
+    run_child("mig_mode_ampere", "a100-40gb-x2-mig.yaml");
+}
+
+#[test]
+#[ignore = "run in a child process by mig_mode_switches_without_reset_on_hopper_only"]
+fn child_mig_mode() {
+    let Some(nvml) = child_nvml() else { return };
+    assert!(!mig::mig_enabled(&nvml, H100_OFF).unwrap());
+    mig::set_mig_mode(&nvml, H100_OFF, true).unwrap();
+    assert!(mig::mig_enabled(&nvml, H100_OFF).unwrap());
+    let m = mig::create(&nvml, H100_OFF, P_1G, at(0, 1)).unwrap();
+    assert_device(&nvml, &m);
+    mig::destroy(&nvml, H100_OFF, P_1G, at(0, 1), recorded(&m)).unwrap();
+    mig::set_mig_mode(&nvml, H100_OFF, false).unwrap();
+    assert!(!mig::mig_enabled(&nvml, H100_OFF).unwrap());
+}
+
+#[test]
+#[ignore = "run in a child process by mig_mode_switches_without_reset_on_hopper_only"]
+fn child_mig_mode_ampere() {
+    let Some(nvml) = child_nvml() else { return };
+    // An A100 takes a new MIG mode only at the next GPU reset: the switch
+    // is refused and the GPU left as it was (no pending mode either).
+    let err = mig::set_mig_mode(&nvml, A100_OFF, true).unwrap_err();
+    assert!(matches!(err, MigError::NeedsReset { .. }), "{err}");
+    assert!(err.to_string().contains("migModeSwitch"), "{err}");
+    let mode = nvml.device_by_uuid(A100_OFF).unwrap().mig_mode().unwrap();
+    assert_eq!((mode.current, mode.pending), (0, 0));
 }

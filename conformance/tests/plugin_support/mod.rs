@@ -32,7 +32,6 @@ use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::{dra_v1, registration};
 use tessera_conformance::{TestCluster, unique_name, wait_for};
 use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
-use tessera_driver::prepare::catalog::Catalog;
 use tonic::transport::{Channel, Endpoint};
 
 pub const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
@@ -79,19 +78,10 @@ pub fn inventory() -> &'static Inventory {
     })
 }
 
-/// Device names the node publishes, with what they stand for.
+/// Device names the node publishes (the full model, which the local API
+/// server serves), with what they stand for.
 pub fn devices(node: &str, driver: &str) -> BTreeMap<String, DeviceRef> {
-    let catalog = Catalog::compute(
-        inventory(),
-        &NodePolicy::default(),
-        node,
-        &DriverName::new(driver).unwrap(),
-        &Default::default(),
-    )
-    .unwrap();
-    let mut out = BTreeMap::new();
-    // The full model's names, each checked against what the plugin resolves.
-    let model = tessera_controller::model::SliceModel::new(
+    tessera_controller::model::SliceModel::new(
         inventory(),
         &NodePolicy::default(),
         tessera_controller::model::Capabilities::full(),
@@ -99,12 +89,8 @@ pub fn devices(node: &str, driver: &str) -> BTreeMap<String, DeviceRef> {
     )
     .driver(DriverName::new(driver).unwrap())
     .build()
-    .unwrap();
-    for (name, reference) in model.devices {
-        assert!(catalog.resolve(&name).is_some());
-        out.insert(name, reference);
-    }
-    out
+    .unwrap()
+    .devices
 }
 
 /// A device name of the wanted kind.

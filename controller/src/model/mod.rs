@@ -100,6 +100,10 @@ pub struct Model {
     /// Whether the full model (counters, share devices, dynamic MIG) was
     /// published, as opposed to the static per-GPU mode.
     pub full: bool,
+    /// UUIDs of the GPUs whose MIG mode the driver switches at prepare
+    /// (MIG on for a MIG device, off for a whole GPU or a share; off again
+    /// when the GPU is idle). See [`plan`].
+    pub mig_managed: BTreeSet<String>,
     pub notes: Vec<Note>,
 }
 
@@ -208,6 +212,7 @@ impl<'a> SliceModel<'a> {
 
         let mut outputs = Vec::new();
         let mut devices = BTreeMap::new();
+        let mut mig_managed = BTreeSet::new();
         for (gpu, n) in gpus {
             let input = plan::GpuInput {
                 inventory: self.inventory,
@@ -222,6 +227,9 @@ impl<'a> SliceModel<'a> {
             } else {
                 plan::plan_static(&input, &self.capabilities, &mut notes)
             };
+            if output.mig_managed {
+                mig_managed.insert(gpu.uuid.clone());
+            }
             for planned in &output.devices {
                 if devices
                     .insert(planned.device.name.clone(), planned.reference.clone())
@@ -249,6 +257,7 @@ impl<'a> SliceModel<'a> {
             devices,
             gpu_indices: indices,
             full,
+            mig_managed,
             notes,
         })
     }

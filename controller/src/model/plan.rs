@@ -62,6 +62,9 @@ pub struct GpuOutput {
     pub index: u32,
     pub counters: Option<GpuCounters>,
     pub devices: Vec<Planned>,
+    /// The driver switches this GPU's MIG mode at prepare (see the module
+    /// docs): devices of both modes may be published for it.
+    pub mig_managed: bool,
 }
 
 /// Architectures whose MIG mode can change without a GPU reset.
@@ -77,8 +80,11 @@ fn overlaps(a: MigPlacement, b: MigPlacement) -> bool {
 }
 
 impl GpuInput<'_> {
+    /// Whether the driver may switch this GPU's MIG mode at prepare.
     fn switchable(&self) -> bool {
-        self.policy.mig_mode_switch && mig_switch_without_reset(&self.gpu.architecture)
+        !matches!(self.gpu.mig, Mig::NotSupported)
+            && self.policy.mig_mode_switch
+            && mig_switch_without_reset(&self.gpu.architecture)
     }
 
     fn reference(&self, kind: DeviceKind) -> DeviceRef {
@@ -265,6 +271,7 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
         index: n,
         counters,
         devices: out,
+        mig_managed: switchable,
     }
 }
 
@@ -369,6 +376,7 @@ pub fn plan_static(
         index: n,
         counters: None,
         devices: out,
+        mig_managed: input.switchable(),
     }
 }
 

@@ -25,6 +25,12 @@
 //! equal), the publisher notices that nothing changed since its own last
 //! write and stops writing instead of looping.
 //!
+//! In the node process the publisher is told what only the node knows
+//! ([`NodeState`]): devices its prepared claims hold, MIG instances it
+//! created, its GPU numbering; and it hands every model it builds back
+//! ([`NodeState::model_built`]) before writing it, so the catalog prepare
+//! resolves device names through is always the published model.
+//!
 //! [`Publisher::run`] re-reconciles when the caller sends a new inventory,
 //! when someone else changes or deletes our slices (watch), and
 //! periodically (re-detecting capabilities, in case the server was
@@ -58,8 +64,40 @@ pub use version::{MIN_FULL_MODEL, ServerVersion};
 
 use crate::model::naming::GpuIndices;
 use crate::model::{
-    Capabilities, DriverName, ModelError, NodePolicy, SliceModel, slices::same_content,
+    Capabilities, DriverName, Model, ModelError, NodePolicy, SliceModel, slices::same_content,
 };
+
+/// What a reconcile works from: the GPUs NVML reported and, in the node
+/// process, what the node itself had done to them at that moment. Taken
+/// together, so an instance the driver created is never seen without
+/// knowing it is the driver's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeView {
+    pub inventory: Inventory,
+    /// UUIDs of the MIG devices the driver created for claims.
+    pub owned_mig: BTreeSet<String>,
+    /// Devices of this pool that claims prepared on the node hold.
+    pub prepared: BTreeSet<String>,
+}
+
+impl From<Inventory> for NodeView {
+    fn from(inventory: Inventory) -> Self {
+        NodeView {
+            inventory,
+            owned_mig: BTreeSet::new(),
+            prepared: BTreeSet::new(),
+        }
+    }
+}
+
+/// What the node process keeps about its own pool, which the publisher
+/// must not learn back from the API server.
+pub trait NodeState: Send + Sync {
+    /// The GPU numbering the node recorded (wins over what the slices say).
+    fn gpu_indices(&self) -> GpuIndices;
+    /// Every model built, before any of it is written.
+    fn model_built(&self, inventory: &Inventory, model: &Model);
+}
 
 /// Field manager of every write.
 pub const FIELD_MANAGER: &str = "tessera";
@@ -172,7 +210,7 @@ pub struct Publisher {
     counters: Arc<WriteCounters>,
     detected: Option<Detected>,
     indices: GpuIndices,
-    owned_mig: BTreeSet<String>,
+    node_state: Option<Arc<dyn NodeState>>,
     last_write: Option<LastWrite>,
     warned_normalising: bool,
 }
@@ -185,7 +223,7 @@ impl Publisher {
             counters: Arc::new(WriteCounters::default()),
             detected: None,
             indices: GpuIndices::new(),
-            owned_mig: BTreeSet::new(),
+            node_state: None,
             last_write: None,
             warned_normalising: false,
         }
@@ -211,10 +249,10 @@ impl Publisher {
         self.indices = indices;
     }
 
-    /// MIG instances Tessera created for claims (published as the placement
-    /// device they came from).
-    pub fn set_owned_mig_instances(&mut self, uuids: impl IntoIterator<Item = String>) {
-        self.owned_mig = uuids.into_iter().collect();
+    /// The node process's own knowledge, consulted on every reconcile.
+    pub fn with_node_state(mut self, state: Arc<dyn NodeState>) -> Self {
+        self.node_state = Some(state);
+        self
     }
 
     /// Detects capabilities now (or takes the configured override).
@@ -319,33 +357,48 @@ impl Publisher {
         Ok(held)
     }
 
-    /// One reconcile pass for `inventory`. See the module docs.
-    pub async fn reconcile(&mut self, inventory: &Inventory) -> Result<Reconciled, PublishError> {
+    /// One reconcile pass for what the node saw. See the module docs.
+    pub async fn reconcile(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
+        let inventory = &view.inventory;
         self.counters.reconciled();
         let detected = match &self.detected {
             Some(d) => d.clone(),
             None => self.detect().await?,
         };
-        let owner = self.owner().await?;
+        let owner = self.owner().await;
         let existing = self.existing().await?;
-        let held = self.held_devices().await?;
-
+        // Allocated claims (the scheduler's decisions, which the node only
+        // learns at prepare) and what the node itself has prepared.
+        let mut held = self.held_devices().await?;
+        held.extend(view.prepared.iter().cloned());
+        // Read back from the slices only for GPUs the node has no number
+        // for (a lost state directory); what this process numbered wins.
         let mut indices = indices_from_slices(&existing);
-        // What this process numbered itself wins over what it reads back.
         indices.extend(self.indices.clone());
-        let model = SliceModel::new(
+        if let Some(node) = &self.node_state {
+            indices.extend(node.gpu_indices());
+        }
+        let mut builder = SliceModel::new(
             inventory,
             &self.config.policy,
             detected.capabilities,
             &self.config.node,
         )
         .driver(self.config.driver.clone())
-        .owner(owner)
         .held_devices(held.iter().cloned())
-        .owned_mig_instances(self.owned_mig.iter().cloned())
-        .previous_indices(indices)
-        .build()?;
+        .owned_mig_instances(view.owned_mig.iter().cloned())
+        .previous_indices(indices);
+        if let Ok(owner) = &owner {
+            builder = builder.owner(owner.clone());
+        }
+        let model = builder.build()?;
         self.indices = model.gpu_indices.clone();
+        if let Some(node) = &self.node_state {
+            node.model_built(inventory, &model);
+        }
+        // Without its Node nothing is written, but the node's devices are
+        // known (prepare resolves names through the model).
+        owner?;
 
         let notes: Vec<String> = model.notes.iter().map(ToString::to_string).collect();
         let devices = model.devices.len();
@@ -490,7 +543,7 @@ impl Publisher {
     /// error or panics on a server that is old, down or refusing.
     pub async fn run(
         mut self,
-        mut inventory: watch::Receiver<Inventory>,
+        mut inventory: watch::Receiver<NodeView>,
         shutdown: impl Future<Output = ()>,
     ) {
         let mut shutdown = std::pin::pin!(shutdown.fuse());

@@ -885,18 +885,29 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
         if activation_status.is_null() || mode > 1 {
             return Err(INVALID_ARGUMENT);
         }
-        with_machine_mut(|m| {
+        let status = with_machine_mut(|m| {
             let g = m.live_gpu(device.addr())?;
+            // Hopper and newer take a new MIG mode at once; older boards
+            // only at the next GPU reset (the mode stays pending, as in a
+            // VM where NVML cannot reset the GPU itself).
+            let immediate = matches!(
+                m.gpus[g].card.model.architecture,
+                topology::Architecture::Hopper | topology::Architecture::Blackwell
+            );
             let mig = m.mig_mut(g)?;
             if mode == 0 && !mig.gpu_instances.is_empty() {
                 return Err(IN_USE);
             }
-            mig.enabled = mode == 1;
             mig.pending = mode == 1;
-            Ok(())
+            if immediate || mig.pending == mig.enabled {
+                mig.enabled = mig.pending;
+                Ok(SUCCESS)
+            } else {
+                Ok(nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED)
+            }
         })?;
         // SAFETY: NVML contract: valid for a return code (checked non-null).
-        unsafe { put(activation_status, SUCCESS) }
+        unsafe { put(activation_status, status) }
     })
 }
 

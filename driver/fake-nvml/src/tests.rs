@@ -1065,27 +1065,16 @@ fn capability_files_follow_the_instances() {
     assert_eq!(nvmlGpuInstanceDestroy(gi), SUCCESS);
     assert_eq!(cap_gpu_instances(&root, 0), ["gi1", "gi13", "gi5"]);
 
-    // GPU 1 (device minor 1): MIG on, an instance, MIG off again.
+    // GPU 1 (an A100, MIG off): MIG on only after a GPU reset, so the
+    // mode stays pending and no files appear; asking for off again clears it.
     let d1 = device(1);
     let mut status = UNKNOWN;
     assert_eq!(unsafe { nvmlDeviceSetMigMode(d1, 1, &mut status) }, SUCCESS);
-    let gi = create_gi(d1, 0);
-    let ci = create_ci(gi);
-    let mut info: nvmlComputeInstanceInfo_t = unsafe { zeroed() };
-    assert_eq!(
-        unsafe { nvmlComputeInstanceGetInfo_v2(ci, &mut info) },
-        SUCCESS
-    );
-    assert_eq!(cap_gpu_instances(&root, 1), ["gi0"]);
-    assert_eq!(cap_minor(&cap_file(&root, 1, 0, None)), Some(3 + 135));
-    assert_eq!(
-        cap_minor(&cap_file(&root, 1, 0, Some(0))),
-        Some(3 + 135 + 1)
-    );
-    assert_eq!(nvmlComputeInstanceDestroy(ci), SUCCESS);
-    assert_eq!(nvmlGpuInstanceDestroy(gi), SUCCESS);
-    assert_eq!(unsafe { nvmlDeviceSetMigMode(d1, 0, &mut status) }, SUCCESS);
+    assert_eq!(status, nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED);
+    assert_eq!(mig_mode(d1), (0, 1));
     assert!(cap_gpu_instances(&root, 1).is_empty());
+    assert_eq!(unsafe { nvmlDeviceSetMigMode(d1, 0, &mut status) }, SUCCESS);
+    assert_eq!((status, mig_mode(d1)), (SUCCESS, (0, 0)));
 
     // A state whose GPU has MIG off keeps no files for it.
     let mut state = state_json(&m.state());

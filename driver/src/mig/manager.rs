@@ -11,8 +11,8 @@ use std::sync::{Arc, RwLock};
 use nvml_wrapper::Nvml;
 use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
-use crate::claim_uid::ClaimUid;
 use crate::prepare::sharing::{MigManager, SharingError};
+use crate::prepare::state::MigRecord;
 
 /// Dynamic MIG through NVML; profile names, memory and engines come from
 /// the inventory (what NVML reported at discovery).
@@ -56,9 +56,33 @@ impl NvmlMig {
 }
 
 impl MigManager for NvmlMig {
+    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
+        super::mig_enabled(&self.nvml, gpu_uuid).map_err(shown)
+    }
+
+    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), SharingError> {
+        super::set_mig_mode(&self.nvml, gpu_uuid, enabled).map_err(shown)
+    }
+
+    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
+        match super::list(&self.nvml, gpu_uuid) {
+            Ok(list) => Ok(!list.is_empty()),
+            Err(super::MigError::GpuNotFound { .. }) => Ok(false),
+            Err(e) => Err(shown(e)),
+        }
+    }
+
+    fn check_free(
+        &self,
+        gpu_uuid: &str,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<(), SharingError> {
+        super::check_free(&self.nvml, gpu_uuid, profile_id, placement).map_err(shown)
+    }
+
     fn create(
         &self,
-        _claim: &ClaimUid,
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
@@ -68,8 +92,7 @@ impl MigManager for NvmlMig {
                 "MIG on {gpu_uuid}: discovery found no profile with id {profile_id} on this GPU"
             )));
         };
-        let (made, _) = super::create(&self.nvml, gpu_uuid, profile_id, placement)
-            .map_err(|e| SharingError(e.to_string()))?;
+        let made = super::create(&self.nvml, gpu_uuid, profile_id, placement).map_err(shown)?;
         Ok(MigInstance {
             uuid: made.mig_uuid,
             profile: profile.name,
@@ -83,27 +106,26 @@ impl MigManager for NvmlMig {
         })
     }
 
-    /// The trait names no profile: whatever GPU instance sits at exactly
-    /// `placement` is destroyed (prepare only destroys placements its
-    /// checkpoint says this claim created).
     fn destroy(
         &self,
-        _claim: &ClaimUid,
         gpu_uuid: &str,
+        profile_id: u32,
         placement: MigPlacement,
+        recorded: Option<&MigRecord>,
     ) -> Result<(), SharingError> {
-        let err = |e: super::MigError| SharingError(e.to_string());
-        let found = match super::list(&self.nvml, gpu_uuid) {
-            Ok(list) => list.into_iter().find(|g| g.placement == placement),
-            // The GPU is gone, and so is anything that was on it.
-            Err(super::MigError::GpuNotFound { .. }) => None,
-            Err(e) => return Err(err(e)),
+        let recorded = match recorded {
+            Some(r) => super::Recorded::Instance {
+                gpu_instance_id: r.gpu_instance_id,
+                mig_uuid: &r.mig_uuid,
+            },
+            None => super::Recorded::Intent,
         };
-        match found {
-            None => Ok(()),
-            Some(g) => super::destroy(&self.nvml, gpu_uuid, g.profile_id, placement)
-                .map(|_| ())
-                .map_err(err),
-        }
+        super::destroy(&self.nvml, gpu_uuid, profile_id, placement, recorded)
+            .map(|_| ())
+            .map_err(shown)
     }
+}
+
+fn shown(e: super::MigError) -> SharingError {
+    SharingError(e.to_string())
 }

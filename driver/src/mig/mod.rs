@@ -1,31 +1,32 @@
-//! Dynamic MIG: GPU instances created at prepare and destroyed at unprepare.
+//! Dynamic MIG and MIG mode: GPU instances created at prepare and
+//! destroyed at unprepare, and the MIG mode switch on GPUs that allow it
+//! without a reset.
 //!
 //! nvml-wrapper 0.13 does not wrap GPU/compute instance creation, so this
 //! module makes those NVML calls through its raw bindings ([`raw`]) and
-//! offers three safe operations:
+//! offers safe operations:
 //!
+//! - [`check_free`]: what occupies a placement's memory slices, if anything.
 //! - [`create`]: a GPU instance of a profile at an exact placement
 //!   (`nvmlDeviceCreateGpuInstanceWithPlacement`), then one compute instance
 //!   spanning it (the GPU instance's largest compute profile,
 //!   `nvmlGpuInstanceCreateComputeInstance`), then the MIG device's UUID.
-//! - [`destroy`]: the compute instances of that GPU instance, then the GPU
-//!   instance. Something already gone is success.
-//! - [`list`]: every GPU instance with its compute instances and MIG UUIDs,
-//!   to reconcile after a crash.
+//! - [`destroy`]: the GPU instance a claim created, identified by what was
+//!   recorded, with its compute instances. Something already gone is
+//!   success; something else at the placement is left alone.
+//! - [`list`]: every GPU instance with its compute instances and MIG UUIDs.
+//! - [`mig_enabled`] / [`set_mig_mode`].
 //!
-//! **Idempotent and crash-safe.** The caller records (checkpoint) the
-//! profile and placement *before* calling [`create`], so after a crash the
-//! same call is repeated. A GPU instance of that profile at exactly that
-//! placement is then taken to be the one the interrupted call created: if it
-//! has its full compute instance, it is returned as is; if the crash came
-//! between the two creations, the compute instance is added. Anything else
-//! at the placement (another profile overlapping it, or a GPU instance split
-//! into smaller compute instances) is not ours, and is reported, never
-//! touched. A `create` that fails after creating the GPU instance itself
-//! destroys it again, so a failure leaves nothing behind.
-//!
-//! MIG mode is never changed here: enabling it needs a GPU reset on most
-//! boards, which is node administration, not a claim's business.
+//! **Nothing is adopted.** [`create`] refuses any GPU instance at or
+//! overlapping the placement, even one of the same profile: NVML cannot say
+//! who made an instance, so the caller records (checkpoint) the placement
+//! after [`check_free`] and before [`create`], and the instance ids and MIG
+//! UUID right after. Undo destroys the recorded instance only; with no
+//! record (a crash between the two writes) the instance of that profile at
+//! exactly that placement, which the free check just before makes the
+//! driver's. A [`create`] that fails after creating the GPU instance
+//! destroys that GPU instance again, so a failure leaves nothing behind, and
+//! a failure because something else is there destroys nothing.
 
 mod manager;
 pub mod raw;
@@ -62,18 +63,6 @@ pub struct CreatedMig {
     pub multiprocessors: u32,
 }
 
-/// What [`create`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Created {
-    /// Both instances were created now.
-    New,
-    /// The GPU instance existed (an interrupted earlier call); its compute
-    /// instance was created now.
-    CompletedGpuInstance,
-    /// Both existed: a repeated call.
-    Existing,
-}
-
 /// What [`destroy`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Destroyed {
@@ -107,6 +96,18 @@ pub struct ComputeInstanceState {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigError {
+    #[error(
+        "MIG on {gpu}: switching MIG mode {} would take effect only after a GPU reset \
+         (NVML activation status {status}); the mode was left as it was. Fix: set \
+         migModeSwitch: false for this GPU in the node policy, or switch it yourself (nvidia-smi \
+         -i <gpu> -mig 0|1) while it is idle",
+        if *.enabled { "on" } else { "off" }
+    )]
+    NeedsReset {
+        gpu: String,
+        enabled: bool,
+        status: String,
+    },
     #[error("MIG on {gpu}: no GPU with this UUID")]
     GpuNotFound { gpu: String },
     #[error(
@@ -137,17 +138,6 @@ pub enum MigError {
         profile_id: u32,
         placement: MigPlacement,
         by: String,
-    },
-    #[error(
-        "MIG on {gpu}: GPU instance {gpu_instance_id} holds compute instances {found}, not one \
-         {slices}-slice compute instance spanning it; it was not created by this driver and is \
-         left alone"
-    )]
-    Split {
-        gpu: String,
-        gpu_instance_id: u32,
-        slices: u32,
-        found: String,
     },
     #[error(
         "MIG on {gpu}: no room for profile {profile_id} at {}:{} (NVML: insufficient \
@@ -396,7 +386,7 @@ pub fn create(
     gpu_uuid: &str,
     profile_id: u32,
     placement: MigPlacement,
-) -> Result<(CreatedMig, Created), MigError> {
+) -> Result<CreatedMig, MigError> {
     let _guard = lock();
     let device = gpu(nvml, gpu_uuid)?;
     require_mig(&device, gpu_uuid)?;
@@ -410,34 +400,9 @@ pub fn create(
         });
     };
 
-    // What sits on these memory slices already?
-    let mut existing = None;
-    for g in gpu_instances(nvml, &device, gpu_uuid)? {
-        if g.placement == placement && g.profile_id == profile_id {
-            existing = Some(g);
-        } else if overlaps(g.placement, placement) {
-            return Err(MigError::Occupied {
-                gpu: gpu_uuid.to_owned(),
-                profile_id,
-                placement,
-                by: format!(
-                    "GPU instance {} (profile {} at {}:{})",
-                    g.id, g.profile_id, g.placement.start, g.placement.size
-                ),
-            });
-        }
-    }
-
-    let (instance, gpu_instance_id, created_gi) = match existing {
-        Some(g) => (g.handle, g.id, false),
-        None => {
-            let handle = raw::create_gpu_instance(
-                nvml,
-                &device,
-                profile_id,
-                placement.start,
-                placement.size,
-            )
+    check_free_on(nvml, &device, gpu_uuid, profile_id, placement)?;
+    let instance =
+        raw::create_gpu_instance(nvml, &device, profile_id, placement.start, placement.size)
             .map_err(|error| match error {
                 NvmlError::InvalidArg => MigError::BadPlacement {
                     gpu: gpu_uuid.to_owned(),
@@ -452,10 +417,11 @@ pub fn create(
                 },
                 error => nvml_err(gpu_uuid, "creating the GPU instance")(error),
             })?;
-            let id = raw::gpu_instance_info(nvml, handle)
-                .map_err(nvml_err(gpu_uuid, "reading the new GPU instance"))?
-                .id;
-            (handle, id, true)
+    let gpu_instance_id = match raw::gpu_instance_info(nvml, instance) {
+        Ok(info) => info.id,
+        Err(e) => {
+            let _ = destroy_instance(nvml, gpu_uuid, instance);
+            return Err(nvml_err(gpu_uuid, "reading the new GPU instance")(e));
         }
     };
 
@@ -467,33 +433,59 @@ pub fn create(
         gpu_instance_id,
         profile.slices,
     ) {
-        Ok(c) => {
-            let how = match (created_gi, c.created) {
-                (true, _) => Created::New,
-                (false, true) => Created::CompletedGpuInstance,
-                (false, false) => Created::Existing,
-            };
-            Ok((
-                CreatedMig {
-                    gpu_uuid: gpu_uuid.to_owned(),
-                    profile_id,
-                    placement,
-                    gpu_instance_id,
-                    compute_instance_id: c.id,
-                    compute_profile_id: c.profile.id,
-                    mig_uuid: c.mig_uuid,
-                    multiprocessors: c.profile.multiprocessors,
-                },
-                how,
-            ))
-        }
+        Ok(c) => Ok(CreatedMig {
+            gpu_uuid: gpu_uuid.to_owned(),
+            profile_id,
+            placement,
+            gpu_instance_id,
+            compute_instance_id: c.id,
+            compute_profile_id: c.profile.id,
+            mig_uuid: c.mig_uuid,
+            multiprocessors: c.profile.multiprocessors,
+        }),
         Err(e) => {
-            if created_gi {
-                // Leave nothing half made by this call behind.
-                let _ = destroy_instance(nvml, gpu_uuid, instance);
-            }
+            // Leave nothing this call made behind.
+            let _ = destroy_instance(nvml, gpu_uuid, instance);
             Err(e)
         }
+    }
+}
+
+/// Fails with [`MigError::Occupied`] if any GPU instance sits on the memory
+/// slices of `placement`.
+pub fn check_free(
+    nvml: &Nvml,
+    gpu_uuid: &str,
+    profile_id: u32,
+    placement: MigPlacement,
+) -> Result<(), MigError> {
+    let _guard = lock();
+    let device = gpu(nvml, gpu_uuid)?;
+    require_mig(&device, gpu_uuid)?;
+    check_free_on(nvml, &device, gpu_uuid, profile_id, placement)
+}
+
+fn check_free_on(
+    nvml: &Nvml,
+    device: &Device,
+    gpu_uuid: &str,
+    profile_id: u32,
+    placement: MigPlacement,
+) -> Result<(), MigError> {
+    match gpu_instances(nvml, device, gpu_uuid)?
+        .into_iter()
+        .find(|g| overlaps(g.placement, placement))
+    {
+        None => Ok(()),
+        Some(g) => Err(MigError::Occupied {
+            gpu: gpu_uuid.to_owned(),
+            profile_id,
+            placement,
+            by: format!(
+                "GPU instance {} (profile {} at {}:{})",
+                g.id, g.profile_id, g.placement.start, g.placement.size
+            ),
+        }),
     }
 }
 
@@ -502,12 +494,10 @@ struct Completed {
     id: u32,
     profile: Profile,
     mig_uuid: String,
-    /// Whether the compute instance was created now.
-    created: bool,
 }
 
-/// Find or create the compute instance spanning a GPU instance of
-/// `gi_slices` compute slices, and its MIG device.
+/// Create the compute instance spanning a new GPU instance of `gi_slices`
+/// compute slices, and find its MIG device.
 fn complete<'n>(
     nvml: &'n Nvml,
     device: &Device<'n>,
@@ -529,29 +519,11 @@ fn complete<'n>(
             error: NvmlError::NotSupported,
         });
     };
-    let existing = compute_instances(nvml, instance, gpu_uuid)?;
-    let (id, created) = match existing.as_slice() {
-        [] => {
-            let ci = raw::create_compute_instance(nvml, instance, profile.id)
-                .map_err(nvml_err(gpu_uuid, "creating the compute instance"))?;
-            let info = raw::compute_instance_info(nvml, ci)
-                .map_err(nvml_err(gpu_uuid, "reading the new compute instance"))?;
-            (info.id, true)
-        }
-        [only] if only.profile_id == profile.id => (only.id, false),
-        others => {
-            return Err(MigError::Split {
-                gpu: gpu_uuid.to_owned(),
-                gpu_instance_id,
-                slices: profile.slices,
-                found: others
-                    .iter()
-                    .map(|c| format!("{} ({} slices)", c.id, c.slices))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            });
-        }
-    };
+    let ci = raw::create_compute_instance(nvml, instance, profile.id)
+        .map_err(nvml_err(gpu_uuid, "creating the compute instance"))?;
+    let id = raw::compute_instance_info(nvml, ci)
+        .map_err(nvml_err(gpu_uuid, "reading the new compute instance"))?
+        .id;
     let mig_uuid = mig_uuid(&mig_devices(nvml, device, gpu_uuid)?, gpu_instance_id, id)
         .ok_or_else(|| MigError::DeviceMissing {
             gpu: gpu_uuid.to_owned(),
@@ -561,7 +533,6 @@ fn complete<'n>(
         id,
         profile,
         mig_uuid,
-        created,
     })
 }
 
@@ -584,14 +555,30 @@ fn destroy_instance(
     }
 }
 
+/// Which GPU instance [`destroy`] may remove.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded<'a> {
+    /// The instance as recorded after creation: GPU instance id and the MIG
+    /// UUID of its compute instance must both match.
+    Instance {
+        gpu_instance_id: u32,
+        mig_uuid: &'a str,
+    },
+    /// Only the intent was recorded: the GPU instance of the profile at
+    /// exactly the placement.
+    Intent,
+}
+
 /// Destroy the GPU instance of `profile_id` at `placement` on `gpu_uuid`
-/// with its compute instances. Nothing there is success; a GPU instance of
-/// another profile there is not ours and is an error.
+/// that `recorded` identifies, with its compute instances. Nothing there,
+/// or only something that is not it, is [`Destroyed::AlreadyGone`]: it is
+/// left alone.
 pub fn destroy(
     nvml: &Nvml,
     gpu_uuid: &str,
     profile_id: u32,
     placement: MigPlacement,
+    recorded: Recorded<'_>,
 ) -> Result<Destroyed, MigError> {
     let _guard = lock();
     let device = match gpu(nvml, gpu_uuid) {
@@ -606,20 +593,69 @@ pub fn destroy(
     }
     let found = gpu_instances(nvml, &device, gpu_uuid)?
         .into_iter()
-        .find(|g| g.placement == placement);
-    match found {
-        None => Ok(Destroyed::AlreadyGone),
-        Some(g) if g.profile_id == profile_id => {
-            destroy_instance(nvml, gpu_uuid, g.handle)?;
-            Ok(Destroyed::Destroyed)
+        .find(|g| g.placement == placement && g.profile_id == profile_id);
+    let Some(g) = found else {
+        return Ok(Destroyed::AlreadyGone);
+    };
+    let ours = match recorded {
+        Recorded::Intent => true,
+        Recorded::Instance {
+            gpu_instance_id,
+            mig_uuid,
+        } => {
+            let devices = mig_devices(nvml, &device, gpu_uuid)?;
+            g.id == gpu_instance_id
+                && devices
+                    .iter()
+                    .any(|d| d.gpu_instance_id == g.id && d.uuid == mig_uuid)
         }
-        Some(g) => Err(MigError::Occupied {
-            gpu: gpu_uuid.to_owned(),
-            profile_id,
-            placement,
-            by: format!("GPU instance {} of profile {}", g.id, g.profile_id),
-        }),
+    };
+    if !ours {
+        return Ok(Destroyed::AlreadyGone);
     }
+    destroy_instance(nvml, gpu_uuid, g.handle)?;
+    Ok(Destroyed::Destroyed)
+}
+
+/// Whether MIG mode is on now (`false` on GPUs without MIG).
+pub fn mig_enabled(nvml: &Nvml, gpu_uuid: &str) -> Result<bool, MigError> {
+    let device = gpu(nvml, gpu_uuid)?;
+    match device.mig_mode() {
+        Ok(mode) => Ok(mode.current == 1),
+        Err(NvmlError::NotSupported) => Ok(false),
+        Err(e) => Err(nvml_err(gpu_uuid, "reading the MIG mode")(e)),
+    }
+}
+
+/// Switch MIG mode so that it is in effect now. Where the GPU reports the
+/// new mode only as pending (it needs a reset: Ampere, or a GPU in use) the
+/// pending mode is put back and the call fails, so the GPU is left as it
+/// was.
+pub fn set_mig_mode(nvml: &Nvml, gpu_uuid: &str, enabled: bool) -> Result<(), MigError> {
+    let _guard = lock();
+    let device = gpu(nvml, gpu_uuid)?;
+    let before = device
+        .mig_mode()
+        .map_err(nvml_err(gpu_uuid, "reading the MIG mode"))?;
+    let want = u32::from(enabled);
+    if before.current == want {
+        return Ok(());
+    }
+    let status = device
+        .set_mig_mode(enabled)
+        .map_err(nvml_err(gpu_uuid, "switching the MIG mode"))?;
+    let after = device
+        .mig_mode()
+        .map_err(nvml_err(gpu_uuid, "reading the MIG mode"))?;
+    if after.current == want {
+        return Ok(());
+    }
+    let _ = device.set_mig_mode(before.current == 1);
+    Err(MigError::NeedsReset {
+        gpu: gpu_uuid.to_owned(),
+        enabled,
+        status: format!("{status:?}"),
+    })
 }
 
 /// Every GPU instance on `gpu_uuid` with its compute instances and MIG

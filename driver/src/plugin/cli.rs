@@ -1,19 +1,19 @@
-//! `tessera plugin`: the kubelet plugin as a process (flags, wiring,
-//! signals). The `tessera` binary declares the subcommand; everything else
-//! is here so a combined `run` can reuse [`start`].
+//! `tessera plugin`: the node process (flags, wiring, signals): the kubelet
+//! plugin and the publisher of this node's slices in one process (see
+//! [`crate::node`]). The `tessera` binary declares the subcommand.
 
 use std::ffi::OsStr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use k8s_openapi::api::resource::v1::ResourceSlice;
-use kube::api::ListParams;
-use kube::{Api, Client};
-use tessera_controller::model::naming::GpuIndices;
+use kube::Client;
 use tessera_controller::model::{DriverName, NodePolicy};
-use tessera_controller::publisher::indices_from_slices;
+use tessera_controller::publisher::{
+    MIN_FULL_MODEL, NodeView, Publisher, PublisherConfig, ServerVersion,
+};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::{Plugin, PluginConfig, sockets};
@@ -21,7 +21,9 @@ use crate::checkpoint::KERNEL_BOOT_ID;
 use crate::discovery;
 use crate::mig::NvmlMig;
 use crate::mps::{MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
-use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::node::state_lock::StateLock;
+use crate::node::{NodeTruth, Observer};
+use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::plan::{Layout, discover_driver_files};
 use crate::prepare::sharing::Unsupported;
@@ -94,6 +96,16 @@ pub struct PluginArgs {
     /// Seconds to wait for the API server when reading a claim.
     #[arg(long, default_value_t = 20)]
     pub api_timeout_seconds: u64,
+
+    /// How often GPUs are discovered again (seconds); prepare and unprepare
+    /// also trigger a discovery.
+    #[arg(long, default_value_t = 10)]
+    pub rediscover_seconds: u64,
+
+    /// Oldest API server version that gets the full model (its scheduler
+    /// must have the 2026 counter fixes; see docs/device-model.md).
+    #[arg(long, default_value_t = MIN_FULL_MODEL)]
+    pub full_model_min_version: ServerVersion,
 }
 
 /// Builds a client from `--kubeconfig` or the usual places.
@@ -115,24 +127,31 @@ pub async fn client(kubeconfig: Option<&PathBuf>, timeout: Duration) -> anyhow::
     Client::try_from(config).context("building the Kubernetes client")
 }
 
-/// GPU numbering as published (so names resolve as the publisher made them).
-async fn published_indices(client: &Client, node: &str, driver: &str) -> GpuIndices {
-    let api: Api<ResourceSlice> = Api::all(client.clone());
-    let params =
-        ListParams::default().fields(&format!("spec.nodeName={node},spec.driver={driver}"));
-    match api.list(&params).await {
-        Ok(list) => indices_from_slices(&list.items),
-        Err(e) => {
-            warn!(
-                "cannot read this node's ResourceSlices for the GPU numbering (using PCI order): {e}"
-            );
-            GpuIndices::new()
-        }
+/// The node process, started: the kubelet plugin and the publisher.
+pub struct NodeProcess {
+    pub plugin: Plugin,
+    publisher: tokio::task::JoinHandle<()>,
+    stop_publisher: tokio::sync::oneshot::Sender<()>,
+    /// Held until the process ends.
+    _state_lock: StateLock,
+}
+
+impl NodeProcess {
+    /// Serves until `shutdown`, then stops publishing (the slices stay: the
+    /// next instance finds them up to date and writes nothing).
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> anyhow::Result<()> {
+        let served = self.plugin.run(shutdown).await;
+        let _ = self.stop_publisher.send(());
+        let _ = self.publisher.await;
+        served
     }
 }
 
-/// Sets up everything and returns the plugin, ready to [`Plugin::run`].
-pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Plugin> {
+/// Sets up everything and returns the node process, ready to run.
+pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<NodeProcess> {
     let timeout = Duration::from_secs(args.api_timeout_seconds.max(1));
     let client = client(args.kubeconfig.as_ref(), timeout).await?;
     let driver =
@@ -147,49 +166,30 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
         None => NodePolicy::default(),
     };
 
-    let nvml = Arc::new(discovery::init(Some(nvml_library))?);
-    let discover = {
-        let nvml = nvml.clone();
-        move || -> anyhow::Result<tessera_api::inventory::Inventory> {
-            let found = discovery::discover(&nvml)?;
-            for e in &found.failed {
-                warn!("GPU discovery: {e}");
-            }
-            Ok(found.inventory)
-        }
-    };
-    let inventory = tokio::task::spawn_blocking(discover.clone()).await??;
-    let indices = published_indices(&client, &args.node_name, driver.as_str()).await;
-    let catalog = Catalog::compute(&inventory, &policy, &args.node_name, &driver, &indices)
-        .map_err(|e| anyhow::anyhow!("computing this node's devices: {e}"))?;
-    info!(
-        gpus = inventory.gpus.len(),
-        devices = catalog.len(),
-        "devices of this node resolved"
-    );
-    let refresh = {
-        let (client, node, driver, policy) = (
-            client.clone(),
-            args.node_name.clone(),
-            driver.clone(),
-            policy.clone(),
-        );
-        Box::new(move || {
-            let (client, node, driver, policy, discover) = (
-                client.clone(),
-                node.clone(),
-                driver.clone(),
-                policy.clone(),
-                discover.clone(),
-            );
-            Box::pin(async move {
-                let inventory = tokio::task::spawn_blocking(discover).await??;
-                let indices = published_indices(&client, &node, driver.as_str()).await;
-                Catalog::compute(&inventory, &policy, &node, &driver, &indices)
-                    .map_err(|e| anyhow::anyhow!("computing this node's devices: {e}"))
-            }) as crate::prepare::catalog::RefreshFuture
+    // Nothing of the node's state is read or touched before this.
+    let state_lock = {
+        let dir = args.state_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            StateLock::acquire(&dir, |path| {
+                info!(
+                    "another Tessera process holds {}; waiting for it to exit (rolling update)",
+                    path.display()
+                )
+            })
         })
+        .await?
+        .with_context(|| format!("locking the state directory {}", args.state_dir.display()))?
     };
+
+    let nvml = Arc::new(discovery::init(Some(nvml_library))?);
+    let inventory = {
+        let nvml = nvml.clone();
+        tokio::task::spawn_blocking(move || discovery::discover(&nvml)).await??
+    };
+    for e in &inventory.failed {
+        warn!("GPU discovery: {e} (not published)");
+    }
+    let inventory = inventory.inventory;
 
     let dev_root = args
         .dev_root
@@ -219,17 +219,23 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
         &args.driver_root,
         args.mps_dir.clone(),
     )));
+    let catalog = Arc::new(DeviceCatalog::awaiting_model());
+    let (poke, pokes) = std::sync::mpsc::channel::<()>();
+    let poke = Mutex::new(poke);
     let deps = Dependencies {
         claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
-        catalog: Arc::new(DeviceCatalog::refreshing(catalog, refresh)),
+        catalog: catalog.clone(),
         sharing: Arc::new(MpsSharing::new(mps.clone(), Unsupported)),
         mig: Arc::new(NvmlMig::new(nvml.clone(), &inventory)),
         status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
         events: Some(NodeEvents::new(
-            client,
+            client.clone(),
             args.node_name.clone(),
             format!("{}-plugin", args.driver_name),
         )),
+        on_change: Some(Arc::new(move || {
+            let _ = poke.lock().unwrap_or_else(|p| p.into_inner()).send(());
+        })),
     };
     let (preparer, recovery) = Preparer::open(config, deps).await?;
     info!(
@@ -240,15 +246,62 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<Pl
         "start-up recovery done"
     );
     supervise_mps(&mps, &preparer);
-    Ok(Plugin::new(
-        PluginConfig {
-            driver_name: args.driver_name.clone(),
-            registry_dir: args.kubelet_registry_dir.clone(),
-            plugins_dir: args.kubelet_plugins_dir.clone(),
-            instance: sockets::instance_id(),
-        },
-        preparer,
-    ))
+
+    // Publish: the observer reads the node, the publisher turns each view
+    // into slices, and every model it builds is the catalog.
+    let observer = Observer::new(nvml, preparer.clone());
+    let first_view = {
+        let preparer = preparer.clone();
+        let observer_view = move || -> anyhow::Result<NodeView> {
+            let lock = preparer.hardware_lock();
+            let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
+            Ok(NodeView {
+                inventory,
+                owned_mig: preparer.created_mig(),
+                prepared: preparer.prepared_devices(),
+            })
+        };
+        tokio::task::spawn_blocking(observer_view).await??
+    };
+    let (views, view) = watch::channel(first_view);
+    observer.spawn(
+        views,
+        pokes,
+        Duration::from_secs(args.rediscover_seconds.max(1)),
+    );
+    let truth = {
+        let preparer = preparer.clone();
+        NodeTruth::new(catalog, &args.state_dir, move |managed| {
+            // A crash may have left a GPU in MIG mode that no claim holds.
+            let preparer = preparer.clone();
+            tokio::task::spawn_blocking(move || {
+                preparer.settle_mig_modes(managed.iter().map(String::as_str))
+            });
+        })
+    };
+    let mut publisher_config = PublisherConfig::new(&args.node_name, driver, policy);
+    publisher_config.min_full_model = args.full_model_min_version;
+    let publisher = Publisher::new(client, publisher_config).with_node_state(Arc::new(truth));
+    let (stop_publisher, stopped) = tokio::sync::oneshot::channel::<()>();
+    info!("publishing ResourceSlices for node {}", args.node_name);
+    let publisher = tokio::spawn(publisher.run(view, async move {
+        let _ = stopped.await;
+    }));
+
+    Ok(NodeProcess {
+        plugin: Plugin::new(
+            PluginConfig {
+                driver_name: args.driver_name.clone(),
+                registry_dir: args.kubelet_registry_dir.clone(),
+                plugins_dir: args.kubelet_plugins_dir.clone(),
+                instance: sockets::instance_id(),
+            },
+            preparer,
+        ),
+        publisher,
+        stop_publisher,
+        _state_lock: state_lock,
+    })
 }
 
 /// Bring the MPS daemons in line with the checkpoint (claims that were
@@ -314,7 +367,7 @@ pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async {
-        let plugin = start(nvml_library, args).await?;
-        plugin.run(termination()).await
+        let node = start(nvml_library, args).await?;
+        node.run(termination()).await
     })
 }

@@ -3,76 +3,51 @@
 //! The scheduler hands the driver device *names* from this node's pool.
 //! The slice model (`tessera_controller::model`) is the only place that
 //! knows what a name means: [`tessera_controller::Model::devices`] maps every
-//! published name to a [`DeviceRef`]. The driver never parses names; it asks
-//! a [`Catalog`] built from that map plus the GPU inventory (minors, MIG
-//! instance ids, memory sizes).
+//! published name to a [`DeviceRef`]. The driver never parses names.
 //!
-//! In a process that also runs the publisher, the publisher's model feeds
-//! the catalog ([`DeviceCatalog::set`]). A standalone plugin computes the
-//! model itself from the same inputs ([`Catalog::compute`]): the same
-//! inventory, node policy and GPU numbering (read back from the published
-//! slices) give the same names. Because the plugin does not know which API
-//! capabilities the publisher detected, it merges the models of every
-//! capability level; names never collide across levels with different
-//! meanings (see `docs/device-model.md`).
+//! The node process publishes its own slices: the publisher hands every
+//! model it builds to the [`DeviceCatalog`] *before* writing it, so a name
+//! the scheduler can have allocated is always one the catalog knows, with
+//! the meaning it was published with. Until the first model is built
+//! (capabilities not detected yet, API server unreachable) prepare waits a
+//! little and then asks the kubelet to retry; nothing is computed on the
+//! side.
 
-use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, RwLock};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
 
 use tessera_api::inventory::{Gpu, Inventory};
-use tessera_controller::model::naming::GpuIndices;
-use tessera_controller::model::{
-    Capabilities, DeviceRef, DriverName, ModelError, NodePolicy, SliceModel,
-};
+use tessera_controller::model::{DeviceRef, Model};
+use tokio::sync::watch;
 
-/// Device names of one pool -> what they are, plus the inventory.
+/// Device names of one pool -> what they are, plus the inventory the model
+/// was built from.
 #[derive(Debug, Clone, Default)]
 pub struct Catalog {
-    inventory: Option<Inventory>,
+    inventory: Inventory,
     devices: BTreeMap<String, DeviceRef>,
+    mig_managed: BTreeSet<String>,
 }
 
 impl Catalog {
-    /// A catalog over an already computed model's device map.
-    pub fn new(inventory: Inventory, devices: BTreeMap<String, DeviceRef>) -> Self {
+    /// The catalog of a model built from `inventory`.
+    pub fn from_model(inventory: &Inventory, model: &Model) -> Self {
         Catalog {
-            inventory: Some(inventory),
-            devices,
+            inventory: inventory.clone(),
+            devices: model.devices.clone(),
+            mig_managed: model.mig_managed.clone(),
         }
     }
 
-    /// Computes the device map the publisher would publish for this
-    /// inventory and policy, for every capability level the API server might
-    /// have (full model, consumable capacity only, neither), merged.
-    pub fn compute(
-        inventory: &Inventory,
-        policy: &NodePolicy,
-        node: &str,
-        driver: &DriverName,
-        indices: &GpuIndices,
-    ) -> Result<Catalog, ModelError> {
-        let full = Capabilities::full();
-        let levels = [
-            full,
-            Capabilities {
-                partitionable_devices: false,
-                ..full
-            },
-            Capabilities::legacy(),
-        ];
-        let mut devices = BTreeMap::new();
-        for capabilities in levels {
-            let model = SliceModel::new(inventory, policy, capabilities, node)
-                .driver(driver.clone())
-                .previous_indices(indices.clone())
-                .build()?;
-            for (name, reference) in model.devices {
-                devices.entry(name).or_insert(reference);
-            }
+    /// A catalog over a device map, with no GPU whose MIG mode the driver
+    /// switches (tests).
+    pub fn new(inventory: Inventory, devices: BTreeMap<String, DeviceRef>) -> Self {
+        Catalog {
+            inventory,
+            devices,
+            mig_managed: BTreeSet::new(),
         }
-        Ok(Catalog::new(inventory.clone(), devices))
     }
 
     pub fn resolve(&self, device: &str) -> Option<&DeviceRef> {
@@ -80,15 +55,17 @@ impl Catalog {
     }
 
     pub fn gpu(&self, uuid: &str) -> Option<&Gpu> {
-        self.inventory
-            .as_ref()?
-            .gpus
-            .iter()
-            .find(|g| g.uuid == uuid)
+        self.inventory.gpus.iter().find(|g| g.uuid == uuid)
     }
 
-    pub fn inventory(&self) -> Option<&Inventory> {
-        self.inventory.as_ref()
+    pub fn inventory(&self) -> &Inventory {
+        &self.inventory
+    }
+
+    /// Whether the driver switches this GPU's MIG mode to what a prepared
+    /// device needs (see `tessera_controller::model::plan`).
+    pub fn mig_managed(&self, gpu_uuid: &str) -> bool {
+        self.mig_managed.contains(gpu_uuid)
     }
 
     pub fn len(&self) -> usize {
@@ -100,70 +77,51 @@ impl Catalog {
     }
 }
 
-/// Future of a catalog refresh.
-pub type RefreshFuture = Pin<Box<dyn Future<Output = anyhow::Result<Catalog>> + Send>>;
-/// How to compute a fresh catalog (rediscover GPUs, reread the numbering).
-pub type Refresh = Box<dyn Fn() -> RefreshFuture + Send + Sync>;
+/// This node's devices are not known yet.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "this node's devices are not published yet (no slice model within {0:?}: is the API server \
+     reachable? see the driver's log)"
+)]
+pub struct NotReady(pub Duration);
 
-/// The current catalog, replaceable while the plugin runs.
+/// The current catalog: replaced with every model the publisher builds.
 pub struct DeviceCatalog {
-    current: RwLock<Arc<Catalog>>,
-    refresh: Option<Refresh>,
-    refreshing: tokio::sync::Mutex<()>,
+    current: watch::Sender<Option<Arc<Catalog>>>,
 }
 
 impl DeviceCatalog {
-    /// A fixed catalog (tests, or a publisher that calls [`Self::set`]).
+    /// A fixed catalog (tests).
     pub fn fixed(catalog: Catalog) -> Self {
         DeviceCatalog {
-            current: RwLock::new(Arc::new(catalog)),
-            refresh: None,
-            refreshing: tokio::sync::Mutex::new(()),
+            current: watch::Sender::new(Some(Arc::new(catalog))),
         }
     }
 
-    /// A catalog that recomputes itself with `refresh` when asked for a
-    /// device it does not know (a GPU numbering or MIG layout that changed
-    /// since it was computed).
-    pub fn refreshing(initial: Catalog, refresh: Refresh) -> Self {
+    /// No catalog until the first [`Self::set`].
+    pub fn awaiting_model() -> Self {
         DeviceCatalog {
-            current: RwLock::new(Arc::new(initial)),
-            refresh: Some(refresh),
-            refreshing: tokio::sync::Mutex::new(()),
+            current: watch::Sender::new(None),
         }
     }
 
-    pub fn current(&self) -> Arc<Catalog> {
-        self.current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+    /// The catalog now, if a model was built.
+    pub fn current(&self) -> Option<Arc<Catalog>> {
+        self.current.borrow().clone()
     }
 
     /// Replace the catalog (the publisher, after each model build).
     pub fn set(&self, catalog: Catalog) {
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(catalog);
+        self.current.send_replace(Some(Arc::new(catalog)));
     }
 
-    /// The catalog, refreshed once if any of `devices` is unknown to it.
-    pub async fn for_devices<'a>(
-        &self,
-        mut devices: impl Iterator<Item = &'a str>,
-    ) -> anyhow::Result<Arc<Catalog>> {
-        let current = self.current();
-        let Some(refresh) = &self.refresh else {
-            return Ok(current);
-        };
-        if devices.all(|d| current.resolve(d).is_some()) {
-            return Ok(current);
+    /// The catalog, waiting up to `timeout` for the first model.
+    pub async fn ready(&self, timeout: Duration) -> Result<Arc<Catalog>, NotReady> {
+        let mut rx = self.current.subscribe();
+        let wait = rx.wait_for(Option::is_some);
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Ok(catalog)) => catalog.as_ref().cloned().ok_or(NotReady(timeout)),
+            _ => Err(NotReady(timeout)),
         }
-        let _one_at_a_time = self.refreshing.lock().await;
-        let latest = self.current();
-        if !Arc::ptr_eq(&latest, &current) {
-            return Ok(latest); // someone else refreshed meanwhile
-        }
-        let fresh = refresh().await?;
-        self.set(fresh);
-        Ok(self.current())
     }
 }

@@ -35,9 +35,10 @@ pub mod sharing;
 pub mod state;
 pub mod status;
 
+use std::collections::BTreeSet;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use tessera_api::config::{EffectiveConfig, resolve_claim};
 use tracing::{error, info, warn};
@@ -50,7 +51,7 @@ use catalog::DeviceCatalog;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use plan::{Built, Layout, Resolved};
 use sharing::{MigManager, Sharing};
-use state::{Action, ClaimEntry, EntryState, PreparedDevice};
+use state::{Action, ClaimEntry, EntryState, MigRecord, PreparedDevice};
 use status::{NodeEvents, StatusWriter};
 
 /// Settings of a [`Preparer`].
@@ -80,7 +81,19 @@ pub struct Dependencies {
     pub status: Option<Arc<StatusWriter>>,
     /// Receives the quarantine Event; `None` only logs.
     pub events: Option<NodeEvents>,
+    /// Called after the checkpoint or the GPUs changed (a claim prepared or
+    /// unprepared), so the node's published view follows.
+    pub on_change: Option<Arc<dyn Fn() + Send + Sync>>,
 }
+
+/// Held for writing while prepare changes the GPUs' MIG layout and records
+/// it, and for reading while the node looks at the GPUs and the checkpoint
+/// together: a MIG device the driver created is never seen without the
+/// record saying so.
+pub type HardwareLock = Arc<RwLock<()>>;
+
+/// How long prepare waits for the node's first slice model.
+const CATALOG_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What start-up recovery found and did.
 #[derive(Debug, Clone, PartialEq)]
@@ -116,6 +129,7 @@ pub struct Preparer {
     checkpoint: Mutex<Checkpoint<ClaimEntry>>,
     specs: SpecDir,
     locks: ClaimLocks,
+    hardware: HardwareLock,
 }
 
 /// One claim's answer.
@@ -138,6 +152,7 @@ impl Preparer {
             checkpoint: Mutex::new(checkpoint),
             specs,
             locks: ClaimLocks::default(),
+            hardware: HardwareLock::default(),
         });
         let recovery = preparer.clone().recover(outcome).await?;
         Ok((preparer, recovery))
@@ -145,6 +160,22 @@ impl Preparer {
 
     pub fn config(&self) -> &PrepareConfig {
         &self.config
+    }
+
+    /// The lock to hold (for reading) while looking at the GPUs and
+    /// [`Self::entries`] together.
+    pub fn hardware_lock(&self) -> HardwareLock {
+        self.hardware.clone()
+    }
+
+    fn hardware_write(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.hardware.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn changed(&self) {
+        if let Some(f) = &self.deps.on_change {
+            f();
+        }
     }
 
     async fn recover(self: Arc<Self>, outcome: LoadOutcome) -> Result<Recovery, SetupError> {
@@ -409,11 +440,9 @@ impl Preparer {
         let catalog = self
             .deps
             .catalog
-            .for_devices(allocation.devices.iter().map(|d| d.device.as_str()))
+            .ready(CATALOG_WAIT)
             .await
-            .map_err(|e| {
-                ClaimError::new(claim, format!("cannot look up this node's devices: {e:#}"))
-            })?;
+            .map_err(|e| ClaimError::new(claim, e.to_string()).fix("the kubelet retries"))?;
         let resolved: Vec<Resolved> = allocation
             .devices
             .iter()
@@ -448,6 +477,7 @@ impl Preparer {
             .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))));
         match done {
             Ok(entry) => {
+                self.changed();
                 if let Some(writer) = &self.deps.status {
                     writer.spawn(
                         &claim.namespace,
@@ -484,42 +514,7 @@ impl Preparer {
             .cloned()
             .ok_or_else(|| fail("its checkpoint entry vanished".into()))?;
 
-        // Dynamic MIG first: later steps need the instance.
-        let mut created_any = false;
-        for device in &mut resolved {
-            if let plan::Kind::Mig {
-                instance,
-                create: Some((profile_id, placement)),
-                ..
-            } = &mut device.kind
-            {
-                let created = self
-                    .deps
-                    .mig
-                    .create(uid, &device.gpu.uuid, *profile_id, *placement)
-                    .map_err(|e| {
-                        fail(format!(
-                            "cannot create MIG device {} on GPU {}: {e}",
-                            device.selected.device, device.gpu.uuid
-                        ))
-                    })?;
-                // Record the MIG UUID for MPS actions on it before using it.
-                for action in &mut entry.actions {
-                    if let Action::Mps { gpu_uuid, mig_uuid } = action
-                        && *gpu_uuid == device.gpu.uuid
-                        && mig_uuid.is_none()
-                    {
-                        *mig_uuid = Some(created.uuid.clone());
-                    }
-                }
-                *instance = Some(created);
-                created_any = true;
-            }
-        }
-        if created_any {
-            self.put_blocking(uid, entry.clone())
-                .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))?;
-        }
+        self.prepare_hardware(claim, uid, &mut entry, &mut resolved)?;
 
         let mut built = Vec::with_capacity(resolved.len());
         for (device, config) in resolved.into_iter().zip(configs) {
@@ -574,6 +569,152 @@ impl Preparer {
         Ok(entry)
     }
 
+    /// MIG mode and dynamic MIG, under the hardware lock, each change
+    /// recorded before it is made (and a created device right after).
+    fn prepare_hardware(
+        &self,
+        claim: &ClaimRef,
+        uid: &ClaimUid,
+        entry: &mut ClaimEntry,
+        resolved: &mut [Resolved],
+    ) -> ClaimResult<()> {
+        let fail = |what: String| ClaimError::new(claim, what);
+        let record = |entry: &ClaimEntry| {
+            self.put_blocking(uid, entry.clone())
+                .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))
+        };
+        let _hardware = self.hardware_write();
+        for device in resolved.iter() {
+            let Some(enabled) = device.mig_mode else {
+                continue;
+            };
+            let gpu = &device.gpu.uuid;
+            if !entry.mig_mode_holds().any(|g| g == gpu) {
+                entry.actions.push(Action::MigMode {
+                    gpu_uuid: gpu.clone(),
+                    enabled,
+                });
+                record(entry)?;
+            }
+            let current = self.deps.mig.mig_enabled(gpu).map_err(|e| fail(e.0))?;
+            if current != enabled {
+                self.deps.mig.set_mig_mode(gpu, enabled).map_err(|e| {
+                    fail(format!(
+                        "cannot prepare device {}: {e}",
+                        device.selected.device
+                    ))
+                })?;
+                info!(claim = %claim, gpu = %gpu, enabled, "switched MIG mode");
+            }
+        }
+        for device in resolved.iter_mut() {
+            let plan::Kind::Mig {
+                instance,
+                create: Some((profile_id, placement)),
+                ..
+            } = &mut device.kind
+            else {
+                continue;
+            };
+            let (gpu, name) = (device.gpu.uuid.clone(), &device.selected.device);
+            let cannot = |e: sharing::SharingError| {
+                fail(format!("cannot create MIG device {name} on GPU {gpu}: {e}"))
+            };
+            self.deps
+                .mig
+                .check_free(&gpu, *profile_id, *placement)
+                .map_err(cannot)?;
+            entry.actions.push(Action::MigCreate {
+                gpu_uuid: gpu.clone(),
+                profile_id: *profile_id,
+                placement: *placement,
+                instance: None,
+            });
+            record(entry)?;
+            let created = self
+                .deps
+                .mig
+                .create(&gpu, *profile_id, *placement)
+                .map_err(cannot)?;
+            for action in entry.actions.iter_mut() {
+                match action {
+                    Action::MigCreate {
+                        gpu_uuid,
+                        placement: at,
+                        instance: recorded @ None,
+                        ..
+                    } if *gpu_uuid == gpu && at == placement => {
+                        *recorded = Some(MigRecord {
+                            gpu_instance_id: created.gpu_instance_id,
+                            compute_instance_id: created.compute_instance_id,
+                            mig_uuid: created.uuid.clone(),
+                        });
+                    }
+                    // MPS on this MIG device names it by its new UUID.
+                    Action::Mps { gpu_uuid, mig_uuid }
+                        if *gpu_uuid == gpu && mig_uuid.is_none() =>
+                    {
+                        *mig_uuid = Some(created.uuid.clone());
+                    }
+                    _ => {}
+                }
+            }
+            *instance = Some(created);
+            record(entry)?;
+        }
+        Ok(())
+    }
+
+    /// GPUs whose MIG mode the driver manages go back to MIG off once no
+    /// claim holds them and no MIG device is on them.
+    pub fn settle_mig_modes<'a>(&self, gpus: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let _hardware = self.hardware_write();
+        let held: BTreeSet<String> = self
+            .lock_checkpoint()
+            .entries()
+            .flat_map(|(_, e)| e.mig_mode_holds().map(str::to_owned).collect::<Vec<_>>())
+            .collect();
+        let mut problems = Vec::new();
+        for gpu in gpus {
+            if held.contains(gpu) {
+                continue;
+            }
+            let idle_on = self
+                .deps
+                .mig
+                .mig_enabled(gpu)
+                .and_then(|on| Ok(on && !self.deps.mig.has_instances(gpu)?));
+            match idle_on {
+                Ok(false) => {}
+                Ok(true) => match self.deps.mig.set_mig_mode(gpu, false) {
+                    Ok(()) => info!(gpu = %gpu, "switched MIG mode off (no claim holds the GPU)"),
+                    Err(e) => problems.push(format!("switching MIG mode off on {gpu}: {e}")),
+                },
+                Err(e) => problems.push(format!("reading the MIG mode of {gpu}: {e}")),
+            }
+        }
+        for p in &problems {
+            warn!("{p}");
+        }
+        problems
+    }
+
+    /// MIG devices the driver created (recorded in the checkpoint).
+    pub fn created_mig(&self) -> BTreeSet<String> {
+        self.lock_checkpoint()
+            .entries()
+            .flat_map(|(_, e)| e.created_mig().map(str::to_owned).collect::<Vec<_>>())
+            .collect()
+    }
+
+    /// Names of the devices of prepared claims.
+    pub fn prepared_devices(&self) -> BTreeSet<String> {
+        self.lock_checkpoint()
+            .entries()
+            .flat_map(|(_, e)| e.device_names().map(str::to_owned).collect::<Vec<_>>())
+            .collect()
+    }
+
     async fn unprepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<()> {
         let uid = validate(claim)?;
         let _guard = self.locks.lock(&uid).await;
@@ -618,11 +759,19 @@ impl Preparer {
                     Action::TimeSlice { gpu_uuid } => {
                         self.deps.sharing.reset_time_slice(&uid, gpu_uuid)
                     }
+                    // The hold goes with the entry; settled below.
+                    Action::MigMode { .. } => Ok(()),
                     Action::MigCreate {
                         gpu_uuid,
+                        profile_id,
                         placement,
-                        ..
-                    } => self.deps.mig.destroy(&uid, gpu_uuid, *placement),
+                        instance,
+                    } => {
+                        let _hardware = self.hardware_write();
+                        self.deps
+                            .mig
+                            .destroy(gpu_uuid, *profile_id, *placement, instance.as_ref())
+                    }
                 };
                 done.map_err(|e| format!("undoing {action:?}: {e}"))?;
             }
@@ -632,6 +781,8 @@ impl Preparer {
             self.lock_checkpoint()
                 .remove(&uid)
                 .map_err(|e| format!("removing its checkpoint entry: {e}"))?;
+            self.settle_mig_modes(entry.mig_mode_holds());
+            self.changed();
             Ok(())
         })
         .await

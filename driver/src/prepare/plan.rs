@@ -83,6 +83,8 @@ pub struct Resolved {
     pub gpu: Gpu,
     pub kind: Kind,
     pub target: DeviceTarget,
+    /// The MIG mode the GPU must be in, where the driver switches it.
+    pub mig_mode: Option<bool>,
 }
 
 #[derive(Debug, Clone)]
@@ -144,10 +146,12 @@ pub fn resolve(
             profile,
             placement,
             existing,
-            ..
+            dynamic,
         } => {
+            // A dynamic device is created for its claim, always: whatever
+            // the model saw at its placement is not this claim's.
             let instance = match existing {
-                Some(uuid) => Some(
+                Some(uuid) if !dynamic => Some(
                     gpu.mig
                         .instances()
                         .iter()
@@ -165,7 +169,7 @@ pub fn resolve(
                             .fix("delete the Pod so the claim is allocated again")
                         })?,
                 ),
-                None => None,
+                _ => None,
             };
             let memory_bytes = instance
                 .as_ref()
@@ -219,10 +223,14 @@ pub fn resolve(
             )
         }
     };
+    let mig_mode = catalog
+        .mig_managed(&gpu.uuid)
+        .then_some(matches!(kind, Kind::Mig { .. }));
     Ok(Resolved {
         selected: selected.clone(),
         gpu,
         kind,
+        mig_mode,
         target: DeviceTarget {
             request: selected.request.clone(),
             device: selected.device.clone(),
@@ -272,20 +280,11 @@ fn consumed_capacity(
     })
 }
 
-/// Side effects one device needs, in the order they are made.
+/// Side effects one device's config needs after its hardware is ready.
+/// MIG mode holds and created MIG devices are recorded by prepare itself,
+/// under the node's hardware lock, as they are made.
 pub fn actions(device: &Resolved, config: &EffectiveConfig) -> Vec<Action> {
     let mut actions = Vec::new();
-    if let Kind::Mig {
-        create: Some((profile_id, placement)),
-        ..
-    } = &device.kind
-    {
-        actions.push(Action::MigCreate {
-            gpu_uuid: device.gpu.uuid.clone(),
-            profile_id: *profile_id,
-            placement: *placement,
-        });
-    }
     match config {
         EffectiveConfig::Gpu {
             sharing: ConfigSharing::TimeSlicing { .. },
@@ -486,10 +485,6 @@ fn request_edits(
             "CUDA_MPS_PIPE_DIRECTORY={}",
             client.pipe_dir.display()
         ));
-        edits.env.push(format!(
-            "CUDA_MPS_LOG_DIRECTORY={}",
-            client.log_dir.display()
-        ));
         // Ordinals are positions in the request's visible devices.
         let memory: Vec<String> = mps
             .iter()
@@ -513,15 +508,14 @@ fn request_edits(
                 .env
                 .push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}"));
         }
-        for dir in [&client.pipe_dir, &client.log_dir] {
-            let path = dir.to_string_lossy().into_owned();
-            edits.mounts.push(Mount {
-                host_path: path.clone(),
-                container_path: path,
-                options: vec!["rw".into(), "bind".into()],
-                mount_type: None,
-            });
-        }
+        // The pipe directory only: the daemon's logs stay on the host.
+        let path = client.pipe_dir.to_string_lossy().into_owned();
+        edits.mounts.push(Mount {
+            host_path: path.clone(),
+            container_path: path,
+            options: crate::mps::PIPE_MOUNT_OPTIONS.map(String::from).to_vec(),
+            mount_type: None,
+        });
     }
     Ok(edits)
 }

@@ -26,6 +26,7 @@ use std::path::PathBuf;
 use tessera_api::config::{Limits, TimeSliceInterval};
 use tessera_api::inventory::{MigInstance, MigPlacement};
 
+use super::state::MigRecord;
 use crate::claim_uid::ClaimUid;
 
 /// An error of a sharing or MIG operation, shown to the user as is.
@@ -42,13 +43,12 @@ pub struct MpsTarget {
     pub mig_uuid: Option<String>,
 }
 
-/// What a client container needs to reach its MPS daemon.
+/// What a client container needs to reach its MPS daemon: its pipe
+/// directory, and nothing else of the daemon's (its logs stay on the host).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpsClient {
     /// `CUDA_MPS_PIPE_DIRECTORY` (host path, mounted at the same path).
     pub pipe_dir: PathBuf,
-    /// `CUDA_MPS_LOG_DIRECTORY` (host path, mounted at the same path).
-    pub log_dir: PathBuf,
 }
 
 /// MPS daemons and time slices.
@@ -78,26 +78,51 @@ pub trait Sharing: Send + Sync {
     fn reset_time_slice(&self, claim: &ClaimUid, gpu_uuid: &str) -> Result<(), SharingError>;
 }
 
-/// Dynamic MIG: instances created at prepare, destroyed at unprepare.
+/// MIG mode and dynamic MIG: what prepare changes on a GPU's MIG layout.
+/// Callers serialize these calls (the node's hardware lock) and record
+/// each change in the checkpoint before making it.
 pub trait MigManager: Send + Sync {
-    /// Create (or find, if this claim already created it) a GPU instance of
-    /// `profile_id` at `placement` on `gpu_uuid` with one compute instance
-    /// spanning it, and return it as the inventory describes MIG devices.
+    /// Whether MIG mode is on now.
+    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, SharingError>;
+
+    /// Switch MIG mode, taking effect now; an error (with the mode put
+    /// back) where the GPU would need a reset.
+    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), SharingError>;
+
+    /// Whether any GPU instance exists on the GPU.
+    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, SharingError>;
+
+    /// An error naming what occupies the memory slices of `placement`, if
+    /// anything does.
+    fn check_free(
+        &self,
+        gpu_uuid: &str,
+        profile_id: u32,
+        placement: MigPlacement,
+    ) -> Result<(), SharingError>;
+
+    /// Create a GPU instance of `profile_id` at `placement` with one compute
+    /// instance spanning it, and return it as the inventory describes MIG
+    /// devices (with its instance ids). Adopts nothing: anything at the
+    /// placement is an error; a failure leaves nothing this call made.
     fn create(
         &self,
-        claim: &ClaimUid,
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
     ) -> Result<MigInstance, SharingError>;
 
-    /// Destroy the instance at `placement` that `claim` created; absent is
-    /// success.
+    /// Destroy what a claim created: the GPU instance `recorded` names
+    /// (matched by id and MIG UUID), or with no record (a crash between
+    /// asking NVML and recording the answer) the GPU instance of
+    /// `profile_id` at exactly `placement`. Anything else there is left
+    /// alone; nothing there is success.
     fn destroy(
         &self,
-        claim: &ClaimUid,
         gpu_uuid: &str,
+        profile_id: u32,
         placement: MigPlacement,
+        recorded: Option<&MigRecord>,
     ) -> Result<(), SharingError>;
 }
 
@@ -144,9 +169,31 @@ impl Sharing for Unsupported {
 }
 
 impl MigManager for Unsupported {
+    fn mig_enabled(&self, _gpu_uuid: &str) -> Result<bool, SharingError> {
+        Err(Self::refuse("reading the MIG mode"))
+    }
+
+    fn set_mig_mode(&self, _gpu_uuid: &str, _enabled: bool) -> Result<(), SharingError> {
+        Err(Self::refuse("switching the MIG mode"))
+    }
+
+    fn has_instances(&self, _gpu_uuid: &str) -> Result<bool, SharingError> {
+        Ok(false)
+    }
+
+    fn check_free(
+        &self,
+        _gpu_uuid: &str,
+        _profile_id: u32,
+        _placement: MigPlacement,
+    ) -> Result<(), SharingError> {
+        Err(Self::refuse(
+            "creating MIG devices at prepare (dynamic MIG)",
+        ))
+    }
+
     fn create(
         &self,
-        _claim: &ClaimUid,
         _gpu_uuid: &str,
         _profile_id: u32,
         _placement: MigPlacement,
@@ -158,9 +205,10 @@ impl MigManager for Unsupported {
 
     fn destroy(
         &self,
-        _claim: &ClaimUid,
         _gpu_uuid: &str,
+        _profile_id: u32,
         _placement: MigPlacement,
+        _recorded: Option<&MigRecord>,
     ) -> Result<(), SharingError> {
         Ok(())
     }

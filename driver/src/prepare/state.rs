@@ -62,12 +62,54 @@ pub enum Action {
     },
     /// The GPU's compute time slice was changed.
     TimeSlice { gpu_uuid: String },
-    /// A MIG device created for the claim.
+    /// The claim needs the GPU in this MIG mode (on a GPU whose mode the
+    /// driver manages; the driver switched it if it was not). Undoing it
+    /// drops the claim's hold; a GPU nobody holds goes back to MIG off.
+    MigMode { gpu_uuid: String, enabled: bool },
+    /// A MIG device created for the claim: recorded after its memory slices
+    /// were seen free and before NVML was asked, and again with what NVML
+    /// made (`instance`). Undo destroys only that instance.
     MigCreate {
         gpu_uuid: String,
         profile_id: u32,
         placement: MigPlacement,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        instance: Option<MigRecord>,
     },
+}
+
+/// The identity of a MIG device the driver created.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MigRecord {
+    pub gpu_instance_id: u32,
+    pub compute_instance_id: u32,
+    pub mig_uuid: String,
+}
+
+impl ClaimEntry {
+    /// MIG devices this claim's prepare created (and recorded).
+    pub fn created_mig(&self) -> impl Iterator<Item = &str> {
+        self.actions.iter().filter_map(|a| match a {
+            Action::MigCreate {
+                instance: Some(r), ..
+            } => Some(r.mig_uuid.as_str()),
+            _ => None,
+        })
+    }
+
+    /// GPUs whose MIG mode this claim holds.
+    pub fn mig_mode_holds(&self) -> impl Iterator<Item = &str> {
+        self.actions.iter().filter_map(|a| match a {
+            Action::MigMode { gpu_uuid, .. } => Some(gpu_uuid.as_str()),
+            _ => None,
+        })
+    }
+
+    /// Names of the devices the claim was prepared with.
+    pub fn device_names(&self) -> impl Iterator<Item = &str> {
+        self.devices.iter().map(|d| d.device_name.as_str())
+    }
 }
 
 /// One entry of the kubelet's answer: a device and its CDI ids.

@@ -57,7 +57,6 @@ impl Sharing for Recorder {
         }
         Ok(MpsClient {
             pipe_dir: format!("/run/tessera/mps/{}/pipe", target.gpu_uuid).into(),
-            log_dir: format!("/run/tessera/mps/{}/log", target.gpu_uuid).into(),
         })
     }
     fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
@@ -172,6 +171,7 @@ impl Fixture {
             mig: Arc::new(Unsupported),
             status: None,
             events: None,
+            on_change: None,
         };
         Preparer::open(self.config(), deps).await.unwrap()
     }
@@ -231,7 +231,6 @@ async fn isolated_share_gets_mps_limits_from_capacity_tightened_by_config() {
     for want in [
         format!("NVIDIA_VISIBLE_DEVICES={GPU}"),
         format!("CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps/{GPU}/pipe"),
-        format!("CUDA_MPS_LOG_DIRECTORY=/run/tessera/mps/{GPU}/log"),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M".to_owned(),
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25".to_owned(),
     ] {
@@ -364,6 +363,7 @@ fn fuzz_seed_is_a_valid_checkpoint() {
             gpu_uuid: "GPU-1".into(),
             profile_id: 9,
             placement: MigPlacement { start: 4, size: 4 },
+            instance: None,
         }
     );
     fuzz_decode_checkpoint(seed);

@@ -353,6 +353,10 @@ fn ampere_never_needs_a_mig_mode_switch() {
     assert!(!names(&model).contains("gpu-0"));
     assert!(names(&model).contains("gpu-0-mig-7g-40gb-0"));
     assert_eq!(names(&model).len(), 25);
+    assert!(
+        model.mig_managed.is_empty(),
+        "the driver never switches an A100"
+    );
 }
 
 #[test]
@@ -373,6 +377,60 @@ fn hopper_mig_mode_switch_follows_policy() {
     )]);
     let model = full(&on);
     assert_eq!(names(&model).len(), 28, "switchable: every mode offered");
+    // Both modes published: prepare must switch, so the GPU is managed.
+    assert_eq!(model.mig_managed, BTreeSet::from([on.gpus[0].uuid.clone()]));
+    let pinned = build(
+        &on,
+        &policy("gpus: [{select: {all: true}, migModeSwitch: false}]"),
+        Capabilities::full(),
+    );
+    assert!(pinned.mig_managed.is_empty());
+    assert!(
+        !names(&pinned).contains("gpu-0"),
+        "no whole GPU under MIG mode"
+    );
+}
+
+#[test]
+fn every_published_device_needs_the_mig_mode_it_has_or_a_managed_switch() {
+    // For every simulated-topology shape: a device of the other MIG mode
+    // than the GPU's current one is published only on a managed GPU.
+    let cases = [
+        inventory(vec![h100_mig_disabled(0)]),
+        inventory(vec![h100(
+            0,
+            Mig::Enabled {
+                profiles: h100_profiles(),
+                instances: vec![],
+            },
+        )]),
+        inventory(vec![a100(Mig::Disabled {
+            profiles: a100_profiles(),
+        })]),
+        inventory(vec![a100(Mig::Enabled {
+            profiles: a100_profiles(),
+            instances: vec![],
+        })]),
+    ];
+    for inv in &cases {
+        for capabilities in [Capabilities::full(), Capabilities::legacy()] {
+            for pol in ["{}", "gpus: [{select: {all: true}, migModeSwitch: false}]"] {
+                let model = build(inv, &policy(pol), capabilities);
+                let gpu = &inv.gpus[0];
+                let mig_on = matches!(gpu.mig, Mig::Enabled { .. });
+                for (name, reference) in &model.devices {
+                    let needs_mig = matches!(reference.kind, DeviceKind::Mig { .. });
+                    assert!(
+                        needs_mig == mig_on || model.mig_managed.contains(&gpu.uuid),
+                        "{name} published on {} ({:?}, policy {pol}) needs a MIG mode switch \
+                         the driver does not make",
+                        gpu.architecture,
+                        gpu.mig
+                    );
+                }
+            }
+        }
+    }
 }
 
 // --------------------------------------------------------------- counters
