@@ -1,10 +1,12 @@
 //! The MPS supervisor against `fake-mps-control`, a simulated
 //! `nvidia-cuda-mps-control` (daemon and client modes, pid file, control
 //! endpoint, `quit`): start, reuse, reference counting, adoption after a
-//! driver restart, restart after a crash, and the stop path's guarantees.
+//! driver restart, restart after a crash, the stop path's guarantees, and a
+//! hostile container writing in the pipe directory it is given.
 //!
-//! Every daemon runs as a real background process; tests wait on observable
-//! state with deadlines, never on fixed sleeps.
+//! Every daemon runs as a real process; tests wait on observable state with
+//! deadlines, never on fixed sleeps. Tests read the daemon's pid file to
+//! find it; the driver never does.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -15,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
-    CONTROL, ClientLimits, MpsConfig, MpsError, MpsSupervisor, PID_FILE, ProcessId,
+    CONTROL, ClientLimits, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing, MpsSupervisor, PID_FILE,
+    ProcessId,
 };
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
@@ -95,16 +98,27 @@ impl Scratch {
     }
 }
 
+impl Scratch {
+    /// The daemon the supervisor recorded, if any.
+    fn recorded_pid(&self, uuid: &str) -> Option<i32> {
+        let bytes = fs::read(self.dir.path().join(uuid).join("supervisor.json")).ok()?;
+        let record: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+        record["daemon"]["pid"].as_i64().map(|p| p as i32)
+    }
+}
+
 impl Drop for Scratch {
     fn drop(&mut self) {
         for uuid in [GPU0, GPU1, MIG0] {
-            let Some(pid) = self.pid_file(uuid) else {
-                continue;
-            };
-            let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            if pid != std::process::id() as i32 && comm.starts_with("fake-mps") {
-                // SAFETY: a daemon this test started in its own directory.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+            for pid in [self.pid_file(uuid), self.recorded_pid(uuid)]
+                .into_iter()
+                .flatten()
+            {
+                let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                if pid != std::process::id() as i32 && comm.starts_with("fake-mps") {
+                    // SAFETY: a daemon this test started in its own directory.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
             }
         }
     }
@@ -243,6 +257,7 @@ fn a_restarted_driver_adopts_running_daemons() {
 
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
+    assert_eq!(report.adopted, [GPU0], "{report:?}");
     assert!(
         report.restarted.is_empty() && report.failed.is_empty(),
         "{report:?}"
@@ -258,28 +273,69 @@ fn a_restarted_driver_adopts_running_daemons() {
 }
 
 #[test]
-fn a_daemon_started_before_it_was_recorded_is_adopted_by_probing_its_pipe() {
+fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
     let s = Scratch::new();
     let pid = MpsSupervisor::new(s.config())
         .ensure(GPU0, &claim(1))
         .unwrap()
         .pid;
-    // The crash came after the daemon started and before its identity was
-    // written: the record names the claim but no process.
+    assert_eq!(s.recorded_pid(GPU0), Some(pid));
+    // The crash came after the daemon was spawned and before its identity
+    // was written: the record names the claim and the launch id only.
+    let environ = fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let prefix = format!("{LAUNCH_ID_ENV}=");
+    let launch = environ
+        .split(|b| *b == 0)
+        .filter_map(|e| std::str::from_utf8(e).ok()?.strip_prefix(&prefix))
+        .next()
+        .expect("the daemon carries its launch id")
+        .to_owned();
     let record_path = s.dir.path().join(GPU0).join("supervisor.json");
-    let mut record: serde_json::Value =
-        serde_json::from_slice(&fs::read(&record_path).unwrap()).unwrap();
-    assert!(record["daemon"]["pid"] == pid, "{record}");
-    record.as_object_mut().unwrap().remove("daemon");
-    fs::write(&record_path, serde_json::to_vec(&record).unwrap()).unwrap();
+    fs::write(
+        &record_path,
+        serde_json::to_vec(&serde_json::json!({"claims": [claim(1)], "launch": launch})).unwrap(),
+    )
+    .unwrap();
 
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
     assert_eq!(report.adopted, [GPU0], "{report:?}");
     assert_eq!(after.ensure(GPU0, &claim(1)).unwrap().pid, pid);
+    assert_eq!(s.recorded_pid(GPU0), Some(pid));
     assert_eq!(s.log(GPU0).matches("Startup").count(), 1);
     after.release(GPU0, &claim(1)).unwrap();
     assert!(!alive(pid));
+}
+
+#[test]
+fn a_daemon_the_record_does_not_name_is_never_adopted_or_stopped() {
+    let s = Scratch::new();
+    let pid = MpsSupervisor::new(s.config())
+        .ensure(GPU0, &claim(1))
+        .unwrap()
+        .pid;
+    // A live daemon answers on the pipe directory and its pid file names
+    // it, but the record does not (nor does any launch id): it is not the
+    // driver's to adopt or stop.
+    let record_path = s.dir.path().join(GPU0).join("supervisor.json");
+    fs::write(&record_path, br#"{"claims":[]}"#).unwrap();
+    assert_eq!(s.pid_file(GPU0), Some(pid));
+
+    let after = MpsSupervisor::new(s.config());
+    let report = after.supervise();
+    assert!(
+        report.adopted.is_empty() && report.stopped.is_empty() && report.failed.is_empty(),
+        "{report:?}"
+    );
+    assert!(alive(pid), "a daemon the record does not name was stopped");
+    // A claim gets a daemon of the driver's own.
+    let ours = after.ensure(GPU0, &claim(2)).unwrap().pid;
+    assert_ne!(ours, pid);
+    assert!(alive(ours) && alive(pid));
+    after.release(GPU0, &claim(2)).unwrap();
+    assert!(!alive(ours));
+    assert!(alive(pid));
+    kill9(pid);
 }
 
 #[test]
@@ -377,6 +433,13 @@ fn a_daemon_that_ignores_quit_is_killed_only_if_it_is_ours() {
     assert!(!alive(pid));
     assert!(s.log(GPU0).contains("quit ignored"));
 
+    // Ours, adopted by a restarted driver: killed through a pidfd.
+    let pid = sup.ensure(GPU0, &claim(2)).unwrap().pid;
+    drop(sup);
+    let after = MpsSupervisor::new(config.clone());
+    after.release(GPU0, &claim(2)).unwrap();
+    assert!(!alive(pid));
+
     // Not ours: a daemon someone else started on the pipe directory of a
     // device whose record has no claims and no process.
     let pipe = s.pipe_dir(GPU1);
@@ -401,14 +464,10 @@ fn a_daemon_that_ignores_quit_is_killed_only_if_it_is_ours() {
     )
     .unwrap();
     let report = MpsSupervisor::new(config).supervise();
-    assert_eq!(report.failed.len(), 1, "{report:?}");
-    let (uuid, err) = &report.failed[0];
-    assert_eq!(uuid, GPU1);
     assert!(
-        matches!(err, MpsError::WontQuit { pid, .. } if *pid == foreign),
-        "{err}"
+        report.failed.is_empty() && report.stopped.is_empty(),
+        "{report:?}"
     );
-    assert!(err.to_string().contains("echo quit"), "{err}");
     assert!(
         alive(foreign),
         "a daemon the driver did not start was killed"
@@ -471,9 +530,17 @@ fn client_edits_point_containers_at_the_daemon_with_limits() {
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".into(),
         ]
     );
+    // The pipe directory only: never the logs or the supervisor's record.
     assert_eq!(edits.mounts.len(), 1);
     assert_eq!(edits.mounts[0].host_path, pipe);
     assert_eq!(edits.mounts[0].container_path, pipe);
+    for option in ["nosuid", "nodev", "noexec"] {
+        assert!(
+            edits.mounts[0].options.iter().any(|o| o == option),
+            "{:?}",
+            edits.mounts[0].options
+        );
+    }
     // A container with those settings reaches the daemon.
     assert!(client(Path::new(pipe), "get_server_list").0);
     sup.release(GPU0, &claim(1)).unwrap();
@@ -540,8 +607,13 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
         mig_uuid: Some(MIG0.into()),
     };
     let a = sharing.mps_acquire(&claim(1), &whole, &limits).unwrap();
-    assert_eq!(a.pipe_dir, s.pipe_dir(GPU0));
-    assert_eq!(a.log_dir, s.dir.path().join(GPU0).join("log"));
+    // A client gets the pipe directory, nothing else of the daemon's.
+    assert_eq!(
+        a,
+        tessera_driver::prepare::sharing::MpsClient {
+            pipe_dir: s.pipe_dir(GPU0)
+        }
+    );
     // A MIG device gets its own daemon, serving only that MIG device.
     let b = sharing.mps_acquire(&claim(2), &mig, &limits).unwrap();
     assert_eq!(b.pipe_dir, s.pipe_dir(MIG0));
@@ -575,4 +647,295 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
         )
         .unwrap_err();
     assert!(err.0.contains("GPU-../x"), "{err}");
+}
+
+// ---------------------------------------------------------------------------
+// A hostile container.
+//
+// Every Isolated container on a device gets that device's MPS pipe directory
+// mounted read-write, in any namespace, and may run as root. These tests play
+// such a container: it rewrites the daemon's pid file to name a process the
+// driver must never touch, plants symlinks to a file the driver must never
+// truncate or show, and makes the daemon quit behind the driver's back. The
+// driver must keep its hands off both decoys, keep file contents out of its
+// errors, and still recover.
+
+use tessera_driver::prepare::sharing::{MpsClient, MpsTarget, Sharing, Unsupported};
+
+const SECRET: &str = "decoy-7f3a9c: the driver must never truncate, follow or show this";
+const LOG_NAMES: [&str; 3] = ["launcher.log", "control.log", "server.log"];
+
+struct Hostile {
+    /// What the driver mounts into a client container (read-write).
+    dirs: Vec<PathBuf>,
+    /// A process the driver did not start.
+    decoy: std::process::Child,
+    /// A file outside every directory the driver manages.
+    decoy_file: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Hostile {
+    /// A container of `claim` on `device`: what it can write is exactly what
+    /// the driver hands it through the prepare trait.
+    fn new(sharing: &MpsSharing<Unsupported>, device: &str, claim: &ClaimUid) -> Self {
+        let client = sharing
+            .mps_acquire(claim, &target(device), &share_limits())
+            .unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let decoy_file = tmp.path().join("decoy");
+        fs::write(&decoy_file, SECRET).unwrap();
+        Hostile {
+            dirs: container_dirs(&client),
+            decoy: Command::new("sleep").arg("1000").spawn().unwrap(),
+            decoy_file,
+            _tmp: tmp,
+        }
+    }
+
+    fn decoy_pid(&self) -> i32 {
+        self.decoy.id() as i32
+    }
+
+    /// The pid file names the decoy, wherever the container can write it.
+    fn forge_pid_file(&self) {
+        for dir in &self.dirs {
+            let path = dir.join(PID_FILE);
+            let _ = fs::remove_file(&path);
+            fs::write(&path, format!("{}\n", self.decoy_pid())).unwrap();
+        }
+    }
+
+    /// `names` become symlinks to the decoy file in every writable directory.
+    fn plant_symlinks(&self, names: &[&str]) {
+        for dir in &self.dirs {
+            for name in names {
+                let path = dir.join(name);
+                let _ = fs::remove_file(&path);
+                std::os::unix::fs::symlink(&self.decoy_file, &path).unwrap();
+            }
+        }
+    }
+
+    /// `echo quit | nvidia-cuda-mps-control`, as any client may, and wait
+    /// until the daemon is gone.
+    fn quit_daemon(&self, pipe_dir: &Path, pid: i32) {
+        assert!(client(pipe_dir, "quit").0, "the daemon did not take quit");
+        wait_until("the daemon quit", || !alive(pid));
+    }
+
+    /// Neither decoy was touched and no error shows the decoy's content.
+    fn assert_unharmed(&mut self, errors: &[String]) {
+        // A decoy reaped by the driver is an error here (no child).
+        assert!(
+            matches!(self.decoy.try_wait(), Ok(None)) && alive(self.decoy_pid()),
+            "the driver killed a process it did not start (the decoy named by the pid file)"
+        );
+        assert_eq!(
+            fs::read_to_string(&self.decoy_file).unwrap(),
+            SECRET,
+            "the driver wrote through a symlink planted by a container"
+        );
+        for e in errors {
+            assert!(
+                !e.contains("decoy-7f3a9c"),
+                "an error leaks a file's content: {e}"
+            );
+        }
+    }
+}
+
+impl Drop for Hostile {
+    fn drop(&mut self) {
+        let _ = self.decoy.kill();
+        let _ = self.decoy.wait();
+    }
+}
+
+fn target(device: &str) -> MpsTarget {
+    MpsTarget {
+        gpu_uuid: device.into(),
+        mig_uuid: None,
+    }
+}
+
+fn share_limits() -> tessera_api::config::Limits {
+    tessera_api::config::Limits {
+        memory_bytes: 1 << 30,
+        compute_percent: 50,
+    }
+}
+
+fn container_dirs(client: &MpsClient) -> Vec<PathBuf> {
+    vec![client.pipe_dir.clone()]
+}
+
+fn errors(report: &tessera_driver::mps::SupervisionReport) -> Vec<String> {
+    report.failed.iter().map(|(_, e)| e.to_string()).collect()
+}
+
+/// A sharing stack as the plugin wires it, with a short readiness timeout.
+fn hostile_setup(s: &Scratch) -> (Arc<MpsSupervisor>, MpsSharing<Unsupported>) {
+    let mut config = s.config();
+    config.ready_timeout = Duration::from_secs(3);
+    let sup = Arc::new(MpsSupervisor::new(config));
+    (sup.clone(), MpsSharing::new(sup, Unsupported))
+}
+
+/// Our daemon, not the decoy: a live fake-mps-control answering on the pipe.
+fn assert_serving(s: &Scratch, pid: i32, decoy: i32) {
+    assert_ne!(pid, decoy);
+    assert!(alive(pid));
+    let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    assert!(comm.starts_with("fake-mps"), "pid {pid} is {comm:?}");
+    assert!(client(&s.pipe_dir(GPU0), "get_server_list").0);
+}
+
+#[test]
+fn a_hostile_container_cannot_steer_a_restart() {
+    let s = Scratch::new();
+    let (sup, sharing) = hostile_setup(&s);
+    let mut h = Hostile::new(&sharing, GPU0, &claim(1));
+    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+
+    h.plant_symlinks(&LOG_NAMES);
+    h.quit_daemon(&s.pipe_dir(GPU0), first);
+    h.forge_pid_file();
+
+    // The watchdog's pass finds the daemon gone and starts a fresh one.
+    let report = sup.supervise();
+    h.assert_unharmed(&errors(&report));
+    assert_eq!(report.restarted, [GPU0], "{report:?}");
+    let second = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    assert_ne!(second, first);
+    assert_serving(&s, second, h.decoy_pid());
+
+    sup.release(GPU0, &claim(1)).unwrap();
+    assert!(!alive(second));
+    h.assert_unharmed(&[]);
+}
+
+#[test]
+fn a_hostile_container_cannot_steer_a_stop() {
+    let s = Scratch::new();
+    let (sup, sharing) = hostile_setup(&s);
+    let mut h = Hostile::new(&sharing, GPU0, &claim(1));
+
+    // The pid file names the decoy while our daemon runs: the last release
+    // stops our daemon, and only it.
+    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    h.forge_pid_file();
+    h.plant_symlinks(&LOG_NAMES);
+    let result = sup.release(GPU0, &claim(1));
+    h.assert_unharmed(&[result
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default()]);
+    result.unwrap();
+    assert!(!alive(first), "the last release left the daemon running");
+
+    // The daemon quit behind the driver's back, the pid file names the
+    // decoy and the control endpoint is a symlink to the decoy file.
+    let second = sup.ensure(GPU0, &claim(2)).unwrap().pid;
+    assert_serving(&s, second, h.decoy_pid());
+    h.quit_daemon(&s.pipe_dir(GPU0), second);
+    h.forge_pid_file();
+    h.plant_symlinks(&[CONTROL]);
+    h.plant_symlinks(&LOG_NAMES);
+    let result = sup.release(GPU0, &claim(2));
+    h.assert_unharmed(&[result
+        .as_ref()
+        .err()
+        .map(ToString::to_string)
+        .unwrap_or_default()]);
+    result.unwrap();
+    assert!(sup.claims().is_empty());
+    assert!(!s.pipe_dir(GPU0).exists());
+}
+
+#[test]
+fn a_hostile_container_cannot_steer_a_restarted_driver() {
+    let s = Scratch::new();
+    let (sup, sharing) = hostile_setup(&s);
+    let mut h = Hostile::new(&sharing, GPU0, &claim(1));
+    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    // The driver goes away; while it is gone the container strikes.
+    drop((sup, sharing));
+    h.plant_symlinks(&LOG_NAMES);
+    h.quit_daemon(&s.pipe_dir(GPU0), first);
+    h.forge_pid_file();
+
+    let (after, _sharing) = hostile_setup(&s);
+    let report = after.supervise();
+    h.assert_unharmed(&errors(&report));
+    assert_eq!(report.restarted, [GPU0], "{report:?}");
+    let second = after.ensure(GPU0, &claim(1)).unwrap().pid;
+    assert_serving(&s, second, h.decoy_pid());
+
+    // The checkpoint no longer knows the claim: the daemon is stopped.
+    h.forge_pid_file();
+    let report = after.retain_claims(|_| false);
+    h.assert_unharmed(&errors(&report));
+    assert_eq!(report.stopped, [GPU0], "{report:?}");
+    assert!(!alive(second));
+    h.assert_unharmed(&[]);
+}
+
+#[test]
+fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    // The daemon writes its pid file, then takes a while to bind `control`.
+    config
+        .env
+        .push(("TESSERA_FAKE_MPS_READY_DELAY_MS".into(), "1000".into()));
+    let (sup, sharing) = {
+        let sup = Arc::new(MpsSupervisor::new(config));
+        (sup.clone(), MpsSharing::new(sup, Unsupported))
+    };
+    let mut h = Hostile::new(&sharing, GPU0, &claim(1));
+    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    h.quit_daemon(&s.pipe_dir(GPU0), first);
+
+    // While the next daemon is starting, a symlink to an existing file
+    // stands where its endpoint will be.
+    let planter = {
+        let pipe = s.pipe_dir(GPU0);
+        let decoy_file = h.decoy_file.clone();
+        std::thread::spawn(move || {
+            wait_until("the restarted daemon wrote its pid file", || {
+                pipe.join(PID_FILE).exists()
+            });
+            std::os::unix::fs::symlink(&decoy_file, pipe.join(CONTROL)).unwrap();
+        })
+    };
+    let result = sup.ensure(GPU0, &claim(1));
+    planter.join().unwrap();
+    match &result {
+        // Ready means the daemon's own socket, not the symlink.
+        Ok(_) => {
+            let endpoint = s.pipe_dir(GPU0).join(CONTROL).symlink_metadata().unwrap();
+            assert!(
+                std::os::unix::fs::FileTypeExt::is_socket(&endpoint.file_type()),
+                "ready with {endpoint:?} as the endpoint"
+            );
+        }
+        // The fake cannot bind where the symlink stands: the start fails,
+        // naming where the daemon's output is, not showing it.
+        Err(e) => {
+            assert!(matches!(e, MpsError::LaunchFailed { .. }), "{e}");
+            h.assert_unharmed(&[e.to_string()]);
+            assert!(e.to_string().contains("launcher.log"), "{e}");
+            // The next pass clears the symlink and starts a daemon.
+            let report = sup.supervise();
+            h.assert_unharmed(&errors(&report));
+            assert_eq!(report.restarted, [GPU0], "{report:?}");
+        }
+    }
+    let second = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    assert_serving(&s, second, h.decoy_pid());
+    sup.release(GPU0, &claim(1)).unwrap();
+    assert!(!alive(second));
+    h.assert_unharmed(&[]);
 }

@@ -1,7 +1,18 @@
-//! Just enough of `/proc` to tell whether a process is alive and whether it
-//! is still the one that was recorded (a PID alone can be reused).
+//! The processes the MPS supervisor started, identified so that no other
+//! process can be mistaken for one of them.
+//!
+//! Trusted: the kernel's view of a PID (`/proc/<pid>/stat`, pidfds) and the
+//! identities the driver recorded itself, outside every directory a
+//! container can write. Not trusted: a PID read from a file a container can
+//! write (the control daemon's pid file in its pipe directory is never read),
+//! and a process's environment on its own (a process writes its own): a
+//! launch id found there counts only because it is a random secret the
+//! driver generated and kept in its host-only record.
 
 use std::fs;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -34,42 +45,151 @@ impl ProcessId {
     }
 }
 
-/// Whether some live process has this PID (zombies have exited).
-pub fn alive(pid: i32) -> bool {
-    Stat::read(pid).is_some_and(|s| s.alive())
+/// A pidfd on a recorded process: signals and waits reach that very process,
+/// never another one that got its PID after it exited.
+#[derive(Debug)]
+pub struct Pidfd {
+    fd: OwnedFd,
+    id: ProcessId,
 }
 
-/// Collect the exit status of `pid` if it is our child and has exited, so a
-/// daemon re-parented to this process (PID 1 in a container) does not stay a
-/// zombie. Any other PID is left alone.
-pub fn reap(pid: i32) {
-    if pid > 0 {
-        // SAFETY: waitpid with WNOHANG on a single PID only reaps that PID if
-        // it is an exited child of ours; otherwise it fails with ECHILD or
-        // returns 0.
-        unsafe {
-            libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG);
+impl Pidfd {
+    /// A pidfd on `id`'s process, or `None` if that process is not running
+    /// (any more). The identity is checked again *after* the pidfd is open:
+    /// if the PID had been recycled in between, the check fails, so a pidfd
+    /// returned here refers to the recorded process.
+    pub fn open(id: &ProcessId) -> io::Result<Option<Pidfd>> {
+        if !id.is_running() {
+            return Ok(None);
+        }
+        // SAFETY: pidfd_open(2) takes a PID and flags and returns a new file
+        // descriptor or -1; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, id.pid, 0) };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::ESRCH) {
+                Ok(None)
+            } else {
+                Err(e)
+            };
+        }
+        // SAFETY: a descriptor pidfd_open just returned, owned by no one else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(id.is_running().then(|| Pidfd { fd, id: id.clone() }))
+    }
+
+    pub fn id(&self) -> &ProcessId {
+        &self.id
+    }
+
+    /// Whether the process has exited, waiting at most `timeout`. An exited
+    /// child of this process is reaped.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut pfd = libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let ms = left.as_millis().min(i32::MAX as u128) as i32;
+            // SAFETY: one pollfd that lives across the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if n > 0 {
+                // A pidfd is readable once its process has exited.
+                self.reap();
+                return true;
+            }
+            let interrupted =
+                n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted;
+            if !interrupted || left.is_zero() {
+                return false;
+            }
         }
     }
-}
 
-/// SIGKILL `process`, only if it is still the recorded process.
-pub fn kill(process: &ProcessId) -> std::io::Result<()> {
-    if !process.is_running() {
-        return Ok(());
-    }
-    // SAFETY: kill(2) with a positive PID checked to be the recorded process
-    // an instant ago.
-    if unsafe { libc::kill(process.pid, libc::SIGKILL) } == 0 {
-        Ok(())
-    } else {
-        let e = std::io::Error::last_os_error();
+    /// SIGKILL the process; one that has already exited is fine.
+    pub fn kill(&self) -> io::Result<()> {
+        // SAFETY: pidfd_send_signal(2) on our pidfd, no siginfo, no flags.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ESRCH) {
             Ok(())
         } else {
             Err(e)
         }
     }
+
+    /// Collect the exit status if the process is our child (a daemon a
+    /// previous supervisor in this same process spawned), so it does not
+    /// stay a zombie. Any other process is left alone: waitid on a pidfd
+    /// only ever concerns that process.
+    fn reap(&self) {
+        // SAFETY: waitid(2) with P_PIDFD and WNOHANG writes into the zeroed
+        // siginfo we pass and touches no other process.
+        unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(
+                libc::P_PIDFD,
+                self.fd.as_raw_fd() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG,
+            );
+        }
+    }
+}
+
+/// The oldest live process whose environment holds exactly `entry`
+/// (`NAME=value`). Meant for a secret launch id: a process found this way
+/// was started with it (its children inherit it too, hence the oldest).
+pub fn find_by_env(entry: &str) -> Option<ProcessId> {
+    let holds = |pid: i32| {
+        fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|b| *b == 0).any(|e| e == entry.as_bytes()))
+    };
+    fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| holds(*pid))
+        // Read the identity, then check the environment again: a PID
+        // recycled in between would not hold the secret.
+        .filter_map(|pid| ProcessId::of(pid).filter(|_| holds(pid)))
+        .min_by_key(|id| id.start_time)
+}
+
+/// 128 random bits from the kernel, as hex.
+pub fn random_id() -> io::Result<String> {
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        // SAFETY: getrandom(2) writes at most the given length into the
+        // rest of our buffer.
+        let n = unsafe {
+            libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0)
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        } else {
+            filled += n as usize;
+        }
+    }
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn boot_id() -> String {
@@ -127,19 +247,47 @@ mod tests {
     }
 
     #[test]
-    fn exited_child_is_not_alive_and_is_reaped() {
-        let mut child = Command::new("true").spawn().unwrap();
-        let pid = child.id() as i32;
-        // Until reaped it is a zombie; either way it is not alive once it
-        // has exited. Poll: its exit is asynchronous.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while alive(pid) {
-            assert!(std::time::Instant::now() < deadline, "`true` did not exit");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        reap(pid);
-        // Reaped by us: the standard library's wait now finds no child.
+    fn a_pidfd_kills_waits_for_and_reaps_exactly_the_recorded_process() {
+        let mut child = Command::new("sleep").arg("1000").spawn().unwrap();
+        let id = ProcessId::of(child.id() as i32).unwrap();
+        // Another identity on the same PID (as after reuse) opens nothing.
+        let recycled = ProcessId {
+            start_time: id.start_time + 1,
+            ..id.clone()
+        };
+        assert!(Pidfd::open(&recycled).unwrap().is_none());
+
+        let fd = Pidfd::open(&id).unwrap().unwrap();
+        assert_eq!(fd.id(), &id);
+        assert!(!fd.wait(Duration::ZERO));
+        fd.kill().unwrap();
+        assert!(fd.wait(Duration::from_secs(10)));
+        // Reaped through the pidfd: the standard library finds no child.
         assert!(child.wait().is_err());
-        assert!(ProcessId::of(pid).is_none());
+        assert!(!id.is_running());
+        assert!(Pidfd::open(&id).unwrap().is_none());
+        // Killing an exited process is not an error.
+        fd.kill().unwrap();
+    }
+
+    #[test]
+    fn a_process_is_found_by_a_secret_in_its_environment() {
+        let secret = random_id().unwrap();
+        assert_eq!(secret.len(), 32);
+        assert_ne!(secret, random_id().unwrap());
+        let entry = format!("TESSERA_TEST_LAUNCH_ID={secret}");
+        assert!(find_by_env(&entry).is_none());
+        let mut child = Command::new("sleep")
+            .arg("1000")
+            .env("TESSERA_TEST_LAUNCH_ID", &secret)
+            .spawn()
+            .unwrap();
+        let found = find_by_env(&entry).expect("the child holds the secret");
+        assert_eq!(found.pid, child.id() as i32);
+        // A prefix of the entry is not the entry.
+        assert!(find_by_env(&entry[..entry.len() - 1]).is_none());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(find_by_env(&entry).is_none());
     }
 }

@@ -54,9 +54,10 @@ impl<T: Sharing> Sharing for MpsSharing<T> {
             .supervisor
             .ensure(device(target), claim)
             .map_err(|e| SharingError(e.to_string()))?;
+        // The pipe directory only: the daemon's logs and the supervisor's
+        // record stay on the host.
         Ok(MpsClient {
             pipe_dir: daemon.pipe_dir,
-            log_dir: daemon.log_dir,
         })
     }
 

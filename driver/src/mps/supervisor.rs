@@ -4,23 +4,64 @@
 //! Layout under the supervisor's state directory, per device UUID:
 //!
 //! ```text
-//! <state>/<uuid>/supervisor.json   claims holding the daemon, the daemon's identity
-//! <state>/<uuid>/pipe/             CUDA_MPS_PIPE_DIRECTORY (control endpoint, pid file)
-//! <state>/<uuid>/log/              CUDA_MPS_LOG_DIRECTORY (+ launcher.log: output of `-d`)
+//! <state>/<uuid>/supervisor.json   host-only: claims holding the daemon, the daemon's identity
+//! <state>/<uuid>/log/              host-only: CUDA_MPS_LOG_DIRECTORY, launcher.log (the daemon's output)
+//! <state>/<uuid>/pipe/             CUDA_MPS_PIPE_DIRECTORY: the one directory mounted into containers
 //! ```
 //!
-//! The record is written (atomically) *before* a daemon is started and after
-//! every change, so a driver that crashes at any point finds, on restart,
-//! which claims hold which device and which process it started. A daemon is
-//! "ours" only as the exact process recorded (PID + start time + boot id);
-//! only that process is ever killed, and only when `quit` did not stop it.
+//! # What is trusted, and why
+//!
+//! The pipe directory is bind-mounted read-write into every Isolated
+//! container on the device, in any namespace, and such a container may run
+//! as root. So nothing found there is trusted:
+//!
+//! - The control daemon's pid file there ([`PID_FILE`]) is never read. The
+//!   daemon runs in the foreground (`nvidia-cuda-mps-control -f`) as the
+//!   driver's direct child, so the driver holds its [`Child`] handle; a
+//!   daemon that outlived a driver restart is the process recorded as PID +
+//!   start time + boot id in the host-only record, and is signalled and
+//!   waited for through a pidfd opened and then checked against that record,
+//!   so a recycled PID is never hit.
+//! - The driver opens nothing there. It looks at the control endpoint with
+//!   `lstat` (ready means a socket or fifo, never a symlink), unlinks stale
+//!   names before a start (unlink does not follow symlinks), and removes the
+//!   directory with the last claim (the standard library's `remove_dir_all`
+//!   does not follow symlinks).
+//! - No content from there (or from any log) reaches an error: errors, which
+//!   end up in Pod events, name paths and conditions only.
+//!
+//! Trusted: the record and the log directory (never mounted into a
+//! container), the `Child` and pidfd handles, and the kernel.
+//!
+//! The record is written atomically *before* a daemon is spawned, naming a
+//! fresh random launch id that the daemon gets in its environment, and again
+//! with the daemon's identity right after the spawn. A driver killed in
+//! between finds its daemon on restart by that id: a secret kept host-only,
+//! so no container can make another process carry it.
+//!
+//! # What this does not prevent
+//!
+//! - The daemon is stopped with `quit` through the control endpoint, sent
+//!   only after `lstat` shows a socket; a container that swaps in a symlink
+//!   in the instant between that check and the client's connect can send
+//!   that one `quit` elsewhere. A daemon that does not exit is killed
+//!   through its handle.
+//! - What NVIDIA's control daemon itself does in its pipe directory (it
+//!   writes its pid file there) is its own business.
+//! - All claims on a device share its pipe directory and daemon: a container
+//!   can disturb the other claims on that device (remove the endpoint, make
+//!   the daemon quit). The watchdog restarts a daemon that died; isolation
+//!   between clients of one daemon holds only by agreement
+//!   (docs/isolation.md).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
@@ -29,20 +70,28 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::limits::{self, ClientLimits, LimitError, is_device_uuid};
-use super::process::{self, ProcessId};
+use super::process::{self, Pidfd, ProcessId};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
 
-/// File the control daemon writes its PID to, in its pipe directory.
+/// File the control daemon writes its PID to, in its pipe directory. A
+/// container can write it: the driver never reads it.
 pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 /// The control endpoint the daemon creates in its pipe directory when ready.
 pub const CONTROL: &str = "control";
 /// Where the control binary is found under the driver root by default.
 pub const DEFAULT_CONTROL_BINARY: &str = "usr/bin/nvidia-cuda-mps-control";
+/// Environment variable carrying a daemon's secret launch id (see the
+/// module documentation).
+pub const LAUNCH_ID_ENV: &str = "TESSERA_MPS_LAUNCH_ID";
+/// The daemon's standard output and error, in its (host-only) log directory;
+/// the previous run's is kept as `launcher.log.1`.
+pub const LAUNCHER_LOG: &str = "launcher.log";
 
 const RECORD: &str = "supervisor.json";
-const LAUNCHER_LOG: &str = "launcher.log";
 const POLL: Duration = Duration::from_millis(10);
+/// How long a daemon may take to die after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Longest pipe directory accepted: Unix socket paths are limited to 107
 /// bytes, and MPS puts sockets with names of a dozen or so characters in it.
 const MAX_PIPE_DIR: usize = 90;
@@ -50,7 +99,7 @@ const MAX_PIPE_DIR: usize = 90;
 /// How the supervisor runs `nvidia-cuda-mps-control`.
 #[derive(Debug, Clone)]
 pub struct MpsConfig {
-    /// The control binary (daemon with `-d`, client without).
+    /// The control binary (daemon with `-f`, client without).
     pub control_binary: PathBuf,
     /// Per-device pipe, log and record directories live under here.
     pub state_dir: PathBuf,
@@ -81,16 +130,22 @@ impl MpsConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpsDaemon {
     pub device_uuid: String,
-    /// `CUDA_MPS_PIPE_DIRECTORY` on the host.
+    /// `CUDA_MPS_PIPE_DIRECTORY` on the host: what clients mount.
     pub pipe_dir: PathBuf,
-    /// `CUDA_MPS_LOG_DIRECTORY` on the host.
+    /// `CUDA_MPS_LOG_DIRECTORY` on the host: for the operator, never mounted
+    /// into a container.
     pub log_dir: PathBuf,
     pub pid: i32,
 }
 
+/// Mount options for a pipe directory in a client container: clients
+/// connect to sockets (and open pipes) there, they never need to execute or
+/// open a device node from it.
+pub const PIPE_MOUNT_OPTIONS: [&str; 5] = ["rw", "nosuid", "nodev", "noexec", "bind"];
+
 impl MpsDaemon {
     /// CDI edits that make a container a client of this daemon: the pipe
-    /// directory mounted at the same path and named by
+    /// directory (only it) mounted at the same path and named by
     /// `CUDA_MPS_PIPE_DIRECTORY`, plus the claim's limits if any. Device
     /// nodes and `CUDA_VISIBLE_DEVICES` are the device's own edits.
     pub fn client_edits(
@@ -108,13 +163,15 @@ impl MpsDaemon {
             mounts: vec![cdi::Mount {
                 host_path: pipe.clone(),
                 container_path: pipe,
-                options: vec!["rw".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+                options: PIPE_MOUNT_OPTIONS.iter().map(|o| o.to_string()).collect(),
                 mount_type: None,
             }],
         })
     }
 }
 
+/// What went wrong. Messages name devices, paths and conditions, never the
+/// content of a file: they reach Pod events.
 #[derive(Debug, thiserror::Error)]
 pub enum MpsError {
     #[error(
@@ -151,35 +208,29 @@ pub enum MpsError {
         binary: PathBuf,
         source: std::io::Error,
     },
-    #[error("MPS for {device}: `{} -d` {outcome}; its output: {output}", binary.display())]
+    #[error(
+        "MPS for {device}: the control daemon (`{} -f`) {outcome} before creating {}; its output \
+         is in {} on the node",
+        binary.display(), pipe_dir.join(CONTROL).display(), log.display()
+    )]
     LaunchFailed {
         device: String,
         binary: PathBuf,
         outcome: String,
-        output: String,
+        pipe_dir: PathBuf,
+        log: PathBuf,
     },
     #[error(
-        "MPS for {device}: the control daemon did not create {} within {waited:?}; logs in {}: {log}",
+        "MPS for {device}: the control daemon (pid {pid}) did not create {} (a socket) within \
+         {waited:?} and was stopped; its logs are in {} on the node",
         pipe_dir.join(CONTROL).display(), log_dir.display()
     )]
     NotReady {
         device: String,
-        waited: Duration,
-        pipe_dir: PathBuf,
-        log_dir: PathBuf,
-        log: String,
-    },
-    #[error(
-        "MPS for {device}: the control daemon (pid {pid}) did not quit within {waited:?} and is \
-         not the process this driver started, so it was left running; stop it by hand (echo quit \
-         | CUDA_MPS_PIPE_DIRECTORY={} nvidia-cuda-mps-control)",
-        pipe_dir.display()
-    )]
-    WontQuit {
-        device: String,
         pid: i32,
         waited: Duration,
         pipe_dir: PathBuf,
+        log_dir: PathBuf,
     },
     #[error("MPS for {device}: the control daemon (pid {pid}) survived SIGKILL for {waited:?}")]
     Unkillable {
@@ -192,7 +243,8 @@ pub enum MpsError {
 /// What one supervision pass did.
 #[derive(Debug, Default)]
 pub struct SupervisionReport {
-    /// Daemons found running that this supervisor had no live record of.
+    /// Recorded daemons found running that this supervisor had not seen yet
+    /// (after a driver restart).
     pub adopted: Vec<String>,
     /// Devices with claims whose daemon was not running and was started.
     pub restarted: Vec<String>,
@@ -202,13 +254,18 @@ pub struct SupervisionReport {
     pub failed: Vec<(String, MpsError)>,
 }
 
-/// The state of one device, as recorded on disk.
+/// The state of one device, as recorded on disk (host-only).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Record {
     claims: BTreeSet<ClaimUid>,
+    /// The daemon this driver spawned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     daemon: Option<ProcessId>,
+    /// The secret launch id of a daemon being spawned, until its identity
+    /// is recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    launch: Option<String>,
 }
 
 struct Device {
@@ -217,17 +274,82 @@ struct Device {
     pipe_dir: PathBuf,
     log_dir: PathBuf,
     record: Record,
+    /// A handle on the recorded daemon, once this supervisor has one.
+    handle: Option<Handle>,
 }
 
-/// What the pipe directory and the record say about a device's daemon.
-enum Status {
-    /// A live daemon owns the pipe directory and its endpoint exists.
-    Running(ProcessId),
-    /// A live daemon wrote its PID but has no endpoint (yet).
-    Starting(i32),
-    /// The recorded process lives but the pipe directory does not name it.
-    Stray(ProcessId),
+/// The driver's own hold on its daemon.
+enum Handle {
+    /// Spawned by this supervisor: its PID stays ours until we reap it.
+    Spawned(Child),
+    /// Recorded by an earlier run, held through a checked pidfd.
+    Adopted(Pidfd),
+}
+
+impl Handle {
+    fn pid(&self) -> i32 {
+        match self {
+            Handle::Spawned(c) => c.id() as i32,
+            Handle::Adopted(p) => p.id().pid,
+        }
+    }
+
+    /// `None` while the daemon runs, how it ended once it has exited
+    /// (reaping it).
+    fn exit(&mut self) -> Option<String> {
+        match self {
+            Handle::Spawned(c) => match c.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Err(e) => Some(format!("could not be waited for ({e})")),
+            },
+            Handle::Adopted(p) => p.wait(Duration::ZERO).then(|| "exited".to_owned()),
+        }
+    }
+
+    /// Whether the daemon exited within `timeout`.
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        match self {
+            Handle::Spawned(_) => loop {
+                if self.exit().is_some() {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(POLL);
+            },
+            Handle::Adopted(p) => p.wait(timeout),
+        }
+    }
+
+    fn kill(&mut self) -> std::io::Result<()> {
+        match self {
+            Handle::Spawned(c) => match c.kill() {
+                // Already exited and reaped.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
+                other => other,
+            },
+            Handle::Adopted(p) => p.kill(),
+        }
+    }
+}
+
+/// Whether the recorded daemon runs, as this supervisor knows it.
+enum Liveness {
+    /// Held by this supervisor already.
+    Running,
+    /// The recorded process runs and is now held (after a driver restart).
+    Adopted,
     Dead,
+}
+
+/// How waiting for a daemon's control endpoint ended.
+enum Readiness {
+    Ready,
+    Exited(String),
+    TimedOut,
 }
 
 /// Supervises one MPS control daemon per device, reference-counted by claim.
@@ -260,10 +382,9 @@ impl MpsSupervisor {
     }
 
     /// Make sure a control daemon serves `device_uuid` and that `claim`
-    /// holds a reference to it. Idempotent per claim. A daemon already
-    /// running there (after a driver restart) is adopted, a dead one is
-    /// restarted, and a new one is waited for until its control endpoint
-    /// exists.
+    /// holds a reference to it. Idempotent per claim. The daemon recorded
+    /// there (after a driver restart) is adopted, a dead one is restarted,
+    /// and a new one is waited for until its control endpoint exists.
     pub fn ensure(&self, device_uuid: &str, claim: &ClaimUid) -> Result<MpsDaemon, MpsError> {
         let device = self.device(device_uuid)?;
         let mut dev = lock(&device);
@@ -271,9 +392,8 @@ impl MpsSupervisor {
         if added {
             self.persist(&dev)?;
         }
-        let result = self.ensure_running(&mut dev).map(|_| ());
-        match result {
-            Ok(()) => Ok(dev.daemon()),
+        match self.ensure_running(&mut dev) {
+            Ok(_) => Ok(dev.daemon()),
             Err(e) => {
                 if added {
                     dev.record.claims.remove(claim);
@@ -286,8 +406,8 @@ impl MpsSupervisor {
     }
 
     /// Drop `claim`'s reference; the last reference stops the daemon
-    /// (`quit`, then SIGKILL of the recorded process if `quit` timed out).
-    /// Unknown claims and devices succeed.
+    /// (`quit`, then SIGKILL through the driver's handle if `quit` timed
+    /// out). Unknown claims and devices succeed.
     pub fn release(&self, device_uuid: &str, claim: &ClaimUid) -> Result<(), MpsError> {
         if !is_device_uuid(device_uuid) {
             // Nothing was ever started for it.
@@ -322,19 +442,14 @@ impl MpsSupervisor {
                 continue;
             }
             if dev.record.claims.is_empty() {
-                let was_running = !matches!(self.status(&dev), Status::Dead);
-                match self.stop(&mut dev) {
-                    Ok(()) if was_running => report.stopped.push(uuid.clone()),
-                    Ok(()) => {}
-                    Err(e) => report.failed.push((uuid.clone(), e)),
-                }
+                self.stop_into(&mut dev, uuid, &mut report);
             }
         }
         report
     }
 
     /// One supervision pass over every device this supervisor has a record
-    /// of (on disk or in memory): adopt running daemons, restart dead ones
+    /// of (on disk or in memory): adopt recorded daemons, restart dead ones
     /// that still have claims, stop ones that have none. Call it at start
     /// and periodically ([`MpsSupervisor::spawn_watchdog`]).
     pub fn supervise(&self) -> SupervisionReport {
@@ -349,12 +464,7 @@ impl MpsSupervisor {
             };
             let mut dev = lock(&device);
             if dev.record.claims.is_empty() {
-                let was_running = !matches!(self.status(&dev), Status::Dead);
-                match self.stop(&mut dev) {
-                    Ok(()) if was_running => report.stopped.push(uuid),
-                    Ok(()) => {}
-                    Err(e) => report.failed.push((uuid, e)),
-                }
+                self.stop_into(&mut dev, uuid, &mut report);
                 continue;
             }
             match self.ensure_running(&mut dev) {
@@ -448,12 +558,13 @@ impl MpsSupervisor {
             log_dir: root.join("log"),
             root,
             record,
+            handle: None,
         }));
         devices.insert(uuid.to_owned(), Arc::clone(&device));
         Ok(device)
     }
 
-    /// Devices with a directory under the state dir or an in-memory entry.
+    /// Devices with a record under the state dir or an in-memory entry.
     fn known_devices(&self) -> Vec<String> {
         let mut uuids: BTreeSet<String> = lock(&self.devices).keys().cloned().collect();
         if let Ok(entries) = fs::read_dir(&self.config.state_dir) {
@@ -476,88 +587,72 @@ impl MpsSupervisor {
         cdi::write_atomically(&path, &bytes).map_err(Self::io_err(dev, "writing the record", &path))
     }
 
-    fn status(&self, dev: &Device) -> Status {
-        let pid = fs::read_to_string(dev.pipe_dir.join(PID_FILE))
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok());
-        if let Some(pid) = pid
-            && let Some(id) = ProcessId::of(pid)
-        {
-            if dev.pipe_dir.join(CONTROL).symlink_metadata().is_err() {
-                return Status::Starting(pid);
+    /// Whether the recorded daemon runs; takes hold of it if this supervisor
+    /// has no handle yet, and forgets it once it has exited. Only the record
+    /// and the kernel are consulted, never the pipe directory.
+    fn liveness(&self, dev: &mut Device) -> Result<Liveness, MpsError> {
+        if let Some(handle) = dev.handle.as_mut() {
+            if handle.exit().is_none() {
+                return Ok(Liveness::Running);
             }
-            // The recorded daemon, or one that answers on the control
-            // endpoint (started before a crash, before it was recorded).
-            // A recycled PID behind stale files is neither.
-            if dev.record.daemon.as_ref() == Some(&id) || self.answers(dev) {
-                return Status::Running(id);
-            }
+            dev.handle = None;
+            dev.record.daemon = None;
+            self.persist(dev)?;
+            return Ok(Liveness::Dead);
         }
-        match &dev.record.daemon {
-            Some(id) if id.is_running() => Status::Stray(id.clone()),
-            _ => Status::Dead,
+        if let Some(launch) = dev.record.launch.take() {
+            // An earlier run was killed between spawning a daemon and
+            // recording it: the daemon carries the secret launch id.
+            dev.record.daemon = dev
+                .record
+                .daemon
+                .take()
+                .or_else(|| process::find_by_env(&format!("{LAUNCH_ID_ENV}={launch}")));
+            self.persist(dev)?;
         }
-    }
-
-    /// Whether a daemon answers on the device's control endpoint
-    /// (`get_server_list` through the client).
-    fn answers(&self, dev: &Device) -> bool {
-        let Ok(mut client) = self
-            .command(dev)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-        else {
-            return false;
+        let Some(id) = dev.record.daemon.clone() else {
+            return Ok(Liveness::Dead);
         };
-        if let Some(mut stdin) = client.stdin.take() {
-            let _ = stdin.write_all(b"get_server_list\n");
-        }
-        match wait_child(&mut client, Instant::now() + self.config.quit_timeout) {
-            Some(status) => status.success(),
+        let pidfd = Pidfd::open(&id).map_err(Self::io_err(
+            dev,
+            "taking hold of the recorded daemon (pidfd_open, Linux 5.3 or later)",
+            Path::new(&format!("/proc/{}", id.pid)),
+        ))?;
+        match pidfd {
+            Some(pidfd) => {
+                dev.handle = Some(Handle::Adopted(pidfd));
+                Ok(Liveness::Adopted)
+            }
             None => {
-                let _ = client.kill();
-                let _ = client.wait();
-                false
+                dev.record.daemon = None;
+                self.persist(dev)?;
+                Ok(Liveness::Dead)
             }
         }
     }
 
     fn ensure_running(&self, dev: &mut Device) -> Result<Outcome, MpsError> {
-        match self.status(dev) {
-            Status::Running(id) => {
-                if dev.record.daemon.as_ref() == Some(&id) {
-                    Ok(Outcome::AlreadyRunning)
-                } else {
-                    dev.record.daemon = Some(id);
-                    self.persist(dev)?;
-                    Ok(Outcome::Adopted)
-                }
-            }
-            Status::Starting(_) => {
-                // Launched before a crash, or by someone else: give it the
-                // same grace a new daemon gets.
-                let id = self.wait_ready(dev, Instant::now() + self.config.ready_timeout)?;
-                let adopted = dev.record.daemon.as_ref() != Some(&id);
-                dev.record.daemon = Some(id);
-                self.persist(dev)?;
-                Ok(if adopted {
-                    Outcome::Adopted
-                } else {
-                    Outcome::AlreadyRunning
-                })
-            }
-            Status::Stray(id) => {
-                self.kill_and_wait(dev, &id)?;
+        let outcome = match self.liveness(dev)? {
+            Liveness::Running => Outcome::AlreadyRunning,
+            Liveness::Adopted => Outcome::Adopted,
+            Liveness::Dead => {
                 self.start(dev)?;
-                Ok(Outcome::Started)
+                return Ok(Outcome::Started);
             }
-            Status::Dead => {
-                self.start(dev)?;
-                Ok(Outcome::Started)
-            }
+        };
+        if endpoint_ready(&dev.pipe_dir) {
+            return Ok(outcome);
         }
+        // Alive without an endpoint: adopted half-started, or the endpoint
+        // was removed under it. Give it a new daemon's grace, then replace it.
+        let deadline = Instant::now() + self.config.ready_timeout;
+        match self.wait_ready(dev, deadline) {
+            Readiness::Ready => return Ok(outcome),
+            Readiness::Exited(_) => {}
+            Readiness::TimedOut => self.kill(dev)?,
+        }
+        self.start(dev)?;
+        Ok(Outcome::Started)
     }
 
     fn io_err(
@@ -584,12 +679,15 @@ impl MpsSupervisor {
         cmd
     }
 
+    /// Spawn `nvidia-cuda-mps-control -f` as our child and wait for its
+    /// control endpoint. Called only when no recorded daemon runs.
     fn start(&self, dev: &mut Device) -> Result<(), MpsError> {
-        for dir in [&dev.pipe_dir, &dev.log_dir] {
+        for dir in [&dev.root, &dev.pipe_dir, &dev.log_dir] {
             fs::create_dir_all(dir).map_err(Self::io_err(dev, "creating", dir))?;
         }
-        // Leftovers of a daemon that died (status said so): the new one
-        // must not be mistaken for ready before it is.
+        // Leftovers of a daemon that died, or names a container planted: the
+        // new daemon must not be mistaken for ready before it is, nor refuse
+        // to start because of a pid file. Unlinking never follows a symlink.
         for name in [CONTROL, PID_FILE] {
             let path = dev.pipe_dir.join(name);
             ignore_missing(fs::remove_file(&path)).map_err(Self::io_err(
@@ -598,126 +696,129 @@ impl MpsSupervisor {
                 &path,
             ))?;
         }
+        let launch = process::random_id().map_err(Self::io_err(
+            dev,
+            "drawing a launch id for",
+            &dev.pipe_dir,
+        ))?;
         dev.record.daemon = None;
+        dev.record.launch = Some(launch.clone());
         self.persist(dev)?;
 
-        let launcher_log = dev.log_dir.join(LAUNCHER_LOG);
-        let out =
-            File::create(&launcher_log).map_err(Self::io_err(dev, "creating", &launcher_log))?;
+        let log = dev.log_dir.join(LAUNCHER_LOG);
+        let out = open_launcher_log(&log).map_err(Self::io_err(dev, "creating", &log))?;
         let err = out
             .try_clone()
-            .map_err(Self::io_err(dev, "opening", &launcher_log))?;
+            .map_err(Self::io_err(dev, "opening", &log))?;
         let deadline = Instant::now() + self.config.ready_timeout;
-        let mut launcher = self
+        let spawned = self
             .command(dev)
-            .arg("-d")
+            .arg("-f")
+            .env(LAUNCH_ID_ENV, &launch)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
-            .spawn()
-            .map_err(|source| MpsError::Launch {
-                device: dev.uuid.clone(),
-                binary: self.config.control_binary.clone(),
-                source,
-            })?;
-        let launched = wait_child(&mut launcher, deadline);
-        let failure = match launched {
-            Some(status) if status.success() => None,
-            Some(status) => Some(format!("exited with {status}")),
-            None => {
-                // The PID we started: only it is killed.
-                let _ = launcher.kill();
-                let _ = launcher.wait();
-                Some(format!(
-                    "did not return within {:?}",
-                    self.config.ready_timeout
-                ))
+            // Its own process group: signals meant for the driver's group (a
+            // terminal's Ctrl-C) do not reach it; it outlives a driver restart
+            // and is adopted by the next run.
+            .process_group(0)
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(source) => {
+                dev.record.launch = None;
+                // The launch error is the one to report.
+                let _ = self.persist(dev);
+                return Err(MpsError::Launch {
+                    device: dev.uuid.clone(),
+                    binary: self.config.control_binary.clone(),
+                    source,
+                });
             }
         };
-        if let Some(outcome) = failure {
-            return Err(MpsError::LaunchFailed {
+        // Our child: its PID cannot be reused before we reap it. `None` if it
+        // already exited (waiting below says how).
+        dev.record.daemon = ProcessId::of(child.id() as i32);
+        dev.record.launch = None;
+        dev.handle = Some(Handle::Spawned(child));
+        if let Err(e) = self.persist(dev) {
+            // Unrecorded, it could not be found again: do not leave it.
+            let _ = self.kill(dev);
+            return Err(e);
+        }
+        match self.wait_ready(dev, deadline) {
+            Readiness::Ready => Ok(()),
+            Readiness::Exited(outcome) => Err(MpsError::LaunchFailed {
                 device: dev.uuid.clone(),
                 binary: self.config.control_binary.clone(),
                 outcome,
-                output: tail(&launcher_log),
-            });
+                pipe_dir: dev.pipe_dir.clone(),
+                log,
+            }),
+            Readiness::TimedOut => {
+                let pid = dev.handle.as_ref().map_or(0, Handle::pid);
+                self.kill(dev)?;
+                Err(MpsError::NotReady {
+                    device: dev.uuid.clone(),
+                    pid,
+                    waited: self.config.ready_timeout,
+                    pipe_dir: dev.pipe_dir.clone(),
+                    log_dir: dev.log_dir.clone(),
+                })
+            }
         }
-        let id = self.wait_ready(dev, deadline)?;
-        dev.record.daemon = Some(id);
-        self.persist(dev)
     }
 
-    /// Poll until the pipe directory names a live daemon with its control
-    /// endpoint. A daemon that misses the deadline is recorded (we started
-    /// it or are adopting it) and killed, so a retry starts clean.
-    fn wait_ready(&self, dev: &mut Device, deadline: Instant) -> Result<ProcessId, MpsError> {
-        let started = Instant::now();
+    /// Poll until the held daemon's control endpoint exists, the daemon
+    /// exits (then it is forgotten) or `deadline` passes.
+    fn wait_ready(&self, dev: &mut Device, deadline: Instant) -> Readiness {
         loop {
-            match self.status(dev) {
-                Status::Running(id) => return Ok(id),
-                Status::Starting(pid) if Instant::now() >= deadline => {
-                    if let Some(id) = ProcessId::of(pid) {
-                        let _ = self.kill_and_wait(dev, &id);
-                    }
-                    break;
-                }
-                Status::Starting(_) => {}
-                // Launched, then died (or never wrote its PID).
-                _ if Instant::now() >= deadline => break,
-                _ => {}
+            let Some(handle) = dev.handle.as_mut() else {
+                return Readiness::Exited("is not running".into());
+            };
+            if let Some(outcome) = handle.exit() {
+                dev.handle = None;
+                dev.record.daemon = None;
+                // Best effort: the record is checked against the kernel
+                // before it is acted on anyway.
+                let _ = self.persist(dev);
+                return Readiness::Exited(outcome);
+            }
+            if endpoint_ready(&dev.pipe_dir) {
+                return Readiness::Ready;
+            }
+            if Instant::now() >= deadline {
+                return Readiness::TimedOut;
             }
             std::thread::sleep(POLL);
         }
-        Err(MpsError::NotReady {
-            device: dev.uuid.clone(),
-            waited: started.elapsed(),
-            pipe_dir: dev.pipe_dir.clone(),
-            log_dir: dev.log_dir.clone(),
-            log: [LAUNCHER_LOG, "control.log"]
-                .iter()
-                .map(|f| format!("{f}: {}", tail(&dev.log_dir.join(f))))
-                .collect::<Vec<_>>()
-                .join("; "),
-        })
     }
 
+    /// Stop the recorded daemon (if it runs), remove the pipe directory and,
+    /// without claims, the record.
     fn stop(&self, dev: &mut Device) -> Result<(), MpsError> {
-        let target = match self.status(dev) {
-            Status::Dead => None,
-            Status::Running(id) => {
-                self.quit(dev);
-                Some(id.pid)
+        if !matches!(self.liveness(dev)?, Liveness::Dead) {
+            let asked = endpoint_ready(&dev.pipe_dir) && self.quit(dev);
+            let quit = asked
+                && dev
+                    .handle
+                    .as_mut()
+                    .is_none_or(|h| h.wait(self.config.quit_timeout));
+            if quit {
+                dev.handle = None;
+            } else {
+                self.kill(dev)?;
             }
-            Status::Starting(pid) => Some(pid),
-            Status::Stray(id) => Some(id.pid),
-        };
-        if let Some(pid) = target {
-            let deadline = Instant::now() + self.config.quit_timeout;
-            while process::alive(pid) && Instant::now() < deadline {
-                std::thread::sleep(POLL);
-            }
-            if process::alive(pid) {
-                match dev.record.daemon.clone() {
-                    Some(id) if id.pid == pid && id.is_running() => self.kill_and_wait(dev, &id)?,
-                    _ => {
-                        return Err(MpsError::WontQuit {
-                            device: dev.uuid.clone(),
-                            pid,
-                            waited: self.config.quit_timeout,
-                            pipe_dir: dev.pipe_dir.clone(),
-                        });
-                    }
-                }
-            }
-            process::reap(pid);
+            dev.record.daemon = None;
         }
-        // The pipe directory goes with the daemon; logs stay for debugging.
+        // The pipe directory goes with the daemon (containers may have left
+        // anything there; removal does not follow symlinks); the host-only
+        // logs stay for debugging.
         ignore_missing(fs::remove_dir_all(&dev.pipe_dir)).map_err(Self::io_err(
             dev,
             "removing",
             &dev.pipe_dir,
         ))?;
-        dev.record.daemon = None;
         if dev.record.claims.is_empty() {
             let path = dev.root.join(RECORD);
             ignore_missing(fs::remove_file(&path)).map_err(Self::io_err(dev, "removing", &path))
@@ -726,10 +827,21 @@ impl MpsSupervisor {
         }
     }
 
+    /// [`MpsSupervisor::stop`] for a supervision pass, reporting into
+    /// `report`.
+    fn stop_into(&self, dev: &mut Device, uuid: String, report: &mut SupervisionReport) {
+        let was_running = !matches!(self.liveness(dev), Ok(Liveness::Dead));
+        match self.stop(dev) {
+            Ok(()) if was_running => report.stopped.push(uuid),
+            Ok(()) => {}
+            Err(e) => report.failed.push((uuid, e)),
+        }
+    }
+
     /// `echo quit | nvidia-cuda-mps-control` with the device's pipe
-    /// directory. Best effort: whether the daemon stopped is checked by the
-    /// caller.
-    fn quit(&self, dev: &Device) {
+    /// directory; whether the client ran. Its output is not read. Whether
+    /// the daemon stopped is checked by the caller, on its handle.
+    fn quit(&self, dev: &Device) -> bool {
         let Ok(mut client) = self
             .command(dev)
             .stdin(Stdio::piped())
@@ -737,33 +849,47 @@ impl MpsSupervisor {
             .stderr(Stdio::null())
             .spawn()
         else {
-            return;
+            return false;
         };
         if let Some(mut stdin) = client.stdin.take() {
             let _ = stdin.write_all(b"quit\n");
         }
-        if wait_child(&mut client, Instant::now() + self.config.quit_timeout).is_none() {
-            let _ = client.kill();
-            let _ = client.wait();
+        let deadline = Instant::now() + self.config.quit_timeout;
+        loop {
+            match client.try_wait() {
+                Ok(Some(_)) => return true,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
+                _ => {
+                    let _ = client.kill();
+                    let _ = client.wait();
+                    return false;
+                }
+            }
         }
     }
 
-    fn kill_and_wait(&self, dev: &Device, id: &ProcessId) -> Result<(), MpsError> {
-        process::kill(id).map_err(|e| Self::io_err(dev, "killing the daemon", &dev.pipe_dir)(e))?;
-        let waited = Duration::from_secs(5);
-        let deadline = Instant::now() + waited;
-        while id.is_running() {
-            if Instant::now() >= deadline {
-                return Err(MpsError::Unkillable {
-                    device: dev.uuid.clone(),
-                    pid: id.pid,
-                    waited,
-                });
-            }
-            std::thread::sleep(POLL);
+    /// SIGKILL the held daemon through its handle and wait until it is gone.
+    fn kill(&self, dev: &mut Device) -> Result<(), MpsError> {
+        let Some(handle) = dev.handle.as_mut() else {
+            return Ok(());
+        };
+        let pid = handle.pid();
+        handle.kill().map_err(|source| MpsError::Io {
+            device: dev.uuid.clone(),
+            what: "killing the daemon",
+            path: PathBuf::from(format!("/proc/{pid}")),
+            source,
+        })?;
+        if !handle.wait(KILL_WAIT) {
+            return Err(MpsError::Unkillable {
+                device: dev.uuid.clone(),
+                pid,
+                waited: KILL_WAIT,
+            });
         }
-        process::reap(id.pid);
-        Ok(())
+        dev.handle = None;
+        dev.record.daemon = None;
+        self.persist(dev)
     }
 }
 
@@ -799,38 +925,32 @@ impl Drop for Watchdog {
     }
 }
 
+/// Whether the control endpoint is there: a socket (or fifo) itself, not a
+/// symlink or anything else a container may have put in its place.
+fn endpoint_ready(pipe_dir: &Path) -> bool {
+    pipe_dir.join(CONTROL).symlink_metadata().is_ok_and(|m| {
+        let t = m.file_type();
+        t.is_socket() || t.is_fifo()
+    })
+}
+
+/// A fresh launcher log in the host-only log directory; the previous one is
+/// kept as `<name>.1`. Neither step follows a symlink.
+fn open_launcher_log(path: &Path) -> std::io::Result<File> {
+    let mut previous = path.as_os_str().to_owned();
+    previous.push(".1");
+    ignore_missing(fs::rename(path, &previous))?;
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
 fn ignore_missing(result: std::io::Result<()>) -> std::io::Result<()> {
     match result {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         other => other,
-    }
-}
-
-fn wait_child(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Some(status),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-            _ => return None,
-        }
-    }
-}
-
-/// The last few hundred bytes of a log file, for error messages.
-fn tail(path: &Path) -> String {
-    const MAX: u64 = 600;
-    let Ok(mut f) = File::open(path) else {
-        return "(none)".into();
-    };
-    let len = f.metadata().map_or(0, |m| m.len());
-    let _ = f.seek(SeekFrom::Start(len.saturating_sub(MAX)));
-    let mut bytes = Vec::new();
-    let _ = f.read_to_end(&mut bytes);
-    let text = String::from_utf8_lossy(&bytes);
-    let text = text.trim();
-    if text.is_empty() {
-        "(empty)".into()
-    } else {
-        text.replace('\n', " | ")
     }
 }
