@@ -51,8 +51,8 @@
 //! - All claims on a device share its pipe directory and daemon: a container
 //!   can disturb the other claims on that device (remove the endpoint, make
 //!   the daemon quit). The watchdog restarts a daemon that died; isolation
-//!   between clients of one daemon holds only by agreement
-//!   (docs/isolation.md).
+//!   between clients of one daemon holds only by agreement (their limits
+//!   are environment variables a process can drop).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
