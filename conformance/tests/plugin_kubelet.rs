@@ -1,5 +1,6 @@
-//! The whole node path with real components: `tessera publish` publishes
-//! the simulated GPUs of the kubelet's node, the real scheduler allocates a
+//! The whole node path with real components: `tessera plugin`, the node
+//! process, publishes the simulated GPUs of the kubelet's node, the real
+//! scheduler allocates a
 //! whole GPU to a Pod's claim (from a ResourceClaimTemplate), the real
 //! kubelet finds `tessera plugin` through its plugin registry, calls
 //! NodePrepareResources, runs the Pod (fake CRI), and calls
@@ -37,31 +38,8 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
     let dirs = PluginDirs::new()?;
     let client = cluster.client();
 
-    // Slices, published by the real publisher.
-    let b = binaries();
-    let out = std::process::Command::new(&b.tessera)
-        .arg("--nvml-library")
-        .arg(&b.fake_nvml)
-        .args([
-            "publish",
-            "--once",
-            "--node-name",
-            &node,
-            "--driver-name",
-            &driver,
-        ])
-        .arg("--kubeconfig")
-        .arg(cluster.kubeconfig())
-        .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
-        .env("TESSERA_FAKE_NVML_STATE", dirs.nvml_state())
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "tessera publish --once: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    // The plugin, in the kubelet's own directories.
+    // The node process, in the kubelet's own directories: it registers with
+    // the kubelet and publishes the node's slices.
     let mut plugin = PluginProcess::start(
         &dirs,
         &PluginOptions {
@@ -69,6 +47,8 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
             driver: driver.clone(),
             kubeconfig: cluster.kubeconfig().to_path_buf(),
             kubelet: Some(kubelet.clone()),
+            topology: topology_path(),
+            args: Vec::new(),
         },
     )?;
     let log = plugin.log.clone();

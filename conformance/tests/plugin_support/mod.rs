@@ -172,38 +172,26 @@ impl PluginDirs {
     pub fn boot_id(&self) -> PathBuf {
         self.path("boot_id")
     }
+    /// MPS pipe directories (short: Unix socket paths are limited).
+    pub fn mps(&self) -> PathBuf {
+        self.path("mps")
+    }
     /// The simulated GPUs' machine-wide state (MIG instances, modes): every
     /// process of this node uses it.
     pub fn nvml_state(&self) -> PathBuf {
         self.path("nvml.state")
     }
 
-    /// Device nodes (plain files: nothing opens them here) and the MIG
-    /// capability files the NVIDIA driver publishes, with the minors
-    /// `100*gpu_minor + 2*gi (+1 for the ci)`.
+    /// Device nodes (plain files: nothing opens them here). The MIG
+    /// capability files are the simulated driver's: the fake library keeps
+    /// them in step with the instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`).
     fn fake_driver_root(&self) -> Result<()> {
         let root = self.driver_root();
         std::fs::create_dir_all(root.join("dev/nvidia-caps"))?;
         std::fs::write(root.join("dev/nvidiactl"), "")?;
         std::fs::write(root.join("dev/nvidia-uvm"), "")?;
-        for gpu in &inventory().gpus {
-            std::fs::write(root.join(format!("dev/nvidia{}", gpu.minor)), "")?;
-            for i in gpu.mig.instances() {
-                let (gi, ci) = mig_cap_minors(gpu.minor, i.gpu_instance_id);
-                let dir = root.join(format!(
-                    "proc/driver/nvidia/capabilities/gpu{}/mig/gi{}",
-                    gpu.minor, i.gpu_instance_id
-                ));
-                std::fs::create_dir_all(dir.join(format!("ci{}", i.compute_instance_id)))?;
-                std::fs::write(
-                    dir.join("access"),
-                    format!("DeviceFileMinor: {gi}\nDeviceFileMode: 292\n"),
-                )?;
-                std::fs::write(
-                    dir.join(format!("ci{}/access", i.compute_instance_id)),
-                    format!("DeviceFileMinor: {ci}\nDeviceFileMode: 292\n"),
-                )?;
-            }
+        for minor in 0..8 {
+            std::fs::write(root.join(format!("dev/nvidia{minor}")), "")?;
         }
         Ok(())
     }
@@ -236,8 +224,12 @@ impl PluginDirs {
     }
 }
 
+/// Capability minors of GPU instance `gi` (compute instance 0) on GPU
+/// `gpu_minor`, as the NVIDIA driver's MIG minor table numbers them (and
+/// the simulated driver writes them).
 pub fn mig_cap_minors(gpu_minor: u32, gi: u32) -> (u32, u32) {
-    (100 * gpu_minor + 2 * gi, 100 * gpu_minor + 2 * gi + 1)
+    let gi_minor = 3 + 135 * gpu_minor + 9 * gi;
+    (gi_minor, gi_minor + 1)
 }
 
 /// A running `tessera plugin`.
@@ -253,6 +245,10 @@ pub struct PluginOptions {
     /// Register with the cluster's real kubelet (its registry and plugin
     /// directories) instead of the instance's own directories.
     pub kubelet: Option<tessera_conformance::KubeletDirs>,
+    /// The simulated machine's topology file.
+    pub topology: PathBuf,
+    /// Extra `tessera plugin` arguments.
+    pub args: Vec<String>,
 }
 
 impl PluginProcess {
@@ -286,10 +282,14 @@ impl PluginProcess {
             .arg(dirs.driver_root())
             .arg("--boot-id-file")
             .arg(dirs.boot_id())
-            .args(["--api-timeout-seconds", "10"])
-            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
+            .args(["--api-timeout-seconds", "10", "--rediscover-seconds", "1"])
+            .arg("--mps-dir")
+            .arg(dirs.mps())
+            .args(&opts.args)
+            .env("TESSERA_FAKE_NVML_TOPOLOGY", &opts.topology)
             // The node's GPU state, kept across restarts of the plugin.
             .env("TESSERA_FAKE_NVML_STATE", dirs.nvml_state())
+            .env("TESSERA_FAKE_NVML_DRIVER_ROOT", dirs.driver_root())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -522,6 +522,8 @@ impl World {
             driver: self.driver.clone(),
             kubeconfig: self.cluster.kubeconfig().to_path_buf(),
             kubelet: None,
+            topology: topology_path(),
+            args: Vec::new(),
         }
     }
 
