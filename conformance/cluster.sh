@@ -5,6 +5,13 @@
 # 127.0.0.1. See docs/development.md.
 #
 # usage: conformance/cluster.sh build|start|stop|status|env|add-nodes N|logs [component] [-f]
+#        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS]
+#        conformance/cluster.sh node-stop
+#   node-start runs Tessera's node process (tessera plugin: kubelet plugin and
+#   slice publisher) on the kubelet's node over simulated GPUs (a topology of
+#   driver/fake-nvml/topologies/), from binaries cargo built; the node's state
+#   (<state dir>/node) outlives node-stop, and a restart without arguments
+#   reuses its topology, policy and driver name. `stop` stops it too.
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -480,8 +487,9 @@ cmd_stop() {
 	for f in "$DIR"/pids/fake-nodes-*.pid; do
 		[[ -e "$f" ]] && clients+=("$(basename "$f" .pid)")
 	done
-	# API clients first (together), then the API server, then its backends.
-	stop_group "${clients[@]}" kubelet kube-scheduler kube-controller-manager
+	# API clients first (together, Tessera's node process among them), then
+	# the API server, then its backends.
+	stop_group "$NODE_PID" "${clients[@]}" kubelet kube-scheduler kube-controller-manager
 	stop_group kube-apiserver
 	stop_group fake-cri etcd
 	unmount_state_dir
@@ -516,6 +524,17 @@ cmd_status() {
 			rc=1
 		fi
 	done
+	if load_node; then
+		c=$NODE_PID
+		if pid_alive "$c"; then
+			printf '%-26s running (pid %s, driver %s)\n' "$c" "$(recorded_pid "$c")" "$NODE_DRIVER"
+		elif [[ -f "$(pidfile "$c")" ]]; then
+			printf '%-26s NOT RUNNING (exited; see %s)\n' "$c" "$(node_log)"
+			rc=1
+		else
+			printf '%-26s stopped (node-start restarts it)\n' "$c"
+		fi
+	fi
 	if ((rc == 0)) && ! readyz_ok >/dev/null 2>&1; then
 		echo "kube-apiserver /readyz is not ok"
 		rc=1
@@ -540,6 +559,21 @@ export TESSERA_KUBELET_REGISTRY_DIR='$DIR/kubelet/plugins_registry'
 export TESSERA_KUBELET_PLUGINS_DIR='$DIR/kubelet/plugins'
 export TESSERA_FEATURE_GATES='$FEATURE_GATES'
 export PATH='$DIR/bin':"\$PATH"
+EOF
+	# After node-start: this shell sees the simulated node's machine
+	# (`tessera inventory`, `tessera slices`) as the node process does.
+	load_node || return 0
+	cat <<EOF
+export TESSERA_NODE_DRIVER_NAME='$NODE_DRIVER'
+export TESSERA_NODE_CDI_DIR='$NODE_DIR/cdi'
+export TESSERA_NODE_STATE_DIR='$NODE_DIR/state'
+export TESSERA_NODE_DRIVER_ROOT='$(node_driver_root)'
+export TESSERA_NODE_MPS_DIR='$(node_mps_dir)'
+export TESSERA_NODE_LOG='$(node_log)'
+export TESSERA_FAKE_NVML_TOPOLOGY='$NODE_DIR/topology.yaml'
+export TESSERA_FAKE_NVML_STATE='$NODE_DIR/nvml.state'
+export TESSERA_FAKE_NVML_DRIVER_ROOT='$(node_driver_root)'
+export LD_LIBRARY_PATH='$(node_nvml_dir)'"\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 EOF
 }
 
@@ -568,6 +602,219 @@ cmd_add_nodes() {
 	wait_for "$START_TIMEOUT" "$((start + count)) fake nodes Ready" fake_nodes_ready "fake-nodes-$start" $((start + count))
 }
 
+# ----------------------------------------------------------------- node ----
+#
+# A simulated GPU node on the cluster's kubelet node: Tessera's one node
+# process (`tessera plugin`: kubelet plugin and ResourceSlice publisher) over
+# the fake libnvidia-ml.so.1. Everything lives in $NODE_DIR and survives
+# node-stop, so a restart sees the same simulated GPUs (MIG instances and
+# modes) and the same checkpoint, as a restarted DaemonSet pod would.
+
+NODE_DIR="$DIR/node"
+NODE_PID=tessera-node # pids/tessera-node.pid, recorded like a component
+
+node_driver_root() { echo "$NODE_DIR/driver"; }
+# The fake NVML under the name the loader looks for, in the driver root's
+# library directory: processes find it there (LD_LIBRARY_PATH) and prepare
+# mounts it into containers as it would mount the real library.
+node_nvml_dir() { echo "$NODE_DIR/driver/usr/lib64"; }
+node_log() { echo "$NODE_DIR/tessera.log"; }
+# MPS pipes are Unix sockets (paths up to ~100 bytes): a short directory of
+# its own per cluster dir.
+node_mps_dir() { echo "${TMPDIR:-/tmp}/tessera-mps-$(printf '%s' "$DIR" | sha256sum | cut -c1-8)"; }
+
+# What node.env records (the node's settings, reused by a restart).
+NODE_DRIVER=""
+NODE_TOPOLOGY_SOURCE=""
+load_node() {
+	[[ -f "$NODE_DIR/node.env" ]] || return 1
+	# shellcheck disable=SC1091
+	source "$NODE_DIR/node.env"
+}
+
+# The environment every process of the simulated machine shares (NAME=value
+# lines): its topology, its machine-wide NVML state, the driver root the
+# library keeps the MIG capability files in, and the library itself.
+node_nvml_env() {
+	echo "TESSERA_FAKE_NVML_TOPOLOGY=$NODE_DIR/topology.yaml"
+	echo "TESSERA_FAKE_NVML_STATE=$NODE_DIR/nvml.state"
+	echo "TESSERA_FAKE_NVML_DRIVER_ROOT=$(node_driver_root)"
+	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_ from cargo's target dir; this
+# script builds none of them.
+node_binaries() {
+	local target="${CARGO_TARGET_DIR:-$REPO_ROOT/target}" f
+	case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
+	TESSERA_BIN_="$target/debug/tessera"
+	FAKE_NVML_LIB_="$target/debug/libtessera_fake_nvml.so"
+	FAKE_MPS_="$target/debug/fake-mps-control"
+	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_MPS_"; do
+		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml (with the same CARGO_TARGET_DIR)"
+	done
+}
+
+# The driver root a real node has: device nodes for every GPU NVML reports
+# (plain files: nothing opens them here), /dev/nvidiactl and nvidia-uvm, the
+# MPS control binary and the NVML library. The MIG capability files below
+# proc/ are written by the simulated driver itself. Sets NODE_GPUS_.
+make_driver_root() {
+	local root out minors m
+	local -a nvml_env
+	root=$(node_driver_root)
+	mkdir -p "$root/dev/nvidia-caps" "$root/usr/bin" "$(node_nvml_dir)"
+	ln -sfn "$FAKE_NVML_LIB_" "$(node_nvml_dir)/libnvidia-ml.so.1"
+	ln -sfn "$FAKE_MPS_" "$root/usr/bin/nvidia-cuda-mps-control"
+	: >>"$root/dev/nvidiactl"
+	: >>"$root/dev/nvidia-uvm"
+	# Ask the simulated machine which minors its GPUs have (this first call
+	# also seeds its state file and capability files).
+	mapfile -t nvml_env < <(node_nvml_env)
+	out=$(env "${nvml_env[@]}" "$TESSERA_BIN_" --nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" \
+		inventory --output json 2>&1) || die "tessera inventory on the simulated node failed: $out"
+	minors=$(sed -n 's/^      "minor": \([0-9][0-9]*\),\{0,1\}$/\1/p' <<<"$out")
+	[[ -n "$minors" ]] || die "tessera inventory reports no GPUs for $NODE_DIR/topology.yaml"
+	for m in $minors; do : >>"$root/dev/nvidia$m"; done
+	NODE_GPUS_=$(wc -w <<<"$minors")
+}
+
+# Log lines written since byte offset $1 (the log is appended across restarts).
+node_log_since() { tail -c +"$(($1 + 1))" "$(node_log)"; }
+
+node_alive_or_fatal() { # log-offset
+	pid_alive "$NODE_PID" && return 0
+	{
+		log "tessera plugin exited; its log since this start ($(node_log)):"
+		node_log_since "$1" | tail -n 40 || true
+	} >&4 2>&4
+	return 3
+}
+
+node_registered() { # log-offset
+	node_alive_or_fatal "$1" || return 3
+	node_log_since "$1" | grep -q 'registered with the kubelet'
+}
+
+# This process has published the pool (or found it up to date), and the API
+# server holds all of the pool's slices: as many of the newest generation as
+# they say the pool has.
+node_published() { # log-offset
+	node_alive_or_fatal "$1" || return 3
+	node_log_since "$1" | grep -Eq 'published [0-9]+ slices|slices up to date' || return 1
+	local listing
+	listing=$(kubectl_ get resourceslices --field-selector "spec.nodeName=$NODE_NAME,spec.driver=$NODE_DRIVER" \
+		-o 'jsonpath={range .items[*]}{.spec.pool.generation} {.spec.pool.resourceSliceCount}{"\n"}{end}') || return 1
+	awk 'NF == 2 { n[$1]++; want[$1] = $2; if (!seen || $1 + 0 > max + 0) { max = $1; seen = 1 } }
+		END { exit !(seen && n[max] == want[max]) }' <<<"$listing"
+}
+
+cmd_node_start() {
+	local topology="" policy="" driver="" a
+	local -a extra=()
+	while (($#)); do
+		a=$1
+		shift
+		case "$a" in
+		--topology | --policy | --driver-name)
+			(($#)) || die "$a needs a value"
+			case "$a" in
+			--topology) topology=$1 ;;
+			--policy) policy=$1 ;;
+			*) driver=$1 ;;
+			esac
+			shift
+			;;
+		--)
+			extra=("$@")
+			break
+			;;
+		*) die "node-start: unknown argument '$a' (usage: $0 node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS...])" ;;
+		esac
+	done
+	load_state || die "no cluster state in $DIR (run: $0 start)"
+	[[ "$KUBELET_ENABLED" == 1 ]] || die "the cluster in $DIR runs without a kubelet (TESSERA_KUBELET=0): no node to run Tessera on"
+	readyz_ok >/dev/null 2>&1 || die "the cluster in $DIR is not running (run: $0 start)"
+	pid_alive kubelet || die "the kubelet of the cluster in $DIR is not running"
+	[[ -z "$topology" || -f "$topology" ]] || die "no topology file $topology"
+	[[ -z "$policy" || -f "$policy" ]] || die "no policy file $policy"
+
+	# One node dir is one machine: its NVML state belongs to its topology,
+	# its checkpoint and its slices to its driver name.
+	if load_node; then
+		if [[ -n "$topology" ]] && ! cmp -s "$topology" "$NODE_DIR/topology.yaml"; then
+			die "the node in $NODE_DIR simulates another machine ($NODE_TOPOLOGY_SOURCE); for a new one: $0 node-stop && rm -rf $NODE_DIR"
+		fi
+		if [[ -n "$driver" && "$driver" != "$NODE_DRIVER" ]]; then
+			die "the node in $NODE_DIR runs driver $NODE_DRIVER; for $driver: $0 node-stop && rm -rf $NODE_DIR"
+		fi
+	else
+		[[ -n "$topology" ]] || die "the first node-start needs --topology FILE (see driver/fake-nvml/topologies/)"
+		NODE_DRIVER=${driver:-gpu.tessera.dev}
+		NODE_TOPOLOGY_SOURCE="$(cd "$(dirname "$topology")" && pwd)/$(basename "$topology")"
+	fi
+	if pid_alive "$NODE_PID"; then
+		if [[ -n "$policy" ]] && ! cmp -s "$policy" "$NODE_DIR/policy.yaml"; then
+			die "the node runs with another policy; $0 node-stop first"
+		fi
+		log "tessera plugin already running on $NODE_NAME (pid $(recorded_pid "$NODE_PID"), driver $NODE_DRIVER)"
+		return 0
+	fi
+	node_binaries
+
+	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(node_mps_dir)"
+	chmod 700 "$(node_mps_dir)"
+	if [[ ! -f "$NODE_DIR/topology.yaml" ]]; then
+		cp "$topology" "$NODE_DIR/topology.yaml.tmp"
+		mv "$NODE_DIR/topology.yaml.tmp" "$NODE_DIR/topology.yaml"
+	fi
+	if [[ -n "$policy" ]]; then
+		cp "$policy" "$NODE_DIR/policy.yaml.tmp"
+		mv "$NODE_DIR/policy.yaml.tmp" "$NODE_DIR/policy.yaml"
+	fi
+	printf "NODE_DRIVER='%s'\nNODE_TOPOLOGY_SOURCE='%s'\n" "$NODE_DRIVER" "$NODE_TOPOLOGY_SOURCE" >"$NODE_DIR/node.env.tmp"
+	mv "$NODE_DIR/node.env.tmp" "$NODE_DIR/node.env"
+
+	local NODE_GPUS_
+	make_driver_root
+	local -a nvml_env plugin_args
+	mapfile -t nvml_env < <(node_nvml_env)
+	plugin_args=(--nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" plugin
+		--node-name "$NODE_NAME" --driver-name "$NODE_DRIVER" --kubeconfig "$DIR/kubeconfig"
+		--kubelet-registry-dir "$DIR/kubelet/plugins_registry" --kubelet-plugins-dir "$DIR/kubelet/plugins"
+		--cdi-dir "$NODE_DIR/cdi" --state-dir "$NODE_DIR/state" --driver-root "$(node_driver_root)"
+		--mps-dir "$(node_mps_dir)")
+	if [[ -f "$NODE_DIR/policy.yaml" ]]; then plugin_args+=(--policy "$NODE_DIR/policy.yaml"); fi
+	plugin_args+=("${extra[@]}")
+
+	local lf offset pid
+	lf=$(node_log)
+	printf '\n==== tessera plugin start %s\n' "$(date -u +%FT%TZ)" >>"$lf"
+	offset=$(stat -c %s "$lf")
+	ln -sfn "$lf" "$(logfile "$NODE_PID")" # so that `logs tessera-node` finds it
+	# Flags only: drop variables the plugin would read for flags not given here.
+	setsid env -u TESSERA_POLICY -u TESSERA_DEV_ROOT -u TESSERA_BOOT_ID_FILE -u TESSERA_NVML_LIBRARY \
+		"${nvml_env[@]}" RUST_LOG="${RUST_LOG:-info}" NO_COLOR=1 \
+		"$TESSERA_BIN_" "${plugin_args[@]}" >>"$lf" 2>&1 </dev/null 4>&- 9>&- &
+	pid=$!
+	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$NODE_PID")"
+	log "started tessera plugin on node $NODE_NAME: $NODE_GPUS_ simulated GPUs ($(basename "$NODE_TOPOLOGY_SOURCE")), driver $NODE_DRIVER (pid $pid, log $lf)"
+	local hint="tessera plugin did not come up (log: $lf; if it still runs, $0 node-stop stops it)"
+	wait_for "$START_TIMEOUT" "tessera plugin registered with the kubelet" node_registered "$offset" || die "$hint"
+	wait_for "$START_TIMEOUT" "ResourceSlices of $NODE_NAME ($NODE_DRIVER) published" node_published "$offset" || die "$hint"
+	log "node state in $NODE_DIR; use it with: eval \"\$($0 env)\""
+}
+
+cmd_node_stop() {
+	if ! pid_alive "$NODE_PID"; then
+		rm -f "$(pidfile "$NODE_PID")"
+		log "no tessera plugin running for $DIR"
+		return 0
+	fi
+	stop_group "$NODE_PID"
+	log "node state kept in $NODE_DIR (node-start restarts the same machine)"
+}
+
 # ----------------------------------------------------------------- logs ----
 
 cmd_logs() {
@@ -590,13 +837,13 @@ cmd_logs() {
 	local f
 	for f in "$DIR"/logs/*.log; do
 		[[ -e "$f" ]] || continue
-		printf '\n--- %s (%s bytes) ---\n' "$f" "$(stat -c %s "$f")"
+		printf '\n--- %s (%s bytes) ---\n' "$f" "$(stat -L -c %s "$f")"
 		tail -n "${TESSERA_LOG_LINES:-15}" "$f"
 	done
 }
 
 usage() {
-	sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
 	cat <<EOF
 
 state dir: $DIR (TESSERA_CLUSTER_DIR)
@@ -614,6 +861,8 @@ main() {
 	status) cmd_status ;;
 	env) cmd_env ;;
 	add-nodes) cmd_add_nodes "$@" ;;
+	node-start) cmd_node_start "$@" ;;
+	node-stop) cmd_node_stop ;;
 	logs) cmd_logs "$@" ;;
 	-h | --help | help) usage ;;
 	*)
