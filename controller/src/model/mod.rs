@@ -24,6 +24,7 @@
 pub mod capabilities;
 pub mod counters;
 pub mod devices;
+mod held;
 pub mod naming;
 pub mod plan;
 pub mod policy;
@@ -198,10 +199,46 @@ impl<'a> SliceModel<'a> {
             });
         }
         self.policy.validate()?;
-        let indices = naming::assign_gpu_indices(self.inventory, &self.previous_indices)?;
+        // A vanished GPU's number stays reserved while claims hold its
+        // devices, so no other card is published under their names.
+        let present: BTreeSet<&str> = self
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| g.uuid.as_str())
+            .collect();
+        let held_numbers: BTreeSet<u32> = self
+            .held
+            .iter()
+            .filter_map(|h| naming::gpu_index_of(h))
+            .collect();
+        let known_present: BTreeSet<u32> = self
+            .previous_indices
+            .iter()
+            .filter(|(uuid, _)| present.contains(uuid.as_str()))
+            .map(|(_, n)| *n)
+            .collect();
+        let reserved: GpuIndices = self
+            .previous_indices
+            .iter()
+            .filter(|(uuid, n)| {
+                !present.contains(uuid.as_str())
+                    && held_numbers.contains(n)
+                    && !known_present.contains(n)
+            })
+            .map(|(uuid, n)| (uuid.clone(), *n))
+            .collect();
+        let reserved_numbers: BTreeSet<u32> = reserved.values().copied().collect();
+        let mut indices = naming::assign_gpu_indices_reserving(
+            self.inventory,
+            &self.previous_indices,
+            &reserved_numbers,
+        )?;
         let full = self.capabilities.full_model();
 
         let mut notes = Vec::new();
+        let numbers: BTreeSet<u32> = indices.values().copied().collect();
+        held::note_vanished(&self.held, &numbers, &self.previous_indices, &mut notes);
         let mut gpus: Vec<(&Gpu, u32)> = self
             .inventory
             .gpus
@@ -250,6 +287,11 @@ impl<'a> SliceModel<'a> {
             generation: self.generation,
             owner: self.owner.as_ref(),
         };
+        // Reserved numbers are part of the numbering handed back, so they
+        // stay reserved on the next run.
+        for (uuid, n) in reserved {
+            indices.entry(uuid).or_insert(n);
+        }
         let slices = slices::assemble(&identity, &self.capabilities.limits, outputs);
         slices::check_pool(&slices, &self.capabilities.limits)?;
         Ok(Model {

@@ -77,6 +77,18 @@ pub fn assign_gpu_indices(
     inventory: &Inventory,
     previous: &GpuIndices,
 ) -> Result<GpuIndices, ModelError> {
+    assign_gpu_indices_reserving(inventory, previous, &BTreeSet::new())
+}
+
+/// As [`assign_gpu_indices`], but new GPUs never take a number in
+/// `reserved` (numbers of GPUs that are gone while claims still hold their
+/// devices: a new card under that name would hand those claims another
+/// GPU).
+pub fn assign_gpu_indices_reserving(
+    inventory: &Inventory,
+    previous: &GpuIndices,
+    reserved: &BTreeSet<u32>,
+) -> Result<GpuIndices, ModelError> {
     let mut seen = BTreeSet::new();
     for gpu in &inventory.gpus {
         if !seen.insert(gpu.uuid.as_str()) {
@@ -91,7 +103,7 @@ pub fn assign_gpu_indices(
     });
 
     let mut assigned = GpuIndices::new();
-    let mut used = BTreeSet::new();
+    let mut used = reserved.clone();
     for gpu in &ordered {
         if let Some(&n) = previous.get(&gpu.uuid)
             && used.insert(n)
@@ -130,6 +142,15 @@ pub fn normalize_pci_bus_id(raw: &str) -> Option<String> {
         return None;
     }
     Some(format!("{domain:04x}:{bus}:{device}.{function}"))
+}
+
+/// The GPU number `n` of a device name `gpu-<n>` or `gpu-<n>-...`, for
+/// held names whose GPU may be gone (nothing else describes them).
+pub fn gpu_index_of(device: &str) -> Option<u32> {
+    let rest = device.strip_prefix("gpu-")?;
+    let digits = rest.split('-').next()?;
+    let n: u32 = digits.parse().ok()?;
+    (digits == n.to_string()).then_some(n)
 }
 
 pub fn whole_device(n: u32) -> String {

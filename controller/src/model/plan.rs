@@ -37,6 +37,7 @@ use tessera_api::inventory::{Gpu, Inventory, Mig, MigInstance, MigPlacement, Mig
 
 use super::counters::GpuCounters;
 use super::devices::{self, DeviceKind, DeviceRef, GpuFacts, IsolationLevel, MigSpec};
+use super::held::{HeldOnGpu, Use, overlaps};
 use super::naming;
 use super::policy::{GpuPolicy, Mode, StaticMode};
 use super::{Capabilities, Note};
@@ -75,11 +76,20 @@ pub fn mig_switch_without_reset(architecture: &str) -> bool {
     )
 }
 
-fn overlaps(a: MigPlacement, b: MigPlacement) -> bool {
-    a.start < b.start + b.size && b.start < a.start + a.size
+/// What both planners know about one GPU before deciding.
+struct Context<'a> {
+    facts: GpuFacts,
+    /// Instances Tessera created for claims (dynamic devices that exist).
+    owned: Vec<&'a MigInstance>,
+    /// Every other existing instance.
+    foreign: Vec<&'a MigInstance>,
+    /// The devices of the foreign instances, by the names they are
+    /// published under (see [`instance_devices`]).
+    foreign_devices: Vec<(String, &'a MigInstance)>,
+    held: HeldOnGpu<'a>,
 }
 
-impl GpuInput<'_> {
+impl<'a> GpuInput<'a> {
     /// Whether the driver may switch this GPU's MIG mode at prepare.
     fn switchable(&self) -> bool {
         !matches!(self.gpu.mig, Mig::NotSupported)
@@ -95,11 +105,7 @@ impl GpuInput<'_> {
         }
     }
 
-    fn offered(&self, mode: Mode, name: &str) -> bool {
-        self.policy.allows(mode) || self.held.contains(name)
-    }
-
-    fn profile_of(&self, instance: &MigInstance) -> Option<&MigProfile> {
+    fn profile_of(&self, instance: &MigInstance) -> Option<&'a MigProfile> {
         self.gpu
             .mig
             .profiles()
@@ -110,7 +116,10 @@ impl GpuInput<'_> {
     /// Splits existing instances into (owned, foreign). An owned instance
     /// whose profile/placement the inventory does not list cannot be
     /// matched to a placement device and is treated as foreign.
-    fn split_instances(&self, notes: &mut Vec<Note>) -> (Vec<&MigInstance>, Vec<&MigInstance>) {
+    fn split_instances(
+        &self,
+        notes: &mut Vec<Note>,
+    ) -> (Vec<&'a MigInstance>, Vec<&'a MigInstance>) {
         let mut owned = Vec::new();
         let mut foreign = Vec::new();
         for instance in self.gpu.mig.instances() {
@@ -133,6 +142,241 @@ impl GpuInput<'_> {
         }
         (owned, foreign)
     }
+
+    fn context(&self, notes: &mut Vec<Note>) -> Context<'a> {
+        let facts = GpuFacts::new(self.inventory, self.gpu, notes);
+        let (owned, foreign) = self.split_instances(notes);
+        let all: Vec<&MigInstance> = self.gpu.mig.instances().iter().collect();
+        let named = instance_devices(self.index, &all, self.held);
+        let held = HeldOnGpu::classify(self.gpu, self.index, self.held, &named);
+        held.note_unmatched(self.gpu, notes);
+        let foreign_devices = named
+            .into_iter()
+            .filter(|(_, i)| foreign.iter().any(|f| f.uuid == i.uuid))
+            .collect();
+        Context {
+            facts,
+            owned,
+            foreign,
+            foreign_devices,
+            held,
+        }
+    }
+
+    /// A dynamic MIG device: a placement, created at prepare, or the
+    /// instance Tessera created for it (`existing`). Without counters in
+    /// static mode and where a GPU publishes only its held devices.
+    fn dynamic(
+        &self,
+        facts: &GpuFacts,
+        profile: &MigProfile,
+        placement: MigPlacement,
+        existing: Option<String>,
+        counters: Option<&GpuCounters>,
+    ) -> Planned {
+        let name = naming::mig_device(self.index, &profile.name, placement.start);
+        Planned {
+            device: devices::mig(
+                &name,
+                self.gpu,
+                facts,
+                &MigSpec::from_profile(profile),
+                counters.map(|c| c.mig(profile, placement)),
+            ),
+            reference: self.reference(DeviceKind::Mig {
+                profile_id: profile.id,
+                profile: profile.name.clone(),
+                placement,
+                existing,
+                dynamic: true,
+            }),
+        }
+    }
+
+    /// The owned instances as their dynamic devices, without counters.
+    fn owned_devices(&self, ctx: &Context<'_>) -> Vec<Planned> {
+        ctx.owned
+            .iter()
+            .filter_map(|i| {
+                let profile = self.profile_of(i)?;
+                Some(self.dynamic(&ctx.facts, profile, i.placement, Some(i.uuid.clone()), None))
+            })
+            .collect()
+    }
+
+    /// The held placements (no instance yet) as dynamic devices, without
+    /// counters.
+    fn held_placements(&self, ctx: &Context<'_>) -> Vec<Planned> {
+        ctx.held
+            .placements
+            .values()
+            .map(|(profile, placement)| self.dynamic(&ctx.facts, profile, *placement, None, None))
+            .collect()
+    }
+
+    /// Replica `index` of `replicas` of `level`.
+    fn replica(&self, facts: &GpuFacts, level: IsolationLevel, i: u32, replicas: u32) -> Planned {
+        let name = naming::replica_device(self.index, level.slug(), i);
+        let (provider, time_slice) = match share_kind(level, &self.policy) {
+            DeviceKind::Share {
+                provider,
+                time_slice,
+                ..
+            } => (provider, time_slice),
+            _ => (None, None),
+        };
+        Planned {
+            device: devices::replica(&name, self.gpu, facts, level, &self.policy, replicas),
+            reference: self.reference(DeviceKind::Replica {
+                level,
+                index: i,
+                replicas,
+                memory_bytes: devices::replica_memory(self.gpu, replicas),
+                cores: devices::replica_cores(replicas),
+                provider,
+                time_slice,
+            }),
+        }
+    }
+
+    /// Foreign instance devices that may be published beside the held
+    /// devices. Physically they exist and have no counters, so one that
+    /// overlaps a held device would be offered twice: while it is not held
+    /// itself, it is left out (with a note). A held whole GPU or share
+    /// overlaps every instance.
+    fn foreign_beside_held<'c>(
+        &self,
+        ctx: &'c Context<'a>,
+        notes: &mut Vec<Note>,
+    ) -> Vec<(String, &'a MigInstance)> {
+        let held = &ctx.held;
+        let non_mig = held.whole || !held.shares.is_empty() || held.has_replicas();
+        let mut out = Vec::new();
+        for (name, instance) in &ctx.foreign_devices {
+            if held.names.contains(name) {
+                out.push((name.clone(), *instance));
+                continue;
+            }
+            let blocker = if non_mig {
+                Some(held.listed())
+            } else {
+                held.overlaps_placement(instance.placement)
+                    .map(ToString::to_string)
+            };
+            match blocker {
+                Some(by) => notes.push(Note::gpu(
+                    self.gpu,
+                    format!(
+                        "MIG instance {} ({name}) overlaps held device(s) {by}: not offered while they are held",
+                        instance.uuid
+                    ),
+                )),
+                None => out.push((name.clone(), *instance)),
+            }
+        }
+        out
+    }
+
+    /// Exactly the held devices (and the owned instances), without
+    /// counters: what a GPU publishes when its held devices are of several
+    /// uses, or of a kind the current model has no place for. A held share
+    /// device needs consumable capacity; without it, it cannot be published
+    /// and nothing else is.
+    fn only_held(
+        &self,
+        ctx: &Context<'a>,
+        consumable: bool,
+        notes: &mut Vec<Note>,
+    ) -> Vec<Planned> {
+        let gpu = self.gpu;
+        let n = self.index;
+        let held = &ctx.held;
+        let mut out = Vec::new();
+        if held.whole {
+            out.push(Planned {
+                device: devices::whole(&naming::whole_device(n), gpu, &ctx.facts, None),
+                reference: self.reference(DeviceKind::Whole),
+            });
+        }
+        for level in &held.shares {
+            let name = naming::share_device(n, level.slug());
+            if !consumable {
+                notes.push(Note::gpu(
+                    gpu,
+                    format!(
+                        "held device {name} is a share device with consumable capacity, which this API \
+                         server does not serve: it cannot be published, and nothing else is published \
+                         on this GPU until it is released"
+                    ),
+                ));
+                continue;
+            }
+            match devices::share(&name, gpu, &ctx.facts, *level, &self.policy, None) {
+                Some(device) => out.push(Planned {
+                    device,
+                    reference: self.reference(share_kind(*level, &self.policy)),
+                }),
+                None => notes.push(Note::gpu(
+                    gpu,
+                    format!("held device {name}: too little memory for a share device"),
+                )),
+            }
+        }
+        for (level, indices) in &held.replicas {
+            let replicas = replica_count(&self.policy, indices);
+            for i in indices {
+                out.push(self.replica(&ctx.facts, *level, *i, replicas));
+            }
+        }
+        let held_foreign: Vec<(String, &MigInstance)> = ctx
+            .foreign_devices
+            .iter()
+            .filter(|(name, _)| held.instances.contains_key(name))
+            .map(|(name, i)| (name.clone(), *i))
+            .collect();
+        out.extend(static_mig(self, &ctx.facts, &held_foreign));
+        out.extend(self.owned_devices(ctx));
+        out.extend(self.held_placements(ctx));
+        out
+    }
+}
+
+/// Replicas a GPU's held replicas are described with: the policy's count,
+/// or more where a held index lies beyond it.
+fn replica_count(policy: &GpuPolicy, held: &BTreeSet<u32>) -> u32 {
+    let beyond = held.iter().next_back().map_or(0, |i| i + 1);
+    policy.replicas.max(1).max(beyond)
+}
+
+/// Names of the devices of existing instances: the placement's name, with
+/// `-ci<id>` where several compute instances share one GPU instance, or
+/// where a claim holds that suffixed name (its GPU instance once had more
+/// compute instances): a held device keeps its name.
+fn instance_devices<'g>(
+    n: u32,
+    instances: &[&'g MigInstance],
+    held: &BTreeSet<String>,
+) -> Vec<(String, &'g MigInstance)> {
+    let mut sorted: Vec<&MigInstance> = instances.to_vec();
+    sorted.sort_by_key(|i| (i.placement, i.profile_id, i.compute_instance_id));
+    sorted
+        .iter()
+        .map(|instance| {
+            let shared_gi = sorted
+                .iter()
+                .filter(|o| o.placement == instance.placement)
+                .count()
+                > 1;
+            let base = naming::mig_device(n, &instance.profile, instance.placement.start);
+            let suffixed = format!("{base}-ci{}", instance.compute_instance_id);
+            let name = if shared_gi || (held.contains(&suffixed) && !held.contains(&base)) {
+                suffixed
+            } else {
+                base
+            };
+            (name, *instance)
+        })
+        .collect()
 }
 
 /// The full model: whole GPU, two share devices, static and dynamic MIG,
@@ -140,10 +384,30 @@ impl GpuInput<'_> {
 pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
     let gpu = input.gpu;
     let n = input.index;
-    let facts = GpuFacts::new(input.inventory, gpu, notes);
     let switchable = input.switchable();
-    let (owned, foreign) = input.split_instances(notes);
+    let ctx = input.context(notes);
+    let held = &ctx.held;
 
+    // Static-mode replicas have no place in the full model: the GPU keeps
+    // exactly its held devices, without counters, until they are released.
+    if held.has_replicas() {
+        notes.push(Note::gpu(
+            gpu,
+            format!(
+                "held static-mode replica device(s) among {}: the full model has no replicas, so \
+                 this GPU publishes only its held devices, without counters, until they are released",
+                held.listed()
+            ),
+        ));
+        return GpuOutput {
+            index: n,
+            counters: None,
+            devices: input.only_held(&ctx, true, notes),
+            mig_managed: switchable,
+        };
+    }
+
+    let foreign = &ctx.foreign;
     let non_mig_possible = match &gpu.mig {
         Mig::NotSupported | Mig::Disabled { .. } => true,
         Mig::Enabled { .. } => foreign.is_empty() && switchable,
@@ -163,54 +427,66 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
         ));
     }
 
-    // Dynamic placements: (profile, placement) pairs, in profile-id then
-    // start order.
-    let mut dynamic: Vec<(&MigProfile, MigPlacement)> = Vec::new();
-    if dynamic_possible {
-        let mut profiles: Vec<&MigProfile> = gpu.mig.profiles().iter().collect();
-        profiles.sort_by_key(|p| p.id);
-        for profile in profiles {
-            let mut placements: Vec<MigPlacement> = profile
-                .placements
+    // Dynamic placements: (profile, placement, instance) in profile-id then
+    // start order. Held placements stay whatever the MIG state or policy.
+    let mut dynamic: Vec<(&MigProfile, MigPlacement, Option<String>)> = Vec::new();
+    let mut profiles: Vec<&MigProfile> = gpu.mig.profiles().iter().collect();
+    profiles.sort_by_key(|p| p.id);
+    for profile in profiles {
+        let mut placements: Vec<MigPlacement> = profile
+            .placements
+            .iter()
+            .copied()
+            .filter(|p| p.size > 0)
+            .collect();
+        placements.sort();
+        placements.dedup();
+        for placement in placements {
+            let name = naming::mig_device(n, &profile.name, placement.start);
+            let owned = ctx
+                .owned
                 .iter()
-                .copied()
-                .filter(|p| p.size > 0)
-                .collect();
-            placements.sort();
-            placements.dedup();
-            for placement in placements {
-                let name = naming::mig_device(n, &profile.name, placement.start);
-                let offered = (input.policy.allows(Mode::Mig)
-                    && input.policy.allows_profile(&profile.name))
-                    || input.held.contains(&name)
-                    || owned
-                        .iter()
-                        .any(|i| i.profile_id == profile.id && i.placement == placement);
-                let blocked = foreign.iter().any(|i| overlaps(i.placement, placement));
-                if offered && !blocked {
-                    dynamic.push((profile, placement));
-                }
+                .find(|i| i.profile_id == profile.id && i.placement == placement);
+            let held_here = held.placements.contains_key(&name);
+            let offered =
+                input.policy.allows(Mode::Mig) && input.policy.allows_profile(&profile.name);
+            let blocked = foreign.iter().any(|i| overlaps(i.placement, placement));
+            if held_here && (!dynamic_possible || blocked) {
+                notes.push(Note::gpu(
+                    gpu,
+                    format!("held device {name} stays published although this GPU's MIG state no longer offers it"),
+                ));
+            }
+            if owned.is_some() || held_here || (dynamic_possible && offered && !blocked) {
+                dynamic.push((profile, placement, owned.map(|i| i.uuid.clone())));
             }
         }
     }
 
     let whole_name = naming::whole_device(n);
-    let offer_whole = non_mig_possible && input.offered(Mode::Whole, &whole_name);
-    let share_levels: Vec<IsolationLevel> = if non_mig_possible {
-        [
-            (IsolationLevel::Isolated, Mode::Isolated),
-            (IsolationLevel::Shared, Mode::Shared),
-        ]
-        .into_iter()
-        .filter(|(level, mode)| input.offered(*mode, &naming::share_device(n, level.slug())))
-        .map(|(level, _)| level)
-        .collect()
-    } else {
-        Vec::new()
-    };
+    let offer_whole = held.whole || (non_mig_possible && input.policy.allows(Mode::Whole));
+    let share_levels: Vec<IsolationLevel> = [
+        (IsolationLevel::Isolated, Mode::Isolated),
+        (IsolationLevel::Shared, Mode::Shared),
+    ]
+    .into_iter()
+    .filter(|(level, mode)| {
+        held.shares.contains(level) || (non_mig_possible && input.policy.allows(*mode))
+    })
+    .map(|(level, _)| level)
+    .collect();
+    if !non_mig_possible && (held.whole || !held.shares.is_empty()) {
+        notes.push(Note::gpu(
+            gpu,
+            format!(
+                "held device(s) {} stay published although this GPU's MIG state no longer offers them",
+                held.listed()
+            ),
+        ));
+    }
 
     let counters = if offer_whole || !share_levels.is_empty() || !dynamic.is_empty() {
-        let mut dynamic_profiles: Vec<&MigProfile> = dynamic.iter().map(|(p, _)| *p).collect();
+        let mut dynamic_profiles: Vec<&MigProfile> = dynamic.iter().map(|(p, _, _)| *p).collect();
         dynamic_profiles.dedup_by_key(|p| p.id);
         Some(GpuCounters::new(n, gpu.mig.profiles(), &dynamic_profiles))
     } else {
@@ -220,14 +496,14 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
     let mut out = Vec::new();
     if offer_whole && let Some(c) = &counters {
         out.push(Planned {
-            device: devices::whole(&whole_name, gpu, &facts, Some(c.everything())),
+            device: devices::whole(&whole_name, gpu, &ctx.facts, Some(c.everything())),
             reference: input.reference(DeviceKind::Whole),
         });
     }
     for level in share_levels {
         let name = naming::share_device(n, level.slug());
         let consumes = counters.as_ref().map(GpuCounters::everything);
-        match devices::share(&name, gpu, &facts, level, &input.policy, consumes) {
+        match devices::share(&name, gpu, &ctx.facts, level, &input.policy, consumes) {
             Some(device) => out.push(Planned {
                 device,
                 reference: input.reference(share_kind(level, &input.policy)),
@@ -238,30 +514,11 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
             )),
         }
     }
-    out.extend(static_mig(input, &facts, &foreign));
+    let foreign_devices = input.foreign_beside_held(&ctx, notes);
+    out.extend(static_mig(input, &ctx.facts, &foreign_devices));
     if let Some(c) = &counters {
-        for (profile, placement) in dynamic {
-            let name = naming::mig_device(n, &profile.name, placement.start);
-            let existing = owned
-                .iter()
-                .find(|i| i.profile_id == profile.id && i.placement == placement)
-                .map(|i| i.uuid.clone());
-            out.push(Planned {
-                device: devices::mig(
-                    &name,
-                    gpu,
-                    &facts,
-                    &MigSpec::from_profile(profile),
-                    Some(c.mig(profile, placement)),
-                ),
-                reference: input.reference(DeviceKind::Mig {
-                    profile_id: profile.id,
-                    profile: profile.name.clone(),
-                    placement,
-                    existing,
-                    dynamic: true,
-                }),
-            });
+        for (profile, placement, existing) in dynamic {
+            out.push(input.dynamic(&ctx.facts, profile, placement, existing, Some(c)));
         }
     }
     if out.is_empty() {
@@ -283,34 +540,26 @@ fn share_kind(level: IsolationLevel, policy: &GpuPolicy) -> DeviceKind {
     }
 }
 
-/// Existing instances as static devices, without counters. Instances that
-/// share a GPU instance (several compute instances) get a `-ci<id>` suffix.
-/// Only instances the policy offers (or a claim holds) are published; the
-/// others still block whatever they overlap.
-fn static_mig(input: &GpuInput<'_>, facts: &GpuFacts, instances: &[&MigInstance]) -> Vec<Planned> {
-    let n = input.index;
-    let mut sorted: Vec<&MigInstance> = instances.to_vec();
-    sorted.sort_by_key(|i| (i.placement, i.profile_id, i.compute_instance_id));
+/// Existing instances as static devices, without counters, under the
+/// names [`instance_devices`] gave them. Only instances the policy offers
+/// (or a claim holds) are published; the others still block whatever they
+/// overlap.
+fn static_mig(
+    input: &GpuInput<'_>,
+    facts: &GpuFacts,
+    instances: &[(String, &MigInstance)],
+) -> Vec<Planned> {
     let mut out = Vec::new();
-    for instance in &sorted {
-        let shared_gi = sorted
-            .iter()
-            .filter(|o| o.placement == instance.placement)
-            .count()
-            > 1;
-        let mut name = naming::mig_device(n, &instance.profile, instance.placement.start);
-        if shared_gi {
-            name = format!("{name}-ci{}", instance.compute_instance_id);
-        }
+    for (name, instance) in instances {
         let offered = (input.policy.allows(Mode::Mig)
             && input.policy.allows_profile(&instance.profile))
-            || input.held.contains(&name);
+            || input.held.contains(name);
         if !offered {
             continue;
         }
         out.push(Planned {
             device: devices::mig(
-                &name,
+                name,
                 input.gpu,
                 facts,
                 &MigSpec::from_instance(instance),
@@ -328,7 +577,9 @@ fn static_mig(input: &GpuInput<'_>, facts: &GpuFacts, instances: &[&MigInstance]
     out
 }
 
-/// Static (degraded) mode: one mode per GPU from policy, no counters.
+/// Static (degraded) mode: one mode per GPU, no counters. The mode is the
+/// one the held devices use where a claim holds any (see the module docs),
+/// else the policy's.
 pub fn plan_static(
     input: &GpuInput<'_>,
     capabilities: &Capabilities,
@@ -336,7 +587,7 @@ pub fn plan_static(
 ) -> GpuOutput {
     let gpu = input.gpu;
     let n = input.index;
-    let facts = GpuFacts::new(input.inventory, gpu, notes);
+    let ctx = input.context(notes);
     let instances: Vec<&MigInstance> = gpu.mig.instances().iter().collect();
     let mig_possible = !instances.is_empty();
     let non_mig_possible = match &gpu.mig {
@@ -344,32 +595,45 @@ pub fn plan_static(
         Mig::Enabled { .. } => instances.is_empty() && input.switchable(),
     };
 
-    let mode = resolve_static_mode(input, mig_possible, non_mig_possible, notes);
+    let uses = ctx.held.uses(!ctx.owned.is_empty());
     let mut out = Vec::new();
-    match mode {
-        None => {}
-        Some(Mode::Mig) => {
-            // Static mode publishes what exists; the profile filter still
-            // applies but the `modes` list does not (the mode was chosen).
-            let mut policy = input.policy.clone();
-            policy.modes = vec![Mode::Mig];
-            let scoped = GpuInput { policy, ..*input };
-            out.extend(static_mig(&scoped, &facts, &instances));
-        }
-        Some(Mode::Whole) => out.push(Planned {
-            device: devices::whole(&naming::whole_device(n), gpu, &facts, None),
-            reference: input.reference(DeviceKind::Whole),
-        }),
-        Some(Mode::Isolated) | Some(Mode::Shared) => {
-            let level = if mode == Some(Mode::Isolated) {
-                IsolationLevel::Isolated
-            } else {
-                IsolationLevel::Shared
-            };
-            out.extend(static_shares(input, &facts, level, capabilities, notes));
+    if uses.is_empty() {
+        let mode = resolve_static_mode(input, mig_possible, non_mig_possible, notes);
+        out.extend(static_mode_devices(input, &ctx, mode, capabilities, notes));
+    } else {
+        let mut scratch = Vec::new();
+        let policy_mode = resolve_static_mode(input, mig_possible, non_mig_possible, &mut scratch);
+        let only = uses.iter().next().copied().filter(|_| uses.len() == 1);
+        match only {
+            Some(held_use) => {
+                if policy_mode != Some(held_use.mode()) {
+                    notes.push(Note::gpu(
+                        gpu,
+                        format!(
+                            "static mode {} overridden: held device(s) {} use this GPU as {}",
+                            policy_mode
+                                .map_or("none".to_string(), |m| format!("{m:?}").to_lowercase()),
+                            held_listed(&ctx),
+                            held_use.describe()
+                        ),
+                    ));
+                }
+                out.extend(held_use_devices(input, &ctx, held_use, capabilities, notes));
+            }
+            None => {
+                notes.push(Note::gpu(
+                    gpu,
+                    format!(
+                        "held device(s) {} use this GPU in several ways ({}): only they are published",
+                        held_listed(&ctx),
+                        uses.iter().map(|u| u.describe()).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+                out.extend(input.only_held(&ctx, capabilities.consumable_capacity, notes));
+            }
         }
     }
-    if out.is_empty() {
+    if out.is_empty() && uses.is_empty() {
         notes.push(Note::gpu(gpu, "no device offered in static mode"));
     }
     GpuOutput {
@@ -377,6 +641,111 @@ pub fn plan_static(
         counters: None,
         devices: out,
         mig_managed: input.switchable(),
+    }
+}
+
+/// The held names for a note, with the owned instances.
+fn held_listed(ctx: &Context<'_>) -> String {
+    let mut listed = ctx.held.listed();
+    for i in &ctx.owned {
+        if !listed.is_empty() {
+            listed.push_str(", ");
+        }
+        listed.push_str(&format!("MIG instance {} (ours)", i.uuid));
+    }
+    listed
+}
+
+/// The devices of the static mode the policy chose (nothing is held).
+fn static_mode_devices(
+    input: &GpuInput<'_>,
+    ctx: &Context<'_>,
+    mode: Option<Mode>,
+    capabilities: &Capabilities,
+    notes: &mut Vec<Note>,
+) -> Vec<Planned> {
+    let gpu = input.gpu;
+    let n = input.index;
+    match mode {
+        None => Vec::new(),
+        Some(Mode::Mig) => static_mig(&mig_scoped(input), &ctx.facts, &ctx.foreign_devices),
+        Some(Mode::Whole) => vec![Planned {
+            device: devices::whole(&naming::whole_device(n), gpu, &ctx.facts, None),
+            reference: input.reference(DeviceKind::Whole),
+        }],
+        Some(Mode::Isolated) | Some(Mode::Shared) => {
+            let level = if mode == Some(Mode::Isolated) {
+                IsolationLevel::Isolated
+            } else {
+                IsolationLevel::Shared
+            };
+            static_shares(input, &ctx.facts, level, capabilities, notes)
+        }
+    }
+}
+
+/// Static mode publishes what exists; the profile filter still applies but
+/// the `modes` list does not (the mode was chosen).
+fn mig_scoped<'a>(input: &GpuInput<'a>) -> GpuInput<'a> {
+    let mut policy = input.policy.clone();
+    policy.modes = vec![Mode::Mig];
+    GpuInput { policy, ..*input }
+}
+
+/// The devices of the one use the held devices make of a GPU, static mode.
+fn held_use_devices<'a>(
+    input: &GpuInput<'a>,
+    ctx: &Context<'a>,
+    held_use: Use,
+    capabilities: &Capabilities,
+    notes: &mut Vec<Note>,
+) -> Vec<Planned> {
+    let held = &ctx.held;
+    match held_use {
+        // MIG: the owned instances and held placements as dynamic devices
+        // (without counters), and the existing instances as in the mig
+        // mode, except those overlapping a held placement.
+        Use::Mig => {
+            let mut out = input.owned_devices(ctx);
+            out.extend(input.held_placements(ctx));
+            let foreign = input.foreign_beside_held(ctx, notes);
+            out.extend(static_mig(&mig_scoped(input), &ctx.facts, &foreign));
+            out
+        }
+        // Replicas only, all below the policy's count: the replica layout
+        // stays (on any server: a claim holds one of them).
+        Use::Share(level)
+            if held.shares.is_empty()
+                && held
+                    .replicas
+                    .get(&level)
+                    .and_then(|r| r.iter().next_back())
+                    .is_some_and(|last| *last < input.policy.replicas.max(1)) =>
+        {
+            let replicas = input.policy.replicas.max(1);
+            (0..replicas)
+                .map(|i| input.replica(&ctx.facts, level, i, replicas))
+                .collect()
+        }
+        // A whole GPU, a share device, or replicas the policy's count no
+        // longer covers: exactly the held devices.
+        Use::Whole | Use::Share(_) => {
+            if held.replicas.values().any(|r| {
+                r.iter()
+                    .next_back()
+                    .is_some_and(|last| *last >= input.policy.replicas.max(1))
+            }) {
+                notes.push(Note::gpu(
+                    input.gpu,
+                    format!(
+                        "held replica(s) {} lie beyond static.replicas ({}): only the held replicas are published until they are released",
+                        held.listed(),
+                        input.policy.replicas
+                    ),
+                ));
+            }
+            input.only_held(ctx, capabilities.consumable_capacity, notes)
+        }
     }
 }
 
@@ -472,29 +841,6 @@ fn static_shares(
     }
     let replicas = input.policy.replicas.max(1);
     (0..replicas)
-        .map(|i| {
-            let name = naming::replica_device(n, level.slug(), i);
-            let share = share_kind(level, &input.policy);
-            let (provider, time_slice) = match share {
-                DeviceKind::Share {
-                    provider,
-                    time_slice,
-                    ..
-                } => (provider, time_slice),
-                _ => (None, None),
-            };
-            Planned {
-                device: devices::replica(&name, gpu, facts, level, &input.policy, replicas),
-                reference: input.reference(DeviceKind::Replica {
-                    level,
-                    index: i,
-                    replicas,
-                    memory_bytes: devices::replica_memory(gpu, replicas),
-                    cores: devices::replica_cores(replicas),
-                    provider,
-                    time_slice,
-                }),
-            }
-        })
+        .map(|i| input.replica(facts, level, i, replicas))
         .collect()
 }

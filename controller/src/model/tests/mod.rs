@@ -1,6 +1,7 @@
 //! Model-level tests with hand-built inventories.
 
 mod fixtures;
+mod held;
 mod sim;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -101,6 +101,35 @@ impl Sim {
         Ok(())
     }
 
+    /// Records an allocation that already exists (a claim holds `device`),
+    /// charging its counters as the device is published now, the way the
+    /// scheduler rebuilds its counter usage from the allocated claims and the
+    /// current slices. Nothing is refused: held counters may exceed what is
+    /// left (then nothing else fits).
+    pub fn hold(&mut self, device: &str) {
+        let Some(dev) = self.devices.get(device) else {
+            return;
+        };
+        let consumed = if dev.allow_multiple_allocations == Some(true) {
+            consumed_capacity(dev, &[]).unwrap_or_default()
+        } else {
+            BTreeMap::new()
+        };
+        if !self.allocations.contains_key(device) {
+            for c in dev.consumes_counters.iter().flatten() {
+                let set = self.remaining.entry(c.counter_set.clone()).or_default();
+                for (name, amount) in &c.counters {
+                    let left = set.entry(name.clone()).or_default();
+                    *left = left.saturating_sub(parse_integer(&amount.value).unwrap());
+                }
+            }
+        }
+        self.allocations
+            .entry(device.to_string())
+            .or_default()
+            .push(consumed);
+    }
+
     /// Releases one allocation of `device`.
     pub fn release(&mut self, device: &str) {
         let allocs = self.allocations.get_mut(device).expect("allocated");
