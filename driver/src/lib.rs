@@ -7,6 +7,7 @@ pub mod cdi;
 pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
+pub mod flags;
 pub mod mig;
 pub mod mps;
 pub mod node;

@@ -12,12 +12,13 @@ use anyhow::{Context as _, bail};
 use clap::ValueEnum;
 use serde::Serialize;
 use tessera_api::inventory::Inventory;
-use tessera_controller::model::{Capabilities, DriverName, NodePolicy, SliceModel};
+use tessera_controller::model::{DriverName, NodePolicy, SliceModel};
 use tessera_controller::publisher::{
     Detected, MIN_FULL_MODEL, NodeView, Publisher, PublisherConfig, Reconciled, ServerVersion,
     WriteCounts,
 };
 use tessera_driver::discovery;
+use tessera_driver::flags::CapabilityChoice;
 
 use crate::{quote_base60_lookalikes, write_stdout};
 
@@ -36,41 +37,6 @@ pub struct PoolArgs {
     /// every GPU.
     #[arg(long, env = "TESSERA_POLICY")]
     policy: Option<PathBuf>,
-}
-
-/// What the model may assume the API server serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum CapabilityChoice {
-    /// Detect from the API server (publish only).
-    Auto,
-    /// Partitionable devices and consumable capacity: the full model.
-    Full,
-    /// Neither: the static per-GPU mode with share replicas.
-    Legacy,
-    /// Consumable capacity without partitionable devices (static mode with
-    /// multi-allocatable share devices).
-    ConsumableOnly,
-    /// Partitionable devices without consumable capacity (static mode).
-    PartitionableOnly,
-}
-
-impl CapabilityChoice {
-    fn capabilities(self) -> Option<Capabilities> {
-        let both = Capabilities::full();
-        match self {
-            CapabilityChoice::Auto => None,
-            CapabilityChoice::Full => Some(both),
-            CapabilityChoice::Legacy => Some(Capabilities::legacy()),
-            CapabilityChoice::ConsumableOnly => Some(Capabilities {
-                partitionable_devices: false,
-                ..both
-            }),
-            CapabilityChoice::PartitionableOnly => Some(Capabilities {
-                consumable_capacity: false,
-                ..both
-            }),
-        }
-    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -246,20 +212,9 @@ impl From<&Detected> for ServerReport {
     }
 }
 
+/// A client for the publisher: no read timeout (it watches its slices).
 async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .context("loading the kubeconfig")?
-        }
-        None => kube::Config::infer()
-            .await
-            .context("no kubeconfig and not in a cluster")?,
-    };
-    kube::Client::try_from(config).context("building the API client")
+    tessera_driver::plugin::cli::client(kubeconfig, Duration::from_secs(10), None).await
 }
 
 /// `tessera publish`.

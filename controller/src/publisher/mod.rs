@@ -422,7 +422,7 @@ impl Publisher {
         };
 
         if one_generation && same_content(&model.slices, &existing) {
-            debug!(
+            info!(
                 "{} slices up to date (generation {})",
                 existing.len(),
                 current_generation.unwrap_or(0)

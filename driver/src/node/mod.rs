@@ -186,6 +186,12 @@ impl Observer {
                         views.send_if_modified(|current| {
                             let changed = *current != view;
                             if changed {
+                                info!(
+                                    gpus = view.inventory.gpus.len(),
+                                    created_mig = view.owned_mig.len(),
+                                    prepared = view.prepared.len(),
+                                    "node changed"
+                                );
                                 *current = view;
                             }
                             changed

@@ -3,7 +3,7 @@
 //! [`crate::node`]). The `tessera` binary declares the subcommand.
 
 use std::ffi::OsStr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,6 +19,7 @@ use tracing::{info, warn};
 use super::{Plugin, PluginConfig, sockets};
 use crate::checkpoint::KERNEL_BOOT_ID;
 use crate::discovery;
+use crate::flags::CapabilityChoice;
 use crate::mig::NvmlMig;
 use crate::mps::{MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
 use crate::node::state_lock::StateLock;
@@ -106,10 +107,21 @@ pub struct PluginArgs {
     /// must have the 2026 counter fixes; see docs/device-model.md).
     #[arg(long, default_value_t = MIN_FULL_MODEL)]
     pub full_model_min_version: ServerVersion,
+
+    /// What the API server serves; `auto` detects it (discovery, dry-run
+    /// probes, version). Forcing a lower level publishes the static model.
+    #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
+    pub capabilities: CapabilityChoice,
 }
 
-/// Builds a client from `--kubeconfig` or the usual places.
-pub async fn client(kubeconfig: Option<&PathBuf>, timeout: Duration) -> anyhow::Result<Client> {
+/// Builds a client from `--kubeconfig` or the usual places. `read_timeout`
+/// bounds the wait for each answer; a client that watches needs `None` (a
+/// watch waits minutes for its next event).
+pub async fn client(
+    kubeconfig: Option<&Path>,
+    connect_timeout: Duration,
+    read_timeout: Option<Duration>,
+) -> anyhow::Result<Client> {
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -122,8 +134,8 @@ pub async fn client(kubeconfig: Option<&PathBuf>, timeout: Duration) -> anyhow::
             "no kubeconfig given and none found (KUBECONFIG, ~/.kube/config, in-cluster)",
         )?,
     };
-    config.connect_timeout = Some(timeout);
-    config.read_timeout = Some(timeout);
+    config.connect_timeout = Some(connect_timeout);
+    config.read_timeout = read_timeout;
     Client::try_from(config).context("building the Kubernetes client")
 }
 
@@ -153,7 +165,8 @@ impl NodeProcess {
 /// Sets up everything and returns the node process, ready to run.
 pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<NodeProcess> {
     let timeout = Duration::from_secs(args.api_timeout_seconds.max(1));
-    let client = client(args.kubeconfig.as_ref(), timeout).await?;
+    let watching = client(args.kubeconfig.as_deref(), timeout, None).await?;
+    let client = client(args.kubeconfig.as_deref(), timeout, Some(timeout)).await?;
     let driver =
         DriverName::new(&args.driver_name).map_err(|e| anyhow::anyhow!("--driver-name: {e}"))?;
     let policy = match &args.policy {
@@ -281,7 +294,8 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     };
     let mut publisher_config = PublisherConfig::new(&args.node_name, driver, policy);
     publisher_config.min_full_model = args.full_model_min_version;
-    let publisher = Publisher::new(client, publisher_config).with_node_state(Arc::new(truth));
+    publisher_config.capabilities = args.capabilities.capabilities();
+    let publisher = Publisher::new(watching, publisher_config).with_node_state(Arc::new(truth));
     let (stop_publisher, stopped) = tokio::sync::oneshot::channel::<()>();
     info!("publishing ResourceSlices for node {}", args.node_name);
     let publisher = tokio::spawn(publisher.run(view, async move {
@@ -361,6 +375,7 @@ pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

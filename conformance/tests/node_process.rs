@@ -1,0 +1,548 @@
+//! One node process, one truth about the node: `tessera plugin` publishes
+//! the node's slices itself, and every device it publishes can be prepared
+//! as published.
+//!
+//! * Every device of the first and last GPU of every simulated topology, in
+//!   the full model and in the static model, is allocated (status written
+//!   as the scheduler would), prepared and unprepared through the plugin's
+//!   socket; the GPU's MIG state read by `tessera inventory` in another
+//!   process matches what prepare returned (a MIG device exists with the
+//!   UUID the claim got; a whole GPU or share finds MIG off), and after
+//!   unprepare the GPU is back (its instances as before; a GPU whose MIG
+//!   mode the driver manages rests with MIG off).
+//! * With the real scheduler: on 8x H100 with MIG off, a claim that asks for
+//!   `firstAvailable: [1g.10gb MIG, Isolated share]` gets the MIG device,
+//!   which prepare creates after switching MIG on; the slices the node
+//!   publishes meanwhile still say it is the driver's (no static device for
+//!   it, the GPU's other devices still there); unprepare destroys it and
+//!   switches MIG off again.
+//! * On 8x H100 with MIG on, the GPU without instances rests with MIG off
+//!   (no claim holds it) and a whole GPU on it is prepared.
+
+mod plugin_support;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use serde_json::{Value, json};
+use tessera_api::inventory::{Gpu, Inventory, Mig};
+use tessera_conformance::{delete_ignore_missing, unique_name, wait_for};
+
+use plugin_support::*;
+
+const TOPOLOGIES: [&str; 5] = [
+    "t4.yaml",
+    "l4x2.yaml",
+    "a100-40gb-x2-mig.yaml",
+    "h100x8.yaml",
+    "h100x8-mig.yaml",
+];
+
+fn topology_file(name: &str) -> PathBuf {
+    repo_root().join("driver/fake-nvml/topologies").join(name)
+}
+
+/// A simulated node: a fake Node object, the node process on a topology,
+/// and a kubelet-side connection to it.
+struct SimNode {
+    world: World,
+    plugin: PluginProcess,
+    kubelet: Kubelet,
+    topology: PathBuf,
+}
+
+impl SimNode {
+    async fn start(prefix: &str, topology: &str, capabilities: &str) -> Result<SimNode> {
+        let world = World::new(prefix).await?;
+        world.cluster.register_fake_node(&world.node).await?;
+        // The MPS stand-in where the driver root has the control binary.
+        let bin = world.dirs.driver_root().join("usr/bin");
+        std::fs::create_dir_all(&bin)?;
+        std::os::unix::fs::symlink(
+            binaries().tessera.with_file_name("fake-mps-control"),
+            bin.join("nvidia-cuda-mps-control"),
+        )?;
+        let topology = topology_file(topology);
+        let mut options = world.options();
+        options.topology = topology.clone();
+        options.args = vec!["--capabilities".into(), capabilities.into()];
+        let mut plugin = PluginProcess::start(&world.dirs, &options)?;
+        let kubelet = register(&world.dirs, &mut plugin, &world.driver).await?;
+        Ok(SimNode {
+            world,
+            plugin,
+            kubelet,
+            topology,
+        })
+    }
+
+    /// The GPUs as another process on this node sees them now.
+    fn inventory(&self) -> Result<Inventory> {
+        let b = binaries();
+        let out = Command::new(&b.tessera)
+            .arg("--nvml-library")
+            .arg(&b.fake_nvml)
+            .args(["inventory", "-o", "json"])
+            .env("TESSERA_FAKE_NVML_TOPOLOGY", &self.topology)
+            .env("TESSERA_FAKE_NVML_STATE", self.world.dirs.nvml_state())
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "tessera inventory: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// The devices the node process published, once it has.
+    async fn published(&self) -> Result<Vec<Value>> {
+        let api: Api<ResourceSlice> = Api::all(self.world.cluster.client());
+        let fields = format!(
+            "spec.nodeName={},spec.driver={}",
+            self.world.node, self.world.driver
+        );
+        wait_for("the node's slices", TIMEOUT, || {
+            let (api, fields) = (api.clone(), fields.clone());
+            async move {
+                let list = api.list(&ListParams::default().fields(&fields)).await?;
+                // A whole pool: every slice of one generation, as many as
+                // the pool says it has.
+                let complete = list.items.first().is_some_and(|first| {
+                    let pool = &first.spec.pool;
+                    list.items
+                        .iter()
+                        .all(|s| s.spec.pool.generation == pool.generation)
+                        && list.items.len() as i64 == pool.resource_slice_count
+                });
+                if !complete {
+                    return Ok(None);
+                }
+                let devices: Vec<Value> = list
+                    .items
+                    .iter()
+                    .flat_map(|s| s.spec.devices.iter().flatten())
+                    .map(serde_json::to_value)
+                    .collect::<Result<_, _>>()?;
+                Ok((!devices.is_empty()).then_some(devices))
+            }
+        })
+        .await
+    }
+
+    async fn stop(self) -> Result<()> {
+        let SimNode { world, plugin, .. } = self;
+        plugin.terminate().await?;
+        let slices: Api<ResourceSlice> = Api::all(world.cluster.client());
+        if let Ok(list) = slices
+            .list(&ListParams::default().fields(&format!("spec.nodeName={}", world.node)))
+            .await
+        {
+            for s in list.items {
+                delete_ignore_missing(&slices, s.metadata.name.as_deref().unwrap_or_default())
+                    .await?;
+            }
+        }
+        world.cluster.delete_node(&world.node).await?;
+        world.namespace.delete().await
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.plugin.log).unwrap_or_default()
+    }
+}
+
+fn attr<'a>(device: &'a Value, name: &str) -> Option<&'a str> {
+    device["attributes"][name]["string"].as_str()
+}
+
+/// The physical GPU a published device is on.
+fn gpu_of(device: &Value) -> Option<&str> {
+    attr(device, "parentUUID").or_else(|| attr(device, "uuid"))
+}
+
+fn gpu<'a>(inventory: &'a Inventory, uuid: &str) -> Result<&'a Gpu> {
+    inventory
+        .gpus
+        .iter()
+        .find(|g| g.uuid == uuid)
+        .with_context(|| format!("GPU {uuid} not in the inventory"))
+}
+
+fn instance_uuids(gpu: &Gpu) -> BTreeSet<String> {
+    gpu.mig.instances().iter().map(|i| i.uuid.clone()).collect()
+}
+
+/// An allocation result for `device` as the scheduler writes it.
+fn allocation(node: &SimNode, device: &Value, n: usize) -> Value {
+    let name = device["name"].as_str().unwrap_or_default();
+    let mut r = result("gpu", &node.world.driver, &node.world.node, name);
+    if device["allowMultipleAllocations"] == json!(true) {
+        r["shareID"] = json!(format!("{n:08x}-0000-4000-8000-{n:012x}"));
+        r["consumedCapacity"] = json!({ "memory": "1Gi", "cores": "10" });
+    }
+    r
+}
+
+/// Prepares `device` alone, checks the GPU from another process, unprepares,
+/// checks again.
+async fn prepare_as_published(node: &mut SimNode, device: &Value, n: usize) -> Result<()> {
+    let name = device["name"].as_str().context("device without a name")?;
+    let kind = attr(device, "type").context("device without a type")?;
+    let uuid = gpu_of(device).context("device without a GPU UUID")?;
+    let before = node.inventory()?;
+    let gpu_before = gpu(&before, uuid)?.clone();
+
+    let claim_name = unique_name("dev");
+    let claims: Api<ResourceClaim> = node.world.namespace.api();
+    let claim = create_allocated(
+        &node.world.cluster.client(),
+        node.world.ns(),
+        &ClaimSpec {
+            name: claim_name.clone(),
+            requests: vec![("gpu".into(), CLASS.into())],
+            results: vec![allocation(node, device, n)],
+            config: vec![],
+            spec_config: vec![],
+        },
+    )
+    .await?;
+    let uid = claim.metadata.uid.clone().context("claim without UID")?;
+    let reference = claim_ref(node.world.ns(), &claim);
+
+    let answer = prepare(&mut node.kubelet, vec![reference.clone()]).await?;
+    let mine = answer.claims.get(&uid).context("no answer")?;
+    ensure!(
+        mine.error.is_empty(),
+        "{name} ({kind}) was published but prepare failed: {}",
+        mine.error
+    );
+    let prepared = node.inventory()?;
+    let gpu_now = gpu(&prepared, uuid)?;
+    let status = &node.world.dirs.checkpoint()[&uid]["status"][0]["data"];
+    match kind {
+        "mig" => {
+            let mig_uuid = status["migUUID"]
+                .as_str()
+                .with_context(|| format!("{name}: no MIG UUID in {status}"))?;
+            ensure!(
+                instance_uuids(gpu_now).contains(mig_uuid),
+                "{name}: prepare returned {mig_uuid}, but another process sees {:?} on {uuid}",
+                gpu_now.mig
+            );
+        }
+        _ => ensure!(
+            !matches!(gpu_now.mig, Mig::Enabled { .. }),
+            "{name} ({kind}) prepared while {uuid} is in MIG mode"
+        ),
+    }
+    ensure!(status["gpuUUID"] == json!(uuid), "{name}: {status}");
+
+    let un = unprepare(&mut node.kubelet, vec![reference]).await?;
+    ensure!(
+        un.claims[&uid].error.is_empty(),
+        "{name}: unprepare failed: {}",
+        un.claims[&uid].error
+    );
+    let after = node.inventory()?;
+    let gpu_after = gpu(&after, uuid)?;
+    ensure!(
+        instance_uuids(gpu_after) == instance_uuids(&gpu_before),
+        "{name}: MIG devices before {:?}, after unprepare {:?}",
+        instance_uuids(&gpu_before),
+        instance_uuids(gpu_after)
+    );
+    let mode = |g: &Gpu| matches!(g.mig, Mig::Enabled { .. });
+    ensure!(
+        mode(gpu_after) == mode(&gpu_before) || !mode(gpu_after),
+        "{name}: MIG mode left on after unprepare"
+    );
+    claims.delete(&claim_name, &DeleteParams::default()).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn every_published_device_is_prepared_as_published() -> Result<()> {
+    for topology in TOPOLOGIES {
+        for capabilities in ["full", "legacy"] {
+            let mut node = SimNode::start("every", topology, capabilities).await?;
+            let outcome = async {
+                let devices = node.published().await?;
+                let gpus: Vec<String> = {
+                    let mut seen: Vec<String> = Vec::new();
+                    for d in &devices {
+                        if let Some(g) = gpu_of(d)
+                            && !seen.iter().any(|s| s == g)
+                        {
+                            seen.push(g.to_owned());
+                        }
+                    }
+                    seen.sort();
+                    seen
+                };
+                // The first and last GPU (by UUID) stand for the others: the
+                // topologies repeat one card state across the middle GPUs.
+                let chosen: BTreeSet<&String> =
+                    [gpus.first(), gpus.last()].into_iter().flatten().collect();
+                let mut tried = 0;
+                for (n, device) in devices.iter().enumerate() {
+                    if !gpu_of(device).is_some_and(|g| chosen.contains(&g.to_owned())) {
+                        continue;
+                    }
+                    prepare_as_published(&mut node, device, n)
+                        .await
+                        .with_context(|| format!("{topology}, {capabilities} model"))?;
+                    tried += 1;
+                }
+                ensure!(tried > 0, "{topology}: no device published");
+                eprintln!("{topology} ({capabilities}): {tried} devices prepared as published");
+                anyhow::Ok(())
+            }
+            .await;
+            if outcome.is_err() {
+                eprintln!("plugin log:\n{}", node.log());
+            }
+            node.stop().await?;
+            outcome?;
+        }
+    }
+    Ok(())
+}
+
+/// A DeviceClass of this test's driver selecting devices of `kind`.
+async fn device_class(node: &SimNode, name: &str, cel: &str) -> Result<()> {
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "selectors": [{ "cel": { "expression": cel } }] },
+    }))?;
+    Api::<DeviceClass>::all(node.world.cluster.client())
+        .create(&PostParams::default(), &class)
+        .await?;
+    Ok(())
+}
+
+/// A Pod on the simulated node with one claim; the scheduler allocates it.
+async fn pod_with_claim(node: &SimNode, name: &str, claim: &str) -> Result<()> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "nodeSelector": { "kubernetes.io/hostname": node.world.node },
+            "containers": [{ "name": "c", "image": "busybox", "resources": { "claims": [{ "name": "gpu" }] } }],
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": claim }],
+        },
+    }))?;
+    node.world
+        .namespace
+        .api::<Pod>()
+        .create(&PostParams::default(), &pod)
+        .await?;
+    Ok(())
+}
+
+async fn allocated(node: &SimNode, claim: &str) -> Result<ResourceClaim> {
+    let api: Api<ResourceClaim> = node.world.namespace.api();
+    wait_for(&format!("claim {claim} allocated"), TIMEOUT, || {
+        let api = api.clone();
+        let claim = claim.to_owned();
+        async move {
+            let c = api.get(&claim).await?;
+            let done = c
+                .status
+                .as_ref()
+                .and_then(|s| s.allocation.as_ref())
+                .is_some();
+            Ok(done.then_some(c))
+        }
+    })
+    .await
+}
+
+fn allocated_device(claim: &ResourceClaim) -> Result<String> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref()?.first())
+        .map(|r| r.device.clone())
+        .context("no allocated device")
+}
+
+#[tokio::test]
+async fn the_scheduler_picks_dynamic_mig_on_a_mig_off_hopper_and_it_is_prepared() -> Result<()> {
+    let mut node = SimNode::start("dynmig", "h100x8.yaml", "auto").await?;
+    let id = unique_name("dm");
+    let driver = node.world.driver.clone();
+    let mig_class = format!("{id}-mig");
+    let share_class = format!("{id}-isolated");
+    let outcome = async {
+        let published = node.published().await?;
+        device_class(
+            &node,
+            &mig_class,
+            &format!(
+                "device.driver == {driver:?} && device.attributes[{driver:?}].type == \"mig\" \
+                 && device.attributes[{driver:?}].profile == \"1g.10gb\""
+            ),
+        )
+        .await?;
+        device_class(
+            &node,
+            &share_class,
+            &format!(
+                "device.driver == {driver:?} && device.attributes[{driver:?}].isolationLevel == \"Isolated\""
+            ),
+        )
+        .await?;
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": { "name": "first-available" },
+            "spec": { "devices": { "requests": [{ "name": "gpu", "firstAvailable": [
+                { "name": "mig", "deviceClassName": mig_class },
+                { "name": "share", "deviceClassName": share_class,
+                  "capacity": { "requests": { "memory": "4Gi" } } },
+            ]}]}},
+        }))?;
+        let claims: Api<ResourceClaim> = node.world.namespace.api();
+        claims.create(&PostParams::default(), &claim).await?;
+        pod_with_claim(&node, "dynmig", "first-available").await?;
+        let claim = allocated(&node, "first-available").await?;
+        let device = allocated_device(&claim)?;
+        ensure!(
+            device.contains("-mig-1g-10gb-"),
+            "the scheduler should take the first alternative, got {device}"
+        );
+        let gpu_uuid = published
+            .iter()
+            .find(|d| d["name"] == json!(device))
+            .and_then(gpu_of)
+            .context("allocated device not published")?
+            .to_owned();
+        let uid = claim.metadata.uid.clone().context("uid")?;
+        let reference = claim_ref(node.world.ns(), &claim);
+        let answer = prepare(&mut node.kubelet, vec![reference.clone()]).await?;
+        ensure!(
+            answer.claims[&uid].error.is_empty(),
+            "prepare: {}",
+            answer.claims[&uid].error
+        );
+        let status = &node.world.dirs.checkpoint()[&uid]["status"][0]["data"];
+        let mig_uuid = status["migUUID"].as_str().context("no MIG UUID")?.to_owned();
+        // Another process sees the MIG device prepare made, MIG mode on.
+        let inv = node.inventory()?;
+        ensure!(instance_uuids(gpu(&inv, &gpu_uuid)?).contains(&mig_uuid));
+
+        // The node saw the new instance (it rediscovers after prepare) and
+        // still publishes it as the allocated placement device: the same
+        // device names, none carrying the new MIG UUID as a static device.
+        let names = |ds: &[Value]| -> BTreeSet<String> {
+            ds.iter()
+                .filter_map(|d| d["name"].as_str().map(str::to_owned))
+                .collect()
+        };
+        // The observer logs each changed view, the publisher each reconcile:
+        // wait for a reconcile of a view that holds the new instance.
+        let log = node.plugin.log.clone();
+        wait_for("a reconcile of the node with its new MIG device", TIMEOUT, || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            async move {
+                let seen = text.rfind("node changed").filter(|at| {
+                    text[*at..].lines().next().is_some_and(|l| l.contains("created_mig=1"))
+                });
+                Ok(seen
+                    .filter(|at| {
+                        let rest = &text[*at..];
+                        rest.contains("slices up to date") || rest.contains("published ")
+                    })
+                    .map(|_| ()))
+            }
+        })
+        .await?;
+        let now = node.published().await?;
+        ensure!(
+            names(&now) == names(&published),
+            "the slices changed after prepare created an instance: added {:?}, removed {:?}",
+            names(&now).difference(&names(&published)).collect::<Vec<_>>(),
+            names(&published).difference(&names(&now)).collect::<Vec<_>>()
+        );
+        ensure!(
+            !now.iter().any(|d| attr(d, "uuid") == Some(mig_uuid.as_str())),
+            "the driver's own MIG device was published as a foreign static device"
+        );
+
+        node.world
+            .namespace
+            .api::<Pod>()
+            .delete("dynmig", &DeleteParams::default().grace_period(0))
+            .await?;
+        let un = unprepare(&mut node.kubelet, vec![reference]).await?;
+        ensure!(un.claims[&uid].error.is_empty(), "{}", un.claims[&uid].error);
+        let inv = node.inventory()?;
+        let g = gpu(&inv, &gpu_uuid)?;
+        ensure!(
+            matches!(g.mig, Mig::Disabled { .. }),
+            "MIG mode not switched off after the last MIG device: {:?}",
+            g.mig
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    if outcome.is_err() {
+        eprintln!("plugin log:\n{}", node.log());
+    }
+    let client = node.world.cluster.client();
+    for class in [&mig_class, &share_class] {
+        delete_ignore_missing(&Api::<DeviceClass>::all(client.clone()), class).await?;
+    }
+    node.stop().await?;
+    outcome
+}
+
+#[tokio::test]
+async fn a_mig_on_hopper_without_instances_rests_with_mig_off_and_serves_a_whole_gpu() -> Result<()>
+{
+    let mut node = SimNode::start("whole-on-mig", "h100x8-mig.yaml", "auto").await?;
+    let outcome = async {
+        // The topology leaves one GPU in MIG mode without instances; no
+        // claim holds it, so the node switches it off (Hopper needs no reset).
+        let text = std::fs::read_to_string(&node.topology)?;
+        let seeded: Vec<String> = node
+            .inventory()?
+            .gpus
+            .iter()
+            .filter(|g| !g.mig.profiles().is_empty() && g.mig.instances().is_empty())
+            .map(|g| g.uuid.clone())
+            .collect();
+        let [uuid] = seeded.as_slice() else {
+            bail!("expected one MIG GPU without instances in h100x8-mig.yaml, found {seeded:?}");
+        };
+        ensure!(text.contains(uuid.as_str()));
+        wait_for("the idle GPU to rest with MIG off", TIMEOUT, || {
+            let inv = node.inventory();
+            let uuid = uuid.clone();
+            async move {
+                let inv = inv?;
+                let off = matches!(gpu(&inv, &uuid)?.mig, Mig::Disabled { .. });
+                Ok(off.then_some(()))
+            }
+        })
+        .await?;
+        let devices = node.published().await?;
+        let whole = devices
+            .iter()
+            .find(|d| attr(d, "type") == Some("gpu") && attr(d, "uuid") == Some(uuid.as_str()))
+            .context("no whole GPU published for the GPU without instances")?
+            .clone();
+        prepare_as_published(&mut node, &whole, 1).await
+    }
+    .await;
+    if outcome.is_err() {
+        eprintln!("plugin log:\n{}", node.log());
+    }
+    node.stop().await?;
+    outcome
+}
