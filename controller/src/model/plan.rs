@@ -193,24 +193,27 @@ impl<'a> GpuInput<'a> {
         }
     }
 
-    /// The owned instances as their dynamic devices, without counters.
-    fn owned_devices(&self, ctx: &Context<'_>) -> Vec<Planned> {
-        ctx.owned
+    /// The owned instances and the held placements (no instance yet) as
+    /// dynamic devices without counters, in the full model's order (profile
+    /// id, then start), so an instance being created moves nothing.
+    fn dynamic_without_counters(&self, ctx: &Context<'_>) -> Vec<Planned> {
+        let mut found: Vec<(&MigProfile, MigPlacement, Option<String>)> = ctx
+            .owned
             .iter()
-            .filter_map(|i| {
-                let profile = self.profile_of(i)?;
-                Some(self.dynamic(&ctx.facts, profile, i.placement, Some(i.uuid.clone()), None))
+            .filter_map(|i| Some((self.profile_of(i)?, i.placement, Some(i.uuid.clone()))))
+            .chain(
+                ctx.held
+                    .placements
+                    .values()
+                    .map(|(profile, placement)| (*profile, *placement, None)),
+            )
+            .collect();
+        found.sort_by_key(|(p, placement, _)| (p.id, *placement));
+        found
+            .into_iter()
+            .map(|(profile, placement, existing)| {
+                self.dynamic(&ctx.facts, profile, placement, existing, None)
             })
-            .collect()
-    }
-
-    /// The held placements (no instance yet) as dynamic devices, without
-    /// counters.
-    fn held_placements(&self, ctx: &Context<'_>) -> Vec<Planned> {
-        ctx.held
-            .placements
-            .values()
-            .map(|(profile, placement)| self.dynamic(&ctx.facts, profile, *placement, None, None))
             .collect()
     }
 
@@ -335,8 +338,7 @@ impl<'a> GpuInput<'a> {
             .map(|(name, i)| (name.clone(), *i))
             .collect();
         out.extend(static_mig(self, &ctx.facts, &held_foreign));
-        out.extend(self.owned_devices(ctx));
-        out.extend(self.held_placements(ctx));
+        out.extend(self.dynamic_without_counters(ctx));
         out
     }
 }
@@ -706,8 +708,7 @@ fn held_use_devices<'a>(
         // (without counters), and the existing instances as in the mig
         // mode, except those overlapping a held placement.
         Use::Mig => {
-            let mut out = input.owned_devices(ctx);
-            out.extend(input.held_placements(ctx));
+            let mut out = input.dynamic_without_counters(ctx);
             let foreign = input.foreign_beside_held(ctx, notes);
             out.extend(static_mig(&mig_scoped(input), &ctx.facts, &foreign));
             out

@@ -477,3 +477,25 @@ fn held_static_mig_instances_keep_their_names_or_are_noted_when_gone() {
         assert_noted(&model, &["gpu-0-mig-9g-99gb-0", "not published"]);
     }
 }
+
+#[test]
+fn static_mode_creating_a_held_mig_device_rewrites_nothing() {
+    // Two dynamic devices held across a flip to a legacy server; prepare
+    // then creates the second one. The slices stay byte-identical.
+    let before = inventory(vec![h100_mig_disabled(0)]);
+    let after = inventory(vec![h100_owned(0, "MIG-owned-0", "3g.40gb", 4)]);
+    let held = ["gpu-0-mig-1g-10gb-0", "gpu-0-mig-3g-40gb-4"];
+    let pol = NodePolicy::default();
+    let m1 = with_held(&before, &pol, Capabilities::legacy(), &held, &[]);
+    let m2 = with_held(
+        &after,
+        &pol,
+        Capabilities::legacy(),
+        &held,
+        &["MIG-owned-0"],
+    );
+    assert_eq!(on_gpu(&m1, 0), set(&held));
+    assert_eq!(m1.slices, m2.slices);
+    assert_dynamic_mig(&m2, "gpu-0-mig-3g-40gb-4", Some("MIG-owned-0"));
+    assert_dynamic_mig(&m2, "gpu-0-mig-1g-10gb-0", None);
+}
