@@ -18,6 +18,9 @@
 //!   switches MIG off again.
 //! * On 8x H100 with MIG on, the GPU without instances rests with MIG off
 //!   (no claim holds it) and a whole GPU on it is prepared.
+//! * One writer: a second node process on the same state directory (a
+//!   rolling update) waits until the first exits, and then keeps what the
+//!   first prepared.
 
 mod plugin_support;
 
@@ -89,6 +92,9 @@ impl SimNode {
             .arg("--nvml-library")
             .arg(&b.fake_nvml)
             .args(["inventory", "-o", "json"])
+            // Only this machine's state: nothing a node started by hand
+            // (`cluster.sh node-start`, then `env`) left in this shell.
+            .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
             .env("TESSERA_FAKE_NVML_TOPOLOGY", &self.topology)
             .env("TESSERA_FAKE_NVML_STATE", self.world.dirs.nvml_state())
             .output()?;
@@ -545,4 +551,83 @@ async fn a_mig_on_hopper_without_instances_rests_with_mig_off_and_serves_a_whole
     }
     node.stop().await?;
     outcome
+}
+
+#[tokio::test]
+async fn a_second_node_process_waits_for_the_first_and_keeps_what_it_prepared() -> Result<()> {
+    let w = World::new("one-writer").await?;
+    let mut old = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut old, &w.driver).await?;
+    let claim = create_allocated(
+        &w.cluster.client(),
+        w.ns(),
+        &ClaimSpec {
+            name: "held".into(),
+            requests: vec![("gpu".into(), CLASS.into())],
+            results: vec![result(
+                "gpu",
+                &w.driver,
+                &w.node,
+                &whole_gpu(&w.node, &w.driver),
+            )],
+            config: vec![],
+            spec_config: vec![],
+        },
+    )
+    .await?;
+    let uid = claim.metadata.uid.clone().context("uid")?;
+    let answer = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        answer.claims[&uid].error.is_empty(),
+        "{}",
+        answer.claims[&uid].error
+    );
+    let spec = w.dirs.spec(&uid).context("no CDI spec")?;
+
+    // The new pod of a rolling update starts beside the old one.
+    let mut options = w.options();
+    options.log = "plugin-new.log".into();
+    let mut new = PluginProcess::start(&w.dirs, &options)?;
+    let new_log = new.log.clone();
+    wait_for(
+        "the new process to wait for the state lock",
+        TIMEOUT,
+        || {
+            let text = std::fs::read_to_string(&new_log).unwrap_or_default();
+            async move { Ok(text.contains("waiting for it to exit").then_some(())) }
+        },
+    )
+    .await?;
+    new.check_running()?;
+    ensure!(
+        !std::fs::read_to_string(&new_log)?.contains("start-up recovery done"),
+        "the new process recovered while the old one still held the state"
+    );
+    ensure!(
+        w.dirs.spec(&uid).as_ref() == Some(&spec),
+        "the spec changed under the old process"
+    );
+
+    // The old one exits; the new one takes over what it prepared.
+    old.terminate().await?;
+    let mut k = register(&w.dirs, &mut new, &w.driver).await?;
+    ensure!(
+        w.dirs.spec(&uid).as_ref() == Some(&spec),
+        "the new process removed the spec"
+    );
+    ensure!(w.dirs.checkpoint()[&uid]["state"] == "Completed");
+    let again = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        again.claims[&uid] == answer.claims[&uid],
+        "answered differently after the handover"
+    );
+    let un = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        un.claims[&uid].error.is_empty(),
+        "{}",
+        un.claims[&uid].error
+    );
+    ensure!(w.dirs.spec(&uid).is_none());
+    new.terminate().await?;
+    w.namespace.delete().await
 }

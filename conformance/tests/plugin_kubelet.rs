@@ -49,6 +49,7 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
             kubelet: Some(kubelet.clone()),
             topology: topology_path(),
             args: Vec::new(),
+            log: "plugin.log".into(),
         },
     )?;
     let log = plugin.log.clone();

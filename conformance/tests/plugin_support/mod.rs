@@ -65,6 +65,9 @@ pub fn inventory() -> &'static Inventory {
             .arg("--nvml-library")
             .arg(&b.fake_nvml)
             .args(["inventory", "-o", "json"])
+            // Only this machine's state: nothing a node started by hand
+            // (`cluster.sh node-start`, then `env`) left in this shell.
+            .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
             .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
             .env("TESSERA_FAKE_NVML_STATE", machine.path().join("nvml.state"))
             .output()
@@ -249,12 +252,14 @@ pub struct PluginOptions {
     pub topology: PathBuf,
     /// Extra `tessera plugin` arguments.
     pub args: Vec<String>,
+    /// Log file name in the plugin directory (appended to).
+    pub log: String,
 }
 
 impl PluginProcess {
     pub fn start(dirs: &PluginDirs, opts: &PluginOptions) -> Result<Self> {
         let b = binaries();
-        let log = dirs.path("plugin.log");
+        let log = dirs.path(&opts.log);
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -524,6 +529,7 @@ impl World {
             kubelet: None,
             topology: topology_path(),
             args: Vec::new(),
+            log: "plugin.log".into(),
         }
     }
 
