@@ -178,8 +178,11 @@ impl<'a> SliceModel<'a> {
         self
     }
 
-    /// Names of devices currently allocated to claims: kept published even
-    /// if the policy stops offering them.
+    /// Names of devices currently allocated to claims (and prepared by the
+    /// node): kept published when the policy, the inventory or the server's
+    /// capabilities change, and nothing that could double-book their GPU is
+    /// published beside them (see [`plan`], "Held devices"). A GPU that left
+    /// the inventory keeps its number while a claim holds one of its devices.
     pub fn held_devices(mut self, names: impl IntoIterator<Item = String>) -> Self {
         self.held = names.into_iter().collect();
         self

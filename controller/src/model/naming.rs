@@ -16,7 +16,12 @@
 //!   `1g-10gb-me`; start = first memory slice of the placement), static-mode
 //!   replicas `gpu-<n>-isolated-<i>` / `gpu-<n>-shared-<i>`. A MIG device is
 //!   named by what it occupies, so an instance Tessera created for a claim
-//!   and the placement device it came from have the same name.
+//!   and the placement device it came from have the same name. Compute
+//!   instances sharing one GPU instance get `-ci<id>`; a held `-ci<id>` name
+//!   is kept when its siblings go.
+//! * A GPU that vanished keeps its number reserved while a claim holds one
+//!   of its devices ([`assign_gpu_indices_reserving`]), so a new card never
+//!   takes over a held device's name.
 //! * Counter sets: `gpu-<n>`. Slices: `<node>-<driver>-<k>`.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -25,10 +25,47 @@
 //! "owned") are not foreign: they are the allocated dynamic device itself,
 //! published unchanged, so creating one does not rewrite the slice.
 //!
-//! Devices a claim holds (passed in as "held") stay published even when the
-//! policy no longer offers them, because dropping an allocated device lets
-//! the scheduler over-commit its counters (kubernetes#140806). Physical
-//! impossibility is never overridden.
+//! # Held devices
+//!
+//! Devices a claim holds (passed in as "held": allocated claims and the
+//! node's checkpoint) stay published under their names when the policy, the
+//! inventory or the API server's capabilities change, because dropping an
+//! allocated device lets the scheduler over-commit (kubernetes#140806), and
+//! nothing is published beside them that could double-book their GPU. A
+//! held name is resolved against what the GPU could publish in any model
+//! (`super::held`); what it stands for decides the GPU:
+//!
+//! | model  | held on the GPU | published on the GPU |
+//! |--------|-----------------|----------------------|
+//! | static | nothing (no owned instance) | the policy's static mode |
+//! | static | devices of one use (whole, MIG, one share level) | that use, overriding `static.mode` (noted) |
+//! | static | whole GPU | `gpu-<n>`, nothing else |
+//! | static | MIG (held placements, held instances, owned instances) | held placements and owned instances as dynamic devices without counters, existing instances not overlapping a held placement |
+//! | static | replicas `gpu-<n>-<level>-<i>`, all below `static.replicas` | the replica layout `0..replicas` of that level |
+//! | static | replicas beyond `static.replicas` | only the held replicas (noted) |
+//! | static | share device `gpu-<n>-<level>`, consumable capacity served | that share device (multi-allocatable, no counters), nothing else |
+//! | static | share device, no consumable capacity | nothing at all: it cannot be represented (noted) |
+//! | static | several uses (only after odd histories) | only the held devices that can be represented (noted) |
+//! | full   | replicas | only the held devices, without counters, no counter set (noted) |
+//! | full   | anything else | the full model; held devices also where MIG state or policy would not offer them (noted), their counters exclude the rest |
+//!
+//! In the full model a held whole GPU or share device published with
+//! counters needs no special case: the scheduler charges the counters of
+//! every allocated device as the device is published now (also one
+//! allocated before it had counters), so everything else on the GPU no
+//! longer fits. Pre-existing instances have no counters, so one that
+//! overlaps a held device (a held placement, or any instance beside a held
+//! whole GPU or share) is not published while it is not held itself.
+//!
+//! Held names that stand for nothing any more are not published, with a
+//! note: a MIG instance device whose instance is gone and whose name is not
+//! a placement of the GPU (a `-ci<id>` compute-instance device), a profile
+//! the GPU no longer lists, a GPU that left the inventory (see
+//! [`super::SliceModel::build`]). A held name that is a placement is kept as
+//! that placement even when no instance exists: by name, a dynamic device
+//! not created yet and an operator's instance that went cannot be told
+//! apart, and the placement occupies exactly the memory slices the instance
+//! did.
 
 use std::collections::BTreeSet;
 
