@@ -64,13 +64,6 @@ impl SimNode {
     async fn start(prefix: &str, topology: &str, capabilities: &str) -> Result<SimNode> {
         let world = World::new(prefix).await?;
         world.cluster.register_fake_node(&world.node).await?;
-        // The MPS stand-in where the driver root has the control binary.
-        let bin = world.dirs.driver_root().join("usr/bin");
-        std::fs::create_dir_all(&bin)?;
-        std::os::unix::fs::symlink(
-            binaries().tessera.with_file_name("fake-mps-control"),
-            bin.join("nvidia-cuda-mps-control"),
-        )?;
         let topology = topology_file(topology);
         let mut options = world.options();
         options.topology = topology.clone();

@@ -5,7 +5,11 @@
 //! * no checkpoint entry is left half-done (`Started` / `Unpreparing`);
 //! * every CDI spec belongs to a completed claim (no orphans) and every
 //!   completed claim has exactly its recorded spec;
-//! * every completed claim is answered exactly as it was the first time.
+//! * every completed claim is answered exactly as it was the first time;
+//! * no MIG device is left that no completed claim recorded creating (a
+//!   dynamic MIG claim is among them), seen from another process;
+//! * an MPS control daemon runs for the Isolated share exactly while a
+//!   completed claim holds it, and no other daemon is left.
 //!
 //! The random points come from a seeded generator: the seed is printed, and
 //! `TESSERA_CRASH_SEED=<n>` repeats a run; `TESSERA_CRASH_CYCLES` changes
@@ -13,7 +17,7 @@
 
 mod plugin_support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -21,6 +25,8 @@ use serde_json::{Value, json};
 use tessera_api::kubelet::dra_v1;
 
 use plugin_support::*;
+use tessera_conformance::wait_for;
+use tessera_controller::model::DeviceKind;
 
 /// xorshift64*: small, deterministic, good enough to pick kill points.
 struct Rng(u64);
@@ -68,6 +74,47 @@ fn check_files(dirs: &PluginDirs, cycle: usize) -> Result<Vec<String>> {
     Ok(completed)
 }
 
+fn instance_uuids(inventory: &tessera_api::inventory::Inventory) -> BTreeSet<String> {
+    inventory
+        .gpus
+        .iter()
+        .flat_map(|g| g.mig.instances())
+        .map(|i| i.uuid.clone())
+        .collect()
+}
+
+/// The MIG devices on the machine are the topology's and those completed
+/// claims recorded creating; an MPS daemon runs exactly while the Isolated
+/// claim is completed.
+async fn check_hardware(
+    dirs: &PluginDirs,
+    static_migs: &BTreeSet<String>,
+    isolated: &str,
+    cycle: usize,
+) -> Result<()> {
+    let cp = dirs.checkpoint();
+    let recorded: BTreeSet<String> = cp
+        .values()
+        .flat_map(|e| e["actions"].as_array().cloned().unwrap_or_default())
+        .filter_map(|a| a["instance"]["migUuid"].as_str().map(str::to_owned))
+        .collect();
+    let now = instance_uuids(&dirs.inventory_now(&topology_path())?);
+    let expected: BTreeSet<String> = static_migs.union(&recorded).cloned().collect();
+    ensure!(
+        now == expected,
+        "cycle {cycle}: MIG devices {now:?}, expected the topology's plus the recorded {recorded:?}"
+    );
+    let want = usize::from(cp.contains_key(isolated));
+    let daemons = wait_for("the MPS daemons to match the claims", TIMEOUT, || {
+        let found = dirs.mps_daemons();
+        async move { Ok((found.len() == want).then_some(found)) }
+    })
+    .await
+    .with_context(|| format!("cycle {cycle}: {:?} daemons", dirs.mps_daemons()))?;
+    ensure!(daemons.len() == want);
+    Ok(())
+}
+
 #[tokio::test]
 async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
     let seed: u64 = match std::env::var("TESSERA_CRASH_SEED") {
@@ -95,10 +142,17 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
     let shared = share(&w.node, &w.driver, true);
     let gpu = whole_gpu(&w.node, &w.driver);
     let (mig, _) = existing_mig(&w.node, &w.driver);
+    let isolated = share(&w.node, &w.driver, false);
+    // 1g.5gb on GPU 0's free memory slice: created at prepare.
+    let dynamic = device_where(&w.node, &w.driver, |r| {
+        matches!(&r.kind, DeviceKind::Mig { dynamic: true, existing: None, profile, placement, .. }
+            if profile == "1g.5gb" && placement.start == 3)
+    });
     let mut claims = Vec::new();
-    for (i, device) in [&shared, &shared, &gpu, &mig].into_iter().enumerate() {
+    let devices = [&shared, &shared, &gpu, &mig, &isolated, &dynamic];
+    for (i, device) in devices.into_iter().enumerate() {
         let mut r = result("dev", &w.driver, &w.node, device);
-        if device == &shared {
+        if device == &shared || device == &isolated {
             r["shareID"] = json!(format!("00000000-0000-4000-8000-{i:012}"));
             r["consumedCapacity"] = json!({"memory": "512Mi", "cores": "5"});
         }
@@ -131,6 +185,9 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
         }
         Ok(())
     };
+
+    let isolated_uid = claims[4].uid.clone();
+    let static_migs = instance_uuids(&w.dirs.inventory_now(&topology_path())?);
 
     let started = Instant::now();
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
@@ -191,6 +248,7 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
         plugin = PluginProcess::start(&w.dirs, &w.options())?;
         k = register(&w.dirs, &mut plugin, &w.driver).await?;
         let completed = check_files(&w.dirs, cycle)?;
+        check_hardware(&w.dirs, &static_migs, &isolated_uid, cycle).await?;
         completed_seen += completed.len();
         // Completed claims are answered unchanged (from the checkpoint).
         let again: Vec<dra_v1::Claim> = claims
@@ -217,9 +275,10 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
         started.elapsed()
     );
     // Coverage, not correctness: enough restarts found completed claims to
-    // check (about one per cycle is typical).
+    // check (one every two or three cycles is typical: prepares that start an
+    // MPS daemon or create a MIG device are often killed before they end).
     ensure!(
-        completed_seen >= cycles / 4,
+        completed_seen >= cycles / 6,
         "only {completed_seen} completed claims were checked after {cycles} restarts"
     );
     ensure!(
@@ -233,6 +292,7 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
         ensure!(a.error.is_empty(), "final unprepare of {uid}: {}", a.error);
     }
     ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
+    check_hardware(&w.dirs, &static_migs, &isolated_uid, cycles).await?;
     ensure!(w.dirs.checkpoint().is_empty());
     let leftover: Vec<Value> = w.dirs.checkpoint().into_values().collect();
     ensure!(leftover.is_empty());

@@ -44,8 +44,8 @@ use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{MpsConfig, MpsSharing, MpsSupervisor, PID_FILE, ProcessId};
 use tessera_driver::prepare::catalog::{Catalog, DeviceCatalog};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use tessera_driver::prepare::plan::Layout;
-use tessera_driver::prepare::sharing::{Sharing, Unsupported};
+use tessera_driver::prepare::enforcement::Layout;
+use tessera_driver::prepare::sharing::{SharingControl, Unsupported};
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 
 const NODE: &str = "podman-node";
@@ -135,7 +135,7 @@ impl Node {
     async fn prepare(
         &self,
         claim: ResourceClaim,
-        sharing: Arc<dyn Sharing>,
+        sharing: Arc<dyn SharingControl>,
     ) -> (Arc<Preparer>, ClaimRef, String, PathBuf) {
         let model = SliceModel::new(
             &self.inventory,
@@ -146,7 +146,9 @@ impl Node {
         .driver(self.driver.clone())
         .build()
         .unwrap();
-        let catalog = Catalog::from_model(&self.inventory, &model);
+        // The CDI spec is the subject here, not MIG mode switching: no GPU
+        // whose mode the driver manages.
+        let catalog = Catalog::new(self.inventory.clone(), model.devices);
         let base = self.dir.path();
         fs::write(base.join("boot_id"), "podman-test-boot\n").unwrap();
         let config = PrepareConfig {

@@ -590,7 +590,7 @@ fn a_state_dir_too_long_for_unix_sockets_is_refused() {
 fn the_prepare_trait_maps_targets_to_per_device_daemons() {
     use tessera_api::config::{Limits, TimeSliceInterval};
     use tessera_driver::mps::MpsSharing;
-    use tessera_driver::prepare::sharing::{MpsTarget, Sharing, Unsupported};
+    use tessera_driver::prepare::sharing::{MpsTarget, SharingControl, Unsupported};
 
     let s = Scratch::new();
     let sharing = MpsSharing::new(Arc::new(MpsSupervisor::new(s.config())), Unsupported);
@@ -660,7 +660,7 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
 // driver must keep its hands off both decoys, keep file contents out of its
 // errors, and still recover.
 
-use tessera_driver::prepare::sharing::{MpsClient, MpsTarget, Sharing, Unsupported};
+use tessera_driver::prepare::sharing::{MpsClient, MpsTarget, SharingControl, Unsupported};
 
 const SECRET: &str = "decoy-7f3a9c: the driver must never truncate, follow or show this";
 const LOG_NAMES: [&str; 3] = ["launcher.log", "control.log", "server.log"];

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -175,6 +175,53 @@ impl PluginDirs {
     pub fn boot_id(&self) -> PathBuf {
         self.path("boot_id")
     }
+    /// The GPUs of this node's simulated machine as another process sees
+    /// them now.
+    pub fn inventory_now(&self, topology: &Path) -> Result<Inventory> {
+        let b = binaries();
+        let out = Command::new(&b.tessera)
+            .arg("--nvml-library")
+            .arg(&b.fake_nvml)
+            .args(["inventory", "-o", "json"])
+            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology)
+            .env("TESSERA_FAKE_NVML_STATE", self.nvml_state())
+            .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "tessera inventory: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    /// The MPS control binary under the driver root.
+    pub fn mps_control(&self) -> PathBuf {
+        self.driver_root().join("usr/bin/nvidia-cuda-mps-control")
+    }
+
+    /// Running MPS control daemons started from this driver root.
+    pub fn mps_daemons(&self) -> Vec<i32> {
+        let control = self.mps_control();
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        procs
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                    return false;
+                };
+                let mut args = cmdline.split(|b| *b == 0);
+                let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|r| r.starts_with('Z')));
+                args.next() == Some(control.as_os_str().as_encoded_bytes())
+                    && args.any(|a| a == b"-f")
+                    && !zombie
+            })
+            .collect()
+    }
+
     /// MPS pipe directories (short: Unix socket paths are limited).
     pub fn mps(&self) -> PathBuf {
         self.path("mps")
@@ -196,6 +243,12 @@ impl PluginDirs {
         for minor in 0..8 {
             std::fs::write(root.join(format!("dev/nvidia{minor}")), "")?;
         }
+        // The MPS stand-in where a driver install has the control binary.
+        std::fs::create_dir_all(root.join("usr/bin"))?;
+        std::os::unix::fs::symlink(
+            binaries().tessera.with_file_name("fake-mps-control"),
+            self.mps_control(),
+        )?;
         Ok(())
     }
 

@@ -10,7 +10,7 @@
 //! are still discovered. A GPU without MIG support is not a failure: it is
 //! [`Mig::NotSupported`].
 
-mod naming;
+mod nvml_names;
 mod raw;
 
 use std::ffi::OsStr;
@@ -135,7 +135,7 @@ pub fn discover(nvml: &Nvml) -> Result<Discovery, Error> {
     Ok(Discovery {
         inventory: Inventory {
             driver_version,
-            cuda_driver_version: naming::cuda_version(cuda),
+            cuda_driver_version: nvml_names::cuda_version(cuda),
             gpus,
         },
         failed,
@@ -174,17 +174,17 @@ fn discover_gpu(nvml: &Nvml, index: u32) -> Result<Gpu, GpuError> {
     let uuid = device.uuid().map_err(cx.fail("reading its UUID"))?;
     cx.uuid = Some(uuid.clone());
     let pci = device.pci_info().map_err(cx.fail("reading its PCI info"))?;
-    let pci_bus_id = naming::pci_bus_id(pci.domain, pci.bus, pci.device);
+    let pci_bus_id = nvml_names::pci_bus_id(pci.domain, pci.bus, pci.device);
     cx.pci_bus_id = Some(pci_bus_id.clone());
 
     let product_name = device.name().map_err(cx.fail("reading its name"))?;
     let brand = match device.brand() {
-        Ok(b) => naming::brand(b),
+        Ok(b) => nvml_names::brand(b),
         Err(NvmlError::UnexpectedVariant(_)) => "unknown",
         Err(e) => return Err(cx.fail("reading its brand")(e)),
     };
     let architecture = match device.architecture() {
-        Ok(a) => naming::architecture(a),
+        Ok(a) => nvml_names::architecture(a),
         Err(NvmlError::UnexpectedVariant(_)) => "unknown",
         Err(e) => return Err(cx.fail("reading its architecture")(e)),
     };
@@ -222,7 +222,7 @@ fn discover_gpu(nvml: &Nvml, index: u32) -> Result<Gpu, GpuError> {
 fn multiprocessors(device: &Device, major: i32, minor: i32, cx: &Context) -> Result<u32, GpuError> {
     match (
         device.num_cores(),
-        naming::cores_per_multiprocessor(major, minor),
+        nvml_names::cores_per_multiprocessor(major, minor),
     ) {
         (Ok(cores), Some(per_sm)) if cores > 0 => return Ok(cores / per_sm),
         (Ok(_) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)), _) => {}
@@ -281,7 +281,7 @@ fn discover_profiles(
         let name = raw::profile_name(nvml, device, index)
             .map_err(cx.fail(format!("reading the name of MIG profile {}", info.id)))?
             .unwrap_or_else(|| {
-                naming::derive_profile_name(
+                nvml_names::derive_profile_name(
                     Some(index),
                     info.slice_count,
                     info.memory_size_mb,
@@ -343,7 +343,7 @@ fn discover_instances(
             .find(|p| p.id == profile_id)
             .map(|p| p.name.clone())
             .unwrap_or_else(|| {
-                naming::derive_profile_name(
+                nvml_names::derive_profile_name(
                     None,
                     attrs.gpu_instance_slice_count,
                     attrs.memory_size_mb,
@@ -352,7 +352,7 @@ fn discover_instances(
             });
         instances.push(MigInstance {
             uuid,
-            profile: naming::compute_instance_name(
+            profile: nvml_names::compute_instance_name(
                 attrs.compute_instance_slice_count,
                 attrs.gpu_instance_slice_count,
                 &gpu_instance_profile,

@@ -35,7 +35,7 @@ fn name_of(raw: &[c_char]) -> Option<String> {
     CStr::from_bytes_until_nul(&bytes)
         .ok()
         .and_then(|s| s.to_str().ok())
-        .and_then(super::naming::from_nvml)
+        .and_then(super::nvml_names::from_nvml)
 }
 
 /// The name NVML gives the GPU instance profile at `index`

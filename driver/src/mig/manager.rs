@@ -106,6 +106,19 @@ impl MigManager for NvmlMig {
         })
     }
 
+    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError> {
+        match super::list(&self.nvml, gpu_uuid) {
+            Ok(list) => Ok(list.iter().any(|g| {
+                g.gpu_instance_id == recorded.gpu_instance_id
+                    && g.compute_instances
+                        .iter()
+                        .any(|c| c.mig_uuid.as_deref() == Some(recorded.mig_uuid.as_str()))
+            })),
+            Err(super::MigError::GpuNotFound { .. }) => Ok(false),
+            Err(e) => Err(shown(e)),
+        }
+    }
+
     fn destroy(
         &self,
         gpu_uuid: &str,

@@ -1,4 +1,4 @@
-//! [`MpsSharing`]: the prepare engine's [`Sharing`] trait on top of the
+//! [`MpsSharing`]: the prepare engine's [`SharingControl`] trait on top of the
 //! supervisor, for wiring into the plugin:
 //!
 //! ```text
@@ -13,7 +13,7 @@ use tessera_api::config::{Limits, TimeSliceInterval};
 
 use super::supervisor::MpsSupervisor;
 use crate::claim_uid::ClaimUid;
-use crate::prepare::sharing::{MpsClient, MpsTarget, Sharing, SharingError};
+use crate::prepare::sharing::{MpsClient, MpsTarget, SharingControl, SharingError};
 
 /// MPS through an [`MpsSupervisor`], time slices through `T`.
 pub struct MpsSharing<T> {
@@ -39,7 +39,7 @@ fn device(target: &MpsTarget) -> &str {
     target.mig_uuid.as_deref().unwrap_or(&target.gpu_uuid)
 }
 
-impl<T: Sharing> Sharing for MpsSharing<T> {
+impl<T: SharingControl> SharingControl for MpsSharing<T> {
     /// The daemon is shared by every claim on the device, so a claim's
     /// limits are not daemon settings: prepare puts them in the claim's own
     /// environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`,

@@ -26,7 +26,7 @@ use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
-use crate::prepare::plan::{Layout, discover_driver_files};
+use crate::prepare::enforcement::{Layout, discover_driver_files};
 use crate::prepare::sharing::Unsupported;
 use crate::prepare::status::{NodeEvents, StatusWriter};
 use crate::prepare::{Dependencies, PrepareConfig, Preparer};

@@ -12,7 +12,7 @@
 //!    configs merged ([`tessera_api::config::resolve_claim`]).
 //! 4. The checkpoint entry is written `Started` with the side effects about
 //!    to be made; then MIG devices are created, MPS daemons acquired, the
-//!    CDI spec written ([`plan`]); then the entry becomes `Completed` with
+//!    CDI spec written ([`enforcement`]); then the entry becomes `Completed` with
 //!    the answer and the spec. Any failure rolls back what was done.
 //! 5. `status.devices` is written in the background ([`status`]).
 //!
@@ -29,8 +29,8 @@
 
 pub mod catalog;
 pub mod claims;
+pub mod enforcement;
 pub mod mig_caps;
-pub mod plan;
 pub mod sharing;
 pub mod state;
 pub mod status;
@@ -49,8 +49,8 @@ use crate::claim_uid::ClaimUid;
 
 use catalog::DeviceCatalog;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
-use plan::{Built, Layout, Resolved};
-use sharing::{MigManager, Sharing};
+use enforcement::{Built, Layout, Resolved};
+use sharing::{MigManager, SharingControl};
 use state::{Action, ClaimEntry, EntryState, MigRecord, PreparedDevice};
 use status::{NodeEvents, StatusWriter};
 
@@ -75,7 +75,7 @@ pub struct PrepareConfig {
 pub struct Dependencies {
     pub claims: Arc<dyn ClaimSource>,
     pub catalog: Arc<DeviceCatalog>,
-    pub sharing: Arc<dyn Sharing>,
+    pub sharing: Arc<dyn SharingControl>,
     pub mig: Arc<dyn MigManager>,
     /// Writes `status.devices`; `None` leaves the status alone.
     pub status: Option<Arc<StatusWriter>>,
@@ -255,6 +255,12 @@ impl Preparer {
                         .push(format!("finishing unprepare of claim {uid}: {e}")),
                 },
                 EntryState::Completed => {
+                    // What the claim was prepared with is the driver's (the
+                    // model publishes it as such); a device that vanished
+                    // (a GPU reset, a hand-made change) is reported.
+                    for problem in self.missing_mig(&uid, &entry) {
+                        recovery.problems.push(problem);
+                    }
                     // The status write runs in the background after prepare;
                     // a kill may have lost it. Applying it again is
                     // idempotent (server-side apply of the same content).
@@ -446,7 +452,7 @@ impl Preparer {
         let resolved: Vec<Resolved> = allocation
             .devices
             .iter()
-            .map(|d| plan::resolve(claim, d, &catalog))
+            .map(|d| enforcement::resolve(claim, d, &catalog))
             .collect::<Result<_, _>>()?;
         let targets: Vec<_> = resolved.iter().map(|r| r.target.clone()).collect();
         let configs = resolve_claim(&claim.to_string(), &allocation.configs, &targets)
@@ -455,7 +461,7 @@ impl Preparer {
         let actions: Vec<Action> = resolved
             .iter()
             .zip(&configs)
-            .flat_map(|(d, c)| plan::actions(d, c))
+            .flat_map(|(d, c)| enforcement::actions(d, c))
             .collect();
         let started = ClaimEntry {
             namespace: claim.namespace.clone(),
@@ -532,11 +538,11 @@ impl Preparer {
                         ))
                     })?;
             }
-            let mps = match plan::mps_limits(&config) {
+            let mps = match enforcement::mps_limits(&config) {
                 Some(limits) => Some(
                     self.deps
                         .sharing
-                        .mps_acquire(uid, &plan::mps_target(&device), &limits)
+                        .mps_acquire(uid, &enforcement::mps_target(&device), &limits)
                         .map_err(|e| {
                             fail(format!(
                                 "cannot start MPS for device {}: {e}",
@@ -553,7 +559,7 @@ impl Preparer {
             });
         }
 
-        let (spec, devices, status) = plan::build(claim, uid, &self.config.layout, &built)?;
+        let (spec, devices, status) = enforcement::build(claim, uid, &self.config.layout, &built)?;
         self.specs.write(uid, &spec).map_err(|e| {
             fail(format!("cannot write its CDI spec: {e}")).fix(format!(
                 "check that {} is writable",
@@ -608,7 +614,7 @@ impl Preparer {
             }
         }
         for device in resolved.iter_mut() {
-            let plan::Kind::Mig {
+            let enforcement::Kind::Mig {
                 instance,
                 create: Some((profile_id, placement)),
                 ..
@@ -695,6 +701,34 @@ impl Preparer {
         }
         for p in &problems {
             warn!("{p}");
+        }
+        problems
+    }
+
+    /// Recorded MIG devices of a prepared claim that NVML no longer has.
+    fn missing_mig(&self, uid: &ClaimUid, entry: &ClaimEntry) -> Vec<String> {
+        let mut problems = Vec::new();
+        for action in &entry.actions {
+            let Action::MigCreate {
+                gpu_uuid,
+                instance: Some(record),
+                ..
+            } = action
+            else {
+                continue;
+            };
+            match self.deps.mig.exists(gpu_uuid, record) {
+                Ok(true) => {}
+                Ok(false) => problems.push(format!(
+                    "claim {}/{} (uid {uid}): its MIG device {} on GPU {gpu_uuid} is gone (GPU \
+                     reset or removed by hand); its containers cannot use it: delete its Pod",
+                    entry.namespace, entry.name, record.mig_uuid
+                )),
+                Err(e) => problems.push(format!(
+                    "claim {uid}: cannot check its MIG device {}: {e}",
+                    record.mig_uuid
+                )),
+            }
         }
         problems
     }

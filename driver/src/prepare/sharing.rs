@@ -52,7 +52,7 @@ pub struct MpsClient {
 }
 
 /// MPS daemons and time slices.
-pub trait Sharing: Send + Sync {
+pub trait SharingControl: Send + Sync {
     /// Make sure an MPS control daemon serves `target` and holds a reference
     /// for `claim`; `limits` are the claim's defaults (the daemon may use
     /// them as its default per-client limits).
@@ -112,6 +112,10 @@ pub trait MigManager: Send + Sync {
         placement: MigPlacement,
     ) -> Result<MigInstance, SharingError>;
 
+    /// Whether the MIG device `recorded` names still exists (matched by GPU
+    /// instance id and MIG UUID).
+    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError>;
+
     /// Destroy what a claim created: the GPU instance `recorded` names
     /// (matched by id and MIG UUID), or with no record (a crash between
     /// asking NVML and recording the answer) the GPU instance of
@@ -140,7 +144,7 @@ impl Unsupported {
     }
 }
 
-impl Sharing for Unsupported {
+impl SharingControl for Unsupported {
     fn mps_acquire(
         &self,
         _claim: &ClaimUid,
@@ -201,6 +205,10 @@ impl MigManager for Unsupported {
         Err(Self::refuse(
             "creating MIG devices at prepare (dynamic MIG)",
         ))
+    }
+
+    fn exists(&self, _gpu_uuid: &str, _recorded: &MigRecord) -> Result<bool, SharingError> {
+        Ok(false)
     }
 
     fn destroy(

@@ -13,7 +13,7 @@ use tessera_controller::model::{DeviceKind, DeviceRef, IsolationLevel as ModelLe
 
 use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use super::sharing::{MpsClient, MpsTarget, Sharing, SharingError, Unsupported};
+use super::sharing::{MpsClient, MpsTarget, SharingControl, SharingError, Unsupported};
 use super::*;
 
 const NODE: &str = "node-a";
@@ -41,7 +41,7 @@ impl Recorder {
     }
 }
 
-impl Sharing for Recorder {
+impl SharingControl for Recorder {
     fn mps_acquire(
         &self,
         claim: &ClaimUid,
