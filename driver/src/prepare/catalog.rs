@@ -50,6 +50,14 @@ impl Catalog {
         }
     }
 
+    /// The same catalog with these GPUs' MIG mode managed by the driver
+    /// (tests of prepare's switching).
+    #[cfg(test)]
+    pub(crate) fn with_mig_managed(mut self, gpus: &[&str]) -> Self {
+        self.mig_managed = gpus.iter().map(|g| g.to_string()).collect();
+        self
+    }
+
     pub fn resolve(&self, device: &str) -> Option<&DeviceRef> {
         self.devices.get(device)
     }

@@ -160,15 +160,25 @@ impl Fixture {
     }
 
     async fn open(&self, claims: Vec<ResourceClaim>) -> (Arc<Preparer>, Recovery) {
+        self.open_with(claims, catalog(), Arc::new(Unsupported))
+            .await
+    }
+
+    async fn open_with(
+        &self,
+        claims: Vec<ResourceClaim>,
+        catalog: Catalog,
+        mig: Arc<dyn MigManager>,
+    ) -> (Arc<Preparer>, Recovery) {
         let claims = claims
             .into_iter()
             .map(|c| (c.metadata.name.clone().unwrap(), c))
             .collect();
         let deps = Dependencies {
             claims: Arc::new(Claims(claims)),
-            catalog: Arc::new(DeviceCatalog::fixed(catalog())),
+            catalog: Arc::new(DeviceCatalog::fixed(catalog)),
             sharing: self.sharing.clone(),
-            mig: Arc::new(Unsupported),
+            mig,
             status: None,
             events: None,
             on_change: None,
@@ -288,6 +298,142 @@ async fn failed_side_effect_rolls_back_and_other_claims_proceed() {
             .calls()
             .contains(&format!("release {} {GPU}", uid(1)))
     );
+}
+
+/// One GPU's MIG mode and instance count, as NVML would keep them, and the
+/// switches asked for.
+#[derive(Default)]
+struct MigRecorder(Mutex<(bool, usize, Vec<String>)>);
+
+impl MigRecorder {
+    fn new(enabled: bool, instances: usize) -> Arc<Self> {
+        Arc::new(MigRecorder(Mutex::new((enabled, instances, Vec::new()))))
+    }
+    fn switches(&self) -> Vec<String> {
+        self.0.lock().unwrap().2.clone()
+    }
+    fn set_enabled(&self, enabled: bool) {
+        self.0.lock().unwrap().0 = enabled;
+    }
+}
+
+impl MigManager for MigRecorder {
+    fn mig_enabled(&self, _gpu: &str) -> Result<bool, SharingError> {
+        Ok(self.0.lock().unwrap().0)
+    }
+    fn set_mig_mode(&self, gpu: &str, enabled: bool) -> Result<(), SharingError> {
+        let mut s = self.0.lock().unwrap();
+        s.2.push(format!("{gpu} mig {}", if enabled { "on" } else { "off" }));
+        if !enabled && s.1 > 0 {
+            return Err(SharingError("NVML: in use (a GPU instance exists)".into()));
+        }
+        s.0 = enabled;
+        Ok(())
+    }
+    fn has_instances(&self, _gpu: &str) -> Result<bool, SharingError> {
+        Ok(self.0.lock().unwrap().1 > 0)
+    }
+    fn check_free(&self, _: &str, _: u32, _: MigPlacement) -> Result<(), SharingError> {
+        Err(SharingError("no MIG devices in this test".into()))
+    }
+    fn create(
+        &self,
+        _: &str,
+        _: u32,
+        _: MigPlacement,
+    ) -> Result<tessera_api::inventory::MigInstance, SharingError> {
+        Err(SharingError("no MIG devices in this test".into()))
+    }
+    fn exists(&self, _: &str, _: &state::MigRecord) -> Result<bool, SharingError> {
+        Ok(false)
+    }
+    fn destroy(
+        &self,
+        _: &str,
+        _: u32,
+        _: MigPlacement,
+        _: Option<&state::MigRecord>,
+    ) -> Result<(), SharingError> {
+        Ok(())
+    }
+}
+
+fn whole_claim(n: u8) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("c{n}"), "namespace": "ns", "uid": uid(n)},
+        "spec": {},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}]}}}
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so() {
+    let f = Fixture::new(false);
+    let mig = MigRecorder::new(true, 0);
+    let (preparer, _) = f
+        .open_with(
+            vec![whole_claim(3)],
+            catalog().with_mig_managed(&[GPU]),
+            mig.clone(),
+        )
+        .await;
+    let results = preparer.prepare(vec![claim_ref(3)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert_eq!(mig.switches(), [format!("{GPU} mig off")]);
+    let entry = preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).unwrap();
+    assert!(entry.actions.contains(&Action::MigMode {
+        gpu_uuid: GPU.into(),
+        enabled: false
+    }));
+
+    // Someone turns MIG on under the held GPU: not switched back while held.
+    mig.set_enabled(true);
+    assert!(preparer.settle_mig_modes([GPU]).is_empty());
+    assert_eq!(mig.switches().len(), 1, "a held GPU was switched");
+    // With the last hold gone the GPU rests with MIG off.
+    let results = preparer.unprepare(vec![claim_ref(3)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert_eq!(
+        mig.switches(),
+        [format!("{GPU} mig off"), format!("{GPU} mig off")]
+    );
+}
+
+#[tokio::test]
+async fn a_managed_gpu_that_cannot_leave_mig_mode_fails_its_claim_alone() {
+    let f = Fixture::new(false);
+    let mig = MigRecorder::new(true, 1);
+    let (preparer, _) = f
+        .open_with(
+            vec![whole_claim(3)],
+            catalog().with_mig_managed(&[GPU]),
+            mig.clone(),
+        )
+        .await;
+    let results = preparer.prepare(vec![claim_ref(3)]).await;
+    let err = results[0].1.as_ref().unwrap_err().to_string();
+    assert!(
+        err.contains("cannot prepare device gpu-0") && err.contains("in use"),
+        "{err}"
+    );
+    // Rolled back: nothing recorded, no spec.
+    assert!(preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).is_none());
+    assert_eq!(f.cdi_files(), 0);
+}
+
+#[tokio::test]
+async fn a_gpu_the_driver_does_not_manage_is_never_switched() {
+    let f = Fixture::new(false);
+    let mig = MigRecorder::new(false, 0);
+    let (preparer, _) = f
+        .open_with(vec![whole_claim(3)], catalog(), mig.clone())
+        .await;
+    let results = preparer.prepare(vec![claim_ref(3)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    preparer.unprepare(vec![claim_ref(3)]).await;
+    assert!(mig.switches().is_empty());
 }
 
 #[tokio::test]
