@@ -239,16 +239,6 @@ impl Publisher {
         self.detected.as_ref()
     }
 
-    /// GPU numbering in use (persist it to keep numbers across GPU loss).
-    pub fn gpu_indices(&self) -> &GpuIndices {
-        &self.indices
-    }
-
-    /// Numbering from an earlier run.
-    pub fn set_gpu_indices(&mut self, indices: GpuIndices) {
-        self.indices = indices;
-    }
-
     /// The node process's own knowledge, consulted on every reconcile.
     pub fn with_node_state(mut self, state: Arc<dyn NodeState>) -> Self {
         self.node_state = Some(state);

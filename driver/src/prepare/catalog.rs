@@ -66,22 +66,10 @@ impl Catalog {
         self.inventory.gpus.iter().find(|g| g.uuid == uuid)
     }
 
-    pub fn inventory(&self) -> &Inventory {
-        &self.inventory
-    }
-
     /// Whether the driver switches this GPU's MIG mode to what a prepared
     /// device needs (see `tessera_controller::model::plan`).
     pub fn mig_managed(&self, gpu_uuid: &str) -> bool {
         self.mig_managed.contains(gpu_uuid)
-    }
-
-    pub fn len(&self) -> usize {
-        self.devices.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
     }
 }
 
@@ -111,11 +99,6 @@ impl DeviceCatalog {
         DeviceCatalog {
             current: watch::Sender::new(None),
         }
-    }
-
-    /// The catalog now, if a model was built.
-    pub fn current(&self) -> Option<Arc<Catalog>> {
-        self.current.borrow().clone()
     }
 
     /// Replace the catalog (the publisher, after each model build).
