@@ -9,6 +9,7 @@
 
 mod slices;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -420,4 +421,164 @@ fn debug_durations_parse() {
         Some(Duration::from_millis(512))
     );
     assert_eq!(parse_debug_duration("later"), None);
+}
+
+/// The server's capabilities change under running claims (the publisher is
+/// told what the server serves with `--capabilities`): a held device stays
+/// published and the real scheduler never gets a whole GPU or another mode
+/// beside it. Isolated share on GPU 0: full -> consumable capacity only
+/// (the share device stays, alone) -> full again (the share, allocated
+/// while it had no counters, now has them and the scheduler charges them)
+/// -> legacy (the share cannot be represented: GPU 0 offers nothing). A
+/// replica on GPU 1: legacy -> full (only the held replica stays).
+#[tokio::test]
+async fn capability_flips_under_held_devices() -> Result<()> {
+    let cluster = Cluster::full().await?;
+    let mut pool = Pool::new(&cluster, "flip", suite::L4X2.file).await?;
+    pool.policy = Some(scratch_file(
+        &format!("{}-static-isolated.yaml", pool.id),
+        "gpus:\n  - select: {all: true}\n    static: {mode: isolated, replicas: 2}\n",
+    ));
+    let result = capability_flips(&pool).await;
+    let cleanup = pool.cleanup().await;
+    result.with_context(|| format!("node {}", pool.node))?;
+    cleanup
+}
+
+async fn capability_flips(pool: &Pool) -> Result<()> {
+    let publish = |caps: &str| pool.publish_once_with(&pool.topology, &["--capabilities", caps]);
+    let pin = |gpu: &str| format!("{} == {gpu:?}", pool.attr("uuid"));
+    let on_gpu = |devices: &BTreeMap<String, String>, gpu: &str| {
+        devices
+            .iter()
+            .filter(|(_, g)| g.as_str() == gpu)
+            .map(|(d, _)| d.clone())
+            .collect::<BTreeSet<String>>()
+    };
+
+    publish("full")?;
+    let devices = pool.device_gpus().await?;
+    let gpu0 = devices.get("gpu-0").context("gpu-0 not published")?.clone();
+    let gpu1 = devices.get("gpu-1").context("gpu-1 not published")?.clone();
+
+    // An Isolated share on GPU 0, in the full model.
+    let share = pool
+        .request(
+            "iso",
+            &pool.class("gpu-isolated"),
+            &[pin(&gpu0)],
+            &[("memory", "1Gi")],
+        )
+        .await?;
+    ensure!(pool.allocated(&share).await?.device == "gpu-0-isolated");
+
+    // Consumable capacity only: the share device stays, nothing else on GPU 0.
+    publish("consumable-only")?;
+    let devices = pool.device_gpus().await?;
+    ensure!(
+        on_gpu(&devices, &gpu0) == BTreeSet::from(["gpu-0-isolated".to_string()]),
+        "consumable-only: GPU 0 publishes {:?}",
+        on_gpu(&devices, &gpu0)
+    );
+    let whole0 = pool
+        .request_refused("whole-0", &pool.class("gpu"), &[pin(&gpu0)], &[])
+        .await?;
+    let second = pool
+        .request(
+            "iso-2",
+            &pool.class("gpu-isolated"),
+            &[pin(&gpu0)],
+            &[("memory", "1Gi")],
+        )
+        .await?;
+    ensure!(pool.allocated(&second).await?.device == "gpu-0-isolated");
+
+    // Full again: `second` was allocated while the device had no counters;
+    // the scheduler charges them now, so neither a whole GPU nor a Shared
+    // share fits on GPU 0.
+    publish("full")?;
+    let devices = pool.device_gpus().await?;
+    ensure!(
+        devices.contains_key("gpu-0") && devices.contains_key("gpu-0-isolated"),
+        "full: {devices:?}"
+    );
+    let mut pending = vec![whole0.clone()];
+    pending.push(
+        pool.request_refused("whole-0-full", &pool.class("gpu"), &[pin(&gpu0)], &[])
+            .await?,
+    );
+    pending.push(
+        pool.request_refused(
+            "shared-0-full",
+            &pool.class("gpu-shared"),
+            &[pin(&gpu0)],
+            &[],
+        )
+        .await?,
+    );
+    pool.still_refused(&whole0).await?;
+
+    // Legacy: the share device cannot be represented, GPU 0 offers nothing;
+    // GPU 1 gets its static replicas.
+    publish("legacy")?;
+    let devices = pool.device_gpus().await?;
+    ensure!(
+        on_gpu(&devices, &gpu0).is_empty(),
+        "legacy: GPU 0 publishes {:?}",
+        on_gpu(&devices, &gpu0)
+    );
+    ensure!(
+        on_gpu(&devices, &gpu1)
+            == BTreeSet::from([
+                "gpu-1-isolated-0".to_string(),
+                "gpu-1-isolated-1".to_string()
+            ]),
+        "legacy: GPU 1 publishes {:?}",
+        on_gpu(&devices, &gpu1)
+    );
+    pending.push(
+        pool.request_refused("whole-0-legacy", &pool.class("gpu"), &[pin(&gpu0)], &[])
+            .await?,
+    );
+    let replica = pool
+        .request("replica", &pool.class("gpu-isolated"), &[pin(&gpu1)], &[])
+        .await?;
+    let replica_device = pool.allocated(&replica).await?.device;
+    ensure!(replica_device.starts_with("gpu-1-isolated-"));
+
+    // Full with a held replica: GPU 1 keeps exactly it.
+    publish("full")?;
+    let devices = pool.device_gpus().await?;
+    ensure!(
+        on_gpu(&devices, &gpu1) == BTreeSet::from([replica_device.clone()]),
+        "full: GPU 1 publishes {:?}",
+        on_gpu(&devices, &gpu1)
+    );
+    pending.push(
+        pool.request_refused("whole-1", &pool.class("gpu"), &[pin(&gpu1)], &[])
+            .await?,
+    );
+    pending.push(
+        pool.request_refused(
+            "iso-1",
+            &pool.class("gpu-isolated"),
+            &[pin(&gpu1)],
+            &[("memory", "1Gi")],
+        )
+        .await?,
+    );
+    for name in &pending {
+        pool.still_refused(name).await?;
+    }
+
+    // Everything released (the refused claims first, or they would take
+    // the freed devices): both GPUs get the full model back.
+    pool.release(&pending).await?;
+    pool.release(&[share, second, replica]).await?;
+    publish("full")?;
+    let devices = pool.device_gpus().await?;
+    for name in ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-isolated"] {
+        ensure!(devices.contains_key(name), "{name} not back: {devices:?}");
+    }
+    Ok(())
 }

@@ -279,7 +279,14 @@ impl Pool {
     }
 
     pub fn publish_once_on(&self, topology: &Path) -> Result<Published> {
+        self.publish_once_with(topology, &[])
+    }
+
+    /// `tessera publish --once` with extra flags (e.g. `--capabilities
+    /// legacy`: what the publisher would do on a server serving less).
+    pub fn publish_once_with(&self, topology: &Path, extra: &[&str]) -> Result<Published> {
         let mut args = vec!["publish".to_string(), "--once".to_string()];
+        args.extend(extra.iter().map(ToString::to_string));
         args.extend(self.pool_args());
         args.push("--kubeconfig".into());
         args.push(self.cluster.kubeconfig.display().to_string());
