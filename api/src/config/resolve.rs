@@ -67,12 +67,13 @@ impl DeviceType {
     }
 }
 
-/// The `isolationLevel` of a share device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The `isolationLevel` of a share device: one vocabulary for the slice
+/// model, the config API and the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum IsolationLevel {
-    /// Limits enforced per claim.
+    /// Memory and compute limits enforced per claim.
     Isolated,
-    /// Burstable; capacity is accounting only.
+    /// Burstable time-slicing; capacity is accounting only.
     Shared,
 }
 
@@ -82,6 +83,14 @@ impl IsolationLevel {
         match self {
             IsolationLevel::Isolated => names::isolation_level::ISOLATED,
             IsolationLevel::Shared => names::isolation_level::SHARED,
+        }
+    }
+
+    /// Used in device names.
+    pub fn slug(self) -> &'static str {
+        match self {
+            IsolationLevel::Isolated => "isolated",
+            IsolationLevel::Shared => "shared",
         }
     }
 }

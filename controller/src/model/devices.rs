@@ -11,7 +11,7 @@ use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
 };
 use tessera_api::inventory::{Gpu, Inventory, MigEngines, MigInstance, MigPlacement, MigProfile};
-use tessera_api::names::{device_type, isolation_level};
+use tessera_api::names::device_type;
 
 use super::counters::Consumption;
 use super::naming::{self, normalize_pci_bus_id};
@@ -33,31 +33,7 @@ pub use tessera_api::names::capacity as cap;
 /// Granularity of share memory requests: requests round up to a multiple.
 pub const SHARE_MEMORY_STEP: u64 = 256 * 1024 * 1024;
 
-/// The isolation level of a share device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum IsolationLevel {
-    /// Memory and compute limits enforced per claim.
-    Isolated,
-    /// Burstable time-slicing; capacity is accounting only.
-    Shared,
-}
-
-impl IsolationLevel {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            IsolationLevel::Isolated => isolation_level::ISOLATED,
-            IsolationLevel::Shared => isolation_level::SHARED,
-        }
-    }
-
-    /// Used in device names.
-    pub fn slug(self) -> &'static str {
-        match self {
-            IsolationLevel::Isolated => "isolated",
-            IsolationLevel::Shared => "shared",
-        }
-    }
-}
+pub use tessera_api::config::IsolationLevel;
 
 /// What a published device stands for; the driver resolves an allocated
 /// device name to physical resources through this, never by parsing names.

@@ -33,7 +33,7 @@ use tessera_api::config::{
 };
 use tessera_api::inventory::{Gpu, MigInstance, MigPlacement};
 use tessera_api::names;
-use tessera_controller::model::{DeviceKind, IsolationLevel as ModelLevel};
+use tessera_controller::model::DeviceKind;
 
 use super::catalog::Catalog;
 use super::claims::{ClaimError, ClaimRef, Selected};
@@ -197,7 +197,7 @@ pub fn resolve(
             )
         }
         DeviceKind::Share { level, .. } => {
-            let level = api_level(*level);
+            let level = *level;
             let consumed = consumed_capacity(claim, selected, &field)?;
             (
                 Kind::Share { level, consumed },
@@ -211,7 +211,7 @@ pub fn resolve(
             cores,
             ..
         } => {
-            let level = api_level(*level);
+            let level = *level;
             let consumed = Holdings {
                 memory_bytes: *memory_bytes,
                 compute_percent: *cores,
@@ -238,13 +238,6 @@ pub fn resolve(
             holds,
         },
     })
-}
-
-fn api_level(level: ModelLevel) -> IsolationLevel {
-    match level {
-        ModelLevel::Isolated => IsolationLevel::Isolated,
-        ModelLevel::Shared => IsolationLevel::Shared,
-    }
 }
 
 fn consumed_capacity(

@@ -7,9 +7,10 @@ use std::sync::Mutex;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
+use tessera_api::config::IsolationLevel;
 use tessera_api::config::{Limits, TimeSliceInterval};
 use tessera_api::inventory::{Gpu, Inventory, Mig, MigPlacement};
-use tessera_controller::model::{DeviceKind, DeviceRef, IsolationLevel as ModelLevel};
+use tessera_controller::model::{DeviceKind, DeviceRef};
 
 use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
@@ -111,7 +112,7 @@ fn catalog() -> Catalog {
             (
                 "gpu-0-isolated".to_owned(),
                 reference(DeviceKind::Share {
-                    level: ModelLevel::Isolated,
+                    level: IsolationLevel::Isolated,
                     provider: None,
                     time_slice: None,
                 }),
