@@ -372,6 +372,46 @@ fn child_split() {
 }
 
 #[test]
+fn a_destroy_interrupted_between_the_two_instances_is_finished_by_the_record() {
+    run_child("interrupted_destroy", "h100x8-mig.yaml");
+}
+
+#[test]
+#[ignore = "run in a child process by a_destroy_interrupted_between_the_two_instances_is_finished_by_the_record"]
+fn child_interrupted_destroy() {
+    let Some(nvml) = child_nvml() else { return };
+    let gpu = nvml.device_by_uuid(H100_EMPTY).unwrap();
+    let m = mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap();
+    // A kill after the compute instance went and before the GPU instance:
+    // the MIG device (and its UUID) is gone, the GPU instance is left.
+    let gi = raw::gpu_instance_by_id(&nvml, &gpu, m.gpu_instance_id).unwrap();
+    for ci in raw::compute_instances(&nvml, gi, m.compute_profile_id, 8).unwrap() {
+        raw::destroy_compute_instance(&nvml, ci).unwrap();
+    }
+    assert!(nvml.device_by_uuid(m.mig_uuid.as_str()).is_err());
+    // Someone else's bare GPU instance elsewhere is not it.
+    let other = raw::create_gpu_instance(&nvml, &gpu, P_1G, 1, 1).unwrap();
+    let other_id = raw::gpu_instance_info(&nvml, other).unwrap().id;
+    assert_eq!(
+        mig::destroy(&nvml, H100_EMPTY, P_1G, at(1, 1), recorded(&m)).unwrap(),
+        Destroyed::AlreadyGone
+    );
+    // The retried undo finishes ours.
+    assert_eq!(
+        mig::destroy(&nvml, H100_EMPTY, P_1G, at(0, 1), recorded(&m)).unwrap(),
+        Destroyed::Destroyed
+    );
+    let left: Vec<u32> = mig::list(&nvml, H100_EMPTY)
+        .unwrap()
+        .iter()
+        .map(|g| g.gpu_instance_id)
+        .collect();
+    assert_eq!(left, [other_id]);
+    // And the placement can be used again.
+    mig::create(&nvml, H100_EMPTY, P_1G, at(0, 1)).unwrap();
+}
+
+#[test]
 fn concurrent_creates_on_one_gpu_all_land() {
     run_child("concurrent", "h100x8-mig.yaml");
 }

@@ -12,8 +12,9 @@
 //!   spanning it (the GPU instance's largest compute profile,
 //!   `nvmlGpuInstanceCreateComputeInstance`), then the MIG device's UUID.
 //! - [`destroy`]: the GPU instance a claim created, identified by what was
-//!   recorded, with its compute instances. Something already gone is
-//!   success; something else at the placement is left alone.
+//!   recorded, with its compute instances (or left without them by an
+//!   interrupted destroy). Something already gone is success; something
+//!   else at the placement is left alone.
 //! - [`list`]: every GPU instance with its compute instances and MIG UUIDs.
 //! - [`mig_enabled`] / [`set_mig_mode`].
 //!
@@ -603,11 +604,14 @@ pub fn destroy(
             gpu_instance_id,
             mig_uuid,
         } => {
-            let devices = mig_devices(nvml, &device, gpu_uuid)?;
+            // Ours: the recorded GPU instance holding the recorded MIG
+            // device, or holding nothing any more (a destroy interrupted
+            // between the compute instance and the GPU instance).
             g.id == gpu_instance_id
-                && devices
-                    .iter()
-                    .any(|d| d.gpu_instance_id == g.id && d.uuid == mig_uuid)
+                && (compute_instances(nvml, g.handle, gpu_uuid)?.is_empty()
+                    || mig_devices(nvml, &device, gpu_uuid)?
+                        .iter()
+                        .any(|d| d.gpu_instance_id == g.id && d.uuid == mig_uuid))
         }
     };
     if !ours {
