@@ -282,7 +282,16 @@ mod tests {
             .env("TESSERA_TEST_LAUNCH_ID", &secret)
             .spawn()
             .unwrap();
-        let found = find_by_env(&entry).expect("the child holds the secret");
+        // The kernel shows the new environment only once exec has set it
+        // up, a little after spawn returns.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let found = loop {
+            if let Some(found) = find_by_env(&entry) {
+                break found;
+            }
+            assert!(Instant::now() < deadline, "the child holds the secret");
+            std::thread::sleep(Duration::from_millis(5));
+        };
         assert_eq!(found.pid, child.id() as i32);
         // A prefix of the entry is not the entry.
         assert!(find_by_env(&entry[..entry.len() - 1]).is_none());
