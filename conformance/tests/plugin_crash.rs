@@ -135,9 +135,23 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
     eprintln!(
         "crash test seed: {seed} (TESSERA_CRASH_SEED={seed} repeats this run), {cycles} cycles"
     );
-    let mut rng = Rng(seed);
-
     let w = World::new("plugin-crash").await?;
+    let outcome = crash_cycles(&w, seed, cycles).await;
+    if outcome.is_err() {
+        let log = std::fs::read_to_string(w.dirs.path("plugin.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(80).collect();
+        eprintln!(
+            "plugin log (last {} lines):\n{}",
+            tail.len(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
+    }
+    outcome?;
+    w.namespace.delete().await
+}
+
+async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
+    let mut rng = Rng(seed);
     let client = w.cluster.client();
     let shared = share(&w.node, &w.driver, true);
     let gpu = whole_gpu(&w.node, &w.driver);
@@ -297,5 +311,5 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
     let leftover: Vec<Value> = w.dirs.checkpoint().into_values().collect();
     ensure!(leftover.is_empty());
     drop(plugin);
-    w.namespace.delete().await
+    Ok(())
 }
