@@ -26,7 +26,6 @@ mod plugin_support;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
@@ -80,23 +79,7 @@ impl SimNode {
 
     /// The GPUs as another process on this node sees them now.
     fn inventory(&self) -> Result<Inventory> {
-        let b = binaries();
-        let out = Command::new(&b.tessera)
-            .arg("--nvml-library")
-            .arg(&b.fake_nvml)
-            .args(["inventory", "-o", "json"])
-            // Only this machine's state: nothing a node started by hand
-            // (`cluster.sh node-start`, then `env`) left in this shell.
-            .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
-            .env("TESSERA_FAKE_NVML_TOPOLOGY", &self.topology)
-            .env("TESSERA_FAKE_NVML_STATE", self.world.dirs.nvml_state())
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "tessera inventory: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(serde_json::from_slice(&out.stdout)?)
+        self.world.dirs.inventory_now(&self.topology)
     }
 
     /// The devices the node process published, once it has.

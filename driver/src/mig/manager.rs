@@ -55,6 +55,17 @@ impl NvmlMig {
     }
 }
 
+impl NvmlMig {
+    /// The GPU instances on a GPU; none on a GPU that is gone.
+    fn instances(&self, gpu_uuid: &str) -> Result<Vec<super::GpuInstanceState>, SharingError> {
+        match super::list(&self.nvml, gpu_uuid) {
+            Ok(list) => Ok(list),
+            Err(super::MigError::GpuNotFound { .. }) => Ok(Vec::new()),
+            Err(e) => Err(shown(e)),
+        }
+    }
+}
+
 impl MigManager for NvmlMig {
     fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
         super::mig_enabled(&self.nvml, gpu_uuid).map_err(shown)
@@ -65,11 +76,7 @@ impl MigManager for NvmlMig {
     }
 
     fn has_instances(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
-        match super::list(&self.nvml, gpu_uuid) {
-            Ok(list) => Ok(!list.is_empty()),
-            Err(super::MigError::GpuNotFound { .. }) => Ok(false),
-            Err(e) => Err(shown(e)),
-        }
+        Ok(!self.instances(gpu_uuid)?.is_empty())
     }
 
     fn check_free(
@@ -107,16 +114,12 @@ impl MigManager for NvmlMig {
     }
 
     fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError> {
-        match super::list(&self.nvml, gpu_uuid) {
-            Ok(list) => Ok(list.iter().any(|g| {
-                g.gpu_instance_id == recorded.gpu_instance_id
-                    && g.compute_instances
-                        .iter()
-                        .any(|c| c.mig_uuid.as_deref() == Some(recorded.mig_uuid.as_str()))
-            })),
-            Err(super::MigError::GpuNotFound { .. }) => Ok(false),
-            Err(e) => Err(shown(e)),
-        }
+        Ok(self.instances(gpu_uuid)?.iter().any(|g| {
+            g.gpu_instance_id == recorded.gpu_instance_id
+                && g.compute_instances
+                    .iter()
+                    .any(|c| c.mig_uuid.as_deref() == Some(recorded.mig_uuid.as_str()))
+        }))
     }
 
     fn destroy(

@@ -187,6 +187,12 @@ impl Fixture {
         Preparer::open(self.config(), deps).await.unwrap()
     }
 
+    /// Prepares [`whole_claim`] 3 on a GPU whose MIG mode the driver manages.
+    async fn open_managed(&self, mig: Arc<MigRecorder>) -> Arc<Preparer> {
+        let catalog = catalog().with_mig_managed(&[GPU]);
+        self.open_with(vec![whole_claim(3)], catalog, mig).await.0
+    }
+
     fn cdi_files(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("cdi"))
             .map(|d| d.count())
@@ -373,13 +379,7 @@ fn whole_claim(n: u8) -> ResourceClaim {
 async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so() {
     let f = Fixture::new(false);
     let mig = MigRecorder::new(true, 0);
-    let (preparer, _) = f
-        .open_with(
-            vec![whole_claim(3)],
-            catalog().with_mig_managed(&[GPU]),
-            mig.clone(),
-        )
-        .await;
+    let preparer = f.open_managed(mig.clone()).await;
     let results = preparer.prepare(vec![claim_ref(3)]).await;
     assert!(results[0].1.is_ok(), "{:?}", results[0].1);
     assert_eq!(mig.switches(), [format!("{GPU} mig off")]);
@@ -405,14 +405,7 @@ async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so()
 #[tokio::test]
 async fn a_managed_gpu_that_cannot_leave_mig_mode_fails_its_claim_alone() {
     let f = Fixture::new(false);
-    let mig = MigRecorder::new(true, 1);
-    let (preparer, _) = f
-        .open_with(
-            vec![whole_claim(3)],
-            catalog().with_mig_managed(&[GPU]),
-            mig.clone(),
-        )
-        .await;
+    let preparer = f.open_managed(MigRecorder::new(true, 1)).await;
     let results = preparer.prepare(vec![claim_ref(3)]).await;
     let err = results[0].1.as_ref().unwrap_err().to_string();
     assert!(
