@@ -18,6 +18,8 @@
 //!   switches MIG off again.
 //! * On 8x H100 with MIG on, the GPU without instances rests with MIG off
 //!   (no claim holds it) and a whole GPU on it is prepared.
+//! * A restart that rolls back a MIG device publishes what is left, not the
+//!   GPU as it was before the rollback, and the device is prepared again.
 //! * One writer: a second node process on the same state directory (a
 //!   rolling update) waits until the first exits, and then keeps what the
 //!   first prepared.
@@ -35,6 +37,7 @@ use kube::api::{DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tessera_api::inventory::{Gpu, Inventory, Mig};
 use tessera_conformance::{delete_ignore_missing, unique_name, wait_for};
+use tessera_controller::model::DeviceKind;
 
 use plugin_support::*;
 
@@ -605,5 +608,98 @@ async fn a_second_node_process_waits_for_the_first_and_keeps_what_it_prepared() 
     );
     ensure!(w.dirs.spec(&uid).is_none());
     new.terminate().await?;
+    w.namespace.delete().await
+}
+
+#[tokio::test]
+async fn a_restart_that_destroys_a_mig_device_publishes_what_is_left() -> Result<()> {
+    let w = World::new("rollback-mig").await?;
+    // 1g.5gb on the A100's free memory slice: created at prepare.
+    let dynamic = device_where(&w.node, &w.driver, |r| {
+        matches!(&r.kind, DeviceKind::Mig { dynamic: true, existing: None, profile, placement, .. }
+            if profile == "1g.5gb" && placement.start == 3)
+    });
+    let claim = create_allocated(
+        &w.cluster.client(),
+        w.ns(),
+        &ClaimSpec {
+            name: "mig".into(),
+            requests: vec![("gpu".into(), CLASS.into())],
+            results: vec![result("gpu", &w.driver, &w.node, &dynamic)],
+            config: vec![],
+            spec_config: vec![],
+        },
+    )
+    .await?;
+    let uid = claim.metadata.uid.clone().context("uid")?;
+    let reference = claim_ref(w.ns(), &claim);
+    let mig_uuid = |dirs: &PluginDirs| -> Result<String> {
+        let data = &dirs.checkpoint()[&uid]["status"][0]["data"];
+        Ok(data["migUUID"].as_str().context("no MIG UUID")?.to_owned())
+    };
+
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let answer = prepare(&mut k, vec![reference.clone()]).await?;
+    ensure!(
+        answer.claims[&uid].error.is_empty(),
+        "{}",
+        answer.claims[&uid].error
+    );
+    let first = mig_uuid(&w.dirs)?;
+
+    // Killed while unpreparing: the next start finishes the unprepare and
+    // destroys the device the GPUs still showed when the process started.
+    plugin.kill()?;
+    let mut entries = w.dirs.checkpoint();
+    entries.get_mut(&uid).context("no entry")?["state"] = json!("Unpreparing");
+    w.dirs.write_checkpoint(&entries)?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    ensure!(
+        !w.dirs.checkpoint().contains_key(&uid),
+        "the unprepare was not finished"
+    );
+    let topology = topology_path();
+    let on_gpu = |dirs: &PluginDirs| -> Result<BTreeSet<String>> {
+        Ok(dirs
+            .inventory_now(&topology)?
+            .gpus
+            .iter()
+            .flat_map(|g| g.mig.instances())
+            .map(|i| i.uuid.clone())
+            .collect())
+    };
+    ensure!(
+        !on_gpu(&w.dirs)?.contains(&first),
+        "{first} was not destroyed"
+    );
+
+    // The kubelet prepares the claim again (its Pod restarted): a new device.
+    let answer = prepare(&mut k, vec![reference.clone()]).await?;
+    let outcome = (|| {
+        ensure!(
+            answer.claims[&uid].error.is_empty(),
+            "prepare after the restart: {}",
+            answer.claims[&uid].error
+        );
+        let second = mig_uuid(&w.dirs)?;
+        ensure!(second != first && on_gpu(&w.dirs)?.contains(&second));
+        Ok(())
+    })();
+    if outcome.is_err() {
+        eprintln!(
+            "plugin log:\n{}",
+            std::fs::read_to_string(&plugin.log).unwrap_or_default()
+        );
+    }
+    outcome?;
+    let un = unprepare(&mut k, vec![reference]).await?;
+    ensure!(
+        un.claims[&uid].error.is_empty(),
+        "{}",
+        un.claims[&uid].error
+    );
+    plugin.terminate().await?;
     w.namespace.delete().await
 }

@@ -270,6 +270,22 @@ impl PluginDirs {
             .map(|b| serde_json::from_slice(&b).expect("spec is JSON"))
     }
 
+    /// Rewrites the checkpoint with these entries (a valid envelope, as the
+    /// plugin would have written it), to stage what a kill leaves.
+    pub fn write_checkpoint(&self, entries: &BTreeMap<String, Value>) -> Result<()> {
+        let path = self.state().join("checkpoint.json");
+        let envelope: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+        let claims = serde_json::to_string(entries)?;
+        let rewritten = json!({
+            "version": envelope["version"],
+            "bootId": envelope["bootId"],
+            "crc32": crc32fast::hash(claims.as_bytes()),
+            "claims": claims,
+        });
+        std::fs::write(&path, serde_json::to_vec(&rewritten)?)?;
+        Ok(())
+    }
+
     /// The checkpoint's entries (decoded from the envelope).
     pub fn checkpoint(&self) -> BTreeMap<String, Value> {
         let Ok(bytes) = std::fs::read(self.state().join("checkpoint.json")) else {

@@ -169,7 +169,7 @@ impl Observer {
     /// unprepare poke after each change); sends views that differ. Ends when
     /// every poke sender is gone.
     pub fn spawn(
-        self,
+        self: Arc<Self>,
         views: watch::Sender<NodeView>,
         pokes: mpsc::Receiver<()>,
         period: Duration,

@@ -10,9 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use kube::Client;
 use tessera_controller::model::{DriverName, NodePolicy};
-use tessera_controller::publisher::{
-    MIN_FULL_MODEL, NodeView, Publisher, PublisherConfig, ServerVersion,
-};
+use tessera_controller::publisher::{MIN_FULL_MODEL, Publisher, PublisherConfig, ServerVersion};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -263,21 +261,16 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     // Publish: the observer reads the node, the publisher turns each view
     // into slices, and every model it builds is the catalog.
     let observer = Observer::new(nvml, preparer.clone());
+    // Looked at after recovery: rolling back may have destroyed MIG devices
+    // the inventory discovered at start still shows.
+    let observer = Arc::new(observer);
     let first_view = {
-        let preparer = preparer.clone();
-        let observer_view = move || -> anyhow::Result<NodeView> {
-            let lock = preparer.hardware_lock();
-            let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
-            Ok(NodeView {
-                inventory,
-                owned_mig: preparer.created_mig(),
-                prepared: preparer.prepared_devices(),
-            })
-        };
-        tokio::task::spawn_blocking(observer_view).await??
+        let observer = observer.clone();
+        tokio::task::spawn_blocking(move || observer.observe()).await??
     };
     let (views, view) = watch::channel(first_view);
-    observer.spawn(
+    Observer::spawn(
+        observer,
         views,
         pokes,
         Duration::from_secs(args.rediscover_seconds.max(1)),
