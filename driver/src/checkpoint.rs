@@ -264,6 +264,30 @@ pub(crate) fn decode<T: DeserializeOwned>(
     Ok((envelope.boot_id, claims))
 }
 
+/// A checkpoint as found on disk, read without the state lock and without
+/// changing anything (`tessera status` beside a running node process; the
+/// node process replaces the file by rename, so a read sees one whole
+/// version).
+#[derive(Debug, Clone)]
+pub struct Snapshot<T> {
+    /// The boot the file was written in.
+    pub boot_id: String,
+    pub claims: BTreeMap<ClaimUid, T>,
+}
+
+/// Reads the checkpoint in `dir`: `Ok(None)` when there is none; `Err` with
+/// a reason when it cannot be read or decoded.
+pub fn read_snapshot<T: DeserializeOwned>(dir: &Path) -> Result<Option<Snapshot<T>>, String> {
+    let path = dir.join(FILE_NAME);
+    let bytes = match fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let (boot_id, claims) = decode(&bytes).map_err(|why| format!("{}: {why}", path.display()))?;
+    Ok(Some(Snapshot { boot_id, claims }))
+}
+
 /// Fuzzing entry point: decoding arbitrary bytes must never panic.
 #[doc(hidden)]
 pub fn fuzz_decode(bytes: &[u8]) {

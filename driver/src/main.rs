@@ -7,6 +7,7 @@
 use tessera_driver::discovery;
 
 mod publish_cmd;
+mod status_cmd;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, Write};
@@ -32,6 +33,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per run: the size of the plugin's arguments does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Print the GPUs, MIG profiles and MIG devices NVML reports on this node.
@@ -53,6 +56,11 @@ enum Command {
     /// Run the kubelet plugin: register with the kubelet and serve
     /// NodePrepareResources / NodeUnprepareResources until SIGTERM.
     Plugin(tessera_driver::plugin::cli::PluginArgs),
+
+    /// Print per GPU its MIG mode, the claims prepared on it and the memory
+    /// allocated to them vs what NVML reports used. Reads the node process's
+    /// state directory without locking it: safe while the node process runs.
+    Status(status_cmd::StatusArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -77,6 +85,7 @@ fn main() -> ExitCode {
         Command::Plugin(args) => {
             tessera_driver::plugin::cli::main(&cli.nvml_library, args).map(|()| ExitCode::SUCCESS)
         }
+        Command::Status(args) => status_cmd::status(&cli.nvml_library, args),
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

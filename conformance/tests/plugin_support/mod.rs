@@ -360,6 +360,13 @@ impl PluginProcess {
             .arg("--mps-dir")
             .arg(dirs.mps())
             .args(&opts.args)
+            // Tests run side by side: a free port each, unless a test picks.
+            .args(
+                (!opts.args.iter().any(|a| a.starts_with("--metrics-address")))
+                    .then_some(["--metrics-address", "127.0.0.1:0"])
+                    .into_iter()
+                    .flatten(),
+            )
             .env("TESSERA_FAKE_NVML_TOPOLOGY", &opts.topology)
             // The node's GPU state, kept across restarts of the plugin.
             .env("TESSERA_FAKE_NVML_STATE", dirs.nvml_state())
@@ -375,6 +382,28 @@ impl PluginProcess {
 
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
+    }
+
+    /// The metrics endpoint's address, from the plugin's log (`serving
+    /// metrics on http://<address>/metrics`), once it is there.
+    pub async fn metrics_address(&mut self) -> Result<std::net::SocketAddr> {
+        const MARK: &str = "serving metrics on http://";
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        loop {
+            self.check_running()?;
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            // The last start's line (the log is appended to across restarts).
+            if let Some(found) = log.rsplit_once(MARK).and_then(|(_, rest)| {
+                rest.split_once("/metrics")
+                    .and_then(|(address, _)| address.parse().ok())
+            }) {
+                return Ok(found);
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("the plugin logged no metrics address within {TIMEOUT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     pub fn check_running(&mut self) -> Result<()> {

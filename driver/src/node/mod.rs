@@ -51,6 +51,8 @@ pub struct NodeTruth {
     /// Called once with the GPUs whose MIG mode the driver manages, when
     /// the first model is known.
     on_first_model: Box<dyn Fn(BTreeSet<String>) + Send + Sync>,
+    /// Counts the devices of every model built.
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl NodeTruth {
@@ -80,7 +82,14 @@ impl NodeTruth {
             indices: Mutex::new(indices),
             first_model: AtomicBool::new(true),
             on_first_model: Box::new(on_first_model),
+            metrics: None,
         }
+    }
+
+    /// Reports every model built to `metrics` (devices by kind, readiness).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     fn record_indices(&self, model: &GpuIndices) {
@@ -127,6 +136,9 @@ impl NodeState for NodeTruth {
     fn model_built(&self, inventory: &Inventory, model: &Model) {
         self.catalog.set(Catalog::from_model(inventory, model));
         self.record_indices(&model.gpu_indices);
+        if let Some(metrics) = &self.metrics {
+            metrics.model_built(model);
+        }
         if self.first_model.swap(false, Ordering::SeqCst) {
             info!(
                 devices = model.devices.len(),

@@ -110,6 +110,15 @@ pub struct PluginArgs {
     /// probes, version). Forcing a lower level publishes the static model.
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     pub capabilities: CapabilityChoice,
+
+    /// Where to serve Prometheus metrics (`/metrics`) and readiness
+    /// (`/healthz`): host:port (port 0 picks a free one, logged), or `off`.
+    #[arg(
+        long,
+        env = "TESSERA_METRICS_ADDRESS",
+        default_value = "127.0.0.1:9400"
+    )]
+    pub metrics_address: String,
 }
 
 /// Builds a client from `--kubeconfig` or the usual places. `read_timeout`
@@ -192,6 +201,23 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         .with_context(|| format!("locking the state directory {}", args.state_dir.display()))?
     };
 
+    // After the lock: during a rolling update the old instance holds the
+    // port until it exits. A port that cannot be bound costs the metrics,
+    // never the kubelet plugin.
+    let metrics = match crate::metrics::server::parse_address(&args.metrics_address)? {
+        Some(address) => {
+            let metrics = Arc::new(crate::metrics::Metrics::new());
+            match crate::metrics::server::serve(address, metrics.clone()).await {
+                Ok(_) => Some(metrics),
+                Err(e) => {
+                    tracing::error!("{e:#}; serving no metrics");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+
     let nvml = Arc::new(discovery::init(Some(nvml_library))?);
     let inventory = {
         let nvml = nvml.clone();
@@ -256,10 +282,14 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         orphans_removed = recovery.orphans_removed.len(),
         "start-up recovery done"
     );
-    supervise_mps(&mps, &preparer);
+    if let Some(metrics) = &metrics {
+        preparer.set_metrics(metrics.clone());
+    }
+    supervise_mps(&mps, &preparer, metrics.clone());
 
     // Publish: the observer reads the node, the publisher turns each view
     // into slices, and every model it builds is the catalog.
+    let observer_nvml = nvml.clone();
     let observer = Observer::new(nvml, preparer.clone());
     // Looked at after recovery: rolling back may have destroyed MIG devices
     // the inventory discovered at start still shows.
@@ -269,6 +299,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         tokio::task::spawn_blocking(move || observer.observe()).await??
     };
     let (views, view) = watch::channel(first_view);
+    let sampled_view = view.clone();
     Observer::spawn(
         observer,
         views,
@@ -288,7 +319,20 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     let mut publisher_config = PublisherConfig::new(&args.node_name, driver, policy);
     publisher_config.min_full_model = args.full_model_min_version;
     publisher_config.capabilities = args.capabilities.capabilities();
+    let truth = match &metrics {
+        Some(metrics) => truth.with_metrics(metrics.clone()),
+        None => truth,
+    };
     let publisher = Publisher::new(watching, publisher_config).with_node_state(Arc::new(truth));
+    if let Some(metrics) = &metrics {
+        metrics.set_sampler(crate::metrics::Sampler {
+            preparer: preparer.clone(),
+            view: sampled_view,
+            nvml: observer_nvml,
+            mps: mps.clone(),
+            publisher: publisher.counters(),
+        });
+    }
     let (stop_publisher, stopped) = tokio::sync::oneshot::channel::<()>();
     info!("publishing ResourceSlices for node {}", args.node_name);
     let publisher = tokio::spawn(publisher.run(view, async move {
@@ -314,12 +358,21 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
 /// Bring the MPS daemons in line with the checkpoint (claims that were
 /// unprepared while the plugin was down release theirs; daemons of prepared
 /// claims that died are restarted), then keep them alive.
-fn supervise_mps(mps: &Arc<MpsSupervisor>, preparer: &Preparer) {
+fn supervise_mps(
+    mps: &Arc<MpsSupervisor>,
+    preparer: &Preparer,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
+) {
     let prepared: std::collections::BTreeSet<_> =
         preparer.entries().into_iter().map(|(uid, _)| uid).collect();
     log_supervision(&mps.retain_claims(|uid| prepared.contains(uid)));
     log_supervision(&mps.supervise());
-    let watchdog = mps.spawn_watchdog(MPS_WATCHDOG_PERIOD, log_supervision);
+    let watchdog = mps.spawn_watchdog(MPS_WATCHDOG_PERIOD, move |report| {
+        if let Some(metrics) = &metrics {
+            metrics.mps_restarted(report.restarted.len());
+        }
+        log_supervision(report)
+    });
     // The watchdog stops when its handle drops: keep it for the life of the
     // runtime.
     tokio::spawn(async move {

@@ -130,6 +130,8 @@ pub struct Preparer {
     specs: SpecDir,
     locks: ClaimLocks,
     hardware: HardwareLock,
+    /// Per-claim latency and results; unset in tests.
+    metrics: std::sync::OnceLock<Arc<crate::metrics::Metrics>>,
 }
 
 /// One claim's answer.
@@ -153,6 +155,7 @@ impl Preparer {
             specs,
             locks: ClaimLocks::default(),
             hardware: HardwareLock::default(),
+            metrics: std::sync::OnceLock::new(),
         });
         let recovery = preparer.clone().recover(outcome).await?;
         Ok((preparer, recovery))
@@ -160,6 +163,11 @@ impl Preparer {
 
     pub fn config(&self) -> &PrepareConfig {
         &self.config
+    }
+
+    /// Records each claim's prepare/unprepare latency and result from now on.
+    pub fn set_metrics(&self, metrics: Arc<crate::metrics::Metrics>) {
+        let _ = self.metrics.set(metrics);
     }
 
     /// The lock to hold (for reading) while looking at the GPUs and
@@ -357,7 +365,11 @@ impl Preparer {
         let futures = claims.into_iter().map(|claim| {
             let this = self.clone();
             async move {
+                let began = std::time::Instant::now();
                 let result = this.prepare_one(&claim).await;
+                if let Some(m) = this.metrics.get() {
+                    m.prepared(began.elapsed(), result.is_ok());
+                }
                 match &result {
                     Ok(devices) => info!(claim = %claim, devices = devices.len(), "prepared"),
                     Err(e) => warn!("prepare failed: {e}"),
@@ -376,7 +388,11 @@ impl Preparer {
         let futures = claims.into_iter().map(|claim| {
             let this = self.clone();
             async move {
+                let began = std::time::Instant::now();
                 let result = this.unprepare_one(&claim).await;
+                if let Some(m) = this.metrics.get() {
+                    m.unprepared(began.elapsed(), result.is_ok());
+                }
                 match &result {
                     Ok(()) => info!(claim = %claim, "unprepared"),
                     Err(e) => warn!("unprepare failed: {e}"),

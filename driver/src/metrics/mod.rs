@@ -1,0 +1,345 @@
+//! The node process's Prometheus metrics (`/metrics`, OpenMetrics text) and
+//! its readiness (`/healthz`), served by [`server`].
+//!
+//! Most values are events counted where they happen (prepare and
+//! unprepare latency and results, the devices of every model built); the
+//! rest is read at each scrape by a [`Sampler`] (prepared claims from the
+//! checkpoint, MPS daemons, the publisher's write counters, per-GPU memory
+//! allocated to claims vs used according to NVML). Every name starts with
+//! `tessera_`; docs/kubelet-plugin.md lists them.
+
+pub mod memory;
+pub mod server;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use nvml_wrapper::Nvml;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+use tessera_controller::model::{DeviceKind, Model};
+use tessera_controller::publisher::{NodeView, WriteCounters};
+use tokio::sync::watch;
+use tracing::debug;
+
+use crate::mps::MpsSupervisor;
+use crate::prepare::Preparer;
+use crate::prepare::state::EntryState;
+
+/// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    operation: &'static str,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WriteLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+}
+
+/// Every metric of the node process.
+pub struct Metrics {
+    registry: Registry,
+    prepare_seconds: Histogram,
+    unprepare_seconds: Histogram,
+    results: Family<ResultLabels, Counter>,
+    prepared_claims: Gauge,
+    devices: Family<KindLabels, Gauge>,
+    mps_daemons: Gauge,
+    mps_restarts: Counter,
+    slice_reconciles: Counter,
+    slice_writes: Family<WriteLabels, Counter>,
+    gpu_allocated: Family<GpuLabels, Gauge>,
+    gpu_used: Family<GpuLabels, Gauge>,
+    gpu_total: Family<GpuLabels, Gauge>,
+    ready: AtomicBool,
+    sampler: OnceLock<Sampler>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("tessera");
+        let latency = || Histogram::new(LATENCY_BUCKETS);
+        let m = Metrics {
+            prepare_seconds: latency(),
+            unprepare_seconds: latency(),
+            results: Family::default(),
+            prepared_claims: Gauge::default(),
+            devices: Family::default(),
+            mps_daemons: Gauge::default(),
+            mps_restarts: Counter::default(),
+            slice_reconciles: Counter::default(),
+            slice_writes: Family::default(),
+            gpu_allocated: Family::default(),
+            gpu_used: Family::default(),
+            gpu_total: Family::default(),
+            ready: AtomicBool::new(false),
+            sampler: OnceLock::new(),
+            registry: Registry::default(),
+        };
+        registry.register_with_unit(
+            "prepare_duration",
+            "Time to prepare one claim (NodePrepareResources, per claim)",
+            Unit::Seconds,
+            m.prepare_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "unprepare_duration",
+            "Time to unprepare one claim (NodeUnprepareResources, per claim)",
+            Unit::Seconds,
+            m.unprepare_seconds.clone(),
+        );
+        registry.register(
+            "claim_operations",
+            "Claims prepared and unprepared, by operation (prepare, unprepare) and result (ok, error)",
+            m.results.clone(),
+        );
+        registry.register(
+            "prepared_claims",
+            "Claims prepared on this node (completed checkpoint entries)",
+            m.prepared_claims.clone(),
+        );
+        registry.register(
+            "published_devices",
+            "Devices in the slice model last built for this node, by kind (gpu, mig, share)",
+            m.devices.clone(),
+        );
+        registry.register(
+            "mps_daemons",
+            "MPS control daemons the node process supervises (devices with Isolated claims)",
+            m.mps_daemons.clone(),
+        );
+        registry.register(
+            "mps_daemon_restarts",
+            "MPS control daemons the watchdog found dead and started again",
+            m.mps_restarts.clone(),
+        );
+        registry.register(
+            "slice_reconciles",
+            "Reconcile passes of the ResourceSlice publisher, successful or not",
+            m.slice_reconciles.clone(),
+        );
+        registry.register(
+            "slice_writes",
+            "ResourceSlice writes by the publisher, by result (create, update, delete: accepted; rejected: refused by the API server)",
+            m.slice_writes.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_allocated",
+            "Device memory allocated to prepared claims on a GPU (whole GPU: its memory; MIG: the instance's; share: consumed memory)",
+            Unit::Bytes,
+            m.gpu_allocated.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_used",
+            "Device memory NVML reports used on a GPU",
+            Unit::Bytes,
+            m.gpu_used.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_total",
+            "Device memory of a GPU, as NVML reports it",
+            Unit::Bytes,
+            m.gpu_total.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// One claim prepared (`ok`) or failed.
+    pub fn prepared(&self, took: Duration, ok: bool) {
+        self.prepare_seconds.observe(took.as_secs_f64());
+        self.count("prepare", ok);
+    }
+
+    /// One claim unprepared (`ok`) or failed.
+    pub fn unprepared(&self, took: Duration, ok: bool) {
+        self.unprepare_seconds.observe(took.as_secs_f64());
+        self.count("unprepare", ok);
+    }
+
+    fn count(&self, operation: &'static str, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.results
+            .get_or_create(&ResultLabels { operation, result })
+            .inc();
+    }
+
+    /// The publisher built a model: count its devices; the node is ready.
+    pub fn model_built(&self, model: &Model) {
+        let (mut gpu, mut mig, mut share) = (0, 0, 0);
+        for device in model.devices.values() {
+            match device.kind {
+                DeviceKind::Whole => gpu += 1,
+                DeviceKind::Mig { .. } => mig += 1,
+                DeviceKind::Share { .. } | DeviceKind::Replica { .. } => share += 1,
+            }
+        }
+        for (kind, n) in [("gpu", gpu), ("mig", mig), ("share", share)] {
+            self.devices.get_or_create(&KindLabels { kind }).set(n);
+        }
+        self.ready.store(true, Ordering::SeqCst);
+    }
+
+    /// MPS daemons the watchdog restarted.
+    pub fn mps_restarted(&self, n: usize) {
+        self.mps_restarts.inc_by(n as u64);
+    }
+
+    /// Whether the first model is built (prepare can resolve devices).
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+
+    /// What is read at every scrape; set once.
+    pub fn set_sampler(&self, sampler: Sampler) {
+        let _ = self.sampler.set(sampler);
+    }
+
+    /// Samples (blocking: NVML) and encodes every metric as OpenMetrics text.
+    pub fn render(&self) -> String {
+        if let Some(sampler) = self.sampler.get() {
+            sampler.sample(self);
+        }
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    fn set_gpu_memory(&self, family: &Family<GpuLabels, Gauge>, values: &[(String, u64)]) {
+        family.clear();
+        for (gpu, bytes) in values {
+            family
+                .get_or_create(&GpuLabels { gpu: gpu.clone() })
+                .set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+/// What a scrape reads from the running node process.
+pub struct Sampler {
+    pub preparer: Arc<Preparer>,
+    /// The node's latest view (its inventory names the GPUs).
+    pub view: watch::Receiver<NodeView>,
+    pub nvml: Arc<Nvml>,
+    pub mps: Arc<MpsSupervisor>,
+    pub publisher: Arc<WriteCounters>,
+}
+
+impl Sampler {
+    fn sample(&self, m: &Metrics) {
+        let entries = self.preparer.entries();
+        let completed = entries
+            .iter()
+            .filter(|(_, e)| e.state == EntryState::Completed)
+            .count();
+        m.prepared_claims.set(completed as i64);
+        m.mps_daemons.set(self.mps.claims().len() as i64);
+
+        let counts = self.publisher.snapshot();
+        catch_up(&m.slice_reconciles, self.publisher.reconciles());
+        for (result, total) in [
+            ("create", counts.creates),
+            ("update", counts.updates),
+            ("delete", counts.deletes),
+            ("rejected", self.publisher.rejected()),
+        ] {
+            catch_up(
+                &m.slice_writes.get_or_create(&WriteLabels { result }),
+                total,
+            );
+        }
+
+        let inventory = self.view.borrow().inventory.clone();
+        let allocated: Vec<(String, u64)> =
+            memory::allocated_by_gpu(entries.iter().map(|(_, e)| e), &inventory)
+                .into_iter()
+                .collect();
+        m.set_gpu_memory(&m.gpu_allocated, &allocated);
+        let mut used = Vec::new();
+        let mut total = Vec::new();
+        for gpu in &inventory.gpus {
+            match self
+                .nvml
+                .device_by_uuid(gpu.uuid.as_str())
+                .and_then(|d| d.memory_info())
+            {
+                Ok(info) => {
+                    used.push((gpu.uuid.clone(), info.used));
+                    total.push((gpu.uuid.clone(), info.total));
+                }
+                Err(e) => debug!(gpu = %gpu.uuid, "no memory info for the metrics: {e}"),
+            }
+        }
+        m.set_gpu_memory(&m.gpu_used, &used);
+        m.set_gpu_memory(&m.gpu_total, &total);
+    }
+}
+
+/// Brings a counter up to an external running total.
+fn catch_up(counter: &Counter, total: u64) {
+    let have = counter.get();
+    if total > have {
+        counter.inc_by(total - have);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_the_prefix_and_units() {
+        let m = Metrics::new();
+        m.prepared(Duration::from_millis(20), true);
+        m.prepared(Duration::from_millis(20), false);
+        m.unprepared(Duration::from_millis(3), true);
+        let text = m.render();
+        for line in [
+            "tessera_prepare_duration_seconds_count 2",
+            "tessera_unprepare_duration_seconds_count 1",
+            "tessera_claim_operations_total{operation=\"prepare\",result=\"ok\"} 1",
+            "tessera_claim_operations_total{operation=\"prepare\",result=\"error\"} 1",
+            "tessera_claim_operations_total{operation=\"unprepare\",result=\"ok\"} 1",
+            "tessera_prepared_claims 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        assert!(!m.ready());
+    }
+
+    #[test]
+    fn a_counter_catches_up_with_a_running_total() {
+        let c = Counter::<u64>::default();
+        catch_up(&c, 3);
+        catch_up(&c, 3);
+        catch_up(&c, 5);
+        assert_eq!(c.get(), 5);
+    }
+}
