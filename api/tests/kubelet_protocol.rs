@@ -228,8 +228,8 @@ async fn registration_round_trip() {
     );
 }
 
-/// Health v1alpha1, v1beta1 and v1 differ in package name (and the two later
-/// ones in two extra fields); the stream round trip is the same.
+/// Health v1alpha1, v1beta1 and v1 differ in package name only; the stream
+/// round trip is the same.
 macro_rules! health_round_trip {
     ($test:ident, $pkg:ident, $path:literal, { $($extra:tt)* }) => {
         #[tokio::test]
@@ -285,7 +285,7 @@ health_round_trip!(
     health_v1alpha1_round_trip,
     v1alpha1,
     "/v1alpha1.DRAResourceHealth/NodeWatchResources",
-    {}
+    { health_check_timeout_seconds: 30, message: "XID 79".into(), }
 );
 health_round_trip!(
     health_v1beta1_round_trip,

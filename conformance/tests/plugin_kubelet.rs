@@ -50,6 +50,7 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
             topology: topology_path(),
             args: Vec::new(),
             log: "plugin.log".into(),
+            events: None,
         },
     )?;
     let log = plugin.log.clone();

@@ -50,12 +50,15 @@ pub mod registration {
 /// protocol version. Upstream named the packages with the bare version
 /// (`v1alpha1`, `v1beta1`, `v1`), which is what appears on the wire.
 ///
-/// Kubelets up to 1.35 call [`health::v1alpha1`] unconditionally when the
-/// `ResourceHealthStatus` gate is on; newer kubelets pick the newest version
-/// the plugin lists in `PluginInfo.supported_versions`
-/// ([`HEALTH_V1_SERVICE`] and friends). Messages are identical except that
-/// `v1beta1`/`v1` add `health_check_timeout_seconds` and `message` to
-/// `DeviceHealth`, so one implementation can serve all three.
+/// Kubelets (up to at least 1.36) call [`health::v1alpha1`] on the DRA
+/// endpoint unconditionally when the `ResourceHealthStatus` gate is on (beta
+/// and on by default in 1.36), retrying every 5 s; a plugin without it
+/// answers `Unimplemented`. Upstream's Go helper also lists the service
+/// ([`HEALTH_V1ALPHA1_SERVICE`]) in `PluginInfo.supported_versions`, which
+/// 1.36 kubelets ignore. The messages of all three packages are identical
+/// (1.36 added `health_check_timeout_seconds` and `message` to
+/// `v1alpha1.DeviceHealth`); `v1beta1` and `v1` are our rendering of later
+/// versions no released kubelet calls yet.
 pub mod health {
     /// Package `v1alpha1`.
     pub mod v1alpha1 {

@@ -323,6 +323,9 @@ pub struct PluginOptions {
     pub args: Vec<String>,
     /// Log file name in the plugin directory (appended to).
     pub log: String,
+    /// XID injection: the file the simulated NVML reads `<uuid> <xid>`
+    /// lines from (`TESSERA_FAKE_NVML_EVENTS`); none by default.
+    pub events: Option<PathBuf>,
 }
 
 impl PluginProcess {
@@ -337,7 +340,13 @@ impl PluginProcess {
             Some(k) => (k.registry.clone(), k.plugins.clone()),
             None => (dirs.registry(), dirs.plugins()),
         };
-        let child = Command::new(&b.tessera)
+        let mut command = Command::new(&b.tessera);
+        if let Some(events) = &opts.events {
+            command.env("TESSERA_FAKE_NVML_EVENTS", events);
+        } else {
+            command.env_remove("TESSERA_FAKE_NVML_EVENTS");
+        }
+        let child = command
             .arg("--nvml-library")
             .arg(&b.fake_nvml)
             .arg("plugin")
@@ -628,6 +637,7 @@ impl World {
             topology: topology_path(),
             args: Vec::new(),
             log: "plugin.log".into(),
+            events: None,
         }
     }
 

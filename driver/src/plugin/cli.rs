@@ -18,6 +18,7 @@ use super::{Plugin, PluginConfig, sockets};
 use crate::checkpoint::KERNEL_BOOT_ID;
 use crate::discovery;
 use crate::flags::CapabilityChoice;
+use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
 use crate::mps::{MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
 use crate::node::state_lock::StateLock;
@@ -110,6 +111,22 @@ pub struct PluginArgs {
     /// probes, version). Forcing a lower level publishes the static model.
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     pub capabilities: CapabilityChoice,
+
+    /// XIDs that are only logged (application errors), comma-separated;
+    /// replaces the default list. The fatal XIDs (48, 63, 64, 74, 79, 92,
+    /// 94, 95, 119, 120) make a GPU Unhealthy whatever this says.
+    #[arg(
+        long,
+        env = "TESSERA_BENIGN_XIDS",
+        value_delimiter = ',',
+        default_values_t = health::DEFAULT_BENIGN_XIDS.to_vec()
+    )]
+    pub benign_xids: Vec<u64>,
+
+    /// Seconds after its last fatal XID a GPU is reported Healthy again; 0:
+    /// never while the process runs (a restart starts Healthy).
+    #[arg(long, env = "TESSERA_XID_RECOVERY_SECONDS", default_value_t = 0)]
+    pub xid_recovery_seconds: u64,
 
     /// Where to serve Prometheus metrics (`/metrics`) and readiness
     /// (`/healthz`): host:port (port 0 picks a free one, logged), or `off`.
@@ -228,6 +245,13 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     }
     let inventory = inventory.inventory;
 
+    // Device health: XID events of every GPU, from now on.
+    let health = Arc::new(HealthTracker::new(
+        XidPolicy::new(args.benign_xids.iter().copied()),
+        (args.xid_recovery_seconds > 0).then(|| Duration::from_secs(args.xid_recovery_seconds)),
+    ));
+    health::spawn_monitor(nvml.clone(), health.clone()).context("starting the XID monitor")?;
+
     let dev_root = args
         .dev_root
         .clone()
@@ -308,7 +332,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     );
     let truth = {
         let preparer = preparer.clone();
-        NodeTruth::new(catalog, &args.state_dir, move |managed| {
+        NodeTruth::new(catalog.clone(), &args.state_dir, move |managed| {
             // A crash may have left a GPU in MIG mode that no claim holds.
             let preparer = preparer.clone();
             tokio::task::spawn_blocking(move || {
@@ -348,7 +372,8 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
                 instance: sockets::instance_id(),
             },
             preparer,
-        ),
+        )
+        .with_health(HealthService::new(args.node_name.clone(), catalog, health)),
         publisher,
         stop_publisher,
         _state_lock: state_lock,

@@ -9,7 +9,11 @@
 //!   (kubelets pick the first they know); `NotifyRegistrationStatus` is
 //!   logged, a refusal as an error with the kubelet's reason;
 //! * the DRA service, `v1` and `v1beta1` from one implementation
-//!   ([`crate::prepare::Preparer`]), in `<plugins dir>/<driver>/`.
+//!   ([`crate::prepare::Preparer`]), in `<plugins dir>/<driver>/`, and on
+//!   the same socket, when given ([`Plugin::with_health`]), device health
+//!   (`v1alpha1.DRAResourceHealth`, [`crate::health`]): kubelets call it there
+//!   unconditionally and log `Unimplemented` where it is missing; it is also
+//!   listed in `GetInfo`'s versions, as upstream's helper does.
 //!
 //! [`Plugin::run`] serves until its shutdown future completes, then removes
 //! the registration socket first (the kubelet stops routing to this
@@ -30,6 +34,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{error, info, warn};
 
+use crate::health::HealthService;
 use crate::prepare::Preparer;
 use crate::prepare::claims::ClaimRef;
 
@@ -60,6 +65,7 @@ impl PluginConfig {
 pub struct Plugin {
     config: PluginConfig,
     preparer: Arc<Preparer>,
+    health: Option<HealthService>,
 }
 
 /// How long calls in flight get to finish at shutdown.
@@ -67,7 +73,17 @@ const DRAIN: Duration = Duration::from_secs(20);
 
 impl Plugin {
     pub fn new(config: PluginConfig, preparer: Arc<Preparer>) -> Self {
-        Plugin { config, preparer }
+        Plugin {
+            config,
+            preparer,
+            health: None,
+        }
+    }
+
+    /// Serves device health on the DRA socket too.
+    pub fn with_health(mut self, health: HealthService) -> Self {
+        self.health = Some(health);
+        self
     }
 
     pub fn config(&self) -> &PluginConfig {
@@ -122,7 +138,15 @@ impl Plugin {
         let registration = Registration {
             driver: driver.clone(),
             endpoint: dra_path.to_string_lossy().into_owned(),
+            health: self.health.is_some(),
         };
+        // Health streams end when the DRA server stops (they would hold
+        // the drain up otherwise).
+        let health = self.health.map(|h| {
+            kubelet::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
+                h.until(dra_stopped.clone()),
+            )
+        });
         let mut reg_server = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(registration::registration_server::RegistrationServer::new(
@@ -141,6 +165,7 @@ impl Plugin {
                 .add_service(dra_v1beta1::dra_plugin_server::DraPluginServer::new(
                     DraV1beta1(self.preparer.clone()),
                 ))
+                .add_optional_service(health)
                 .serve_with_incoming_shutdown(
                     authority::incoming(dra_listener),
                     until(dra_stopped),
@@ -196,6 +221,8 @@ fn describe(r: Result<Result<(), tonic::transport::Error>, tokio::task::JoinErro
 struct Registration {
     driver: String,
     endpoint: String,
+    /// Device health is served.
+    health: bool,
 }
 
 #[tonic::async_trait]
@@ -208,10 +235,11 @@ impl registration::registration_server::Registration for Registration {
             r#type: kubelet::DRA_PLUGIN_TYPE.to_owned(),
             name: self.driver.clone(),
             endpoint: self.endpoint.clone(),
-            supported_versions: vec![
-                kubelet::DRA_V1_SERVICE.to_owned(),
-                kubelet::DRA_V1BETA1_SERVICE.to_owned(),
-            ],
+            supported_versions: [kubelet::DRA_V1_SERVICE, kubelet::DRA_V1BETA1_SERVICE]
+                .into_iter()
+                .chain(self.health.then_some(kubelet::HEALTH_V1ALPHA1_SERVICE))
+                .map(str::to_owned)
+                .collect(),
         }))
     }
 

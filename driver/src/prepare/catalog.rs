@@ -58,6 +58,11 @@ impl Catalog {
         self
     }
 
+    /// Every published device name with what it stands for (health).
+    pub fn devices(&self) -> impl Iterator<Item = (&String, &DeviceRef)> {
+        self.devices.iter()
+    }
+
     pub fn resolve(&self, device: &str) -> Option<&DeviceRef> {
         self.devices.get(device)
     }
@@ -104,6 +109,11 @@ impl DeviceCatalog {
     /// Replace the catalog (the publisher, after each model build).
     pub fn set(&self, catalog: Catalog) {
         self.current.send_replace(Some(Arc::new(catalog)));
+    }
+
+    /// Follows the catalog (`None` until the first model).
+    pub fn subscribe(&self) -> watch::Receiver<Option<Arc<Catalog>>> {
+        self.current.subscribe()
     }
 
     /// The catalog, waiting up to `timeout` for the first model.

@@ -1,0 +1,619 @@
+//! Device health: NVML XID events become the health of every device the node
+//! publishes, served to the kubelet as the `DRAResourceHealth` stream.
+//!
+//! ```text
+//! NVML event set (CRITICAL_XID_ERROR, every GPU) ──blocking thread──> HealthTracker
+//!     per GPU: Healthy | Unhealthy {xid} | Unknown {reason}, and since when
+//! HealthTracker + catalog (published device -> GPU) ──> NodeWatchResources stream
+//! ```
+//!
+//! * **What is watched**: XID critical errors of every GPU NVML lists when the
+//!   process starts (registered on the GPU: NVML reports a MIG device's XIDs
+//!   on its parent GPU, so a MIG device's error marks its GPU). A GPU whose
+//!   XID events cannot be registered is reported `Unknown`, as is a GPU that
+//!   appears after the start.
+//! * **Fatal XIDs** ([`FATAL_XIDS`]) make the GPU Unhealthy; **benign** ones
+//!   (`--benign-xids`, default [`DEFAULT_BENIGN_XIDS`]: errors of the
+//!   application, not the GPU) are logged at info; any other XID is logged
+//!   as a warning and changes nothing. A fatal XID is fatal even if listed as
+//!   benign.
+//! * **Recovery**: with `--xid-recovery-seconds 0` (the default) an Unhealthy
+//!   GPU stays Unhealthy while the process runs (the fatal XIDs need a GPU
+//!   reset or a reboot, which restarts the plugin: a restart starts
+//!   Healthy). With `N > 0`, a GPU becomes Healthy again `N` seconds after
+//!   its last fatal XID.
+//! * **What the kubelet gets**: every device of this node's pool (the
+//!   catalog prepare resolves names through: whole GPUs, shares, MIG
+//!   devices) with its GPU's health, first at once, then at every change,
+//!   and at least every [`RESEND`] (the kubelet treats a device it has not
+//!   heard of for [`HEALTH_CHECK_TIMEOUT_SECONDS`] as Unknown).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use tessera_api::kubelet::health::v1alpha1 as h;
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::prepare::catalog::{Catalog, DeviceCatalog};
+
+/// XIDs that make a GPU Unhealthy, with what they mean. Each needs at least
+/// a GPU reset (or a node drain) before the GPU can be trusted again.
+pub const FATAL_XIDS: &[(u64, &str)] = &[
+    (48, "double-bit ECC error"),
+    (63, "ECC page retirement or row remapping event"),
+    (64, "ECC page retirement or row remapping failure"),
+    (74, "NVLink error"),
+    (79, "GPU has fallen off the bus"),
+    (92, "high single-bit ECC error rate"),
+    (94, "contained ECC error"),
+    (95, "uncontained ECC error"),
+    (119, "GSP RPC timeout"),
+    (120, "GSP error"),
+];
+
+/// XIDs logged only, by default: errors caused by the application (graphics
+/// engine exception, memory page fault, stopped processing, preemptive
+/// cleanup, video processor exception), not by the GPU.
+pub const DEFAULT_BENIGN_XIDS: &[u64] = &[13, 31, 43, 45, 68];
+
+/// How long the kubelet may trust a report (it resends every [`RESEND`]).
+pub const HEALTH_CHECK_TIMEOUT_SECONDS: i64 = 60;
+
+/// The stream repeats the full picture at least this often.
+pub const RESEND: Duration = Duration::from_secs(10);
+
+/// How an XID is treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XidClass {
+    /// The GPU becomes Unhealthy.
+    Fatal,
+    /// Logged at info.
+    Benign,
+    /// In neither list (or NVML could not say which XID): logged as a
+    /// warning, health unchanged.
+    Unlisted,
+}
+
+/// Which XIDs are fatal and which benign.
+#[derive(Debug, Clone)]
+pub struct XidPolicy {
+    benign: BTreeSet<u64>,
+}
+
+impl XidPolicy {
+    pub fn new(benign: impl IntoIterator<Item = u64>) -> Self {
+        XidPolicy {
+            benign: benign.into_iter().collect(),
+        }
+    }
+
+    /// `None`: NVML reported an XID critical error without its number.
+    pub fn classify(&self, xid: Option<u64>) -> XidClass {
+        match xid {
+            Some(x) if fatal_meaning(x).is_some() => XidClass::Fatal,
+            Some(x) if self.benign.contains(&x) => XidClass::Benign,
+            _ => XidClass::Unlisted,
+        }
+    }
+}
+
+impl Default for XidPolicy {
+    fn default() -> Self {
+        XidPolicy::new(DEFAULT_BENIGN_XIDS.iter().copied())
+    }
+}
+
+fn fatal_meaning(xid: u64) -> Option<&'static str> {
+    FATAL_XIDS.iter().find(|(x, _)| *x == xid).map(|(_, m)| *m)
+}
+
+/// A GPU's health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    /// The last fatal XID.
+    Unhealthy {
+        xid: u64,
+    },
+    /// Not watched (the reason says why).
+    Unknown {
+        reason: String,
+    },
+}
+
+/// A GPU's health and when it was determined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuHealth {
+    pub health: Health,
+    pub since: SystemTime,
+}
+
+/// GPU UUID -> health.
+pub type HealthMap = BTreeMap<String, GpuHealth>;
+
+/// Per-GPU health, changed by XID events and recovery.
+pub struct HealthTracker {
+    policy: XidPolicy,
+    recovery: Option<Duration>,
+    state: watch::Sender<Arc<HealthMap>>,
+}
+
+impl HealthTracker {
+    /// `recovery`: how long after its last fatal XID a GPU is Healthy again
+    /// (`None`: not while the process runs).
+    pub fn new(policy: XidPolicy, recovery: Option<Duration>) -> Self {
+        HealthTracker {
+            policy,
+            recovery,
+            state: watch::Sender::new(Arc::new(HealthMap::new())),
+        }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<HealthMap>> {
+        self.state.subscribe()
+    }
+
+    pub fn current(&self) -> Arc<HealthMap> {
+        self.state.borrow().clone()
+    }
+
+    fn set(&self, uuid: &str, health: Health, at: SystemTime) -> bool {
+        self.state.send_if_modified(|map| {
+            if map.get(uuid).is_some_and(|g| g.health == health) {
+                return false;
+            }
+            Arc::make_mut(map).insert(uuid.to_owned(), GpuHealth { health, since: at });
+            true
+        })
+    }
+
+    /// The GPU's XID events are watched: Healthy.
+    pub fn watching(&self, uuid: &str, at: SystemTime) {
+        self.set(uuid, Health::Healthy, at);
+    }
+
+    /// The GPU's XID events cannot be watched: Unknown.
+    pub fn not_watched(&self, uuid: &str, reason: String, at: SystemTime) {
+        warn!(gpu = %uuid, "GPU health not watched: {reason}; its devices are reported Unknown");
+        self.set(uuid, Health::Unknown { reason }, at);
+    }
+
+    /// An XID event on GPU `uuid` (a MIG device's arrive on its GPU).
+    pub fn xid(&self, uuid: &str, xid: Option<u64>, at: SystemTime) -> XidClass {
+        let class = self.policy.classify(xid);
+        let shown = xid.map_or_else(|| "unknown".to_owned(), |x| x.to_string());
+        match (class, xid) {
+            (XidClass::Fatal, Some(x)) => {
+                warn!(
+                    gpu = %uuid,
+                    "XID {x} ({}): GPU marked Unhealthy",
+                    fatal_meaning(x).unwrap_or_default()
+                );
+                // A later fatal XID restarts the recovery clock.
+                self.state.send_modify(|map| {
+                    Arc::make_mut(map).insert(
+                        uuid.to_owned(),
+                        GpuHealth {
+                            health: Health::Unhealthy { xid: x },
+                            since: at,
+                        },
+                    );
+                });
+            }
+            (XidClass::Benign, _) => {
+                info!(gpu = %uuid, "XID {shown} (benign: an application error)")
+            }
+            _ => warn!(
+                gpu = %uuid,
+                "XID {shown}: neither fatal nor listed as benign; health unchanged"
+            ),
+        }
+        class
+    }
+
+    /// GPUs Unhealthy for the recovery time become Healthy; returns them.
+    pub fn recover(&self, now: SystemTime) -> Vec<String> {
+        let Some(after) = self.recovery else {
+            return Vec::new();
+        };
+        let due: Vec<String> = self
+            .current()
+            .iter()
+            .filter(|(_, g)| {
+                matches!(g.health, Health::Unhealthy { .. })
+                    && now.duration_since(g.since).is_ok_and(|d| d >= after)
+            })
+            .map(|(uuid, _)| uuid.clone())
+            .collect();
+        for uuid in &due {
+            info!(gpu = %uuid, "no fatal XID for {after:?}: GPU Healthy again");
+            self.set(uuid, Health::Healthy, now);
+        }
+        due
+    }
+}
+
+/// Registers XID events of every GPU NVML lists and feeds them to `tracker`
+/// from a thread of its own (NVML's wait blocks), for the life of the
+/// process.
+pub fn spawn_monitor(
+    nvml: Arc<Nvml>,
+    tracker: Arc<HealthTracker>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("xid-monitor".into())
+        .spawn(move || monitor(&nvml, &tracker))
+}
+
+fn monitor(nvml: &Nvml, tracker: &HealthTracker) {
+    let now = SystemTime::now;
+    let gpus: Vec<(u32, String)> = match nvml.device_count() {
+        Ok(n) => (0..n)
+            .filter_map(|i| Some((i, nvml.device_by_index(i).ok()?.uuid().ok()?)))
+            .collect(),
+        Err(e) => {
+            warn!("GPU health not watched: cannot count GPUs: {e}");
+            return;
+        }
+    };
+    let mut set = match nvml.create_event_set() {
+        Ok(s) => s,
+        Err(e) => {
+            for (_, uuid) in &gpus {
+                tracker.not_watched(uuid, format!("cannot create an NVML event set: {e}"), now());
+            }
+            return;
+        }
+    };
+    let mut watched = 0;
+    for (index, uuid) in &gpus {
+        let registered = nvml.device_by_index(*index).and_then(|d| {
+            let supported = d.supported_event_types()?;
+            if !supported.contains(EventTypes::CRITICAL_XID_ERROR) {
+                return Err(NvmlError::NotSupported);
+            }
+            Ok(d)
+        });
+        let device = match registered {
+            Ok(d) => d,
+            Err(e) => {
+                tracker.not_watched(uuid, format!("XID events: {e}"), now());
+                continue;
+            }
+        };
+        match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => {
+                set = s;
+                watched += 1;
+                tracker.watching(uuid, now());
+            }
+            Err(e) => {
+                // NVML freed the set: what was registered so far is lost.
+                tracker.not_watched(uuid, format!("registering XID events: {}", e.error), now());
+                warn!("GPU health: NVML dropped the event set; not watching any GPU");
+                for (_, uuid) in &gpus {
+                    tracker.not_watched(uuid, "the NVML event set failed".into(), now());
+                }
+                return;
+            }
+        }
+    }
+    info!(gpus = watched, "watching GPUs for XID errors");
+    let mut failing = false;
+    loop {
+        match set.wait(1000) {
+            Ok(event) => {
+                failing = false;
+                let xid = match event.event_data {
+                    Some(XidError::Value(x)) => Some(x),
+                    Some(XidError::Unknown) => None,
+                    None => continue,
+                };
+                match event.device.uuid() {
+                    Ok(uuid) => {
+                        tracker.xid(&uuid, xid, now());
+                    }
+                    Err(e) => warn!("XID {xid:?} on a GPU whose UUID NVML cannot read: {e}"),
+                }
+            }
+            Err(NvmlError::Timeout) => failing = false,
+            Err(e) => {
+                if !failing {
+                    warn!("waiting for XID events: {e}; retrying every second");
+                }
+                failing = true;
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+        tracker.recover(now());
+    }
+}
+
+/// Every published device of `catalog` with its GPU's health.
+pub fn report(pool: &str, catalog: Option<&Catalog>, health: &HealthMap) -> Vec<h::DeviceHealth> {
+    let Some(catalog) = catalog else {
+        return Vec::new();
+    };
+    catalog
+        .devices()
+        .map(|(name, device)| {
+            let (status, since, message) = match health.get(&device.gpu_uuid) {
+                Some(g) => match &g.health {
+                    Health::Healthy => (h::HealthStatus::Healthy, g.since, String::new()),
+                    Health::Unhealthy { xid } => (
+                        h::HealthStatus::Unhealthy,
+                        g.since,
+                        format!(
+                            "XID {xid} ({}) on GPU {}",
+                            fatal_meaning(*xid).unwrap_or("fatal"),
+                            device.gpu_uuid
+                        ),
+                    ),
+                    Health::Unknown { reason } => {
+                        (h::HealthStatus::Unknown, g.since, reason.clone())
+                    }
+                },
+                None => (
+                    h::HealthStatus::Unknown,
+                    SystemTime::now(),
+                    format!(
+                        "GPU {} is not watched (it appeared after the driver started)",
+                        device.gpu_uuid
+                    ),
+                ),
+            };
+            h::DeviceHealth {
+                device: Some(h::DeviceIdentifier {
+                    pool_name: pool.to_owned(),
+                    device_name: name.clone(),
+                }),
+                health: status as i32,
+                last_updated_time: since
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs() as i64),
+                health_check_timeout_seconds: HEALTH_CHECK_TIMEOUT_SECONDS,
+                message,
+            }
+        })
+        .collect()
+}
+
+/// `v1alpha1.DRAResourceHealth` (what kubelets up to at least 1.36 call).
+#[derive(Clone)]
+pub struct HealthService {
+    pool: String,
+    catalog: Arc<DeviceCatalog>,
+    tracker: Arc<HealthTracker>,
+    stop: Option<watch::Receiver<bool>>,
+}
+
+impl HealthService {
+    /// `pool` is the node's name.
+    pub fn new(pool: String, catalog: Arc<DeviceCatalog>, tracker: Arc<HealthTracker>) -> Self {
+        HealthService {
+            pool,
+            catalog,
+            tracker,
+            stop: None,
+        }
+    }
+
+    /// Streams end when `stop` becomes true (the server shuts down).
+    pub fn until(mut self, stop: watch::Receiver<bool>) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+}
+
+type WatchStream =
+    Pin<Box<dyn futures::Stream<Item = Result<h::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl h::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = WatchStream;
+
+    async fn node_watch_resources(
+        &self,
+        _request: Request<h::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut health = self.tracker.subscribe();
+        let mut catalog = self.catalog.subscribe();
+        let mut stop = self.stop.clone();
+        let pool = self.pool.clone();
+        info!("the kubelet watches device health");
+        tokio::spawn(async move {
+            loop {
+                let devices = {
+                    let map = health.borrow_and_update().clone();
+                    let cat = catalog.borrow_and_update().clone();
+                    report(&pool, cat.as_deref(), &map)
+                };
+                if tx
+                    .send(Ok(h::NodeWatchResourcesResponse { devices }))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let stopping = async {
+                    match &mut stop {
+                        Some(s) => {
+                            let _ = s.wait_for(|stop| *stop).await;
+                        }
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    r = health.changed() => if r.is_err() { return },
+                    r = catalog.changed() => if r.is_err() { return },
+                    () = tokio::time::sleep(RESEND) => {}
+                    () = tx.closed() => return,
+                    () = stopping => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use h::dra_resource_health_server::DraResourceHealth as _;
+    use tessera_api::inventory::Inventory;
+    use tessera_controller::model::{DeviceKind, DeviceRef};
+
+    const GPU0: &str = "GPU-0";
+    const GPU1: &str = "GPU-1";
+
+    #[test]
+    fn xids_are_classified() {
+        let policy = XidPolicy::default();
+        for x in [48, 63, 64, 74, 79, 92, 94, 95, 119, 120] {
+            assert_eq!(policy.classify(Some(x)), XidClass::Fatal, "XID {x}");
+        }
+        for x in [13, 31, 43, 45, 68] {
+            assert_eq!(policy.classify(Some(x)), XidClass::Benign, "XID {x}");
+        }
+        assert_eq!(policy.classify(Some(8)), XidClass::Unlisted);
+        assert_eq!(policy.classify(None), XidClass::Unlisted);
+        // The operator's list replaces the default; fatal stays fatal.
+        let policy = XidPolicy::new([8, 79]);
+        assert_eq!(policy.classify(Some(8)), XidClass::Benign);
+        assert_eq!(policy.classify(Some(13)), XidClass::Unlisted);
+        assert_eq!(policy.classify(Some(79)), XidClass::Fatal);
+    }
+
+    #[test]
+    fn fatal_xids_make_the_gpu_unhealthy_until_recovery() {
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_000);
+        let tracker = HealthTracker::new(XidPolicy::default(), Some(Duration::from_secs(30)));
+        tracker.watching(GPU0, t0);
+        tracker.watching(GPU1, t0);
+        assert_eq!(tracker.xid(GPU0, Some(13), t0), XidClass::Benign);
+        assert_eq!(tracker.current()[GPU0].health, Health::Healthy);
+        assert_eq!(tracker.xid(GPU0, Some(79), t0), XidClass::Fatal);
+        assert_eq!(
+            tracker.current()[GPU0].health,
+            Health::Unhealthy { xid: 79 }
+        );
+        assert_eq!(tracker.current()[GPU1].health, Health::Healthy);
+        assert!(tracker.recover(t0 + Duration::from_secs(29)).is_empty());
+        assert_eq!(
+            tracker.recover(t0 + Duration::from_secs(30)),
+            vec![GPU0.to_owned()]
+        );
+        assert_eq!(tracker.current()[GPU0].health, Health::Healthy);
+
+        // Without a recovery time it stays Unhealthy.
+        let tracker = HealthTracker::new(XidPolicy::default(), None);
+        tracker.watching(GPU0, t0);
+        tracker.xid(GPU0, Some(48), t0);
+        assert!(
+            tracker
+                .recover(t0 + Duration::from_secs(1 << 30))
+                .is_empty()
+        );
+        assert_eq!(
+            tracker.current()[GPU0].health,
+            Health::Unhealthy { xid: 48 }
+        );
+    }
+
+    fn catalog() -> Catalog {
+        let device = |gpu: &str, kind| DeviceRef {
+            gpu_uuid: gpu.into(),
+            gpu_index: 0,
+            kind,
+        };
+        let devices = [
+            ("gpu-0".to_owned(), device(GPU0, DeviceKind::Whole)),
+            (
+                "gpu-0-shared".to_owned(),
+                device(
+                    GPU0,
+                    DeviceKind::Share {
+                        level: tessera_controller::model::IsolationLevel::Shared,
+                        provider: None,
+                        time_slice: None,
+                    },
+                ),
+            ),
+            ("gpu-1".to_owned(), device(GPU1, DeviceKind::Whole)),
+            ("gpu-2".to_owned(), device("GPU-2", DeviceKind::Whole)),
+        ]
+        .into_iter()
+        .collect();
+        Catalog::new(Inventory::default(), devices)
+    }
+
+    #[tokio::test]
+    async fn the_stream_starts_with_every_device_and_follows_changes() {
+        let at = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let tracker = Arc::new(HealthTracker::new(XidPolicy::default(), None));
+        tracker.watching(GPU0, at);
+        tracker.watching(GPU1, at);
+        tracker.xid(GPU1, Some(79), at);
+        let service = HealthService::new(
+            "node-a".into(),
+            Arc::new(DeviceCatalog::fixed(catalog())),
+            tracker.clone(),
+        );
+        let mut stream = service
+            .node_watch_resources(Request::new(h::NodeWatchResourcesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        use futures::StreamExt as _;
+        let first = stream.next().await.unwrap().unwrap();
+        let seen: Vec<(String, h::HealthStatus)> = first
+            .devices
+            .iter()
+            .map(|d| {
+                let id = d.device.as_ref().unwrap();
+                assert_eq!(id.pool_name, "node-a");
+                assert_eq!(d.health_check_timeout_seconds, HEALTH_CHECK_TIMEOUT_SECONDS);
+                (id.device_name.clone(), d.health())
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("gpu-0".to_owned(), h::HealthStatus::Healthy),
+                ("gpu-0-shared".to_owned(), h::HealthStatus::Healthy),
+                ("gpu-1".to_owned(), h::HealthStatus::Unhealthy),
+                // A GPU the monitor does not know.
+                ("gpu-2".to_owned(), h::HealthStatus::Unknown),
+            ]
+        );
+        let gpu1 = &first.devices[2];
+        assert_eq!(gpu1.last_updated_time, 1_700_000_000);
+        assert!(gpu1.message.contains("XID 79"), "{}", gpu1.message);
+
+        // A change is sent at once: all of GPU 0's devices turn Unhealthy.
+        tracker.xid(GPU0, Some(48), SystemTime::now());
+        let next = tokio::time::timeout(Duration::from_secs(5), stream.next())
+            .await
+            .expect("an update before the resend period")
+            .unwrap()
+            .unwrap();
+        let unhealthy: Vec<&str> = next
+            .devices
+            .iter()
+            .filter(|d| d.health() == h::HealthStatus::Unhealthy)
+            .map(|d| d.device.as_ref().unwrap().device_name.as_str())
+            .collect();
+        assert_eq!(unhealthy, ["gpu-0", "gpu-0-shared", "gpu-1"]);
+    }
+}
