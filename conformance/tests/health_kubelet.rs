@@ -13,12 +13,10 @@ use std::io::Write as _;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
-};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
-use serde_json::{Value, json};
+use kube::api::{DeleteParams, ListParams};
+use serde_json::Value;
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
 
 use plugin_support::*;
@@ -110,46 +108,7 @@ async fn run(
     events: &std::path::Path,
     plugin: &mut PluginProcess,
 ) -> Result<()> {
-    let client = cluster.client();
-    let pp = PostParams::default();
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": id },
-        "spec": { "selectors": [{ "cel": { "expression":
-            format!("device.driver == {driver:?} && device.attributes[{driver:?}].type == \"gpu\"") } }] },
-    }))?;
-    Api::<DeviceClass>::all(client.clone())
-        .create(&pp, &class)
-        .await?;
-    let template: ResourceClaimTemplate = serde_json::from_value(json!({
-        "metadata": { "name": "gpu" },
-        "spec": { "spec": { "devices": { "requests": [{
-            "name": "gpu", "exactly": { "deviceClassName": id },
-        }]}}},
-    }))?;
-    ns.api::<ResourceClaimTemplate>()
-        .create(&pp, &template)
-        .await?;
-    let log = plugin.log.clone();
-    wait_for("the kubelet to register the plugin", TIMEOUT, || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        async move { Ok(text.contains("registered with the kubelet").then_some(())) }
-    })
-    .await?;
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": { "name": "gpu-pod" },
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": false,
-            "resourceClaims": [{ "name": "gpu", "resourceClaimTemplateName": "gpu" }],
-            "containers": [{
-                "name": "main",
-                "image": "registry.k8s.io/pause:3.10",
-                "resources": { "claims": [{ "name": "gpu" }] },
-            }],
-        },
-    }))?;
-    let pods = ns.api::<Pod>();
-    pods.create(&pp, &pod).await?;
+    let pods = whole_gpu_pod(cluster, ns, driver, id, plugin).await?;
 
     // Running, and the kubelet already has the device's health from the
     // stream: Healthy.

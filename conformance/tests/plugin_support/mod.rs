@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use hyper_util::rt::TokioIo;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
@@ -644,4 +645,57 @@ impl World {
     pub fn ns(&self) -> &str {
         self.namespace.name()
     }
+}
+
+/// What the kubelet tests share: a DeviceClass `id` for whole GPUs of
+/// `driver`, a ResourceClaimTemplate `gpu` in `ns`, and, once the kubelet
+/// has registered the plugin (like a DaemonSet's readiness), a Pod
+/// `gpu-pod` with a claim from that template. Returns the namespace's Pods.
+pub async fn whole_gpu_pod(
+    cluster: &TestCluster,
+    ns: &tessera_conformance::TestNamespace,
+    driver: &str,
+    id: &str,
+    plugin: &PluginProcess,
+) -> Result<Api<Pod>> {
+    let pp = PostParams::default();
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": id },
+        "spec": { "selectors": [{ "cel": { "expression":
+            format!("device.driver == {driver:?} && device.attributes[{driver:?}].type == \"gpu\"") } }] },
+    }))?;
+    Api::<DeviceClass>::all(cluster.client())
+        .create(&pp, &class)
+        .await?;
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "spec": { "devices": { "requests": [{
+            "name": "gpu", "exactly": { "deviceClassName": id },
+        }]}}},
+    }))?;
+    ns.api::<ResourceClaimTemplate>()
+        .create(&pp, &template)
+        .await?;
+    let log = plugin.log.clone();
+    wait_for("the kubelet to register the plugin", TIMEOUT, || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        async move { Ok(text.contains("registered with the kubelet").then_some(())) }
+    })
+    .await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "gpu-pod" },
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "resourceClaims": [{ "name": "gpu", "resourceClaimTemplateName": "gpu" }],
+            "containers": [{
+                "name": "main",
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": { "claims": [{ "name": "gpu" }] },
+            }],
+        },
+    }))?;
+    let pods = ns.api::<Pod>();
+    pods.create(&pp, &pod).await?;
+    Ok(pods)
 }
