@@ -41,7 +41,12 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     ensure!(k.info.r#type == "DRAPlugin", "{:?}", k.info);
     ensure!(k.info.name == w.driver);
     ensure!(
-        k.info.supported_versions == ["v1.DRAPlugin", "v1beta1.DRAPlugin"],
+        k.info.supported_versions
+            == [
+                "v1.DRAPlugin",
+                "v1beta1.DRAPlugin",
+                "v1alpha1.DRAResourceHealth"
+            ],
         "{:?}",
         k.info.supported_versions
     );

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, bail};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
@@ -177,23 +177,27 @@ impl PluginDirs {
         self.path("boot_id")
     }
     /// The GPUs of this node's simulated machine as another process sees
-    /// them now.
+    /// them now. Like NVML on a real machine, a GPU whose MIG mode the node
+    /// switches between two of the tool's calls fails that one look: it is
+    /// asked again (a few times at most).
     pub fn inventory_now(&self, topology: &Path) -> Result<Inventory> {
         let b = binaries();
-        let out = Command::new(&b.tessera)
-            .arg("--nvml-library")
-            .arg(&b.fake_nvml)
-            .args(["inventory", "-o", "json"])
-            .env("TESSERA_FAKE_NVML_TOPOLOGY", topology)
-            .env("TESSERA_FAKE_NVML_STATE", self.nvml_state())
-            .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "tessera inventory: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(serde_json::from_slice(&out.stdout)?)
+        let mut last = String::new();
+        for _ in 0..3 {
+            let out = Command::new(&b.tessera)
+                .arg("--nvml-library")
+                .arg(&b.fake_nvml)
+                .args(["inventory", "-o", "json"])
+                .env("TESSERA_FAKE_NVML_TOPOLOGY", topology)
+                .env("TESSERA_FAKE_NVML_STATE", self.nvml_state())
+                .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
+                .output()?;
+            if out.status.success() {
+                return Ok(serde_json::from_slice(&out.stdout)?);
+            }
+            last = String::from_utf8_lossy(&out.stderr).into_owned();
+        }
+        bail!("tessera inventory: {last}")
     }
 
     /// The MPS control binary under the driver root.
