@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
 use tessera_api::inventory::Inventory;
 use tessera_controller::model::Model;
 use tessera_controller::model::naming::GpuIndices;
@@ -161,17 +162,28 @@ impl Observer {
         Observer { nvml, preparer }
     }
 
-    /// One look at the node. GPUs that cannot be read are logged and left
-    /// out (their devices stay published while claims hold them).
-    pub fn observe(&self) -> anyhow::Result<NodeView> {
+    /// One look at the node. A GPU that cannot be read is left out, unless
+    /// `last` saw it and it is not lost: then its last look stands in (an
+    /// operator's `nvidia-smi` switching its MIG layout between two NVML
+    /// calls must not make its devices vanish from the slices).
+    pub fn observe(&self, last: Option<&Inventory>) -> anyhow::Result<NodeView> {
         let lock = self.preparer.hardware_lock();
         let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
         let found = discovery::discover(&self.nvml)?;
+        let mut inventory = found.inventory;
         for e in &found.failed {
-            warn!("GPU discovery: {e} (not published)");
+            let kept = e
+                .uuid
+                .as_deref()
+                .filter(|_| !matches!(e.error, NvmlError::GpuLost))
+                .and_then(|uuid| keep_last_look(&mut inventory, last, uuid));
+            match kept {
+                Some(()) => warn!("GPU discovery: {e} (its last look stays published)"),
+                None => warn!("GPU discovery: {e} (not published)"),
+            }
         }
         Ok(NodeView {
-            inventory: found.inventory,
+            inventory,
             owned_mig: self.preparer.created_mig(),
             prepared: self.preparer.prepared_devices(),
         })
@@ -193,7 +205,8 @@ impl Observer {
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 }
                 while pokes.try_recv().is_ok() {}
-                match self.observe() {
+                let last = views.borrow().inventory.clone();
+                match self.observe(Some(&last)) {
                     Ok(view) => {
                         views.send_if_modified(|current| {
                             let changed = *current != view;
@@ -216,9 +229,63 @@ impl Observer {
     }
 }
 
+/// Puts `last`'s entry for GPU `uuid` into `inventory` (in NVML order, by
+/// PCI bus id); `None` when `last` never saw it.
+fn keep_last_look(inventory: &mut Inventory, last: Option<&Inventory>, uuid: &str) -> Option<()> {
+    if inventory.gpus.iter().any(|g| g.uuid == uuid) {
+        return Some(());
+    }
+    let gpu = last?.gpus.iter().find(|g| g.uuid == uuid)?.clone();
+    let at = inventory
+        .gpus
+        .iter()
+        .position(|g| g.pci_bus_id > gpu.pci_bus_id)
+        .unwrap_or(inventory.gpus.len());
+    inventory.gpus.insert(at, gpu);
+    Some(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_api::inventory::{Gpu, Mig};
+
+    fn gpu(uuid: &str, bus: &str) -> Gpu {
+        Gpu {
+            uuid: uuid.into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "nvidia".into(),
+            architecture: "hopper".into(),
+            cuda_compute_capability: "9.0".into(),
+            pci_bus_id: bus.into(),
+            memory_bytes: 80 << 30,
+            multiprocessors: 132,
+            minor: 0,
+            mig: Mig::NotSupported,
+        }
+    }
+
+    #[test]
+    fn an_unreadable_gpu_keeps_its_last_look_in_place() {
+        let last = Inventory {
+            gpus: vec![
+                gpu("GPU-a", "0000:1b:00.0"),
+                gpu("GPU-b", "0000:43:00.0"),
+                gpu("GPU-c", "0000:52:00.0"),
+            ],
+            ..Inventory::default()
+        };
+        let mut now = Inventory {
+            gpus: vec![gpu("GPU-a", "0000:1b:00.0"), gpu("GPU-c", "0000:52:00.0")],
+            ..Inventory::default()
+        };
+        assert_eq!(keep_last_look(&mut now, Some(&last), "GPU-b"), Some(()));
+        assert_eq!(now, last);
+        // Never seen before: nothing to keep.
+        assert_eq!(keep_last_look(&mut now, Some(&last), "GPU-x"), None);
+        assert_eq!(keep_last_look(&mut now, None, "GPU-x"), None);
+        assert_eq!(now, last);
+    }
 
     #[test]
     fn a_vanished_gpu_keeps_its_number_unless_it_was_given_away() {

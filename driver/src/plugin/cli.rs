@@ -320,7 +320,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     let observer = Arc::new(observer);
     let first_view = {
         let observer = observer.clone();
-        tokio::task::spawn_blocking(move || observer.observe()).await??
+        tokio::task::spawn_blocking(move || observer.observe(None)).await??
     };
     let (views, view) = watch::channel(first_view);
     let sampled_view = view.clone();
