@@ -4,11 +4,12 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use kube::Client;
+use tessera_api::inventory::Inventory;
 use tessera_controller::model::{DriverName, NodePolicy};
 use tessera_controller::publisher::{MIN_FULL_MODEL, Publisher, PublisherConfig, ServerVersion};
 use tokio::sync::watch;
@@ -236,14 +237,6 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     };
 
     let nvml = Arc::new(discovery::init(Some(nvml_library))?);
-    let inventory = {
-        let nvml = nvml.clone();
-        tokio::task::spawn_blocking(move || discovery::discover(&nvml)).await??
-    };
-    for e in &inventory.failed {
-        warn!("GPU discovery: {e} (not published)");
-    }
-    let inventory = inventory.inventory;
 
     // Device health: XID events of every GPU, from now on.
     let health = Arc::new(HealthTracker::new(
@@ -282,12 +275,14 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     )));
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
     let (poke, pokes) = std::sync::mpsc::channel::<()>();
-    let poke = Mutex::new(poke);
+    // Profiles come from the first look at the GPUs, taken after recovery
+    // (which destroys MIG devices but never creates one).
+    let mig = Arc::new(NvmlMig::new(nvml.clone(), &Inventory::default()));
     let deps = Dependencies {
         claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
         catalog: catalog.clone(),
         sharing: Arc::new(MpsSharing::new(mps.clone(), Unsupported)),
-        mig: Arc::new(NvmlMig::new(nvml.clone(), &inventory)),
+        mig: mig.clone(),
         status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
         events: Some(NodeEvents::new(
             client.clone(),
@@ -295,7 +290,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             format!("{}-plugin", args.driver_name),
         )),
         on_change: Some(Arc::new(move || {
-            let _ = poke.lock().unwrap_or_else(|p| p.into_inner()).send(());
+            let _ = poke.send(());
         })),
     };
     let (preparer, recovery) = Preparer::open(config, deps).await?;
@@ -314,14 +309,13 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     // Publish: the observer reads the node, the publisher turns each view
     // into slices, and every model it builds is the catalog.
     let observer_nvml = nvml.clone();
-    let observer = Observer::new(nvml, preparer.clone());
-    // Looked at after recovery: rolling back may have destroyed MIG devices
-    // the inventory discovered at start still shows.
-    let observer = Arc::new(observer);
+    // Looked at after recovery, which may have destroyed MIG devices.
+    let observer = Arc::new(Observer::new(nvml, preparer.clone()));
     let first_view = {
         let observer = observer.clone();
         tokio::task::spawn_blocking(move || observer.observe(None)).await??
     };
+    mig.set_inventory(&first_view.inventory);
     let (views, view) = watch::channel(first_view);
     let sampled_view = view.clone();
     Observer::spawn(

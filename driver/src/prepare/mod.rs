@@ -694,7 +694,7 @@ impl Preparer {
         let held: BTreeSet<String> = self
             .lock_checkpoint()
             .entries()
-            .flat_map(|(_, e)| e.mig_mode_holds().map(str::to_owned).collect::<Vec<_>>())
+            .flat_map(|(_, e)| e.mig_mode_holds().map(str::to_owned))
             .collect();
         let mut problems = Vec::new();
         for gpu in gpus {
@@ -753,7 +753,7 @@ impl Preparer {
     pub fn created_mig(&self) -> BTreeSet<String> {
         self.lock_checkpoint()
             .entries()
-            .flat_map(|(_, e)| e.created_mig().map(str::to_owned).collect::<Vec<_>>())
+            .flat_map(|(_, e)| e.created_mig().map(str::to_owned))
             .collect()
     }
 
@@ -761,7 +761,7 @@ impl Preparer {
     pub fn prepared_devices(&self) -> BTreeSet<String> {
         self.lock_checkpoint()
             .entries()
-            .flat_map(|(_, e)| e.device_names().map(str::to_owned).collect::<Vec<_>>())
+            .flat_map(|(_, e)| e.device_names().map(str::to_owned))
             .collect()
     }
 
