@@ -13,11 +13,10 @@ use std::io::Write as _;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams};
 use serde_json::Value;
-use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_conformance::{TestCluster, unique_name, wait_for};
 
 use plugin_support::*;
 
@@ -33,7 +32,6 @@ async fn an_xid_79_makes_the_pods_gpu_unhealthy_in_its_status() -> Result<()> {
     let node = cluster.node_name().to_owned();
     let ns = cluster.create_namespace("health-kubelet").await?;
     let dirs = PluginDirs::new()?;
-    let client = cluster.client();
     let events = dirs.path("xid-events");
     std::fs::write(&events, "")?;
 
@@ -50,33 +48,8 @@ async fn an_xid_79_makes_the_pods_gpu_unhealthy_in_its_status() -> Result<()> {
             events: Some(events.clone()),
         },
     )?;
-    let log = plugin.log.clone();
-
     let result = run(&cluster, &ns, &driver, &id, &events, &mut plugin).await;
-    let _ = ns
-        .api::<Pod>()
-        .delete("gpu-pod", &DeleteParams::default().grace_period(0))
-        .await;
-    let _ = ns.delete().await;
-    let _ = delete_ignore_missing(&Api::<DeviceClass>::all(client.clone()), &id).await;
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    if let Ok(list) = slices
-        .list(&ListParams::default().fields(&format!("spec.driver={driver}")))
-        .await
-    {
-        for s in list.items {
-            let _ = delete_ignore_missing(&slices, s.metadata.name.as_deref().unwrap_or_default())
-                .await;
-        }
-    }
-    let _ = plugin.terminate().await;
-    if result.is_err() {
-        eprintln!(
-            "plugin log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-    }
-    result
+    finish_kubelet_test(&cluster, &ns, &driver, &id, plugin, result).await
 }
 
 /// `(health, message)` of every resource in the Pod's container statuses.

@@ -13,11 +13,10 @@
 mod plugin_support;
 
 use anyhow::{Context, Result, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Api;
-use kube::api::{DeleteParams, ListParams};
-use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use kube::api::DeleteParams;
+use tessera_conformance::{TestCluster, unique_name, wait_for};
 
 use plugin_support::*;
 
@@ -33,7 +32,6 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
     let node = cluster.node_name().to_owned();
     let ns = cluster.create_namespace("plugin-kubelet").await?;
     let dirs = PluginDirs::new()?;
-    let client = cluster.client();
 
     // The node process, in the kubelet's own directories: it registers with
     // the kubelet and publishes the node's slices.
@@ -50,35 +48,8 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
             events: None,
         },
     )?;
-    let log = plugin.log.clone();
-
     let result = run(&cluster, &ns, &driver, &id, &dirs, &mut plugin).await;
-    // Cleanup whatever happened.
-    let _ = ns
-        .api::<Pod>()
-        .delete("gpu-pod", &DeleteParams::default().grace_period(0))
-        .await;
-    let _ = ns.delete().await;
-    let _ = delete_ignore_missing(&Api::<DeviceClass>::all(client.clone()), &id).await;
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    if let Ok(list) = slices
-        .list(&ListParams::default().fields(&format!("spec.driver={driver}")))
-        .await
-    {
-        for s in list.items {
-            let _ = delete_ignore_missing(&slices, s.metadata.name.as_deref().unwrap_or_default())
-                .await;
-        }
-    }
-    // SIGTERM lets it remove its sockets from the kubelet's directories.
-    let _ = plugin.terminate().await;
-    if result.is_err() {
-        eprintln!(
-            "plugin log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-    }
-    result
+    finish_kubelet_test(&cluster, &ns, &driver, &id, plugin, result).await
 }
 
 async fn run(

@@ -25,13 +25,15 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
-use kube::api::{Patch, PatchParams, PostParams};
+use k8s_openapi::api::resource::v1::{
+    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
 use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::{dra_v1, registration};
-use tessera_conformance::{TestCluster, unique_name, wait_for};
+use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
 use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
 use tonic::transport::{Channel, Endpoint};
 
@@ -702,4 +704,44 @@ pub async fn whole_gpu_pod(
     let pods = ns.api::<Pod>();
     pods.create(&pp, &pod).await?;
     Ok(pods)
+}
+
+/// Ends a test of [`whole_gpu_pod`] whatever happened: deletes its Pod,
+/// namespace, DeviceClass `id` and the slices of `driver`, stops the plugin
+/// with SIGTERM (so it removes its sockets from the kubelet's directories),
+/// and prints the plugin's log when `result` is a failure.
+pub async fn finish_kubelet_test(
+    cluster: &TestCluster,
+    ns: &tessera_conformance::TestNamespace,
+    driver: &str,
+    id: &str,
+    plugin: PluginProcess,
+    result: Result<()>,
+) -> Result<()> {
+    let client = cluster.client();
+    let _ = ns
+        .api::<Pod>()
+        .delete("gpu-pod", &DeleteParams::default().grace_period(0))
+        .await;
+    let _ = ns.delete().await;
+    let _ = delete_ignore_missing(&Api::<DeviceClass>::all(client.clone()), id).await;
+    let slices: Api<ResourceSlice> = Api::all(client);
+    if let Ok(list) = slices
+        .list(&ListParams::default().fields(&format!("spec.driver={driver}")))
+        .await
+    {
+        for s in list.items {
+            let _ = delete_ignore_missing(&slices, s.metadata.name.as_deref().unwrap_or_default())
+                .await;
+        }
+    }
+    let log = plugin.log.clone();
+    let _ = plugin.terminate().await;
+    if result.is_err() {
+        eprintln!(
+            "plugin log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+    }
+    result
 }
