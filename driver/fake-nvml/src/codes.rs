@@ -18,6 +18,7 @@ pub const GPU_IS_LOST: Ret = nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST;
 pub const IN_USE: Ret = nvmlReturn_enum_NVML_ERROR_IN_USE;
 pub const INSUFFICIENT_RESOURCES: Ret = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
 pub const ARGUMENT_VERSION_MISMATCH: Ret = nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+pub const NO_PERMISSION: Ret = nvmlReturn_enum_NVML_ERROR_NO_PERMISSION;
 pub const UNKNOWN: Ret = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
 
 /// Every code with its name (without the `NVML_ERROR_` prefix) and message.

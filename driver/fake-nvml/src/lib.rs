@@ -51,6 +51,27 @@
 //! every process on the machine keeps the same tree in step, with or without
 //! the variable.
 //!
+//! # What a process sees: `TESSERA_FAKE_NVML_DEV_ROOT`
+//!
+//! Real NVML in a container answers only for the device nodes the runtime
+//! gave it. [`DEV_ROOT_ENV`] names the directory to look in (`/dev` in a
+//! container); unset or empty, every GPU and MIG device is seen. Set, a GPU
+//! is seen when `<dir>/nvidia<minor>` is a character device 195:`<minor>`
+//! (only `stat`ed: there is no kernel module to open it), and a MIG device
+//! of a seen GPU when both its capability nodes
+//! `<dir>/nvidia-caps/nvidia-cap<N>` (GPU instance and compute instance, the
+//! minors above) are character devices of minor `N`. The nodes are looked
+//! at once per `nvmlInit*`. Indices count only the GPUs seen (topology
+//! order), so index 0 is the first of them; count, handles by index, UUID
+//! and PCI bus id agree, and a hidden device's UUID answers
+//! `NVML_ERROR_NOT_FOUND`. Such a process may change nothing (MIG mode,
+//! instances, compute mode): `NVML_ERROR_NO_PERMISSION`.
+//!
+//! A state file (or its lock) this process may not write (a read-only mount
+//! in a container) is still read: the lock is taken shared on a read-only
+//! descriptor, and a call that would change the state answers
+//! `NVML_ERROR_NO_PERMISSION` with a line on stderr.
+//!
 //! # Faults and events
 //!
 //! Faults a topology can provoke: `faults.init` (every init fails with that
@@ -77,6 +98,7 @@ mod events;
 mod machine;
 mod state;
 pub mod topology;
+mod visibility;
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -104,6 +126,10 @@ pub const STATE_ENV: &str = "TESSERA_FAKE_NVML_STATE";
 /// Environment variable naming the driver root below which the MIG
 /// capability files (`proc/driver/nvidia/capabilities/...`) are kept.
 pub const DRIVER_ROOT_ENV: &str = "TESSERA_FAKE_NVML_DRIVER_ROOT";
+/// Environment variable naming the directory whose NVIDIA device nodes
+/// decide which GPUs and MIG devices this process sees (`/dev` in a
+/// container); unset or empty: all of them.
+pub const DEV_ROOT_ENV: &str = "TESSERA_FAKE_NVML_DEV_ROOT";
 
 /// Event types every simulated GPU supports: ECC errors, P-state and clock
 /// changes and critical XID errors.
@@ -128,6 +154,8 @@ struct Sim {
     store: Store,
     /// `TESSERA_FAKE_NVML_DRIVER_ROOT` of this process.
     driver_root: Option<PathBuf>,
+    /// `TESSERA_FAKE_NVML_DEV_ROOT` of this process.
+    dev_root: Option<PathBuf>,
 }
 
 static LIB: Mutex<Lib> = Mutex::new(Lib {
@@ -146,9 +174,15 @@ fn with_machine<R>(f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, 
 }
 
 /// Like [`with_machine`] for calls that change run-time state: what `f`
-/// changes is written back to the state file.
+/// changes is written back to the state file. A process that sees only
+/// some devices (a container) may change none: NO_PERMISSION.
 fn with_machine_mut<R>(f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, Ret> {
-    synced(Access::Write, f)
+    synced(Access::Write, |m| {
+        if m.visible.is_some() {
+            return Err(NO_PERMISSION);
+        }
+        f(m)
+    })
 }
 
 fn synced<R>(access: Access, f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> Result<R, Ret> {
@@ -250,6 +284,7 @@ struct Config {
     events: Option<PathBuf>,
     state: PathBuf,
     driver_root: Option<PathBuf>,
+    dev_root: Option<PathBuf>,
 }
 
 /// In-process tests configure the machine here instead of the environment.
@@ -260,6 +295,7 @@ struct TestConfig {
     events: Option<PathBuf>,
     state: PathBuf,
     driver_root: Option<PathBuf>,
+    dev_root: Option<PathBuf>,
 }
 
 #[cfg(test)]
@@ -277,6 +313,7 @@ fn config() -> Result<Config, String> {
             events: c.events,
             state: c.state,
             driver_root: c.driver_root,
+            dev_root: c.dev_root,
         });
     }
     let path = std::env::var_os(TOPOLOGY_ENV)
@@ -300,6 +337,7 @@ fn config() -> Result<Config, String> {
         events: non_empty(EVENTS_ENV).map(PathBuf::from),
         state,
         driver_root: non_empty(DRIVER_ROOT_ENV).map(PathBuf::from),
+        dev_root: non_empty(DEV_ROOT_ENV).map(PathBuf::from),
     })
 }
 
@@ -314,6 +352,7 @@ fn load() -> Result<Sim, String> {
         machine,
         store,
         driver_root: config.driver_root,
+        dev_root: config.dev_root,
     })
 }
 
@@ -343,6 +382,12 @@ fn init() -> Ret {
             }
             Ok(())
         })?;
+        // A container's device nodes are fixed when it starts: one look
+        // per init, like NVML enumerating devices at init.
+        sim.machine.visible = sim.dev_root.as_deref().map(|d| {
+            let minors: Vec<u32> = sim.machine.gpus.iter().map(|g| g.minor).collect();
+            visibility::Visible::scan(d, minors)
+        });
         lib.init_count += 1;
         Ok(())
     })
@@ -426,7 +471,7 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(device_count: *mut c_uint) -> nvmlReturn_t {
     ffi(|| {
-        let n = with_machine(|m| Ok(m.gpus.len() as c_uint))?;
+        let n = with_machine(|m| Ok(m.visible_gpus().len() as c_uint))?;
         // SAFETY: NVML contract: null or valid for an unsigned int.
         unsafe { put(device_count, n) }
     })
@@ -447,14 +492,15 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
     ffi(|| {
-        with_machine(|m| {
-            if index as usize >= m.gpus.len() {
-                return Err(INVALID_ARGUMENT);
-            }
-            Ok(())
+        // Indices count only the GPUs this process sees, as NVML's do.
+        let gpu = with_machine(|m| {
+            m.visible_gpus()
+                .get(index as usize)
+                .copied()
+                .ok_or(INVALID_ARGUMENT)
         })?;
         // SAFETY: NVML contract: null or valid for a handle.
-        unsafe { put(device, gpu_handle(index as usize)) }
+        unsafe { put(device, gpu_handle(gpu)) }
     })
 }
 
@@ -502,9 +548,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
         let wanted = topology::PciAddress::parse(wanted).ok_or(INVALID_ARGUMENT)?;
         let gpu = with_machine(|m| {
             let gpu = m
-                .gpus
-                .iter()
-                .position(|g| g.bus == wanted)
+                .visible_gpus()
+                .into_iter()
+                .find(|g| m.gpus[*g].bus == wanted)
                 .ok_or(NOT_FOUND)?;
             if m.gpus[gpu].card.lost {
                 return Err(GPU_IS_LOST);
@@ -590,7 +636,9 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(
 ) -> nvmlReturn_t {
     ffi(|| {
         let i = with_machine(|m| match m.live_device(device.addr())? {
-            DeviceRef::Gpu(g) => Ok(g as c_uint),
+            DeviceRef::Gpu(g) => {
+                Ok(m.visible_gpus().iter().take_while(|v| **v != g).count() as c_uint)
+            }
             DeviceRef::Mig { .. } => Err(NOT_SUPPORTED),
         })?;
         // SAFETY: NVML contract: null or valid for an unsigned int.
@@ -1322,7 +1370,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
             Ok(m.mig_enabled(g)?
                 .gpu_instances
                 .iter()
-                .filter(|(_, i)| i.profile_id == p.id)
+                .filter(|(id, i)| i.profile_id == p.id && m.instance_visible(g, **id, None))
                 .map(|(id, _)| gi_handle(g, *id))
                 .collect::<Vec<_>>())
         })?;
@@ -1341,6 +1389,9 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
         let g = with_machine(|m| {
             let g = m.live_gpu(device.addr())?;
             m.mig_enabled(g)?.gpu_instances.get(&id).ok_or(NOT_FOUND)?;
+            if !m.instance_visible(g, id, None) {
+                return Err(NOT_FOUND);
+            }
             Ok(g)
         })?;
         // SAFETY: NVML contract: null or valid for a handle.
@@ -1610,7 +1661,9 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
             Ok(inst
                 .compute_instances
                 .iter()
-                .filter(|(_, c)| c.profile_id == profile_id)
+                .filter(|(id, c)| {
+                    c.profile_id == profile_id && m.instance_visible(g, gi, Some(**id))
+                })
                 .map(|(id, _)| ci_handle(g, gi, *id))
                 .collect::<Vec<_>>())
         })?;

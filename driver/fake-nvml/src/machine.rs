@@ -14,9 +14,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 
+use crate::caps;
 use crate::codes::*;
 use crate::state::ComputeMode;
 use crate::topology::{self, Card, MigCapability, MigMode, PciAddress, Profile, Topology};
+use crate::visibility::Visible;
 
 /// What a device handle refers to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +93,9 @@ pub struct Machine {
     /// Where the MIG capability files are kept (`None`: nowhere); part of
     /// the state file.
     pub driver_root: Option<PathBuf>,
+    /// The device nodes this process was given (`TESSERA_FAKE_NVML_DEV_ROOT`);
+    /// `None`: it sees every GPU and MIG device. Per process, never saved.
+    pub visible: Option<Visible>,
 }
 
 #[derive(Debug)]
@@ -271,13 +276,47 @@ impl Machine {
             event_sets: BTreeMap::new(),
             created: 0,
             driver_root: None,
+            visible: None,
         })
+    }
+
+    /// Whether this process may see the GPU at (unfiltered) index `gpu`.
+    pub fn gpu_visible(&self, gpu: usize) -> bool {
+        let Some(g) = self.gpus.get(gpu) else {
+            return false;
+        };
+        self.visible
+            .as_ref()
+            .is_none_or(|v| v.gpu_minors.contains(&g.minor))
+    }
+
+    /// Whether this process may see GPU instance `gi` (and, if given,
+    /// compute instance `ci` in it) of a visible GPU: their capability nodes
+    /// must all be there.
+    pub fn instance_visible(&self, gpu: usize, gi: u32, ci: Option<u32>) -> bool {
+        if !self.gpu_visible(gpu) {
+            return false;
+        }
+        let Some(v) = &self.visible else {
+            return true;
+        };
+        let minor = self.gpus[gpu].minor;
+        let has = |n: Option<u32>| n.is_some_and(|n| v.cap_minors.contains(&n));
+        has(caps::gi_minor(minor, gi)) && ci.is_none_or(|ci| has(caps::ci_minor(minor, gi, ci)))
+    }
+
+    /// The GPUs this process sees, in NVML index order: position `i` is
+    /// the GPU that index `i` names.
+    pub fn visible_gpus(&self) -> Vec<usize> {
+        (0..self.gpus.len())
+            .filter(|g| self.gpu_visible(*g))
+            .collect()
     }
 
     /// Validates a device handle value against the current state.
     pub fn device(&self, value: usize) -> Result<DeviceRef, Ret> {
         let (gpu, gi, ci) = decode(Kind::Device, value).ok_or(INVALID_ARGUMENT)?;
-        if gpu >= self.gpus.len() {
+        if !self.gpu_visible(gpu) {
             return Err(INVALID_ARGUMENT);
         }
         match (gi, ci) {
@@ -334,9 +373,10 @@ impl Machine {
         Ok(mig)
     }
 
+    /// A compute instance this process may see.
     pub fn compute_instance(&self, gpu: usize, gi: u32, ci: u32) -> Option<&ComputeInstance> {
         let mig = self.gpus.get(gpu)?.mig.as_ref()?;
-        if !mig.enabled {
+        if !mig.enabled || !self.instance_visible(gpu, gi, Some(ci)) {
             return None;
         }
         mig.gpu_instances.get(&gi)?.compute_instances.get(&ci)
@@ -350,7 +390,10 @@ impl Machine {
         };
         let g = self.gpus.get(gpu).ok_or(INVALID_ARGUMENT)?;
         let mig = g.mig.as_ref().ok_or(INVALID_ARGUMENT)?;
-        if !mig.enabled || !mig.gpu_instances.contains_key(&gi) {
+        if !mig.enabled
+            || !mig.gpu_instances.contains_key(&gi)
+            || !self.instance_visible(gpu, gi, None)
+        {
             return Err(INVALID_ARGUMENT);
         }
         if g.card.lost {
@@ -372,8 +415,8 @@ impl Machine {
         Ok((gpu, gi, ci))
     }
 
-    /// MIG devices of a GPU in NVML index order: by GPU instance id, then
-    /// compute instance id.
+    /// MIG devices of a GPU this process sees, in NVML index order: by GPU
+    /// instance id, then compute instance id.
     pub fn mig_devices(&self, gpu: usize) -> Vec<(u32, u32)> {
         let Some(mig) = self.gpus[gpu].mig.as_ref().filter(|m| m.enabled) else {
             return Vec::new();
@@ -381,12 +424,14 @@ impl Machine {
         mig.gpu_instances
             .iter()
             .flat_map(|(gi, inst)| inst.compute_instances.keys().map(move |ci| (*gi, *ci)))
+            .filter(|(gi, ci)| self.instance_visible(gpu, *gi, Some(*ci)))
             .collect()
     }
 
-    /// Finds a GPU or MIG device by UUID.
+    /// Finds a GPU or MIG device this process sees by UUID.
     pub fn by_uuid(&self, uuid: &str) -> Option<DeviceRef> {
-        for (gpu, g) in self.gpus.iter().enumerate() {
+        for gpu in self.visible_gpus() {
+            let g = &self.gpus[gpu];
             if g.card.uuid.eq_ignore_ascii_case(uuid) {
                 return Some(DeviceRef::Gpu(gpu));
             }

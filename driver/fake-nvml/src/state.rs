@@ -16,6 +16,12 @@
 //! rename, under the lock) only if it differs. A missing file is seeded from
 //! the topology; a file that cannot be parsed, has another version or
 //! describes other GPUs is an error naming the file, never silently replaced.
+//!
+//! A container sees the state file read-only (like the kernel's `/proc`):
+//! when the lock file cannot be opened for writing, the lock is taken
+//! shared on a read-only descriptor (or not at all if there is no lock file
+//! to open; renames keep every read whole), reads work, and a call that
+//! would change the state answers NO_PERMISSION with a line on stderr.
 
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
@@ -339,17 +345,22 @@ impl Store {
         access: Access,
         f: impl FnOnce(&mut Machine) -> Result<R, Ret>,
     ) -> Result<Result<R, Ret>, String> {
-        let _lock = self.lock()?;
+        let lock = self.lock()?;
         self.load(machine)?;
         let result = f(machine);
         if access == Access::Write {
             let bytes = encode(&machine.snapshot());
             if self.seen.as_deref() != Some(bytes.as_slice()) {
-                if let Err(e) = self.write(&bytes) {
+                let written = if lock.exclusive {
+                    self.write(&bytes)
+                } else {
+                    Err(std::io::Error::from_raw_os_error(libc::EROFS))
+                };
+                if let Err(e) = written {
                     // The process's copy now differs from the file: re-read
                     // it next time.
                     self.seen = None;
-                    return Err(e);
+                    return self.write_failed(e);
                 }
                 self.seen = Some(bytes);
                 caps::reconcile(machine);
@@ -358,19 +369,57 @@ impl Store {
         Ok(result)
     }
 
-    /// Takes the exclusive lock; it is released when the file is closed.
-    fn lock(&self) -> Result<File, String> {
-        let file = OpenOptions::new()
+    /// A change that could not be saved: NO_PERMISSION where the state is
+    /// read-only to this process (said on stderr every time: each is a
+    /// call refused), any other failure is the state file's.
+    fn write_failed<R>(&self, e: std::io::Error) -> Result<Result<R, Ret>, String> {
+        let msg = format!("writing the state file {}: {e}", self.path.display());
+        if !is_read_only(&e) {
+            return Err(msg);
+        }
+        eprintln!("tessera-fake-nvml: {msg}; this process may read the GPUs' state, not change it");
+        Ok(Err(NO_PERMISSION))
+    }
+
+    /// Takes the lock, released when the returned file is closed: exclusive
+    /// where this process can write the lock file, else shared on a
+    /// read-only descriptor (flock needs no write access).
+    fn lock(&self) -> Result<Lock, String> {
+        let opened = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&self.lock_path)
-            .map_err(|e| format!("opening the state lock {}: {e}", self.lock_path.display()))?;
+            .open(&self.lock_path);
+        let fail =
+            |e: std::io::Error| format!("opening the state lock {}: {e}", self.lock_path.display());
+        let (file, exclusive) = match opened {
+            Ok(file) => (file, true),
+            Err(e) if is_read_only(&e) => match File::open(&self.lock_path) {
+                Ok(file) => (file, false),
+                // Nothing to lock: renames still make every read whole.
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    return Ok(Lock {
+                        _file: None,
+                        exclusive: false,
+                    });
+                }
+                Err(e) => return Err(fail(e)),
+            },
+            Err(e) => return Err(fail(e)),
+        };
+        let op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
         loop {
             // SAFETY: flock on a descriptor this function owns.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
-                return Ok(file);
+            if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+                return Ok(Lock {
+                    _file: Some(file),
+                    exclusive,
+                });
             }
             let e = std::io::Error::last_os_error();
             if e.kind() != ErrorKind::Interrupted {
@@ -391,7 +440,8 @@ impl Store {
                 machine
                     .restore(&self.seed)
                     .map_err(|e| format!("seeding {}: {e}", self.path.display()))?;
-                self.write(&bytes)?;
+                self.write(&bytes)
+                    .map_err(|e| format!("seeding the state file {}: {e}", self.path.display()))?;
                 self.seen = Some(bytes);
                 caps::reconcile(machine);
                 return Ok(());
@@ -425,18 +475,34 @@ impl Store {
     }
 
     /// Replaces the file atomically (the caller holds the lock).
-    fn write(&self, bytes: &[u8]) -> Result<(), String> {
+    fn write(&self, bytes: &[u8]) -> std::io::Result<()> {
         let mut tmp = self.path.clone().into_os_string();
         tmp.push(format!(".tmp.{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let written = File::create(&tmp)
             .and_then(|mut f| f.write_all(bytes))
             .and_then(|()| std::fs::rename(&tmp, &self.path));
-        written.map_err(|e| {
+        if written.is_err() {
             let _ = std::fs::remove_file(&tmp);
-            format!("writing the state file {}: {e}", self.path.display())
-        })
+        }
+        written
     }
+}
+
+/// The lock a call holds on `<state>.lock` (released when dropped).
+struct Lock {
+    /// `None`: no lock file, and no right to create one.
+    _file: Option<File>,
+    /// Only an exclusive holder may write the state.
+    exclusive: bool,
+}
+
+/// Whether an error says this process may not write there.
+fn is_read_only(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EROFS | libc::EACCES | libc::EPERM)
+    )
 }
 
 /// The file's bytes for `state`: pretty JSON, for people reading it.

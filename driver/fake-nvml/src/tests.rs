@@ -72,6 +72,7 @@ fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMa
         events,
         state: dir.join("nvml.state"),
         driver_root: with_root.then(|| dir.join("root")),
+        dev_root: None,
     });
     let mut lib = lock();
     lib.init_count = 0;
@@ -1230,4 +1231,298 @@ fn child_fill_every_gpu() {
         }
     }
     nvmlShutdown();
+}
+
+// ---------------------------------------------------------------------------
+// Device visibility (TESSERA_FAKE_NVML_DEV_ROOT) and read-only state
+
+/// A new "process" on the same machine: the library reloaded with `dev_root`.
+fn reload(dev_root: Option<PathBuf>) {
+    if let Some(c) = TEST_CONFIG.lock().unwrap().as_mut() {
+        c.dev_root = dev_root;
+    }
+    let mut lib = lock();
+    lib.init_count = 0;
+    lib.sim = None;
+}
+
+/// Makes a character device node; false (with the reason printed, for the
+/// caller to skip) where this process may not.
+fn mknod(path: &Path, major: u32, minor: u32) -> bool {
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(major, minor),
+        )
+    };
+    if rc != 0 {
+        println!(
+            "skipped: mknod {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    rc == 0
+}
+
+fn uuid_of(d: nvmlDevice_t) -> String {
+    let mut buf = [0 as c_char; 96];
+    assert_eq!(
+        unsafe { nvmlDeviceGetUUID(d, buf.as_mut_ptr(), 96) },
+        SUCCESS
+    );
+    unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+fn count() -> u32 {
+    let mut n = 0;
+    assert_eq!(unsafe { nvmlDeviceGetCount_v2(&mut n) }, SUCCESS);
+    n
+}
+
+fn by_uuid(uuid: &str) -> Result<nvmlDevice_t, Ret> {
+    let c = std::ffi::CString::new(uuid).unwrap();
+    let mut d: nvmlDevice_t = ptr::null_mut();
+    match unsafe { nvmlDeviceGetHandleByUUID(c.as_ptr(), &mut d) } {
+        SUCCESS => Ok(d),
+        other => Err(other),
+    }
+}
+
+/// (GPU instance id, compute instance id, UUID) of each MIG device of `d`.
+fn mig_devices_of(d: nvmlDevice_t) -> Vec<(u32, u32, String)> {
+    let mut found = Vec::new();
+    for i in 0..7 {
+        let mut mig: nvmlDevice_t = ptr::null_mut();
+        if unsafe { nvmlDeviceGetMigDeviceHandleByIndex(d, i, &mut mig) } != SUCCESS {
+            break;
+        }
+        let (mut gi, mut ci) = (0, 0);
+        assert_eq!(unsafe { nvmlDeviceGetGpuInstanceId(mig, &mut gi) }, SUCCESS);
+        assert_eq!(
+            unsafe { nvmlDeviceGetComputeInstanceId(mig, &mut ci) },
+            SUCCESS
+        );
+        found.push((gi, ci, uuid_of(mig)));
+    }
+    found
+}
+
+#[test]
+fn a_dev_root_shows_only_the_gpus_whose_nodes_are_there_renumbered() {
+    let m = machine(H100X8, None);
+    let uuids: Vec<String> = Topology::parse(H100X8)
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.uuid.clone())
+        .collect();
+    let dev = m.dir.join("dev");
+    let made = mknod(&dev.join("nvidia5"), 195, 5)
+        && mknod(&dev.join("nvidia3"), 195, 3)
+        // Not the GPU's: another major, another minor, a plain file.
+        && mknod(&dev.join("nvidia6"), 1, 6)
+        && mknod(&dev.join("nvidia7"), 195, 1)
+        && mknod(&dev.join("nvidiactl"), 195, 255);
+    if !made {
+        return;
+    }
+    std::fs::write(dev.join("nvidia4"), "").unwrap();
+    reload(Some(dev));
+    init_ok();
+    assert_eq!(count(), 2);
+    assert_eq!(uuid_of(device(0)), uuids[3]);
+    assert_eq!(uuid_of(device(1)), uuids[5]);
+    let mut d: nvmlDevice_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetHandleByIndex_v2(2, &mut d) },
+        INVALID_ARGUMENT
+    );
+    let (mut index, mut minor) = (9, 9);
+    assert_eq!(
+        unsafe { nvmlDeviceGetIndex(device(1), &mut index) },
+        SUCCESS
+    );
+    assert_eq!(
+        unsafe { nvmlDeviceGetMinorNumber(device(1), &mut minor) },
+        SUCCESS
+    );
+    assert_eq!((index, minor), (1, 5));
+    assert_eq!(by_uuid(&uuids[5]), Ok(device(1)));
+    for hidden in [0, 4, 6, 7] {
+        assert_eq!(by_uuid(&uuids[hidden]), Err(NOT_FOUND), "GPU {hidden}");
+    }
+    // By bus id: the visible one is found, a hidden one is not.
+    let mut pci: nvmlPciInfo_t = unsafe { zeroed() };
+    assert_eq!(
+        unsafe { nvmlDeviceGetPciInfo_v3(device(0), &mut pci) },
+        SUCCESS
+    );
+    let mut by_bus: nvmlDevice_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetHandleByPciBusId_v2(pci.busId.as_ptr(), &mut by_bus) },
+        SUCCESS
+    );
+    assert_eq!(by_bus, device(0));
+    let hidden_bus = c"00000000:18:00.0";
+    assert_eq!(
+        unsafe { nvmlDeviceGetHandleByPciBusId_v2(hidden_bus.as_ptr(), &mut by_bus) },
+        NOT_FOUND
+    );
+    // A container cannot change the GPU.
+    assert_eq!(
+        nvmlDeviceSetComputeMode(device(0), nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED),
+        NO_PERMISSION
+    );
+    let mut status = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceSetMigMode(device(0), 1, &mut status) },
+        NO_PERMISSION
+    );
+    // Without a device root: every GPU again, in topology order.
+    reload(None);
+    init_ok();
+    assert_eq!(count(), 8);
+    assert_eq!(uuid_of(device(3)), uuids[3]);
+}
+
+#[test]
+fn a_mig_device_is_visible_only_with_both_capability_nodes() {
+    let m = machine(A100, None);
+    init_ok();
+    let all = mig_devices_of(device(0));
+    assert_eq!(all.len(), 3, "{all:?}");
+    let parent_uuid = uuid_of(device(0));
+    let minor = 0;
+    let node = |gi, ci: Option<u32>| {
+        let n = match ci {
+            None => caps::gi_minor(minor, gi),
+            Some(ci) => caps::ci_minor(minor, gi, ci),
+        };
+        m.dir
+            .join(format!("dev/nvidia-caps/nvidia-cap{}", n.unwrap()))
+    };
+    let (gi0, ci0, _) = all[0].clone();
+    let (gi1, ci1, _) = all[1].clone();
+    let made = mknod(&m.dir.join("dev/nvidia0"), 195, 0)
+        && mknod(&node(gi1, None), 241, caps::gi_minor(minor, gi1).unwrap())
+        && mknod(&node(gi1, Some(ci1)), 241, caps::ci_minor(minor, gi1, ci1).unwrap())
+        // Only half of the first one's nodes.
+        && mknod(&node(gi0, None), 241, caps::gi_minor(minor, gi0).unwrap());
+    if !made {
+        return;
+    }
+    let _ = ci0;
+    reload(Some(m.dir.join("dev")));
+    init_ok();
+    assert_eq!(count(), 1);
+    assert_eq!(uuid_of(device(0)), parent_uuid);
+    assert_eq!(mig_devices_of(device(0)), vec![all[1].clone()]);
+    assert!(by_uuid(&all[1].2).is_ok());
+    assert_eq!(by_uuid(&all[0].2), Err(NOT_FOUND));
+    assert_eq!(by_uuid(&all[2].2), Err(NOT_FOUND));
+    let mut gi: nvmlGpuInstance_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvmlDeviceGetGpuInstanceById(device(0), all[2].0, &mut gi) },
+        NOT_FOUND
+    );
+    // The whole GPU without capability nodes: no MIG devices at all.
+    std::fs::remove_dir_all(m.dir.join("dev/nvidia-caps")).unwrap();
+    reload(Some(m.dir.join("dev")));
+    init_ok();
+    assert_eq!(count(), 1);
+    assert!(mig_devices_of(device(0)).is_empty());
+    let (mut current, mut pending) = (0, 0);
+    assert_eq!(
+        unsafe { nvmlDeviceGetMigMode(device(0), &mut current, &mut pending) },
+        SUCCESS
+    );
+    assert_eq!(current, 1, "MIG mode itself is no secret");
+}
+
+/// Bind-mounts `dir` read-only over itself until dropped.
+struct ReadOnly(std::ffi::CString);
+
+impl ReadOnly {
+    fn mount(dir: &Path) -> Option<ReadOnly> {
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).unwrap();
+        let flags = libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY;
+        // SAFETY: valid NUL-terminated paths; null fstype and data are allowed for binds.
+        let ok = unsafe {
+            libc::mount(
+                c.as_ptr(),
+                c.as_ptr(),
+                ptr::null(),
+                libc::MS_BIND,
+                ptr::null(),
+            ) == 0
+                && libc::mount(ptr::null(), c.as_ptr(), ptr::null(), flags, ptr::null()) == 0
+        };
+        if !ok {
+            println!(
+                "skipped: read-only bind mount of {}: {}",
+                dir.display(),
+                std::io::Error::last_os_error()
+            );
+            // SAFETY: as above; undoes a bind that did succeed.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            return None;
+        }
+        Some(ReadOnly(c))
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        // SAFETY: a valid NUL-terminated path.
+        unsafe { libc::umount2(self.0.as_ptr(), libc::MNT_DETACH) };
+    }
+}
+
+#[test]
+fn a_read_only_state_file_can_be_read_but_not_changed() {
+    let m = machine(A100, None);
+    init_ok();
+    let migs = mig_devices_of(device(0));
+    assert!(m.state().with_extension("state.lock").exists());
+    for with_lock_file in [true, false] {
+        if !with_lock_file {
+            std::fs::remove_file(m.state().with_extension("state.lock")).unwrap();
+        }
+        let Some(ro) = ReadOnly::mount(&m.dir) else {
+            return;
+        };
+        reload(None);
+        init_ok();
+        assert_eq!(count(), 2);
+        assert_eq!(mig_devices_of(device(0)), migs);
+        assert_eq!(
+            nvmlDeviceSetComputeMode(device(1), nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED),
+            NO_PERMISSION
+        );
+        assert_eq!(
+            compute_mode(device(1)),
+            nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT
+        );
+        // A call that changes nothing needs no write.
+        assert_eq!(
+            nvmlDeviceSetComputeMode(device(1), nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT),
+            SUCCESS
+        );
+        drop(ro);
+    }
+    // Writable again: changes work.
+    reload(None);
+    init_ok();
+    assert_eq!(
+        nvmlDeviceSetComputeMode(device(1), nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED),
+        SUCCESS
+    );
 }
