@@ -1,0 +1,337 @@
+//! An `nvidia-smi` stand-in for containers on a simulated node.
+//!
+//! It loads `libnvidia-ml.so.1` through the dynamic loader and asks NVML,
+//! as the real tool does, so inside a container it lists exactly what the
+//! fake library shows there (see `TESSERA_FAKE_NVML_DEV_ROOT`). Only the
+//! subset scripts use is supported, printed as the real tool prints it:
+//!
+//! - `-L` / `--list-gpus`
+//! - `--query-gpu=<fields> --format=csv[,noheader][,nounits]` with fields
+//!   `index`, `uuid`, `name`, `memory.total`, `pci.bus_id`, `mig.mode.current`
+//! - `-i` / `--id` `<index|UUID|PCI bus id>[,...]` to select GPUs
+//!
+//! Exit codes are the real tool's: 2 bad arguments, 6 no devices found,
+//! 9 driver not reachable (NVML init failed), 12 NVML library not loadable.
+//! Anything else is refused with exit 2, never answered with a silent success.
+
+use std::process::ExitCode;
+
+use nvml_wrapper::Device;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+
+const HELP_HINT: &str = "Please run 'nvidia-smi -h' for help.";
+const NO_DEVICES: &str = "No devices were found";
+
+/// What was asked for.
+#[derive(Debug, Default)]
+struct Args {
+    list: bool,
+    query: Option<String>,
+    format: Option<String>,
+    ids: Option<String>,
+}
+
+/// A failure with the real tool's message and exit code.
+struct Exit(String, u8);
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(out) => {
+            print!("{out}");
+            ExitCode::SUCCESS
+        }
+        Err(Exit(msg, code)) => {
+            // The real tool prints its errors on stdout too; usage errors
+            // go to stderr here so scripts capturing stdout see nothing.
+            if code == 2 {
+                eprintln!("{msg}");
+            } else {
+                println!("{msg}");
+            }
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn run(argv: &[String]) -> Result<String, Exit> {
+    let args = parse(argv)?;
+    if args.list == args.query.is_some() {
+        return Err(usage_error(
+            "this nvidia-smi stand-in supports exactly one of -L and --query-gpu",
+        ));
+    }
+    let fields = match &args.query {
+        Some(q) => Some(Query::parse(q, args.format.as_deref())?),
+        None if args.format.is_some() => return Err(invalid_combination()),
+        None => None,
+    };
+    let nvml = init()?;
+    let gpus = select(&nvml, args.ids.as_deref())?;
+    Ok(match fields {
+        Some(query) => query.render(&gpus),
+        None => list(&gpus),
+    })
+}
+
+fn usage_error(msg: &str) -> Exit {
+    Exit(format!("ERROR: {msg}. {HELP_HINT}"), 2)
+}
+
+fn invalid_combination() -> Exit {
+    Exit(
+        format!("Invalid combination of input arguments. {HELP_HINT}"),
+        2,
+    )
+}
+
+/// Reads the options; a value may follow as the next word or after `=`.
+fn parse(argv: &[String]) -> Result<Args, Exit> {
+    let mut args = Args::default();
+    let mut words = argv.iter();
+    while let Some(word) = words.next() {
+        let (flag, inline) = match word.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (word.as_str(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| words.next().cloned())
+                .ok_or_else(|| usage_error(&format!("Option {name} is missing its value")))
+        };
+        match flag {
+            "-h" | "--help" => return Err(Exit(help(), 0)),
+            "-L" | "--list-gpus" if inline.is_none() => args.list = true,
+            "--query-gpu" => args.query = Some(value(flag)?),
+            "--format" => args.format = Some(value(flag)?),
+            "-i" | "--id" => args.ids = Some(value(flag)?),
+            _ => {
+                return Err(usage_error(&format!("Option {word} is not recognized")));
+            }
+        }
+    }
+    Ok(args)
+}
+
+fn help() -> String {
+    "NVIDIA System Management Interface -- Tessera's simulated-GPU stand-in\n\n\
+     nvidia-smi [-i <id>] -L\n\
+     nvidia-smi [-i <id>] --query-gpu=<fields> --format=csv[,noheader][,nounits]\n\n\
+     Fields: index, uuid, name, memory.total, pci.bus_id, mig.mode.current\n\
+     <id>: a GPU index, UUID or PCI bus id, or a comma-separated list of them"
+        .to_string()
+}
+
+/// Loads NVML through the dynamic loader, as the real tool does.
+fn init() -> Result<Nvml, Exit> {
+    Nvml::init().map_err(|e| match e {
+        NvmlError::LibloadingError(_) => Exit(
+            "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure \
+             that the NVIDIA Display Driver is properly installed and present in your system.\n\
+             Please also try adding directory that contains libnvidia-ml.so to your system PATH."
+                .to_string(),
+            12,
+        ),
+        _ => Exit(
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. \
+             Make sure that the latest NVIDIA driver is installed and running."
+                .to_string(),
+            9,
+        ),
+    })
+}
+
+/// The GPUs asked for (all without `-i`), in the order given.
+fn select<'n>(nvml: &'n Nvml, ids: Option<&str>) -> Result<Vec<Device<'n>>, Exit> {
+    let not_found = || Exit(NO_DEVICES.to_string(), 6);
+    let gpus: Vec<Device<'n>> = match ids {
+        None => {
+            let count = nvml.device_count().map_err(|_| not_found())?;
+            (0..count)
+                .map(|i| nvml.device_by_index(i))
+                .collect::<Result<_, _>>()
+                .map_err(|_| not_found())?
+        }
+        Some(ids) => ids
+            .split(',')
+            .map(|id| find(nvml, id.trim()).ok_or_else(not_found))
+            .collect::<Result<_, _>>()?,
+    };
+    if gpus.is_empty() {
+        return Err(not_found());
+    }
+    Ok(gpus)
+}
+
+/// One GPU by index, UUID or PCI bus id.
+fn find<'n>(nvml: &'n Nvml, id: &str) -> Option<Device<'n>> {
+    if let Ok(index) = id.parse::<u32>() {
+        return nvml.device_by_index(index).ok();
+    }
+    if id.to_ascii_uppercase().starts_with("GPU-") {
+        return nvml.device_by_uuid(id).ok();
+    }
+    nvml.device_by_pci_bus_id(id).ok()
+}
+
+/// `-L`: each GPU, then its MIG devices indented below it.
+fn list(gpus: &[Device]) -> String {
+    let mut out = String::new();
+    for gpu in gpus {
+        out += &format!(
+            "GPU {}: {} (UUID: {})\n",
+            gpu.index().unwrap_or(0),
+            gpu.name().unwrap_or_default(),
+            gpu.uuid().unwrap_or_default()
+        );
+        for (n, mig) in mig_devices(gpu).iter().enumerate() {
+            let name = mig.name().unwrap_or_default();
+            // "NVIDIA H100 80GB HBM3 MIG 1g.10gb" is listed as "MIG 1g.10gb".
+            let profile = name.rsplit_once(" MIG ").map_or(name.as_str(), |(_, p)| p);
+            out += &format!(
+                "  MIG {profile:<11} Device {n:>2}: (UUID: {})\n",
+                mig.uuid().unwrap_or_default()
+            );
+        }
+    }
+    out
+}
+
+/// The MIG devices NVML lists on `gpu` (none without MIG mode).
+fn mig_devices<'n>(gpu: &Device<'n>) -> Vec<Device<'n>> {
+    let max = gpu.mig_device_count().unwrap_or(0);
+    (0..max)
+        .filter_map(|i| gpu.mig_device_by_index(i).ok())
+        .collect()
+}
+
+/// A `--query-gpu` request.
+struct Query {
+    fields: Vec<Field>,
+    header: bool,
+    units: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Field {
+    Index,
+    Uuid,
+    Name,
+    MemoryTotal,
+    PciBusId,
+    MigModeCurrent,
+}
+
+impl Field {
+    fn parse(name: &str) -> Option<Field> {
+        Some(match name {
+            "index" => Field::Index,
+            "uuid" => Field::Uuid,
+            "name" => Field::Name,
+            "memory.total" => Field::MemoryTotal,
+            "pci.bus_id" => Field::PciBusId,
+            "mig.mode.current" => Field::MigModeCurrent,
+            _ => return None,
+        })
+    }
+
+    /// The CSV header entry; units stay in it even with `nounits`.
+    fn header(self) -> &'static str {
+        match self {
+            Field::Index => "index",
+            Field::Uuid => "uuid",
+            Field::Name => "name",
+            Field::MemoryTotal => "memory.total [MiB]",
+            Field::PciBusId => "pci.bus_id",
+            Field::MigModeCurrent => "mig.mode.current",
+        }
+    }
+
+    fn value(self, gpu: &Device, units: bool) -> String {
+        let shown = match self {
+            Field::Index => gpu.index().map(|i| i.to_string()),
+            Field::Uuid => gpu.uuid(),
+            Field::Name => gpu.name(),
+            Field::MemoryTotal => gpu.memory_info().map(|m| {
+                let mib = m.total / (1024 * 1024);
+                if units {
+                    format!("{mib} MiB")
+                } else {
+                    mib.to_string()
+                }
+            }),
+            Field::PciBusId => gpu.pci_info().map(|p| p.bus_id),
+            Field::MigModeCurrent => gpu.mig_mode().map(|m| {
+                if m.current == 1 {
+                    "Enabled".to_string()
+                } else {
+                    "Disabled".to_string()
+                }
+            }),
+        };
+        shown.unwrap_or_else(|e| not_shown(&e).to_string())
+    }
+}
+
+/// How the real tool shows a value it could not read.
+fn not_shown(e: &NvmlError) -> &'static str {
+    match e {
+        NvmlError::NotSupported => "[N/A]",
+        NvmlError::NoPermission => "[Insufficient Permissions]",
+        NvmlError::GpuLost => "[GPU is lost]",
+        _ => "[Unknown Error]",
+    }
+}
+
+impl Query {
+    fn parse(fields: &str, format: Option<&str>) -> Result<Query, Exit> {
+        let format = format
+            .ok_or_else(|| Exit(format!("\"--format=\" switch is missing. {HELP_HINT}"), 2))?;
+        let (mut csv, mut header, mut units) = (false, true, true);
+        for option in format.split(',').map(str::trim) {
+            match option {
+                "csv" => csv = true,
+                "noheader" => header = false,
+                "nounits" => units = false,
+                _ => return Err(invalid_combination()),
+            }
+        }
+        if !csv {
+            return Err(invalid_combination());
+        }
+        let fields = fields
+            .split(',')
+            .map(str::trim)
+            .map(|f| {
+                Field::parse(f)
+                    .ok_or_else(|| Exit(format!("Field \"{f}\" is not a valid field to query."), 2))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Query {
+            fields,
+            header,
+            units,
+        })
+    }
+
+    fn render(&self, gpus: &[Device]) -> String {
+        let mut out = String::new();
+        if self.header {
+            let names: Vec<&str> = self.fields.iter().map(|f| f.header()).collect();
+            out += &names.join(", ");
+            out.push('\n');
+        }
+        for gpu in gpus {
+            let values: Vec<String> = self
+                .fields
+                .iter()
+                .map(|f| f.value(gpu, self.units))
+                .collect();
+            out += &values.join(", ");
+            out.push('\n');
+        }
+        out
+    }
+}
