@@ -3,6 +3,7 @@
 
 pub mod artifacts;
 pub mod cluster;
+pub mod suite;
 
 pub use cluster::{
     ClusterEnv, DEFAULT_TIMEOUT, KubeletDirs, PluginCall, TestCluster, TestDraPlugin,
