@@ -1,5 +1,6 @@
-//! Counting the publisher's API writes: the zero-write check on restart,
-//! and later metrics.
+//! Counting the publisher's API requests: writes (the zero-write check on
+//! restart, metrics) and the reads a reconcile makes (what a reconcile with
+//! nothing changed costs the API server; the cluster-scale figures).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -34,6 +35,40 @@ impl std::ops::Sub for WriteCounts {
     }
 }
 
+/// Reads a reconcile made, as plain numbers. The watches the publisher
+/// keeps (its slices, the ResourceClaims) are not reads of a reconcile:
+/// their (re)lists are counted apart ([`WriteCounters::claim_watch_lists`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReadCounts {
+    /// List requests for ResourceClaims (pages; only a reconcile outside
+    /// [`super::Publisher::run`], which has no claim watch, makes them).
+    pub claim_lists: u64,
+    /// GETs of the Node (owner of the slices; cached, read again only
+    /// before a write).
+    pub node_gets: u64,
+    /// Lists of this driver's slices of this node (field selectors).
+    pub slice_lists: u64,
+}
+
+impl ReadCounts {
+    /// All reads together.
+    pub fn total(&self) -> u64 {
+        self.claim_lists + self.node_gets + self.slice_lists
+    }
+}
+
+impl std::ops::Sub for ReadCounts {
+    type Output = ReadCounts;
+    fn sub(self, rhs: ReadCounts) -> ReadCounts {
+        ReadCounts {
+            claim_lists: self.claim_lists - rhs.claim_lists,
+            node_gets: self.node_gets - rhs.node_gets,
+            slice_lists: self.slice_lists - rhs.slice_lists,
+        }
+    }
+}
+
 /// Running totals, shared with whoever reports them (cheap to clone via
 /// `Arc`). Only calls the server accepted are counted as writes; refused
 /// ones count in `rejected`. Dry runs (capability probes) are not writes.
@@ -44,6 +79,10 @@ pub struct WriteCounters {
     deletes: AtomicU64,
     rejected: AtomicU64,
     reconciles: AtomicU64,
+    claim_lists: AtomicU64,
+    node_gets: AtomicU64,
+    slice_lists: AtomicU64,
+    claim_watch_lists: AtomicU64,
 }
 
 impl WriteCounters {
@@ -53,6 +92,21 @@ impl WriteCounters {
             updates: self.updates.load(Ordering::Relaxed),
             deletes: self.deletes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Reads made so far (subtract two snapshots for one reconcile's).
+    pub fn reads(&self) -> ReadCounts {
+        ReadCounts {
+            claim_lists: self.claim_lists.load(Ordering::Relaxed),
+            node_gets: self.node_gets.load(Ordering::Relaxed),
+            slice_lists: self.slice_lists.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Initial lists (and relists, e.g. after 410 Gone) of the ResourceClaim
+    /// watch.
+    pub fn claim_watch_lists(&self) -> u64 {
+        self.claim_watch_lists.load(Ordering::Relaxed)
     }
 
     /// Writes the server refused (invalid, forbidden, ...).
@@ -76,6 +130,18 @@ impl WriteCounters {
     }
     pub(crate) fn refused(&self) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn listed_claims(&self) {
+        self.claim_lists.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn got_node(&self) {
+        self.node_gets.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn listed_slices(&self) {
+        self.slice_lists.fetch_add(1, Ordering::Relaxed);
+    }
+    pub(crate) fn claim_watch_listed(&self) {
+        self.claim_watch_lists.fetch_add(1, Ordering::Relaxed);
     }
     pub(crate) fn reconciled(&self) {
         self.reconciles.fetch_add(1, Ordering::Relaxed);

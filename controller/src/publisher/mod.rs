@@ -3,12 +3,17 @@
 //!
 //! 1. Know what the server serves ([`detect`]); until that is known nothing
 //!    is written.
-//! 2. Read the world: the Node (slices are owned by it, so they go when the
-//!    node object goes), this driver's slices of this node (field selectors
-//!    `spec.nodeName`, `spec.driver`), and the devices of this pool that
-//!    ResourceClaims hold (those stay published whatever the policy says:
-//!    dropping an allocated device lets the scheduler over-commit its
-//!    counters, kubernetes#140806).
+//! 2. Read the world: the Node (slices are owned by it, so they go when
+//!    the node object goes; its UID is read once and cached, and read again
+//!    before any write, in case the Node was recreated), this driver's
+//!    slices of this node (a list with field selectors `spec.nodeName`,
+//!    `spec.driver`: a handful of objects), and the devices of this pool
+//!    that ResourceClaims hold (those stay published whatever the policy
+//!    says: dropping an allocated device lets the scheduler over-commit its
+//!    counters, kubernetes#140806). [`Publisher::run`] keeps the held
+//!    devices from a watch of the claims ([`claims`]), so a reconcile lists
+//!    no claims; a lone [`Publisher::reconcile`] (`publish --once`) lists
+//!    them.
 //! 3. Build the model. If the server already has exactly that content
 //!    ([`slices::same_content`], one generation on every slice): no write
 //!    at all. This is what makes a restart with an unchanged inventory
@@ -32,11 +37,14 @@
 //! resolves device names through is always the published model.
 //!
 //! [`Publisher::run`] re-reconciles when the caller sends a new inventory,
-//! when someone else changes or deletes our slices (watch), and
-//! periodically (re-detecting capabilities, in case the server was
-//! upgraded).
+//! when someone else changes or deletes our slices (watch), when the set of
+//! devices of this pool that claims hold changes (watch; a claim on another
+//! node changes nothing), and periodically (re-detecting capabilities, in
+//! case the server was upgraded). It publishes nothing before the claim
+//! watch has listed every claim once.
 
 pub mod backoff;
+pub mod claims;
 pub mod counts;
 pub mod detect;
 pub mod version;
@@ -58,7 +66,8 @@ use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
 pub use backoff::Backoff;
-pub use counts::{WriteCounters, WriteCounts};
+pub use claims::HeldClaims;
+pub use counts::{ReadCounts, WriteCounters, WriteCounts};
 pub use detect::Detected;
 pub use version::{MIN_FULL_MODEL, ServerVersion};
 
@@ -190,6 +199,8 @@ pub struct Reconciled {
     pub held_devices: usize,
     /// Writes made by this reconcile.
     pub writes: WriteCounts,
+    /// Reads made by this reconcile.
+    pub reads: ReadCounts,
     /// Operator notes from the model (odd inventory, policy overrides).
     pub notes: Vec<String>,
 }
@@ -213,6 +224,10 @@ pub struct Publisher {
     node_state: Option<Arc<dyn NodeState>>,
     last_write: Option<LastWrite>,
     warned_normalising: bool,
+    /// Held devices from the claim watch ([`Publisher::run`] only).
+    claims: Option<HeldClaims>,
+    /// The Node as owner, as last read.
+    owner: Option<OwnerReference>,
 }
 
 impl Publisher {
@@ -226,6 +241,8 @@ impl Publisher {
             node_state: None,
             last_write: None,
             warned_normalising: false,
+            claims: None,
+            owner: None,
         }
     }
 
@@ -285,6 +302,7 @@ impl Publisher {
     /// This driver's slices of this node, by name.
     async fn existing(&self) -> Result<Vec<ResourceSlice>, PublishError> {
         let lp = ListParams::default().fields(&self.field_selector());
+        self.counters.listed_slices();
         let list = self
             .slices_api()
             .list(&lp)
@@ -303,8 +321,10 @@ impl Publisher {
         Ok(slices)
     }
 
-    /// The Node as owner of our slices.
-    async fn owner(&self) -> Result<OwnerReference, PublishError> {
+    /// The Node as owner of our slices, read from the server (and cached).
+    async fn fetch_owner(&mut self) -> Result<OwnerReference, PublishError> {
+        self.owner = None;
+        self.counters.got_node();
         let node = Api::<Node>::all(self.client.clone())
             .get_opt(&self.config.node)
             .await
@@ -314,22 +334,29 @@ impl Publisher {
             .metadata
             .uid
             .ok_or_else(|| PublishError::NodeNotFound(self.config.node.clone()))?;
-        Ok(OwnerReference {
+        let owner = OwnerReference {
             api_version: "v1".into(),
             kind: "Node".into(),
             name: self.config.node.clone(),
             uid,
             controller: Some(true),
             block_owner_deletion: None,
-        })
+        };
+        self.owner = Some(owner.clone());
+        Ok(owner)
     }
 
-    /// Devices of our pool that allocated claims hold.
+    /// Devices of our pool that allocated claims hold: from the claim watch
+    /// when [`Publisher::run`] keeps one, else listed (every claim, paged).
     async fn held_devices(&self) -> Result<BTreeSet<String>, PublishError> {
+        if let Some(claims) = self.claims.as_ref().filter(|c| c.synced()) {
+            return Ok(claims.held().clone());
+        }
         let api: Api<ResourceClaim> = Api::all(self.client.clone());
         let mut held = BTreeSet::new();
         let mut lp = ListParams::default().limit(500);
         loop {
+            self.counters.listed_claims();
             let page = api
                 .list(&lp)
                 .await
@@ -349,13 +376,26 @@ impl Publisher {
 
     /// One reconcile pass for what the node saw. See the module docs.
     pub async fn reconcile(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
+        let reads_before = self.counters.reads();
+        let mut result = self.reconcile_inner(view).await;
+        if let Ok(r) = &mut result {
+            r.reads = self.counters.reads() - reads_before;
+        }
+        result
+    }
+
+    async fn reconcile_inner(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
         let inventory = &view.inventory;
         self.counters.reconciled();
         let detected = match &self.detected {
             Some(d) => d.clone(),
             None => self.detect().await?,
         };
-        let owner = self.owner().await;
+        let owner_cached = self.owner.is_some();
+        let owner = match self.owner.clone() {
+            Some(owner) => Ok(owner),
+            None => self.fetch_owner().await,
+        };
         let existing = self.existing().await?;
         // Allocated claims (the scheduler's decisions, which the node only
         // learns at prepare) and what the node itself has prepared.
@@ -388,7 +428,7 @@ impl Publisher {
         }
         // Without its Node nothing is written, but the node's devices are
         // known (prepare resolves names through the model).
-        owner?;
+        let owner = owner?;
 
         let notes: Vec<String> = model.notes.iter().map(ToString::to_string).collect();
         let devices = model.devices.len();
@@ -400,14 +440,16 @@ impl Publisher {
         let one_generation = existing
             .iter()
             .all(|s| Some(s.spec.pool.generation) == current_generation);
+        let (slice_count, full_model) = (model.slices.len(), model.full);
         let unchanged = |generation| Reconciled {
             unchanged: true,
             generation,
-            slices: model.slices.len(),
+            slices: slice_count,
             devices,
-            full_model: model.full,
+            full_model,
             held_devices,
             writes: WriteCounts::default(),
+            reads: ReadCounts::default(),
             notes: notes.clone(),
         };
 
@@ -432,6 +474,26 @@ impl Publisher {
                 self.warned_normalising = true;
             }
             return Ok(unchanged(current_generation.unwrap_or(0)));
+        }
+
+        // About to write: the cached owner may be stale (the Node recreated
+        // under the same name; the garbage collector then deletes slices
+        // owned by the old one, which brings us here). Read it again.
+        let mut model = model;
+        if owner_cached {
+            let fresh = self.fetch_owner().await?;
+            if fresh.uid != owner.uid {
+                info!(
+                    "node {} was recreated (uid {} -> {}); slices get the new owner",
+                    self.config.node, owner.uid, fresh.uid
+                );
+                for slice in &mut model.slices {
+                    slice.metadata.owner_references = Some(vec![fresh.clone()]);
+                }
+                if one_generation && same_content(&model.slices, &existing) {
+                    return Ok(unchanged(current_generation.unwrap_or(0)));
+                }
+            }
         }
 
         let generation = current_generation.unwrap_or(0) + 1;
@@ -463,6 +525,7 @@ impl Publisher {
                     // The server may have changed (downgrade, gates): look again.
                     self.detected = None;
                     self.last_write = None;
+                    self.owner = None;
                     return Err(PublishError::Rejected {
                         slice: name,
                         message: format!("{} ({} {})", s.message, s.code, s.reason),
@@ -470,6 +533,7 @@ impl Publisher {
                 }
                 Err(e) => {
                     self.last_write = None;
+                    self.owner = None;
                     return Err(PublishError::api(format!("applying slice {name}"), e));
                 }
             }
@@ -522,15 +586,18 @@ impl Publisher {
             full_model: model.full,
             held_devices,
             writes,
+            reads: ReadCounts::default(),
             notes,
         })
     }
 
     /// Reconciles until `shutdown` completes or the inventory sender is
-    /// dropped: on start, on each new inventory, on changes to our slices
-    /// made by anyone (including deletion), and every `resync`. Failures
-    /// back off exponentially up to `backoff_max`; nothing here returns an
-    /// error or panics on a server that is old, down or refusing.
+    /// dropped: once the claim watch has listed every claim, then on each
+    /// new inventory, on changes to our slices made by anyone (including
+    /// deletion), when the devices of this pool that claims hold change, and
+    /// every `resync`. Failures back off exponentially up to `backoff_max`;
+    /// nothing here returns an error or panics on a server that is old, down
+    /// or refusing.
     pub async fn run(
         mut self,
         mut inventory: watch::Receiver<NodeView>,
@@ -539,17 +606,41 @@ impl Publisher {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
         let cfg = watcher::Config::default().fields(&self.field_selector());
         let mut events = std::pin::pin!(watcher(self.slices_api(), cfg).default_backoff());
+        let claims_api: Api<ResourceClaim> = Api::all(self.client.clone());
+        let mut claim_events =
+            std::pin::pin!(watcher(claims_api, watcher::Config::default()).default_backoff());
+        self.claims = Some(HeldClaims::new(
+            self.config.driver.as_str(),
+            self.config.node.as_str(),
+        ));
         let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
         let mut resync = tokio::time::interval(self.config.resync);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; we reconcile anyway
         let mut notes_logged: Vec<String> = Vec::new();
 
+        // Publishing without every claim known could drop a device a claim
+        // holds: wait for the claim watch's first complete list.
+        while !self.claims.as_ref().is_some_and(HeldClaims::synced) {
+            tokio::select! {
+                _ = &mut shutdown => return,
+                event = claim_events.next() => { self.claim_event(event); }
+            }
+        }
+
         loop {
             let current = inventory.borrow_and_update().clone();
             let delay = match self.reconcile(&current).await {
                 Ok(r) => {
                     backoff.reset();
+                    debug!(
+                        "reconciled: {} reads ({} claim lists, {} node gets, {} slice lists), {} writes",
+                        r.reads.total(),
+                        r.reads.claim_lists,
+                        r.reads.node_gets,
+                        r.reads.slice_lists,
+                        r.writes.total()
+                    );
                     if r.notes != notes_logged {
                         for n in &r.notes {
                             info!("model: {n}");
@@ -571,48 +662,133 @@ impl Publisher {
             };
 
             if let Some(delay) = delay {
-                // Back off: only shutdown interrupts. Events that arrive
-                // meanwhile are drained when we reconcile anyway.
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    _ = tokio::time::sleep(delay) => {}
+                // Back off: only shutdown interrupts. Slice events that
+                // arrive meanwhile are drained when we reconcile anyway;
+                // claim events keep the held devices current.
+                if !self
+                    .sleep_applying_claims(delay, &mut shutdown, &mut claim_events)
+                    .await
+                {
+                    return;
                 }
                 drain(&mut events);
                 continue;
             }
 
-            tokio::select! {
-                _ = &mut shutdown => return,
-                changed = inventory.changed() => {
-                    if changed.is_err() {
-                        info!("inventory source closed; publisher stops");
-                        return;
+            // Wait for a reason to reconcile.
+            loop {
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    changed = inventory.changed() => {
+                        if changed.is_err() {
+                            info!("inventory source closed; publisher stops");
+                            return;
+                        }
+                        debug!("inventory changed");
+                        break;
                     }
-                    debug!("inventory changed");
-                }
-                event = events.next() => {
-                    match event {
-                        Some(Ok(_)) => {
-                            // Our own writes come back here too; the next
-                            // reconcile finds nothing to do.
-                            tokio::select! {
-                                _ = &mut shutdown => return,
-                                _ = tokio::time::sleep(self.config.debounce) => {}
+                    event = events.next() => {
+                        match event {
+                            Some(Ok(_)) => {
+                                // Our own writes come back here too; the
+                                // next reconcile finds nothing to do.
+                                if !self
+                                    .sleep_applying_claims(
+                                        self.config.debounce,
+                                        &mut shutdown,
+                                        &mut claim_events,
+                                    )
+                                    .await
+                                {
+                                    return;
+                                }
+                                drain(&mut events);
+                                break;
                             }
-                            drain(&mut events);
+                            // The watcher relists after an error; that
+                            // relist brings us back here.
+                            Some(Err(e)) => warn!("watching ResourceSlices: {e}"),
+                            None => {}
                         }
-                        Some(Err(e)) => {
-                            warn!("watching ResourceSlices: {e}");
-                            continue;
+                    }
+                    event = claim_events.next() => {
+                        // Only a change of this pool's held devices matters.
+                        if self.claim_event(event) {
+                            debug!("devices held by claims changed");
+                            if !self
+                                .sleep_applying_claims(
+                                    self.config.debounce,
+                                    &mut shutdown,
+                                    &mut claim_events,
+                                )
+                                .await
+                            {
+                                return;
+                            }
+                            break;
                         }
-                        None => {}
+                    }
+                    _ = resync.tick() => {
+                        // Re-detect: the server may have been upgraded or
+                        // its feature gates changed.
+                        self.detected = None;
+                        break;
                     }
                 }
-                _ = resync.tick() => {
-                    // Re-detect: the server may have been upgraded or its
-                    // feature gates changed.
-                    self.detected = None;
-                }
+            }
+        }
+    }
+
+    /// Applies one event of the claim watch; true when it changed the
+    /// devices of this pool that claims hold (after the first complete list).
+    fn claim_event(
+        &mut self,
+        event: Option<Result<watcher::Event<ResourceClaim>, watcher::Error>>,
+    ) -> bool {
+        let event = match event {
+            Some(Ok(event)) => event,
+            Some(Err(e)) => {
+                warn!("watching ResourceClaims: {e}");
+                return false;
+            }
+            None => return false,
+        };
+        if matches!(event, watcher::Event::Init) {
+            self.counters.claim_watch_listed();
+        }
+        let claims = self.claims.get_or_insert_with(|| {
+            HeldClaims::new(self.config.driver.as_str(), self.config.node.as_str())
+        });
+        let was_synced = claims.synced();
+        let changed = claims.apply(event);
+        if !was_synced && claims.synced() {
+            info!(
+                "ResourceClaims listed: {} hold {} devices of this pool",
+                claims.claims(),
+                claims.held().len()
+            );
+        }
+        was_synced && changed
+    }
+
+    /// Sleeps for `delay`, applying claim events meanwhile. False on shutdown.
+    async fn sleep_applying_claims<F, C>(
+        &mut self,
+        delay: Duration,
+        shutdown: &mut std::pin::Pin<&mut F>,
+        claim_events: &mut std::pin::Pin<&mut C>,
+    ) -> bool
+    where
+        F: Future<Output = ()>,
+        C: futures::Stream<Item = Result<watcher::Event<ResourceClaim>, watcher::Error>>,
+    {
+        let sleep = tokio::time::sleep(delay);
+        let mut sleep = std::pin::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = shutdown.as_mut() => return false,
+                _ = &mut sleep => return true,
+                event = claim_events.next() => { self.claim_event(event); }
             }
         }
     }
@@ -688,5 +864,7 @@ pub fn indices_from_slices(slices: &[ResourceSlice]) -> GpuIndices {
     indices
 }
 
+#[cfg(test)]
+mod fake_api;
 #[cfg(test)]
 mod tests;
