@@ -378,10 +378,10 @@ fn class_missing(ctx: &Ctx, which: usize) -> Option<String> {
 
 /// The physical GPU (and the attribute naming it on its devices) of
 /// `which` class with the most room, and that room with default requests.
-fn roomiest_gpu<'a>(
-    ctx: &'a Ctx,
+fn roomiest_gpu(
+    ctx: &Ctx,
     which: usize,
-) -> Option<(String, &'static str, Vec<&'a SliceDevice>, u128)> {
+) -> Option<(String, &'static str, Vec<&SliceDevice>, u128)> {
     let devices: Vec<SliceDevice> = ctx.devices_of_class(which).into_iter().cloned().collect();
     let groups = facts::by_physical_gpu(&devices);
     let (gpu, _) = groups.iter().max_by_key(|(_, ds)| logical_count(ds))?;

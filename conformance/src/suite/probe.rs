@@ -274,6 +274,8 @@ impl ProbePod {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 5,
             "automountServiceAccountToken": false,
+            // The probe needs no DNS (and a test cluster may have none).
+            "dnsPolicy": "Default",
             "affinity": { "nodeAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": {
                 "nodeSelectorTerms": [{ "matchFields": [{
                     "key": "metadata.name", "operator": "In", "values": [self.node]
