@@ -23,6 +23,9 @@ const CLAIMS: &str = "/apis/resource.k8s.io/v1/resourceclaims";
 const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
 const NODES: &str = "/api/v1/nodes/";
 
+/// A watch event: the collection's path, its resourceVersion, the JSON line.
+type Event = (&'static str, u64, String);
+
 #[derive(Default)]
 struct State {
     rv: u64,
@@ -30,16 +33,16 @@ struct State {
     node: Option<(String, String)>,
     slices: BTreeMap<String, Value>,
     claims: BTreeMap<String, Value>,
-    /// Claim watch events with their resourceVersion, for watches that
-    /// start from an older one.
-    claim_events: Vec<(u64, String)>,
+    /// Watch events (resource, resourceVersion, line), for watches that
+    /// start from an older version.
+    events: Vec<Event>,
 }
 
 /// See the module docs.
 #[derive(Clone)]
 pub struct FakeApi {
     state: Arc<Mutex<State>>,
-    claim_tx: broadcast::Sender<String>,
+    events: broadcast::Sender<Event>,
 }
 
 impl FakeApi {
@@ -52,7 +55,7 @@ impl FakeApi {
         };
         FakeApi {
             state: Arc::new(Mutex::new(state)),
-            claim_tx: broadcast::channel(1024).0,
+            events: broadcast::channel(1024).0,
         }
     }
 
@@ -95,10 +98,25 @@ impl FakeApi {
         } else {
             "ADDED"
         };
-        let line = json!({"type": kind, "object": claim}).to_string() + "\n";
+        self.event(&mut state, CLAIMS, kind, &claim);
         state.claims.insert(uid, claim);
-        state.claim_events.push((rv, line.clone()));
-        let _ = self.claim_tx.send(line);
+    }
+
+    /// Deletes a slice as someone else would.
+    pub fn delete_slice(&self, name: &str) {
+        let mut state = self.state.lock().unwrap();
+        let slice = state.slices.remove(name).unwrap();
+        state.rv += 1;
+        self.event(&mut state, SLICES, "DELETED", &slice);
+    }
+
+    fn event(&self, state: &mut State, resource: &'static str, kind: &str, object: &Value) {
+        let rv = state.rv;
+        let mut object = object.clone();
+        object["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let line = json!({"type": kind, "object": object}).to_string() + "\n";
+        state.events.push((resource, rv, line.clone()));
+        let _ = self.events.send((resource, rv, line));
     }
 
     async fn handle(&self, req: Request<kube::client::Body>) -> Response<Body> {
@@ -133,23 +151,25 @@ impl FakeApi {
         state.log.push(format!("{method} {what}"));
 
         match (method, path.as_str()) {
-            (Method::GET, CLAIMS) if watch => {
+            (Method::GET, resource @ (CLAIMS | SLICES)) if watch => {
+                let resource: &'static str = if resource == CLAIMS { CLAIMS } else { SLICES };
                 let from: u64 = query
                     .get("resourceVersion")
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(0);
                 let replay: Vec<String> = state
-                    .claim_events
+                    .events
                     .iter()
-                    .filter(|(rv, _)| *rv > from)
-                    .map(|(_, l)| l.clone())
+                    .filter(|(r, rv, _)| *r == resource && *rv > from)
+                    .map(|(_, _, l)| l.clone())
                     .collect();
-                let rx = self.claim_tx.subscribe();
+                let rx = self.events.subscribe();
                 drop(state);
-                let live = futures::stream::unfold(rx, |mut rx| async move {
+                let live = futures::stream::unfold(rx, move |mut rx| async move {
                     loop {
                         match rx.recv().await {
-                            Ok(line) => return Some((line, rx)),
+                            Ok((r, _, line)) if r == resource => return Some((line, rx)),
+                            Ok(_) => continue,
                             Err(broadcast::error::RecvError::Lagged(_)) => continue,
                             Err(broadcast::error::RecvError::Closed) => return None,
                         }
@@ -164,11 +184,6 @@ impl FakeApi {
                 let items: Vec<Value> = state.claims.values().cloned().collect();
                 list(&state, "ResourceClaimList", items)
             }
-            (Method::GET, SLICES) if watch => {
-                drop(state);
-                let never = futures::stream::pending::<Result<Frame<Bytes>, Infallible>>();
-                stream(StreamBody::new(never))
-            }
             (Method::GET, SLICES) => {
                 let items: Vec<Value> = state.slices.values().cloned().collect();
                 list(&state, "ResourceSliceList", items)
@@ -179,13 +194,23 @@ impl FakeApi {
                 state.rv += 1;
                 slice["metadata"]["resourceVersion"] = json!(state.rv.to_string());
                 slice["metadata"]["uid"] = json!(format!("uid-{name}"));
+                let kind = if state.slices.contains_key(name) {
+                    "MODIFIED"
+                } else {
+                    "ADDED"
+                };
+                self.event(&mut state, SLICES, kind, &slice);
                 state.slices.insert(name.to_string(), slice.clone());
                 ok(&slice)
             }
             (Method::DELETE, p) if p.starts_with(SLICES) => {
                 let name = p.trim_start_matches(SLICES).trim_start_matches('/');
                 match state.slices.remove(name) {
-                    Some(slice) => ok(&slice),
+                    Some(slice) => {
+                        state.rv += 1;
+                        self.event(&mut state, SLICES, "DELETED", &slice);
+                        ok(&slice)
+                    }
                     None => not_found(),
                 }
             }

@@ -689,9 +689,10 @@ impl Publisher {
                     }
                     event = events.next() => {
                         match event {
-                            Some(Ok(_)) => {
-                                // Our own writes come back here too; the
-                                // next reconcile finds nothing to do.
+                            Some(Ok(event)) => {
+                                if !self.slice_event_matters(&event) {
+                                    continue;
+                                }
                                 if !self
                                     .sleep_applying_claims(
                                         self.config.debounce,
@@ -735,6 +736,25 @@ impl Publisher {
                         break;
                     }
                 }
+            }
+        }
+    }
+
+    /// Whether an event of the slice watch may mean that our slices on the
+    /// server differ from the model: not our own writes coming back (the
+    /// resourceVersion the server gave our last write), and not each slice
+    /// of a (re)list, only its end.
+    fn slice_event_matters(&self, event: &watcher::Event<ResourceSlice>) -> bool {
+        match event {
+            watcher::Event::Init | watcher::Event::InitApply(_) => false,
+            watcher::Event::InitDone | watcher::Event::Delete(_) => true,
+            watcher::Event::Apply(slice) => {
+                let ours = self
+                    .last_write
+                    .as_ref()
+                    .zip(slice.metadata.name.as_ref())
+                    .and_then(|(last, name)| last.versions.get(name));
+                ours.is_none() || ours != slice.metadata.resource_version.as_ref()
             }
         }
     }

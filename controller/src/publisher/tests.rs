@@ -313,6 +313,9 @@ mod with_server {
             }
             settled = counters.reconciles();
         }
+        // The first reconcile and the end of the slice watch's first list;
+        // our writes coming back through the watch bring none.
+        assert!(settled <= 2, "{settled} reconciles");
         let writes = counters.snapshot();
 
         // (c) Claims on another node (or of another driver) arrive: no
@@ -369,6 +372,7 @@ mod with_server {
         // The cached owner is read again before writing.
         assert_eq!(count(&requests, "GET node"), 1, "{requests:?}");
         assert!(published(&api).contains("gpu-1"));
+        // The write came back through the slice watch: no reconcile for it.
         assert_eq!(counters.reconciles(), settled + 2);
 
         // The claim is deleted... by deallocation: gpu-0 goes again.
@@ -378,6 +382,12 @@ mod with_server {
         until("gpu-0 dropped", || !published(&api).contains("gpu-0")).await;
         assert!(published(&api).contains("gpu-1"));
         assert_eq!(count(&api.requests(), "GET resourceclaims list"), 1);
+
+        // Someone else deletes one of our slices: it is restored.
+        let victim = api.slices()[0].metadata.name.clone().unwrap();
+        let slices = api.slices().len();
+        api.delete_slice(&victim);
+        until("slice restored", || api.slices().len() == slices).await;
 
         let _ = stop.send(());
         task.await.unwrap();
