@@ -127,7 +127,7 @@ pub fn logical_gpus(node: &str, devices: &[SliceDevice]) -> Outcome {
         .iter()
         .filter(|(_, ds)| logical_count(ds) >= 2)
         .collect();
-    match several.iter().max_by_key(|(_, ds)| ds.len()) {
+    match several.iter().max_by_key(|(_, ds)| logical_count(ds)) {
         None => Outcome::fail(
             format!(
                 "every physical GPU on node {node} ({}) is published as a single exclusive device",
@@ -140,11 +140,12 @@ pub fn logical_gpus(node: &str, devices: &[SliceDevice]) -> Outcome {
             let slices: BTreeSet<&str> = ds.iter().map(|d| d.slice.as_str()).collect();
             Outcome::pass(
                 format!(
-                    "{} of {} physical GPUs on node {node} are published as several allocatable devices; e.g. {gpu} as {} ({}) in ResourceSlice {}",
+                    "{} of {} physical GPUs on node {node} are published as several allocatable devices; e.g. {gpu} as {} devices ({}; {} claims at once with default requests) in ResourceSlice {}",
                     several.len(),
                     groups.len(),
                     ds.len(),
                     names.join(", "),
+                    logical_count(ds),
                     slices.into_iter().collect::<Vec<_>>().join(", ")
                 ),
                 details,
@@ -998,7 +999,8 @@ mod tests {
         let o = logical_gpus("n1", &shared);
         assert_eq!(o.status, Status::Pass, "{}", o.message);
         assert!(
-            o.message.contains("GPU-b as 2 (gpu-1, gpu-1-shared)"),
+            o.message
+                .contains("GPU-b as 2 devices (gpu-1, gpu-1-shared; 41 claims at once"),
             "{}",
             o.message
         );
