@@ -129,6 +129,14 @@ fn run_suite(env: &ClusterEnv, driver: &str, out_dir: &Path) -> Result<(String, 
         .arg(&junit)
         .arg("--report")
         .arg(&report)
+        // The probe image the cluster imported (busybox + glibc), if it says.
+        .args(
+            std::env::var("TESSERA_PROBE_IMAGE")
+                .ok()
+                .filter(|i| !i.is_empty())
+                .map(|i| vec!["--image".to_owned(), i])
+                .unwrap_or_default(),
+        )
         .output()
         .context("running tessera-conformance")?;
     let stdout = String::from_utf8_lossy(&output.stdout);
