@@ -102,6 +102,21 @@ impl FakeApi {
         state.claims.insert(uid, claim);
     }
 
+    /// The Node deleted and created again under the same name (a new UID),
+    /// and the garbage collector deleting the slices the old one owned.
+    pub fn recreate_node(&self, uid: &str) {
+        let names: Vec<String> = {
+            let mut state = self.state.lock().unwrap();
+            if let Some(node) = &mut state.node {
+                node.1 = uid.into();
+            }
+            state.slices.keys().cloned().collect()
+        };
+        for name in names {
+            self.delete_slice(&name);
+        }
+    }
+
     /// Deletes a slice as someone else would.
     pub fn delete_slice(&self, name: &str) {
         let mut state = self.state.lock().unwrap();

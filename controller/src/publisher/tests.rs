@@ -393,6 +393,39 @@ mod with_server {
         task.await.unwrap();
     }
 
+    /// The Node's UID is cached; a Node recreated under the same name (its
+    /// slices garbage-collected) gets slices owned by the new one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_recreated_node_owns_the_republished_slices() {
+        let api = FakeApi::new(NODE, "node-uid-1");
+        let mut config = PublisherConfig::new(NODE, DriverName::default(), NodePolicy::default());
+        config.capabilities = Some(Capabilities::full());
+        config.debounce = Duration::from_millis(20);
+        let publisher = Publisher::new(api.client(), config);
+        let view = NodeView::from(inventory(vec![gpu(A, "0000:01:00.0")]));
+        let (_tx, rx) = watch::channel(view);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(publisher.run(rx, async move {
+            let _ = stopped.await;
+        }));
+        let owners = |api: &FakeApi| -> BTreeSet<String> {
+            api.slices()
+                .iter()
+                .flat_map(|s| s.metadata.owner_references.iter().flatten())
+                .map(|o| o.uid.clone())
+                .collect()
+        };
+        until("first publish", || !api.slices().is_empty()).await;
+        assert_eq!(owners(&api), BTreeSet::from(["node-uid-1".to_string()]));
+        api.recreate_node("node-uid-2");
+        until("republished for the new node", || {
+            !api.slices().is_empty() && owners(&api) == BTreeSet::from(["node-uid-2".to_string()])
+        })
+        .await;
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+
     /// `publish --once` has no watch: its reconcile lists the claims.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lone_reconcile_lists_the_claims() {
