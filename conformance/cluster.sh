@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Tessera's local Kubernetes control plane: real etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kubelet (with a fake CRI), all
-# built from their Go modules into one binary (conformance/cluster) and run on
-# 127.0.0.1. See docs/development.md.
+# kube-controller-manager, kube-scheduler and kubelet, all built from their Go
+# modules into one binary (conformance/cluster), run on 127.0.0.1; the kubelet
+# runs real containers through containerd + runc (conformance/cluster/containerd.sh).
+# See docs/development.md.
 #
 # usage: conformance/cluster.sh build|start|stop|status|env|add-nodes N|logs [component] [-f]
 #        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS]
@@ -30,8 +31,8 @@ LOG_LEVEL="${TESSERA_LOG_LEVEL:-1}"
 DEFAULT_FEATURE_GATES="DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,DRAResourceClaimDeviceStatus=true,ResourceHealthStatus=true,DRAPrioritizedList=true,DRAAdminAccess=true"
 DEFAULT_RUNTIME_CONFIG="resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
 
-# Components in start order (stop: clients, then the API server, then etcd and the CRI).
-COMPONENTS=(etcd fake-cri kube-apiserver kube-controller-manager kube-scheduler kubelet)
+# Components in start order (stop: clients, then the API server, then etcd and the runtime).
+COMPONENTS=(etcd containerd kube-apiserver kube-controller-manager kube-scheduler kubelet)
 
 # fd 4 stays the original stderr even where a condition's output is silenced.
 exec 4>&2
@@ -226,6 +227,13 @@ pick_ports() {
 start_component() {
 	local name=$1
 	shift
+	start_external "$name" "$KUBE_BIN" "$@"
+}
+
+# start_external NAME BINARY ARGS...
+start_external() {
+	local name=$1
+	shift
 	if pid_alive "$name"; then
 		log "$name already running (pid $(recorded_pid "$name"))"
 		return
@@ -235,7 +243,7 @@ start_component() {
 	printf '\n==== %s start %s\n' "$name" "$(date -u +%FT%TZ)" >>"$lf"
 	# setsid: components outlive this script and an interactive Ctrl-C; they are
 	# stopped by `stop`, which signals exactly the recorded pids.
-	setsid "$KUBE_BIN" "$@" >>"$lf" 2>&1 </dev/null 4>&- 9>&- &
+	setsid "$@" >>"$lf" 2>&1 </dev/null 4>&- 9>&- &
 	local pid=$!
 	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$name")"
 	log "started $name (pid $pid, log $lf)"
@@ -268,7 +276,6 @@ component_healthy() { # name port
 etcd_ready() {
 	alive_or_fatal etcd && curl -sS --max-time 5 --fail "http://127.0.0.1:$ETCD_PORT/health" | grep -q '"health":"true"'
 }
-cri_ready() { alive_or_fatal fake-cri && [[ -S "$CRI_SOCKET" ]]; }
 default_sa_exists() { kubectl_ get -n default serviceaccount default; }
 node_ready() {
 	alive_or_fatal kubelet || return 3
@@ -344,7 +351,7 @@ cmd_start() {
 	runtime_config="${TESSERA_RUNTIME_CONFIG:-$DEFAULT_RUNTIME_CONFIG}"
 	kubelet_enabled="${TESSERA_KUBELET:-1}"
 	node="${TESSERA_NODE_NAME:-tessera-node}"
-	cri_socket="$DIR/cri/cri.sock"
+	cri_socket="$DIR/containerd/containerd.sock"
 	# Unix socket paths are limited to 107 bytes; kubelet plugin sockets live
 	# below the state dir too, so keep TESSERA_CLUSTER_DIR short.
 	((${#cri_socket} < 100)) || die "state dir path too long for unix sockets: $DIR"
@@ -371,11 +378,17 @@ EOF
 	start_component etcd etcd --data-dir "$DIR/etcd" \
 		--listen-client-url "http://127.0.0.1:$ETCD_PORT" --listen-peer-url "http://127.0.0.1:$ETCD_PEER_PORT"
 	if [[ "$KUBELET_ENABLED" == 1 ]]; then
-		start_component fake-cri fake-cri --socket "$CRI_SOCKET" --image-dir "$DIR/cri/images"
+		start_containerd
 	fi
 	wait_for "$(remaining)" "etcd healthy" etcd_ready
 
-	start_component kube-apiserver kube-apiserver \
+	# The API server reaches the kubelet (logs, exec) by the node's name, which
+	# only its own hosts file maps to the kubelet's loopback address: a node
+	# address may not be loopback, and nothing here listens elsewhere.
+	grep -v "[[:space:]]$NODE_NAME\$" /etc/hosts >"$DIR/apiserver-hosts" || true
+	echo "127.0.0.1 $NODE_NAME" >>"$DIR/apiserver-hosts"
+	start_external kube-apiserver unshare --mount --propagation private -- \
+		sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' "$DIR/apiserver-hosts" "$KUBE_BIN" kube-apiserver \
 		--etcd-servers "http://127.0.0.1:$ETCD_PORT" \
 		--bind-address 127.0.0.1 --secure-port "$APISERVER_PORT" --advertise-address 127.0.0.1 \
 		--endpoint-reconciler-type none \
@@ -386,6 +399,7 @@ EOF
 		--requestheader-extra-headers-prefix X-Remote-Extra- \
 		--kubelet-client-certificate "$pki/apiserver-kubelet-client.crt" \
 		--kubelet-client-key "$pki/apiserver-kubelet-client.key" \
+		--kubelet-preferred-address-types Hostname \
 		--service-account-issuer https://kubernetes.default.svc.cluster.local \
 		--service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
 		--service-cluster-ip-range 10.0.0.0/24 \
@@ -416,7 +430,8 @@ EOF
 		--leader-elect=false \
 		--feature-gates "$FEATURE_GATES" --v "$LOG_LEVEL"
 	if [[ "$KUBELET_ENABLED" == 1 ]]; then
-		wait_for "$(remaining)" "fake CRI socket" cri_ready
+		wait_for "$(remaining)" "containerd" containerd_ready
+		import_images
 		write_kubelet_config "$FEATURE_GATES"
 		start_component kubelet kubelet \
 			--config "$DIR/kubelet/config.yaml" \
@@ -490,8 +505,16 @@ cmd_stop() {
 	# API clients first (together, Tessera's node process among them), then
 	# the API server, then its backends.
 	stop_group "$NODE_PID" "${clients[@]}" kubelet kube-scheduler kube-controller-manager
+	# A stopped kubelet leaves its pods running: remove them while the
+	# runtime is still there, so no shim, mount or network namespace stays.
+	if pid_alive containerd && load_state; then
+		if ! "$KUBE_BIN" cri-reset --endpoint "unix://$CRI_SOCKET" >>"$(logfile containerd)" 2>&1; then
+			log "could not remove every pod from containerd (see $(logfile containerd))"
+		fi
+	fi
 	stop_group kube-apiserver
-	stop_group fake-cri etcd
+	stop_group containerd etcd
+	remove_pod_network
 	unmount_state_dir
 	log "cluster in $DIR stopped"
 }
@@ -506,7 +529,7 @@ cmd_status() {
 	local rc=0 c want
 	for c in "${COMPONENTS[@]}"; do
 		want=1
-		if [[ "$KUBELET_ENABLED" != 1 ]] && [[ "$c" == kubelet || "$c" == fake-cri ]]; then want=0; fi
+		if [[ "$KUBELET_ENABLED" != 1 ]] && [[ "$c" == kubelet || "$c" == containerd ]]; then want=0; fi
 		if pid_alive "$c"; then
 			printf '%-26s running (pid %s)\n' "$c" "$(recorded_pid "$c")"
 		elif ((want)); then
@@ -558,6 +581,10 @@ export TESSERA_KUBELET_ROOT_DIR='$DIR/kubelet'
 export TESSERA_KUBELET_REGISTRY_DIR='$DIR/kubelet/plugins_registry'
 export TESSERA_KUBELET_PLUGINS_DIR='$DIR/kubelet/plugins'
 export TESSERA_FEATURE_GATES='$FEATURE_GATES'
+export TESSERA_CONTAINER_RUNTIME='containerd'
+export TESSERA_CRI_ENDPOINT='unix://$CRI_SOCKET'
+export TESSERA_CDI_DIR='$DIR/cdi'
+export TESSERA_PROBE_IMAGE='$PROBE_IMAGE'
 export PATH='$DIR/bin':"\$PATH"
 EOF
 	# After node-start: this shell sees the simulated node's machine
@@ -570,8 +597,8 @@ export TESSERA_NODE_STATE_DIR='$NODE_DIR/state'
 export TESSERA_NODE_DRIVER_ROOT='$(node_driver_root)'
 export TESSERA_NODE_MPS_DIR='$(node_mps_dir)'
 export TESSERA_NODE_LOG='$(node_log)'
-export TESSERA_FAKE_NVML_TOPOLOGY='$NODE_DIR/topology.yaml'
-export TESSERA_FAKE_NVML_STATE='$NODE_DIR/nvml.state'
+export TESSERA_FAKE_NVML_TOPOLOGY='$(sim_kernel_dir)/topology.yaml'
+export TESSERA_FAKE_NVML_STATE='$(sim_kernel_dir)/nvml.state'
 export TESSERA_FAKE_NVML_DRIVER_ROOT='$(node_driver_root)'
 export LD_LIBRARY_PATH='$(node_nvml_dir)'"\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 EOF
@@ -615,9 +642,10 @@ NODE_PID=tessera-node # pids/tessera-node.pid, recorded like a component
 
 node_driver_root() { echo "$NODE_DIR/driver"; }
 # The fake NVML under the name the loader looks for, in the driver root's
-# library directory: processes find it there (LD_LIBRARY_PATH) and prepare
-# mounts it into containers as it would mount the real library.
-node_nvml_dir() { echo "$NODE_DIR/driver/usr/lib64"; }
+# library directory (Debian's layout, which the probe image's loader
+# searches): processes find it there (LD_LIBRARY_PATH) and prepare mounts it
+# into containers as it would mount the real library.
+node_nvml_dir() { echo "$NODE_DIR/driver/usr/lib/x86_64-linux-gnu"; }
 node_log() { echo "$NODE_DIR/tessera.log"; }
 # MPS pipes are Unix sockets (paths up to ~100 bytes): a short directory of
 # its own per cluster dir.
@@ -632,17 +660,18 @@ load_node() {
 	source "$NODE_DIR/node.env"
 }
 
-# The environment every process of the simulated machine shares (NAME=value
-# lines): its topology, its machine-wide NVML state, the driver root the
-# library keeps the MIG capability files in, and the library itself.
+# The environment every host process of the simulated machine shares
+# (NAME=value lines): its topology and machine-wide NVML state (in the
+# directory every container sees read-only, see containerd.sh), the driver
+# root the library keeps the MIG capability files in, and the library itself.
 node_nvml_env() {
-	echo "TESSERA_FAKE_NVML_TOPOLOGY=$NODE_DIR/topology.yaml"
-	echo "TESSERA_FAKE_NVML_STATE=$NODE_DIR/nvml.state"
+	echo "TESSERA_FAKE_NVML_TOPOLOGY=$(sim_kernel_dir)/topology.yaml"
+	echo "TESSERA_FAKE_NVML_STATE=$(sim_kernel_dir)/nvml.state"
 	echo "TESSERA_FAKE_NVML_DRIVER_ROOT=$(node_driver_root)"
 	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_ from cargo's target dir; this
+# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir; this
 # script builds none of them.
 node_binaries() {
 	local target="${CARGO_TARGET_DIR:-$REPO_ROOT/target}" f
@@ -650,32 +679,60 @@ node_binaries() {
 	TESSERA_BIN_="$target/debug/tessera"
 	FAKE_NVML_LIB_="$target/debug/libtessera_fake_nvml.so"
 	FAKE_MPS_="$target/debug/fake-mps-control"
-	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_MPS_"; do
+	FAKE_SMI_="$target/debug/nvidia-smi"
+	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_MPS_" "$FAKE_SMI_"; do
 		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml (with the same CARGO_TARGET_DIR)"
 	done
 }
 
-# The driver root a real node has: device nodes for every GPU NVML reports
-# (plain files: nothing opens them here), /dev/nvidiactl and nvidia-uvm, the
+# Character-device majors of the simulated kernel module (195 is NVIDIA's
+# fixed one; the others are dynamic on a real host). Nothing on this host
+# serves them: a container can be given the nodes, never open them.
+NVIDIA_MAJOR=195
+NVIDIA_UVM_MAJOR=508
+NVIDIA_CAPS_MAJOR=509
+
+# mknod_char PATH MAJOR MINOR: a character device node, replacing what is there.
+mknod_char() {
+	rm -f "$1"
+	mknod -m 666 "$1" c "$2" "$3"
+}
+
+# The driver root a real node has: character device nodes for every GPU NVML
+# reports, /dev/nvidiactl, nvidia-uvm and the MIG capability nodes (as
+# nvidia-modprobe creates them), the kernel's device list, nvidia-smi, the
 # MPS control binary and the NVML library. The MIG capability files below
-# proc/ are written by the simulated driver itself. Sets NODE_GPUS_.
+# proc/driver are written by the simulated driver itself. Sets NODE_GPUS_.
 make_driver_root() {
-	local root out minors m
+	local root out minors m i
 	local -a nvml_env
 	root=$(node_driver_root)
-	mkdir -p "$root/dev/nvidia-caps" "$root/usr/bin" "$(node_nvml_dir)"
+	mkdir -p "$root/dev/nvidia-caps" "$root/usr/bin" "$root/proc" "$(node_nvml_dir)"
 	ln -sfn "$FAKE_NVML_LIB_" "$(node_nvml_dir)/libnvidia-ml.so.1"
 	ln -sfn "$FAKE_MPS_" "$root/usr/bin/nvidia-cuda-mps-control"
-	: >>"$root/dev/nvidiactl"
-	: >>"$root/dev/nvidia-uvm"
+	ln -sfn "$FAKE_SMI_" "$root/usr/bin/nvidia-smi"
+	printf 'Character devices:\n%3d nvidia-frontend\n%3d nvidia-uvm\n%3d nvidia-caps\n' \
+		"$NVIDIA_MAJOR" "$NVIDIA_UVM_MAJOR" "$NVIDIA_CAPS_MAJOR" >"$root/proc/devices"
+	mknod_char "$root/dev/nvidiactl" "$NVIDIA_MAJOR" 255
+	mknod_char "$root/dev/nvidia-uvm" "$NVIDIA_UVM_MAJOR" 0
+	mknod_char "$root/dev/nvidia-uvm-tools" "$NVIDIA_UVM_MAJOR" 1
 	# Ask the simulated machine which minors its GPUs have (this first call
 	# also seeds its state file and capability files).
 	mapfile -t nvml_env < <(node_nvml_env)
 	out=$(env "${nvml_env[@]}" "$TESSERA_BIN_" --nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" \
 		inventory --output json 2>&1) || die "tessera inventory on the simulated node failed: $out"
 	minors=$(sed -n 's/^      "minor": \([0-9][0-9]*\),\{0,1\}$/\1/p' <<<"$out")
-	[[ -n "$minors" ]] || die "tessera inventory reports no GPUs for $NODE_DIR/topology.yaml"
-	for m in $minors; do : >>"$root/dev/nvidia$m"; done
+	[[ -n "$minors" ]] || die "tessera inventory reports no GPUs for $(sim_kernel_dir)/topology.yaml"
+	for m in $minors; do
+		mknod_char "$root/dev/nvidia$m" "$NVIDIA_MAJOR" "$m"
+		# Every GPU and compute instance capability of this GPU (the kernel
+		# driver's minor table: 15 GPU instances of 1 + 8 entries).
+		for ((i = 3 + 135 * m; i < 3 + 135 * (m + 1); i++)); do
+			mknod_char "$root/dev/nvidia-caps/nvidia-cap$i" "$NVIDIA_CAPS_MAJOR" "$i"
+		done
+	done
+	mknod_char "$root/dev/nvidia-caps/nvidia-cap1" "$NVIDIA_CAPS_MAJOR" 1
+	mknod_char "$root/dev/nvidia-caps/nvidia-cap2" "$NVIDIA_CAPS_MAJOR" 2
 	NODE_GPUS_=$(wc -w <<<"$minors")
 }
 
@@ -742,7 +799,7 @@ cmd_node_start() {
 	# One node dir is one machine: its NVML state belongs to its topology,
 	# its checkpoint and its slices to its driver name.
 	if load_node; then
-		if [[ -n "$topology" ]] && ! cmp -s "$topology" "$NODE_DIR/topology.yaml"; then
+		if [[ -n "$topology" ]] && ! cmp -s "$topology" "$(sim_kernel_dir)/topology.yaml"; then
 			die "the node in $NODE_DIR simulates another machine ($NODE_TOPOLOGY_SOURCE); for a new one: $0 node-stop && rm -rf $NODE_DIR"
 		fi
 		if [[ -n "$driver" && "$driver" != "$NODE_DRIVER" ]]; then
@@ -762,11 +819,11 @@ cmd_node_start() {
 	fi
 	node_binaries
 
-	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(node_mps_dir)"
+	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(sim_kernel_dir)" "$(node_mps_dir)"
 	chmod 700 "$(node_mps_dir)"
-	if [[ ! -f "$NODE_DIR/topology.yaml" ]]; then
-		cp "$topology" "$NODE_DIR/topology.yaml.tmp"
-		mv "$NODE_DIR/topology.yaml.tmp" "$NODE_DIR/topology.yaml"
+	if [[ ! -f "$(sim_kernel_dir)/topology.yaml" ]]; then
+		cp "$topology" "$(sim_kernel_dir)/topology.yaml.tmp"
+		mv "$(sim_kernel_dir)/topology.yaml.tmp" "$(sim_kernel_dir)/topology.yaml"
 	fi
 	if [[ -n "$policy" ]]; then
 		cp "$policy" "$NODE_DIR/policy.yaml.tmp"
@@ -841,6 +898,9 @@ cmd_logs() {
 		tail -n "${TESSERA_LOG_LINES:-15}" "$f"
 	done
 }
+
+# shellcheck source=conformance/cluster/containerd.sh
+source "$SRC/containerd.sh"
 
 usage() {
 	sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'

@@ -39,6 +39,9 @@ pub struct KubeletDirs {
     /// Plugin directory (`<root>/plugins`): a DRA driver puts its service
     /// socket in `<plugins>/<driver name>/`.
     pub plugins: PathBuf,
+    /// A CDI spec directory the node's container runtime reads: a driver
+    /// whose containers must start writes its specs here.
+    pub cdi: PathBuf,
 }
 
 /// What the environment says about the cluster, before any connection is made.
@@ -100,6 +103,9 @@ impl ClusterEnv {
                 plugins: lookup("TESSERA_KUBELET_PLUGINS_DIR")
                     .map(PathBuf::from)
                     .unwrap_or_else(|| root.join("plugins")),
+                cdi: lookup("TESSERA_CDI_DIR")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| state_dir.join("cdi")),
                 root,
             }
         });
@@ -315,6 +321,8 @@ impl TestCluster {
             .args(["--devices", &devices.to_string()])
             .arg("--record")
             .arg(&record)
+            .arg("--cdi-dir")
+            .arg(&kubelet.cdi)
             .stdin(std::process::Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -544,6 +552,7 @@ mod tests {
             Path::new("/nonexistent/state/kubelet/plugins_registry")
         );
         assert_eq!(k.plugins, Path::new("/nonexistent/state/kubelet/plugins"));
+        assert_eq!(k.cdi, Path::new("/nonexistent/state/cdi"));
         assert_eq!(env.feature_gates.get("DRAConsumableCapacity"), Some(&false));
 
         let no_kubelet = ClusterEnv::from_lookup(|k| match k {

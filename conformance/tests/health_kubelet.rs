@@ -31,7 +31,7 @@ async fn an_xid_79_makes_the_pods_gpu_unhealthy_in_its_status() -> Result<()> {
     let driver = format!("{id}.tessera.dev");
     let node = cluster.node_name().to_owned();
     let ns = cluster.create_namespace("health-kubelet").await?;
-    let dirs = PluginDirs::new()?;
+    let dirs = PluginDirs::for_kubelet(&kubelet)?;
     let events = dirs.path("xid-events");
     std::fs::write(&events, "")?;
 

@@ -317,7 +317,7 @@ async fn pod_with_claim(node: &SimNode, name: &str, claim: &str) -> Result<()> {
         "metadata": { "name": name },
         "spec": {
             "nodeSelector": { "kubernetes.io/hostname": node.world.node },
-            "containers": [{ "name": "c", "image": "busybox", "resources": { "claims": [{ "name": "gpu" }] } }],
+            "containers": [{ "name": "c", "image": "registry.k8s.io/pause:3.10", "resources": { "claims": [{ "name": "gpu" }] } }],
             "resourceClaims": [{ "name": "gpu", "resourceClaimName": claim }],
         },
     }))?;

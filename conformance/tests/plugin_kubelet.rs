@@ -31,7 +31,7 @@ async fn kubelet_prepares_and_unprepares_through_tessera() -> Result<()> {
     let driver = format!("{id}.tessera.dev");
     let node = cluster.node_name().to_owned();
     let ns = cluster.create_namespace("plugin-kubelet").await?;
-    let dirs = PluginDirs::new()?;
+    let dirs = PluginDirs::for_kubelet(&kubelet)?;
 
     // The node process, in the kubelet's own directories: it registers with
     // the kubelet and publishes the node's slices.

@@ -142,12 +142,28 @@ pub fn share(node: &str, driver: &str, shared: bool) -> String {
 /// Directories of one plugin instance; survive restarts of the process.
 pub struct PluginDirs {
     pub root: tempfile::TempDir,
+    /// Where the plugin writes CDI specs: its own directory, or the one the
+    /// node's container runtime reads ([`PluginDirs::for_kubelet`]).
+    cdi: PathBuf,
 }
 
 impl PluginDirs {
     pub fn new() -> Result<Self> {
         let root = tempfile::Builder::new().prefix("tp").tempdir()?;
-        let dirs = PluginDirs { root };
+        let cdi = root.path().join("cdi");
+        Self::with_cdi(root, cdi)
+    }
+
+    /// For a plugin whose claims' containers the cluster's runtime starts:
+    /// its specs go where containerd reads them (claim UIDs keep tests apart).
+    pub fn for_kubelet(kubelet: &tessera_conformance::KubeletDirs) -> Result<Self> {
+        let root = tempfile::Builder::new().prefix("tp").tempdir()?;
+        Self::with_cdi(root, kubelet.cdi.clone())
+    }
+
+    fn with_cdi(root: tempfile::TempDir, cdi: PathBuf) -> Result<Self> {
+        let dirs = PluginDirs { root, cdi };
+        std::fs::create_dir_all(&dirs.cdi)?;
         for d in ["registry", "plugins", "cdi", "state", "driver"] {
             std::fs::create_dir_all(dirs.path(d))?;
         }
@@ -167,7 +183,7 @@ impl PluginDirs {
         self.path("plugins")
     }
     pub fn cdi(&self) -> PathBuf {
-        self.path("cdi")
+        self.cdi.clone()
     }
     pub fn state(&self) -> PathBuf {
         self.path("state")
@@ -239,16 +255,30 @@ impl PluginDirs {
         self.path("nvml.state")
     }
 
-    /// Device nodes (plain files: nothing opens them here). The MIG
-    /// capability files are the simulated driver's: the fake library keeps
-    /// them in step with the instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`).
+    /// Character device nodes as the NVIDIA driver creates them (nothing
+    /// on this host serves their majors: a container runtime can hand them
+    /// to a container, nobody can open them). The MIG capability files are
+    /// the simulated driver's: the fake library keeps them in step with the
+    /// instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`).
     fn fake_driver_root(&self) -> Result<()> {
         let root = self.driver_root();
         std::fs::create_dir_all(root.join("dev/nvidia-caps"))?;
-        std::fs::write(root.join("dev/nvidiactl"), "")?;
-        std::fs::write(root.join("dev/nvidia-uvm"), "")?;
+        mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
+        mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
         for minor in 0..8 {
-            std::fs::write(root.join(format!("dev/nvidia{minor}")), "")?;
+            mknod_char(
+                &root.join(format!("dev/nvidia{minor}")),
+                NVIDIA_MAJOR,
+                minor,
+            )?;
+            let first = 3 + 135 * minor;
+            for cap in first..first + 135 {
+                mknod_char(
+                    &root.join(format!("dev/nvidia-caps/nvidia-cap{cap}")),
+                    NVIDIA_CAPS_MAJOR,
+                    cap,
+                )?;
+            }
         }
         // The MPS stand-in where a driver install has the control binary.
         std::fs::create_dir_all(root.join("usr/bin"))?;
@@ -301,6 +331,32 @@ impl PluginDirs {
         let envelope: Value = serde_json::from_slice(&bytes).expect("checkpoint JSON");
         serde_json::from_str(envelope["claims"].as_str().expect("claims text")).unwrap()
     }
+}
+
+/// Majors of the simulated kernel module, as `conformance/cluster.sh` uses them.
+const NVIDIA_MAJOR: u32 = 195;
+const NVIDIA_UVM_MAJOR: u32 = 508;
+const NVIDIA_CAPS_MAJOR: u32 = 509;
+
+/// A character device node at `path` (the tests run as root, as the driver does).
+fn mknod_char(path: &Path, major: u32, minor: u32) -> Result<()> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(major, minor),
+        )
+    };
+    if rc != 0 {
+        bail!(
+            "mknod {} (c {major}:{minor}): {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
 }
 
 /// Capability minors of GPU instance `gi` (compute instance 0) on GPU

@@ -32,8 +32,8 @@ import (
 	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 
 	"tessera.dev/cluster/internal/certs"
+	"tessera.dev/cluster/internal/crireset"
 	"tessera.dev/cluster/internal/etcd"
-	"tessera.dev/cluster/internal/fakecri"
 	"tessera.dev/cluster/internal/fakenodes"
 	"tessera.dev/cluster/internal/testplugin"
 )
@@ -75,8 +75,8 @@ var components = map[string]component{
 	"certs": {"generate the cluster PKI and kubeconfigs", func() int {
 		return runCobra(certs.NewCommand())
 	}},
-	"fake-cri": {"minimal CRI runtime and image service on a unix socket", func() int {
-		return runCobra(fakecri.NewCommand())
+	"cri-reset": {"stop and remove every pod sandbox of a CRI runtime (cluster stop)", func() int {
+		return runCobra(crireset.NewCommand())
 	}},
 	"fake-nodes": {"register Ready nodes without a kubelet and keep their leases fresh", func() int {
 		return runCobra(fakenodes.NewCommand())

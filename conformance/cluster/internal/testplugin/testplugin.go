@@ -36,6 +36,7 @@ type options struct {
 	pluginsDir  string
 	devices     int
 	record      string
+	cdiDir      string
 }
 
 // Record is one line of the record file.
@@ -68,7 +69,8 @@ func NewCommand() *cobra.Command {
 	f.StringVar(&o.pluginsDir, "plugins-dir", "", "kubelet plugins directory; the socket goes to <dir>/<driver> (required)")
 	f.IntVar(&o.devices, "devices", 2, "number of devices to publish (dev-0, dev-1, ...); 0 publishes nothing")
 	f.StringVar(&o.record, "record", "", "file to append one JSON line per prepared/unprepared claim to (required)")
-	for _, n := range []string{"driver-name", "node-name", "kubeconfig", "registry-dir", "plugins-dir", "record"} {
+	f.StringVar(&o.cdiDir, "cdi-dir", "", "directory the container runtime reads CDI specs from (required)")
+	for _, n := range []string{"driver-name", "node-name", "kubeconfig", "registry-dir", "plugins-dir", "record", "cdi-dir"} {
 		_ = cmd.MarkFlagRequired(n)
 	}
 	return cmd
@@ -108,7 +110,7 @@ func (p *plugin) PrepareResourceClaims(_ context.Context, claims []*resourceapi.
 					Requests:     []string{r.Request},
 					PoolName:     r.Pool,
 					DeviceName:   r.Device,
-					CDIDeviceIDs: []string{"test.tessera.dev/device=" + r.Device},
+					CDIDeviceIDs: []string{p.driver + "/device=" + r.Device},
 				})
 				names = append(names, r.Device)
 			}
@@ -154,6 +156,12 @@ func run(o options) error {
 	ctx, cancel := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer cancel()
 
+	spec, err := writeCDISpec(o.cdiDir, o.driver, o.devices)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(spec)
+
 	p := &plugin{driver: o.driver, out: out}
 	helper, err := kubeletplugin.Start(ctx, p,
 		kubeletplugin.KubeClient(cs),
@@ -192,4 +200,38 @@ func run(o options) error {
 	_ = cs.ResourceV1().ResourceSlices().DeleteCollection(delCtx, metav1.DeleteOptions{},
 		metav1.ListOptions{FieldSelector: resourceapi.ResourceSliceSelectorDriver + "=" + o.driver})
 	return nil
+}
+
+// writeCDISpec writes the spec of this driver's devices, atomically, so the
+// runtime never reads half a file. Returns its path.
+func writeCDISpec(dir, driver string, n int) (string, error) {
+	type edits struct {
+		Env []string `json:"env"`
+	}
+	type device struct {
+		Name           string `json:"name"`
+		ContainerEdits edits  `json:"containerEdits"`
+	}
+	spec := struct {
+		Version string   `json:"cdiVersion"`
+		Kind    string   `json:"kind"`
+		Devices []device `json:"devices"`
+	}{Version: "0.6.0", Kind: driver + "/device"}
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("dev-%d", i)
+		spec.Devices = append(spec.Devices, device{Name: name, ContainerEdits: edits{Env: []string{"TESSERA_TEST_DEVICE=" + name}}})
+	}
+	data, err := json.Marshal(spec)
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, driver+".json")
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return "", err
+	}
+	return path, os.Rename(tmp, path)
 }
