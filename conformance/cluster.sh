@@ -123,6 +123,7 @@ cmd_build() {
 	local t0=$SECONDS bin
 	bin=$(ensure_binary)
 	log "tessera-kube ready: $bin ($((SECONDS - t0))s)"
+	log "containerd ready: $(ensure_containerd)"
 	echo "$bin"
 }
 

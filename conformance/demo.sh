@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Tessera end to end on its embedded default: a local control plane (real
-# etcd, kube-apiserver, scheduler, controller-manager and a kubelet with a
-# fake CRI) and a node with simulated GPUs (the fake libnvidia-ml.so.1 driven
-# by a topology file), on which `conformance/cluster.sh node-start` runs
-# Tessera's one node process (`tessera plugin`). It publishes the node's GPUs,
-# the real scheduler allocates the example claims in deploy/examples, the real
-# kubelet asks it to prepare them, and the result is printed: which physical
-# GPU each claim got, with which limits, the CDI spec the runtime reads, and
-# the simulated machine as another process (`tessera inventory`) sees it.
+# etcd, kube-apiserver, scheduler, controller-manager, and a kubelet running
+# real containers through containerd + runc) and a node with simulated GPUs
+# (the fake libnvidia-ml.so.1 driven by a topology file), on which
+# `conformance/cluster.sh node-start` runs Tessera's one node process
+# (`tessera plugin`). It publishes the node's GPUs, the real scheduler
+# allocates the example claims in deploy/examples, the real kubelet asks it
+# to prepare them, containerd starts the pods with the CDI edits, and the
+# result is printed: which physical GPU each claim got, with which limits,
+# what each pod's own nvidia-smi sees, the CDI spec the runtime read, and the
+# simulated machine as another process (`tessera inventory`) sees it.
 #
 # usage: conformance/demo.sh [--keep]
 # env:   TESSERA_DEMO_TOPOLOGY   topology file (default: 8x H100 80GB, MIG off)
@@ -103,7 +105,22 @@ say "which GPU each claim got (status.devices written by the plugin after prepar
 kubectl get resourceclaims -o \
 	'custom-columns=CLAIM:.metadata.name,DEVICE:.status.allocation.devices.results[*].device,DATA:.status.devices[*].data'
 
-say "CDI specs the container runtime reads"
+say "what each pod sees: its own nvidia-smi (kubectl logs)"
+for pod in "${pods[@]}"; do
+	claim=$(kubectl get pod "$pod" -o 'jsonpath={.status.resourceClaimStatuses[0].resourceClaimName}')
+	want=$(kubectl get resourceclaim "$claim" -o 'jsonpath={.status.devices[0].data.migUUID}')
+	[[ -n "$want" ]] || want=$(kubectl get resourceclaim "$claim" -o 'jsonpath={.status.devices[0].data.gpuUUID}')
+	out=$(kubectl logs "$pod")
+	echo "--- pod $pod (claim $claim: $want)"
+	echo "$out"
+	grep -q "UUID: $want)" <<<"$out" || fail "pod $pod does not see $want, the device its claim got"
+	# nvidia-smi -L lists a MIG device under its parent GPU.
+	expected=1
+	[[ "$want" == MIG-* ]] && expected=2
+	(($(grep -c 'UUID: ' <<<"$out") == expected)) || fail "pod $pod sees more than the device its claim got"
+done
+
+say "CDI specs the container runtime read"
 for f in "$TESSERA_NODE_CDI_DIR"/*.json; do
 	echo "--- $(basename "$f")"
 	cat "$f"

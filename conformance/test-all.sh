@@ -45,7 +45,9 @@ ensure_packages() {
 		--no-install-recommends "${missing[@]}"; } >&2 ||
 		say "installing ${missing[*]} failed; the podman test will fail"
 }
-ensure_packages podman runc busybox-static
+# The local cluster's kubelet runs real containers: runc, the CNI plugins,
+# ip (pod network cleanup) and unshare come from Debian too.
+ensure_packages podman runc busybox-static containernetworking-plugins iproute2 util-linux
 export TESSERA_REQUIRE_PODMAN=1
 
 # --- 2. Rust: compile everything before the clusters take CPU -----------------

@@ -178,7 +178,7 @@ probe_rootfs() {
 		[[ "$a" == busybox || -e "$root/bin/$a" ]] || ln -s busybox "$root/bin/$a"
 	done
 	for lib in libc.so.6 libm.so.6 libgcc_s.so.1 libdl.so.2 libpthread.so.0 librt.so.1 ld-linux-x86-64.so.2; do
-		real=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ { print $NF; exit }')
+		real=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !found { print $NF; found = 1 }')
 		[[ -n "$real" ]] || die "the host has no $lib (x86-64) for the probe image"
 		cp -L "$real" "$root/lib/x86_64-linux-gnu/$lib"
 	done
