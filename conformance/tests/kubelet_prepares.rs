@@ -1,7 +1,8 @@
 //! Proof of the kubelet's DRA path on the local cluster: a plugin registers
 //! through the kubelet's plugin registry, the scheduler allocates one of its
 //! devices, the kubelet's DRA manager calls NodePrepareResources with that
-//! claim, the fake CRI runs the pod, and after the pod is deleted the kubelet
+//! claim, containerd starts the pod with the plugin's CDI device, and after
+//! the pod is deleted the kubelet
 //! calls NodeUnprepareResources. The plugin is the harness's trivial
 //! `test-dra-plugin` (upstream helper library), so this checks the harness,
 //! not Tessera's driver.

@@ -3,7 +3,7 @@
 //! scheduler allocates a
 //! whole GPU to a Pod's claim (from a ResourceClaimTemplate), the real
 //! kubelet finds `tessera plugin` through its plugin registry, calls
-//! NodePrepareResources, runs the Pod (fake CRI), and calls
+//! NodePrepareResources, containerd runs the Pod with the CDI spec, and calls
 //! NodeUnprepareResources when the Pod is deleted: CDI spec and checkpoint
 //! entry appear and go, and the claim's status says which GPU it got.
 //!
