@@ -316,11 +316,13 @@ pub async fn run(args: Args) -> Result<bool> {
         .await
         .with_context(|| format!("creating namespace {ns}"))?;
 
+    let (claim_log, claim_watch) = ops::watch_claims(client.clone(), &ns);
     let ctx = Ctx {
         kube: Kube {
             client: client.clone(),
             ns: ns.clone(),
             timeout: args.timeout,
+            claim_log,
         },
         driver: args.driver.clone(),
         node: node.clone(),
@@ -372,6 +374,7 @@ pub async fn run(args: Args) -> Result<bool> {
         }
     }
 
+    claim_watch.abort();
     if args.keep_namespace {
         log(&format!("keeping namespace {ns} (--keep-namespace)"));
     } else {

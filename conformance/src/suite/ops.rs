@@ -3,14 +3,18 @@
 //! sleeps), read logs and the scheduler's reasons, follow a pod's claims to
 //! the devices they were allocated, and clean up between checks.
 
+use std::collections::BTreeMap;
 use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use futures::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -33,12 +37,64 @@ impl Allocated {
     }
 }
 
+/// Every allocation seen of each ResourceClaim of the namespace (by claim
+/// name). A pod's claim is deallocated (and a generated one deleted) as soon
+/// as the pod finished, so the checks read allocations from this log, kept
+/// by a watch from the start of the run.
+pub type ClaimLog = Arc<Mutex<BTreeMap<String, Vec<Allocated>>>>;
+
+fn allocation_of(claim: &ResourceClaim) -> Vec<Allocated> {
+    let name = claim.metadata.name.clone().unwrap_or_default();
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.allocation.as_ref())
+        .and_then(|a| a.devices.as_ref())
+        .and_then(|d| d.results.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|r| Allocated {
+            claim: name.clone(),
+            driver: r.driver.clone(),
+            pool: r.pool.clone(),
+            device: r.device.clone(),
+        })
+        .collect()
+}
+
+/// Starts the watch that fills a [`ClaimLog`]; abort the task to stop it.
+pub fn watch_claims(client: Client, ns: &str) -> (ClaimLog, tokio::task::JoinHandle<()>) {
+    let log: ClaimLog = Arc::default();
+    let api: Api<ResourceClaim> = Api::namespaced(client, ns);
+    let task = tokio::spawn({
+        let log = log.clone();
+        async move {
+            let mut stream = watcher(api, watcher::Config::default())
+                .default_backoff()
+                .applied_objects()
+                .boxed();
+            while let Some(item) = stream.next().await {
+                let Ok(claim) = item else { continue };
+                let allocated = allocation_of(&claim);
+                if !allocated.is_empty() {
+                    let name = claim.metadata.name.clone().unwrap_or_default();
+                    log.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(name, allocated);
+                }
+            }
+        }
+    });
+    (log, task)
+}
+
 /// The run's namespace on one cluster.
 #[derive(Clone)]
 pub struct Kube {
     pub client: Client,
     pub ns: String,
     pub timeout: Duration,
+    pub claim_log: ClaimLog,
 }
 
 impl Kube {
@@ -295,31 +351,47 @@ impl Kube {
         }
         let mut out = Vec::new();
         for c in claim_names {
-            let claim = self
-                .claims()
-                .get(&c)
-                .await
-                .with_context(|| format!("reading ResourceClaim {}/{c}", self.ns))?;
-            let results = claim
-                .status
-                .and_then(|s| s.allocation)
-                .and_then(|a| a.devices)
-                .and_then(|d| d.results)
-                .unwrap_or_default();
+            let live = match self.claims().get_opt(&c).await {
+                Ok(Some(claim)) => allocation_of(&claim),
+                Ok(None) => Vec::new(),
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("reading ResourceClaim {}/{c}", self.ns));
+                }
+            };
+            let results = if live.is_empty() {
+                self.seen_allocation(&c).await
+            } else {
+                live
+            };
             if results.is_empty() {
                 bail!(
-                    "ResourceClaim {}/{c} of pod {name} is not allocated",
+                    "ResourceClaim {}/{c} of pod {name} was never seen allocated",
                     self.ns
                 );
             }
-            out.extend(results.into_iter().map(|r| Allocated {
-                claim: c.clone(),
-                driver: r.driver,
-                pool: r.pool,
-                device: r.device,
-            }));
+            out.extend(results);
         }
         Ok(out)
+    }
+
+    /// The allocation the claim watch saw for `claim` (briefly waits for
+    /// the watch to catch up).
+    async fn seen_allocation(&self, claim: &str) -> Vec<Allocated> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let seen = self
+                .claim_log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(claim)
+                .cloned();
+            match seen {
+                Some(a) => return a,
+                None if Instant::now() >= deadline => return Vec::new(),
+                None => tokio::time::sleep(POLL).await,
+            }
+        }
     }
 
     /// Deletes the run's pods, claims and templates and waits until the pods
