@@ -537,7 +537,7 @@ async fn over_allocation_blocked(ctx: &Ctx) -> Result<Outcome> {
     let pin = facts::pin_expression(&ctx.driver, attr, &gpu);
     let capacity: BTreeMap<String, String> = request
         .iter()
-        .map(|(k, v)| (k.clone(), v.to_string()))
+        .map(|(k, v)| (k.clone(), facts::format_quantity(*v)))
         .collect();
     let req = probe::device_request("gpu", class, std::slice::from_ref(&pin), &capacity);
     ctx.kube
@@ -742,15 +742,14 @@ pub fn mig_verdict(pods: &[MigEvidence]) -> Outcome {
             details,
         );
     }
+    let pairs: Vec<String> = pods
+        .iter()
+        .map(|p| format!("{} -> {} ({})", p.pod, p.device, p.listed[0]))
+        .collect();
     Outcome::pass(
         format!(
-            "pods {} got distinct MIG devices {} and each sees only its own MIG UUID ({})",
-            pods.iter()
-                .map(|p| p.pod.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            devices.into_iter().collect::<Vec<_>>().join(", "),
-            uuids.into_iter().collect::<Vec<_>>().join(", ")
+            "two claims of MIG devices got distinct devices and each pod's nvidia-smi -L lists only its own MIG device: {}",
+            pairs.join(", ")
         ),
         details,
     )

@@ -115,6 +115,21 @@ pub fn parse_quantity(q: &str) -> Option<u128> {
     Some(numer.div_ceil(denom))
 }
 
+/// A quantity in the largest binary unit that divides it (`20Gi`, `100`).
+pub fn format_quantity(v: u128) -> String {
+    for (suffix, unit) in [
+        ("Ti", 1u128 << 40),
+        ("Gi", 1 << 30),
+        ("Mi", 1 << 20),
+        ("Ki", 1 << 10),
+    ] {
+        if v >= unit && v.is_multiple_of(unit) {
+            return format!("{}{suffix}", v / unit);
+        }
+    }
+    v.to_string()
+}
+
 fn attr_string(a: &DeviceAttribute) -> Option<String> {
     a.string
         .clone()
@@ -379,6 +394,9 @@ mod tests {
         assert_eq!(parse_quantity("1e3"), Some(1000));
         assert_eq!(parse_quantity("x"), None);
         assert_eq!(parse_quantity("-1"), None);
+        assert_eq!(format_quantity(20 << 30), "20Gi");
+        assert_eq!(format_quantity(100), "100");
+        assert_eq!(format_quantity((1 << 30) + 1), "1073741825");
     }
 
     #[test]
