@@ -353,10 +353,10 @@ pub async fn run(args: Args) -> Result<bool> {
 
     let interrupted = tokio::select! {
         () = run_checks(&ctx, &ids, &mut report.results) => false,
-        _ = tokio::signal::ctrl_c() => true,
+        () = interrupted() => true,
     };
     if interrupted {
-        log("interrupted: cleaning up");
+        log("interrupted (SIGINT/SIGTERM): cleaning up");
         let missing: Vec<&str> = ids
             .iter()
             .copied()
@@ -367,7 +367,7 @@ pub async fn run(args: Args) -> Result<bool> {
                 id: (*id).to_owned(),
                 title: title(id).to_owned(),
                 status: Status::Fail,
-                message: "not run: interrupted (Ctrl-C)".into(),
+                message: "interrupted (SIGINT/SIGTERM) before it finished".into(),
                 details: Vec::new(),
                 duration: Duration::ZERO,
             });
@@ -393,6 +393,22 @@ pub async fn run(args: Args) -> Result<bool> {
         log(&format!("Markdown report: {}", path.display()));
     }
     Ok(report.passed() && !interrupted)
+}
+
+/// Resolves on Ctrl-C (SIGINT) or SIGTERM.
+async fn interrupted() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 async fn run_checks(ctx: &Ctx, ids: &[&'static str], results: &mut Vec<CheckResult>) {
