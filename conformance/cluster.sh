@@ -686,12 +686,12 @@ node_binaries() {
 	done
 }
 
-# Character-device majors of the simulated kernel module (195 is NVIDIA's
-# fixed one; the others are dynamic on a real host). Nothing on this host
-# serves them: a container can be given the nodes, never open them.
+# Character-device majors of the simulated kernel module, as the fake
+# library lists them in the driver root's proc/devices (195 is NVIDIA's fixed
+# one; nvidia-uvm's is dynamic on a real host). Nothing on this host serves
+# them: a container can be given the nodes, never open them.
 NVIDIA_MAJOR=195
 NVIDIA_UVM_MAJOR=508
-NVIDIA_CAPS_MAJOR=509
 
 # mknod_char PATH MAJOR MINOR: a character device node, replacing what is there.
 mknod_char() {
@@ -700,20 +700,19 @@ mknod_char() {
 }
 
 # The driver root a real node has: character device nodes for every GPU NVML
-# reports, /dev/nvidiactl, nvidia-uvm and the MIG capability nodes (as
-# nvidia-modprobe creates them), the kernel's device list, nvidia-smi, the
-# MPS control binary and the NVML library. The MIG capability files below
-# proc/driver are written by the simulated driver itself. Sets NODE_GPUS_.
+# reports, /dev/nvidiactl and nvidia-uvm (as nvidia-modprobe creates them),
+# nvidia-smi, the MPS control binary and the NVML library. The simulated
+# driver itself writes proc/devices and the MIG capability files below
+# proc/driver; the MIG capability device nodes are Tessera's to create (no
+# driver creates them), as on a real node. Sets NODE_GPUS_.
 make_driver_root() {
-	local root out minors m i
+	local root out minors m
 	local -a nvml_env
 	root=$(node_driver_root)
-	mkdir -p "$root/dev/nvidia-caps" "$root/usr/bin" "$root/proc" "$(node_nvml_dir)"
+	mkdir -p "$root/dev" "$root/usr/bin" "$(node_nvml_dir)"
 	ln -sfn "$FAKE_NVML_LIB_" "$(node_nvml_dir)/libnvidia-ml.so.1"
 	ln -sfn "$FAKE_MPS_" "$root/usr/bin/nvidia-cuda-mps-control"
 	ln -sfn "$FAKE_SMI_" "$root/usr/bin/nvidia-smi"
-	printf 'Character devices:\n%3d nvidia-frontend\n%3d nvidia-uvm\n%3d nvidia-caps\n' \
-		"$NVIDIA_MAJOR" "$NVIDIA_UVM_MAJOR" "$NVIDIA_CAPS_MAJOR" >"$root/proc/devices"
 	mknod_char "$root/dev/nvidiactl" "$NVIDIA_MAJOR" 255
 	mknod_char "$root/dev/nvidia-uvm" "$NVIDIA_UVM_MAJOR" 0
 	mknod_char "$root/dev/nvidia-uvm-tools" "$NVIDIA_UVM_MAJOR" 1
@@ -724,16 +723,7 @@ make_driver_root() {
 		inventory --output json 2>&1) || die "tessera inventory on the simulated node failed: $out"
 	minors=$(sed -n 's/^      "minor": \([0-9][0-9]*\),\{0,1\}$/\1/p' <<<"$out")
 	[[ -n "$minors" ]] || die "tessera inventory reports no GPUs for $(sim_kernel_dir)/topology.yaml"
-	for m in $minors; do
-		mknod_char "$root/dev/nvidia$m" "$NVIDIA_MAJOR" "$m"
-		# Every GPU and compute instance capability of this GPU (the kernel
-		# driver's minor table: 15 GPU instances of 1 + 8 entries).
-		for ((i = 3 + 135 * m; i < 3 + 135 * (m + 1); i++)); do
-			mknod_char "$root/dev/nvidia-caps/nvidia-cap$i" "$NVIDIA_CAPS_MAJOR" "$i"
-		done
-	done
-	mknod_char "$root/dev/nvidia-caps/nvidia-cap1" "$NVIDIA_CAPS_MAJOR" 1
-	mknod_char "$root/dev/nvidia-caps/nvidia-cap2" "$NVIDIA_CAPS_MAJOR" 2
+	for m in $minors; do mknod_char "$root/dev/nvidia$m" "$NVIDIA_MAJOR" "$m"; done
 	NODE_GPUS_=$(wc -w <<<"$minors")
 }
 

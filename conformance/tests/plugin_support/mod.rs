@@ -255,14 +255,15 @@ impl PluginDirs {
         self.path("nvml.state")
     }
 
-    /// Character device nodes as the NVIDIA driver creates them (nothing
-    /// on this host serves their majors: a container runtime can hand them
-    /// to a container, nobody can open them). The MIG capability files are
-    /// the simulated driver's: the fake library keeps them in step with the
-    /// instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`).
+    /// Character device nodes as nvidia-modprobe creates them (nothing on
+    /// this host serves their majors: a container runtime can hand them to a
+    /// container, nobody can open them). The MIG capability files and
+    /// `proc/devices` are the simulated driver's: the fake library keeps them
+    /// in step with the instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`); the
+    /// capability device nodes are the plugin's to create, as on a node.
     fn fake_driver_root(&self) -> Result<()> {
         let root = self.driver_root();
-        std::fs::create_dir_all(root.join("dev/nvidia-caps"))?;
+        std::fs::create_dir_all(root.join("dev"))?;
         mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
         mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
         for minor in 0..8 {
@@ -271,14 +272,6 @@ impl PluginDirs {
                 NVIDIA_MAJOR,
                 minor,
             )?;
-            let first = 3 + 135 * minor;
-            for cap in first..first + 135 {
-                mknod_char(
-                    &root.join(format!("dev/nvidia-caps/nvidia-cap{cap}")),
-                    NVIDIA_CAPS_MAJOR,
-                    cap,
-                )?;
-            }
         }
         // The MPS stand-in where a driver install has the control binary.
         std::fs::create_dir_all(root.join("usr/bin"))?;
@@ -333,10 +326,8 @@ impl PluginDirs {
     }
 }
 
-/// Majors of the simulated kernel module, as `conformance/cluster.sh` uses them.
-const NVIDIA_MAJOR: u32 = 195;
-const NVIDIA_UVM_MAJOR: u32 = 508;
-const NVIDIA_CAPS_MAJOR: u32 = 509;
+/// Majors of the simulated kernel module (its `proc/devices`).
+use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
 
 /// A character device node at `path` (the tests run as root, as the driver does).
 fn mknod_char(path: &Path, major: u32, minor: u32) -> Result<()> {

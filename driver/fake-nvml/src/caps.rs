@@ -17,7 +17,9 @@
 //! topology's instances when the state is seeded, created and removed with
 //! each create/destroy, all of a GPU's removed when its MIG mode goes off.
 //! `.../capabilities/mig/config` (minor 1) and `.../mig/monitor` (minor 2)
-//! are written too.
+//! are written too, and `<root>/proc/devices` listing the module's character
+//! majors (`nvidia-caps` among them), where the node process looks up the
+//! major of the capability device nodes it creates.
 //!
 //! Minors follow the kernel driver's table (`/proc/driver/nvidia-caps/mig-minors`):
 //! 1 and 2 for config and monitor, then per GPU minor 15 GPU instances of
@@ -73,7 +75,24 @@ pub fn reconcile(machine: &Machine) {
     }
 }
 
+/// Character majors the simulated kernel module registers, as the kernel
+/// lists them in `/proc/devices` (195 is NVIDIA's fixed major; the others
+/// are dynamic on real hosts). Nothing on the host serves them.
+pub const NVIDIA_MAJOR: u32 = 195;
+pub const NVIDIA_UVM_MAJOR: u32 = 508;
+pub const NVIDIA_CAPS_MAJOR: u32 = 509;
+
+/// `/proc/devices` of a host with the simulated module loaded.
+fn proc_devices() -> String {
+    format!(
+        "Character devices:\n  1 mem\n{NVIDIA_MAJOR:3} nvidia-frontend\n{NVIDIA_UVM_MAJOR:3} nvidia-uvm\n{NVIDIA_CAPS_MAJOR:3} nvidia-caps\n\nBlock devices:\n  7 loop\n"
+    )
+}
+
 fn try_reconcile(machine: &Machine, base: &Path) -> std::io::Result<()> {
+    if let Some(root) = &machine.driver_root {
+        put(&root.join("proc/devices"), &proc_devices())?;
+    }
     put(&base.join("mig/config"), &access_text(1, 256))?;
     put(&base.join("mig/monitor"), &access_text(2, 292))?;
     for g in &machine.gpus {

@@ -92,7 +92,7 @@
 // Each exported function's safety contract is the NVML one stated above.
 #![allow(clippy::missing_safety_doc)]
 
-mod caps;
+pub mod caps;
 mod codes;
 mod events;
 mod machine;

@@ -19,7 +19,7 @@
 //! the registration socket first (the kubelet stops routing to this
 //! instance), lets calls in flight finish, and removes the DRA socket.
 
-mod authority;
+pub mod authority;
 pub mod cli;
 pub mod sockets;
 

@@ -441,8 +441,15 @@ fn request_edits(
                         d.selected.index
                     ))
                 })?;
-                push_node(&mut edits, mig_caps::device_path(caps.gpu_instance));
-                push_node(&mut edits, mig_caps::device_path(caps.compute_instance));
+                for minor in [caps.gpu_instance, caps.compute_instance] {
+                    let device = mig_caps::device_path(minor);
+                    mig_caps::ensure_node(&layout.dev_root, &layout.driver_root, &device, minor)
+                        .map_err(|e| {
+                            ClaimError::new(claim, e)
+                                .fix("load the NVIDIA driver with MIG support, or point --dev-root at a writable /dev")
+                        })?;
+                    push_node(&mut edits, device);
+                }
                 instance.uuid.clone()
             }
             None => d.gpu.uuid.clone(),

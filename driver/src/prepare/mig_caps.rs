@@ -43,6 +43,86 @@ pub fn device_path(cap_minor: u32) -> String {
     format!("/dev/nvidia-caps/nvidia-cap{cap_minor}")
 }
 
+/// Makes sure the capability device node `device` (a [`device_path`]) exists
+/// below `dev_root` (the root whose `dev/` holds the NVIDIA nodes). The kernel driver registers the `nvidia-caps` major but
+/// creates no nodes (`nvidia-modprobe -f` does, on demand), so a MIG device
+/// the driver just created usually has none: it is made here, read-only as
+/// the driver's `DeviceFileMode` asks, with the major from `/proc/devices`
+/// (the driver root's, else the host's).
+pub fn ensure_node(
+    dev_root: &Path,
+    driver_root: &Path,
+    device: &str,
+    cap_minor: u32,
+) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let path = dev_root.join(device.trim_start_matches('/'));
+    match std::fs::metadata(&path) {
+        Ok(m) if m.file_type().is_char_device() && libc::minor(m.rdev()) == cap_minor => {
+            return Ok(());
+        }
+        Ok(_) => {
+            return Err(format!(
+                "{} exists but is not the character device of MIG capability {cap_minor}",
+                path.display()
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("cannot inspect {}: {e}", path.display())),
+    }
+    let major = caps_major(driver_root)?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{} contains a NUL byte", path.display()))?;
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o444,
+            libc::makedev(major, cap_minor),
+        )
+    };
+    let err = std::io::Error::last_os_error();
+    // A concurrent prepare may have made it first.
+    if rc != 0 && err.kind() != std::io::ErrorKind::AlreadyExists {
+        return Err(format!(
+            "cannot create MIG capability device {} (c {major}:{cap_minor}): {err}",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// The `nvidia-caps` character major.
+fn caps_major(driver_root: &Path) -> Result<u32, String> {
+    let candidates = [
+        driver_root.join("proc/devices"),
+        Path::new("/proc/devices").to_path_buf(),
+    ];
+    candidates
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .find_map(|text| char_major(&text, "nvidia-caps"))
+        .ok_or_else(|| {
+            "no nvidia-caps character device in /proc/devices: the NVIDIA kernel driver is not \
+             loaded, or too old for MIG"
+                .to_owned()
+        })
+}
+
+/// The major of character device `name` in `/proc/devices` text.
+pub fn char_major(text: &str, name: &str) -> Option<u32> {
+    text.lines()
+        .skip_while(|l| !l.starts_with("Character devices:"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.trim().split_once(' '))
+        .find(|(_, n)| n.trim() == name)
+        .and_then(|(m, _)| m.parse().ok())
+}
+
 fn read_minor(path: &Path) -> Result<u32, String> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         format!(
@@ -70,6 +150,50 @@ pub fn parse_minor(text: &str) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finds_the_caps_major_among_character_devices_only() {
+        let text = "Character devices:\n  1 mem\n195 nvidia-frontend\n509 nvidia-caps\n\nBlock devices:\n  9 nvidia-caps\n";
+        assert_eq!(char_major(text, "nvidia-caps"), Some(509));
+        assert_eq!(char_major(text, "nvidia-uvm"), None);
+        assert_eq!(
+            char_major("Block devices:\n  9 nvidia-caps\n", "nvidia-caps"),
+            None
+        );
+    }
+
+    #[test]
+    fn creates_a_missing_capability_node_and_refuses_an_impostor() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("proc")).unwrap();
+        std::fs::write(
+            root.path().join("proc/devices"),
+            "Character devices:\n195 nvidia-frontend\n509 nvidia-caps\n",
+        )
+        .unwrap();
+        let dev = root.path();
+        let device = device_path(21);
+        match ensure_node(dev, root.path(), &device, 21) {
+            Err(e) if e.contains("Operation not permitted") => {
+                eprintln!("SKIP: mknod needs CAP_MKNOD here: {e}");
+                return;
+            }
+            r => r.unwrap(),
+        }
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let m = std::fs::metadata(dev.join("dev/nvidia-caps/nvidia-cap21")).unwrap();
+        assert!(m.file_type().is_char_device());
+        assert_eq!((libc::major(m.rdev()), libc::minor(m.rdev())), (509, 21));
+        // Present: nothing to do.
+        ensure_node(dev, root.path(), &device, 21).unwrap();
+        // A plain file where the node belongs is an error that names it.
+        std::fs::write(dev.join("dev/nvidia-caps/nvidia-cap22"), "").unwrap();
+        let e = ensure_node(dev, root.path(), &device_path(22), 22).unwrap_err();
+        assert!(
+            e.contains("nvidia-cap22") && e.contains("not the character device"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn parses_driver_format() {
