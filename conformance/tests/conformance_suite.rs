@@ -78,25 +78,9 @@ fn node_running(env: &ClusterEnv) -> bool {
     pid.is_some_and(|p| unsafe { libc::kill(p, 0) == 0 })
 }
 
-/// The DeviceClasses of deploy/deviceclasses.yaml for `driver`.
-fn classes(driver: &str) -> Vec<(String, String)> {
-    let domain = driver.strip_prefix("gpu.").unwrap_or(driver);
-    let base = format!("device.driver == \"{driver}\" && device.attributes[\"{driver}\"].type == ");
-    vec![
-        (format!("gpu.{domain}"), format!("{base}\"gpu\"")),
-        (format!("mig.{domain}"), format!("{base}\"mig\"")),
-        (
-            format!("gpu-shared.{domain}"),
-            format!(
-                "{base}\"share\" && device.attributes[\"{driver}\"].isolationLevel == \"Shared\""
-            ),
-        ),
-    ]
-}
-
 async fn ensure_classes(api: &Api<DeviceClass>, driver: &str) -> Result<Vec<String>> {
     let mut created = Vec::new();
-    for (name, expr) in classes(driver) {
+    for (name, expr) in tessera_conformance::suite::facts::tessera_classes(driver) {
         if api.get_opt(&name).await?.is_some() {
             continue;
         }

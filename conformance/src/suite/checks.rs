@@ -610,6 +610,8 @@ async fn over_allocation_blocked(ctx: &Ctx) -> Result<Outcome> {
             ));
         }
     };
+    // Before the fillers' health evidence: they must still hold their claims.
+    let whole_gpu = whole_gpu_beside_shares(ctx, &gpu, fit, &mut details).await?;
     // Health evidence of the fillers (they keep running to hold their claims).
     let printed = ctx.kube.wait_printed(&filler_names, &["probe"]).await;
     for p in &fillers {
@@ -625,12 +627,79 @@ async fn over_allocation_blocked(ctx: &Ctx) -> Result<Outcome> {
         details.push(format!("filler probes: {e:#}"));
     }
     details.push(format!("pod over-1: {reason}"));
+    if let Some(broken) = whole_gpu {
+        return Ok(Outcome::fail(broken, details));
+    }
     Ok(Outcome::pass(
         format!(
-            "with {fit} pods holding {gpu}'s {class} capacity, pod over-1 stays Pending: \"{reason}\""
+            "with {fit} pods holding {gpu}'s {class} capacity, pod over-1 stays Pending: \"{reason}\"; \
+             the whole GPU is not allocatable beside them"
         ),
         details,
     ))
+}
+
+/// While claims hold logical devices of `gpu`, a claim for the whole GPU
+/// must not be allocated too: that is what the GPU's shared counters are
+/// for. Returns the failure, if any; without a whole-GPU device of `gpu` in
+/// the GPU class there is nothing to try.
+async fn whole_gpu_beside_shares(
+    ctx: &Ctx,
+    gpu: &str,
+    fit: u128,
+    details: &mut Vec<String>,
+) -> Result<Option<String>> {
+    let gpu_class = &ctx.classes.gpu;
+    let Some(whole) = ctx
+        .devices_of_class(GPU)
+        .into_iter()
+        .find(|d| d.physical_gpu() == Some(gpu))
+    else {
+        details.push(format!(
+            "no device of {gpu_class} is {gpu}: whole-GPU over-allocation not tried"
+        ));
+        return Ok(None);
+    };
+    let Some(attr) = whole.physical_attr() else {
+        return Ok(None);
+    };
+    let pin = facts::pin_expression(&ctx.driver, attr, gpu);
+    let req = probe::device_request(
+        "gpu",
+        gpu_class,
+        std::slice::from_ref(&pin),
+        &BTreeMap::new(),
+    );
+    ctx.kube
+        .create::<ResourceClaimTemplate>(probe::claim_template(
+            "whole",
+            "over-allocation-blocked",
+            req,
+        ))
+        .await?;
+    let pod = ProbePod::single(
+        "over-whole",
+        "over-allocation-blocked",
+        &ctx.node,
+        &ctx.image,
+        Some(ClaimSource::Template("whole".into())),
+    );
+    ctx.kube.create::<Pod>(pod.to_json()).await?;
+    match ctx.kube.wait_unschedulable("over-whole").await {
+        Ok(reason) => {
+            details.push(format!(
+                "pod over-whole ({gpu_class} {}, pinned to {gpu}): {reason}",
+                whole.name
+            ));
+            Ok(None)
+        }
+        Err(e) => Ok(Some(format!(
+            "whole GPU {gpu} ({gpu_class} device {}) was not refused while {fit} claims hold its \
+             logical devices ({e:#}): the slices do not make the whole GPU and its partitions \
+             exclusive (no shared counters charged)",
+            whole.name
+        ))),
+    }
 }
 
 async fn mig_distinct(ctx: &Ctx) -> Result<Outcome> {

@@ -307,6 +307,23 @@ pub fn pin_expression(driver: &str, attr: &str, uuid: &str) -> String {
     format!("device.attributes[\"{driver}\"].{attr} == \"{uuid}\"")
 }
 
+/// Tessera's DeviceClasses (deploy/deviceclasses.yaml) for `driver`, as
+/// `(name, CEL expression)`: the whole GPU, MIG and Shared-share classes.
+pub fn tessera_classes(driver: &str) -> Vec<(String, String)> {
+    let domain = class_domain(driver);
+    let base = format!("device.driver == \"{driver}\" && device.attributes[\"{driver}\"].type == ");
+    vec![
+        (format!("gpu.{domain}"), format!("{base}\"gpu\"")),
+        (format!("mig.{domain}"), format!("{base}\"mig\"")),
+        (
+            format!("gpu-shared.{domain}"),
+            format!(
+                "{base}\"share\" && device.attributes[\"{driver}\"].isolationLevel == \"Shared\""
+            ),
+        ),
+    ]
+}
+
 /// The DeviceClass domain of a driver name: `gpu.tessera.dev` → `tessera.dev`.
 pub fn class_domain(driver: &str) -> &str {
     driver.strip_prefix("gpu.").unwrap_or(driver)
