@@ -331,23 +331,8 @@ use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
 
 /// A character device node at `path` (the tests run as root, as the driver does).
 fn mknod_char(path: &Path, major: u32, minor: u32) -> Result<()> {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
-    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
-    let rc = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | 0o666,
-            libc::makedev(major, minor),
-        )
-    };
-    if rc != 0 {
-        bail!(
-            "mknod {} (c {major}:{minor}): {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-    Ok(())
+    tessera_fake_nvml::caps::mknod_char(path, major, minor)
+        .with_context(|| format!("mknod {} (c {major}:{minor})", path.display()))
 }
 
 /// Capability minors of GPU instance `gi` (compute instance 0) on GPU

@@ -82,6 +82,30 @@ pub const NVIDIA_MAJOR: u32 = 195;
 pub const NVIDIA_UVM_MAJOR: u32 = 508;
 pub const NVIDIA_CAPS_MAJOR: u32 = 509;
 
+/// Makes the character device node `path` (c `major`:`minor`, mode 0666,
+/// parents created), as nvidia-modprobe makes a GPU's nodes: for test
+/// machines' driver roots. Needs CAP_MKNOD.
+pub fn mknod_char(path: &Path, major: u32, minor: u32) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    let rc = unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | 0o666,
+            libc::makedev(major, minor),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// `/proc/devices` of a host with the simulated module loaded.
 fn proc_devices() -> String {
     format!(

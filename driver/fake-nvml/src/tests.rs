@@ -1249,24 +1249,9 @@ fn reload(dev_root: Option<PathBuf>) {
 /// Makes a character device node; false (with the reason printed, for the
 /// caller to skip) where this process may not.
 fn mknod(path: &Path, major: u32, minor: u32) -> bool {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a valid NUL-terminated path.
-    let rc = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | 0o666,
-            libc::makedev(major, minor),
-        )
-    };
-    if rc != 0 {
-        println!(
-            "skipped: mknod {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-    rc == 0
+    crate::caps::mknod_char(path, major, minor)
+        .map_err(|e| println!("skipped: mknod {}: {e}", path.display()))
+        .is_ok()
 }
 
 fn uuid_of(d: nvmlDevice_t) -> String {

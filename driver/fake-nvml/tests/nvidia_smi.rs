@@ -2,7 +2,6 @@
 //! library as `libnvidia-ml.so.1` through the dynamic loader, as in a
 //! container on a simulated node.
 
-use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -93,24 +92,9 @@ fn gpu_uuids(topology: &str) -> Vec<String> {
 
 /// Makes a character device node; false (reason printed) where this process may not.
 fn mknod(path: &Path, major: u32, minor: u32) -> bool {
-    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    // SAFETY: a valid NUL-terminated path.
-    let rc = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | 0o666,
-            libc::makedev(major, minor),
-        )
-    };
-    if rc != 0 {
-        println!(
-            "skipped: mknod {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        );
-    }
-    rc == 0
+    tessera_fake_nvml::caps::mknod_char(path, major, minor)
+        .map_err(|e| println!("skipped: mknod {}: {e}", path.display()))
+        .is_ok()
 }
 
 /// The kernel driver's MIG capability minor of GPU instance `gi` (and
