@@ -235,8 +235,8 @@ pub struct ShareConfig {
 /// Limits applied to each CUDA process of a claim by the isolation provider.
 ///
 /// Under MPS, `memory` becomes `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` and
-/// `computePercent` `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`; hami-core gets its
-/// equivalents. Useful when several processes share one claim and each
+/// `computePercent` `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (a `hami-core`
+/// provider is published by policy but prepared with MPS for now). Useful when several processes share one claim and each
 /// should stay within a part of it. Neither may exceed what the claim holds:
 /// the whole device for GPUs and MIG devices, the consumed capacity for
 /// shares.
