@@ -893,6 +893,47 @@ pub extern "C" fn nvmlDeviceSetComputeMode(
     })
 }
 
+/// Simulation-only (not NVML): the GPU's compute time slice, 0 (default)
+/// to 3 (long). The real `nvidia-smi compute-policy` reaches it through the
+/// driver; the stand-in `nvidia-smi` finds this symbol in the loaded library.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn tesseraFakeDeviceGetTimeslice(
+    device: nvmlDevice_t,
+    level: *mut c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let value = with_machine(|m| match m.live_device(device.addr())? {
+            DeviceRef::Gpu(g) => Ok(m.gpus[g].time_slice),
+            DeviceRef::Mig { .. } => Err(NOT_SUPPORTED),
+        })?;
+        // SAFETY: caller's contract: null or valid for an unsigned int.
+        unsafe { put(level, value) }
+    })
+}
+
+/// Simulation-only (not NVML): sets the GPU's compute time slice,
+/// machine-wide; a level above 3 is INVALID_ARGUMENT, a read-only state
+/// NO_PERMISSION.
+#[unsafe(no_mangle)]
+pub extern "C" fn tesseraFakeDeviceSetTimeslice(
+    device: nvmlDevice_t,
+    level: c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        if level > 3 {
+            return Err(INVALID_ARGUMENT);
+        }
+        with_machine_mut(|m| {
+            let g = match m.live_device(device.addr())? {
+                DeviceRef::Gpu(g) => g,
+                DeviceRef::Mig { .. } => return Err(NOT_SUPPORTED),
+            };
+            m.gpus[g].time_slice = level;
+            Ok(())
+        })
+    })
+}
+
 // ---------------------------------------------------------------------------
 // MIG: mode, profiles, placements
 

@@ -105,6 +105,9 @@ pub struct Gpu {
     pub minor: u32,
     /// `nvmlDeviceGetComputeMode`.
     pub compute_mode: ComputeMode,
+    /// The compute time slice (`nvidia-smi compute-policy --set-timeslice`):
+    /// 0 default, 1 short, 2 medium, 3 long.
+    pub time_slice: u32,
     /// `None`: the model cannot do MIG.
     pub mig: Option<MigState>,
 }
@@ -261,6 +264,7 @@ impl Machine {
             gpus.push(Gpu {
                 minor: card.minor.unwrap_or(index as u32),
                 compute_mode: ComputeMode::Default,
+                time_slice: 0,
                 bus,
                 card,
                 mig,

@@ -60,6 +60,10 @@ pub struct GpuState {
     /// The GPU's UUID, to tell a state file of another machine.
     pub uuid: String,
     pub compute_mode: ComputeMode,
+    /// The compute time slice, 0 (default) to 3 (long); absent (0) in files
+    /// written before it was kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub time_slice: u32,
     /// Present exactly for MIG-capable GPUs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<MigRunState>,
@@ -142,6 +146,7 @@ impl Machine {
             .map(|g| GpuState {
                 uuid: g.card.uuid.clone(),
                 compute_mode: g.compute_mode,
+                time_slice: g.time_slice,
                 mig: g.mig.as_ref().map(|m| MigRunState {
                     current: mode(m.enabled),
                     pending: mode(m.pending),
@@ -264,6 +269,7 @@ impl Machine {
         }
         for ((g, s), mig) in self.gpus.iter_mut().zip(&state.gpus).zip(migs) {
             g.compute_mode = s.compute_mode;
+            g.time_slice = s.time_slice;
             if let (Some(m), Some((enabled, pending, gpu_instances))) = (g.mig.as_mut(), mig) {
                 m.enabled = enabled;
                 m.pending = pending;
@@ -274,6 +280,10 @@ impl Machine {
         self.driver_root = state.driver_root.clone();
         Ok(())
     }
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// Whether a call may change run-time state (and so may need a write).

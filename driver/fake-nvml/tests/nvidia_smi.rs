@@ -264,3 +264,75 @@ fn failures_answer_like_the_real_tool() {
         "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
     ),);
 }
+
+#[test]
+fn compute_policy_sets_the_time_slice_machine_wide() {
+    let scratch = Scratch::new();
+    let uuids = gpu_uuids(H100X8);
+    let set = scratch.ok(
+        H100X8,
+        None,
+        &["compute-policy", "-i", &uuids[1], "--set-timeslice=3"],
+    );
+    assert!(set.contains("Set timeslice to 3 (Long)"), "{set}");
+    // Another process reads it back: GPU 1 long, GPU 0 still the default.
+    let one = scratch.ok(H100X8, None, &["compute-policy", "-i", "1", "-l"]);
+    assert!(
+        one.contains("Timeslice                 : 3 (Long)"),
+        "{one}"
+    );
+    let zero = scratch.ok(H100X8, None, &["compute-policy", "--list", "-i", "0"]);
+    assert!(zero.contains(": 0 (Default)"), "{zero}");
+    let state = std::fs::read_to_string(scratch.0.join(format!("{H100X8}.state"))).unwrap();
+    assert!(state.contains("\"timeSlice\": 3"), "{state}");
+    scratch.ok(
+        H100X8,
+        None,
+        &["compute-policy", "-i", &uuids[1], "--set-timeslice", "0"],
+    );
+    let one = scratch.ok(H100X8, None, &["compute-policy", "-i", "1", "-l"]);
+    assert!(one.contains(": 0 (Default)"), "{one}");
+
+    // Bad values and combinations are usage errors.
+    for args in [
+        &["compute-policy", "--set-timeslice=4"][..],
+        &["compute-policy", "-l", "--set-timeslice=1"],
+        &["compute-policy"],
+    ] {
+        assert_eq!(
+            scratch.smi(H100X8, None, args).status.code(),
+            Some(2),
+            "{args:?}"
+        );
+    }
+}
+
+#[test]
+fn compute_policy_is_refused_where_the_state_is_read_only() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } == 0 {
+        // Root writes through permission bits; nothing to check.
+        return;
+    }
+    let scratch = Scratch::new();
+    scratch.ok(H100X8, None, &["compute-policy", "-l"]);
+    let state = scratch.0.join(format!("{H100X8}.state"));
+    let lock = scratch.0.join(format!("{H100X8}.state.lock"));
+    use std::os::unix::fs::PermissionsExt;
+    for p in [&state, &lock] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    std::fs::set_permissions(&scratch.0, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let out = scratch.smi(
+        H100X8,
+        None,
+        &["compute-policy", "-i", "0", "--set-timeslice=2"],
+    );
+    std::fs::set_permissions(&scratch.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(4), "{stdout}");
+    assert!(stdout.contains("Insufficient Permissions"), "{stdout}");
+    // Reading still works, and nothing changed.
+    let zero = scratch.ok(H100X8, None, &["compute-policy", "-i", "0", "-l"]);
+    assert!(zero.contains(": 0 (Default)"), "{zero}");
+}

@@ -9,6 +9,10 @@
 //! - `--query-gpu=<fields> --format=csv[,noheader][,nounits]` with fields
 //!   `index`, `uuid`, `name`, `memory.total`, `pci.bus_id`, `mig.mode.current`
 //! - `-i` / `--id` `<index|UUID|PCI bus id>[,...]` to select GPUs
+//! - `compute-policy [-i <id>] --set-timeslice=<0|1|2|3>` (default, short,
+//!   medium, long) and `compute-policy [-i <id>] -l` / `--list` to read it
+//!   back; kept per GPU in the simulated machine's state file, so every
+//!   process sees it, and refused where that state is read-only (a container)
 //!
 //! Exit codes are the real tool's: 2 bad arguments, 6 no devices found,
 //! 9 driver not reachable (NVML init failed), 12 NVML library not loadable.
@@ -56,6 +60,9 @@ fn main() -> ExitCode {
 }
 
 fn run(argv: &[String]) -> Result<String, Exit> {
+    if argv.first().map(String::as_str) == Some("compute-policy") {
+        return compute_policy(&argv[1..]);
+    }
     let args = parse(argv)?;
     if args.list == args.query.is_some() {
         return Err(usage_error(
@@ -118,7 +125,9 @@ fn parse(argv: &[String]) -> Result<Args, Exit> {
 fn help() -> String {
     "NVIDIA System Management Interface -- Tessera's simulated-GPU stand-in\n\n\
      nvidia-smi [-i <id>] -L\n\
-     nvidia-smi [-i <id>] --query-gpu=<fields> --format=csv[,noheader][,nounits]\n\n\
+     nvidia-smi [-i <id>] --query-gpu=<fields> --format=csv[,noheader][,nounits]\n\
+     nvidia-smi compute-policy [-i <id>] --set-timeslice=<0|1|2|3>\n\
+     nvidia-smi compute-policy [-i <id>] -l\n\n\
      Fields: index, uuid, name, memory.total, pci.bus_id, mig.mode.current\n\
      <id>: a GPU index, UUID or PCI bus id, or a comma-separated list of them"
         .to_string()
@@ -333,5 +342,158 @@ impl Query {
             out.push('\n');
         }
         out
+    }
+}
+
+/// `compute-policy`: the GPU's compute time slice.
+fn compute_policy(argv: &[String]) -> Result<String, Exit> {
+    let (mut list, mut set, mut ids) = (false, None::<String>, None::<String>);
+    let mut words = argv.iter();
+    while let Some(word) = words.next() {
+        let (flag, inline) = match word.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            _ => (word.as_str(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| words.next().cloned())
+                .ok_or_else(|| usage_error(&format!("Option {name} is missing its value")))
+        };
+        match flag {
+            "-l" | "--list" if inline.is_none() => list = true,
+            "--set-timeslice" => set = Some(value(flag)?),
+            "-i" | "--id" => ids = Some(value(flag)?),
+            _ => return Err(usage_error(&format!("Option {word} is not recognized"))),
+        }
+    }
+    let level = match (list, set) {
+        (true, None) => None,
+        (false, Some(v)) => match v.parse::<u32>() {
+            Ok(n) if n <= 3 => Some(n),
+            _ => {
+                return Err(usage_error(&format!(
+                    "Invalid timeslice value {v:?}: use 0 (default), 1 (short), 2 (medium) or 3 (long)"
+                )));
+            }
+        },
+        _ => return Err(invalid_combination()),
+    };
+    let nvml = init()?;
+    let gpus = select(&nvml, ids.as_deref())?;
+    let ops = TimesliceOps::load()?;
+    let mut out = String::new();
+    for gpu in &gpus {
+        let bus = gpu.pci_info().map(|p| p.bus_id).unwrap_or_default();
+        // SAFETY: the handle of a live device of the loaded library.
+        let handle = unsafe { gpu.handle() };
+        match level {
+            Some(n) => {
+                // SAFETY: the library's own symbol, with its own handle.
+                let ret = unsafe { (ops.set)(handle, n) };
+                if ret != 0 {
+                    return Err(Exit(
+                        format!("Failed to set timeslice for GPU {bus}: {}", reason(ret)),
+                        exit_code(ret),
+                    ));
+                }
+                out += &format!("Set timeslice to {n} ({}) for GPU {bus}.\n", name(n));
+            }
+            None => {
+                let mut n = 0;
+                // SAFETY: as above; `n` is a valid unsigned int.
+                let ret = unsafe { (ops.get)(handle, &mut n) };
+                if ret != 0 {
+                    return Err(Exit(
+                        format!("Failed to get timeslice for GPU {bus}: {}", reason(ret)),
+                        exit_code(ret),
+                    ));
+                }
+                out += &format!(
+                    "GPU {}: {bus}\n    Timeslice                 : {n} ({})\n",
+                    gpu.index().unwrap_or(0),
+                    name(n)
+                );
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn name(level: u32) -> &'static str {
+    match level {
+        0 => "Default",
+        1 => "Short",
+        2 => "Medium",
+        _ => "Long",
+    }
+}
+
+/// NVML return codes as the real tool words them.
+fn reason(ret: u32) -> &'static str {
+    match ret {
+        4 => "Insufficient Permissions",
+        3 => "Not Supported",
+        2 => "Invalid Argument",
+        _ => "Unknown Error",
+    }
+}
+
+/// The real tool's exit codes: 4 no permission, 3 not supported, 2 bad
+/// argument, 15 otherwise.
+fn exit_code(ret: u32) -> u8 {
+    match ret {
+        2..=4 => ret as u8,
+        _ => 15,
+    }
+}
+
+type GetFn = unsafe extern "C" fn(nvml_wrapper_sys::bindings::nvmlDevice_t, *mut u32) -> u32;
+type SetFn = unsafe extern "C" fn(nvml_wrapper_sys::bindings::nvmlDevice_t, u32) -> u32;
+
+/// The simulated library's time-slice calls, found in the already loaded
+/// `libnvidia-ml.so.1`.
+struct TimesliceOps {
+    get: GetFn,
+    set: SetFn,
+}
+
+impl TimesliceOps {
+    fn load() -> Result<TimesliceOps, Exit> {
+        let unsupported = || {
+            Exit(
+                "Setting the compute time slice is not supported by the loaded NVML library \
+                 (this stand-in needs Tessera's simulated libnvidia-ml)."
+                    .to_string(),
+                3,
+            )
+        };
+        // SAFETY: RTLD_NOLOAD only finds the library NVML init loaded.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libnvidia-ml.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_NOLOAD,
+            )
+        };
+        if lib.is_null() {
+            return Err(unsupported());
+        }
+        // SAFETY: symbols of a loaded library, looked up by name.
+        let (get, set) = unsafe {
+            (
+                libc::dlsym(lib, c"tesseraFakeDeviceGetTimeslice".as_ptr()),
+                libc::dlsym(lib, c"tesseraFakeDeviceSetTimeslice".as_ptr()),
+            )
+        };
+        if get.is_null() || set.is_null() {
+            return Err(unsupported());
+        }
+        // SAFETY: the library exports them with these signatures.
+        unsafe {
+            Ok(TimesliceOps {
+                get: std::mem::transmute::<*mut libc::c_void, GetFn>(get),
+                set: std::mem::transmute::<*mut libc::c_void, SetFn>(set),
+            })
+        }
     }
 }
