@@ -2,7 +2,7 @@
 //! supervisor, for wiring into the plugin:
 //!
 //! ```text
-//! sharing: Arc::new(MpsSharing::new(Arc::new(MpsSupervisor::new(config)), Unsupported)),
+//! sharing: Arc::new(MpsSharing::new(Arc::new(MpsSupervisor::new(config)), NvidiaSmiTimeSlice::new(root))),
 //! ```
 //!
 //! MPS calls go to the supervisor; time-slice calls to `time_slicing`.

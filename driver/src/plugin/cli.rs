@@ -27,8 +27,8 @@ use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::enforcement::{Layout, discover_driver_files};
-use crate::prepare::sharing::Unsupported;
 use crate::prepare::status::{NodeEvents, StatusWriter};
+use crate::prepare::time_slice::NvidiaSmiTimeSlice;
 use crate::prepare::{Dependencies, PrepareConfig, Preparer};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -281,7 +281,10 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     let deps = Dependencies {
         claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
         catalog: catalog.clone(),
-        sharing: Arc::new(MpsSharing::new(mps.clone(), Unsupported)),
+        sharing: Arc::new(MpsSharing::new(
+            mps.clone(),
+            NvidiaSmiTimeSlice::new(&args.driver_root),
+        )),
         mig: mig.clone(),
         status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
         events: Some(NodeEvents::new(

@@ -29,11 +29,12 @@ use std::path::{Path, PathBuf};
 
 use tessera_api::config::{
     DeviceTarget, DeviceType, EffectiveConfig, Holdings, IsolationLevel, Limits, Quantity,
-    Sharing as ConfigSharing,
+    Sharing as ConfigSharing, TimeSliceInterval,
 };
 use tessera_api::inventory::{Gpu, MigInstance, MigPlacement};
 use tessera_api::names;
 use tessera_controller::model::DeviceKind;
+use tessera_controller::model::policy::TimeSlice;
 
 use super::catalog::Catalog;
 use super::claims::{ClaimError, ClaimRef, Selected};
@@ -100,6 +101,8 @@ pub enum Kind {
     Share {
         level: IsolationLevel,
         consumed: Holdings,
+        /// The node policy's time slice for Shared shares of the GPU.
+        time_slice: Option<TimeSliceInterval>,
     },
 }
 
@@ -196,11 +199,17 @@ pub fn resolve(
                 },
             )
         }
-        DeviceKind::Share { level, .. } => {
+        DeviceKind::Share {
+            level, time_slice, ..
+        } => {
             let level = *level;
             let consumed = consumed_capacity(claim, selected, &field)?;
             (
-                Kind::Share { level, consumed },
+                Kind::Share {
+                    level,
+                    consumed,
+                    time_slice: policy_time_slice(level, *time_slice),
+                },
                 DeviceType::Share(level),
                 consumed,
             )
@@ -209,6 +218,7 @@ pub fn resolve(
             level,
             memory_bytes,
             cores,
+            time_slice,
             ..
         } => {
             let level = *level;
@@ -217,7 +227,11 @@ pub fn resolve(
                 compute_percent: *cores,
             };
             (
-                Kind::Share { level, consumed },
+                Kind::Share {
+                    level,
+                    consumed,
+                    time_slice: policy_time_slice(level, *time_slice),
+                },
                 DeviceType::Share(level),
                 consumed,
             )
@@ -238,6 +252,38 @@ pub fn resolve(
             holds,
         },
     })
+}
+
+/// The slice a Shared share sets on its GPU: the node policy's, unless it
+/// is the driver's default (nothing to change then).
+fn policy_time_slice(
+    level: IsolationLevel,
+    policy: Option<TimeSlice>,
+) -> Option<TimeSliceInterval> {
+    if level != IsolationLevel::Shared {
+        return None;
+    }
+    match policy? {
+        TimeSlice::Default => None,
+        TimeSlice::Short => Some(TimeSliceInterval::Short),
+        TimeSlice::Medium => Some(TimeSliceInterval::Medium),
+        TimeSlice::Long => Some(TimeSliceInterval::Long),
+    }
+}
+
+/// The time slice a device sets on its GPU: its config's `TimeSlicing`
+/// interval (whole GPUs), or the node policy's for a Shared share.
+pub fn time_slice(device: &Resolved, config: &EffectiveConfig) -> Option<TimeSliceInterval> {
+    match (config, &device.kind) {
+        (
+            EffectiveConfig::Gpu {
+                sharing: ConfigSharing::TimeSlicing { interval },
+            },
+            _,
+        ) => Some(*interval),
+        (EffectiveConfig::Share { .. }, Kind::Share { time_slice, .. }) => *time_slice,
+        _ => None,
+    }
 }
 
 fn consumed_capacity(
@@ -278,12 +324,12 @@ fn consumed_capacity(
 /// under the node's hardware lock, as they are made.
 pub fn actions(device: &Resolved, config: &EffectiveConfig) -> Vec<Action> {
     let mut actions = Vec::new();
-    match config {
-        EffectiveConfig::Gpu {
-            sharing: ConfigSharing::TimeSlicing { .. },
-        } => actions.push(Action::TimeSlice {
+    if time_slice(device, config).is_some() {
+        actions.push(Action::TimeSlice {
             gpu_uuid: device.gpu.uuid.clone(),
-        }),
+        });
+    }
+    match config {
         EffectiveConfig::Gpu {
             sharing: ConfigSharing::Mps { .. },
         }
@@ -535,12 +581,16 @@ fn status_of(built: &Built) -> DeviceStatus {
             }
             ConfigSharing::Mps { .. } => (Some("MPS"), None),
         },
-        EffectiveConfig::Share { .. } => (None, None),
+        EffectiveConfig::Share { .. } => {
+            (None, time_slice(d, &built.config).map(|i| format!("{i:?}")))
+        }
     };
     let (profile, isolation_level, consumed) = match &d.kind {
         Kind::Whole => (None, None, None),
         Kind::Mig { profile, .. } => (Some(profile.clone()), None, None),
-        Kind::Share { level, consumed } => (
+        Kind::Share {
+            level, consumed, ..
+        } => (
             None,
             Some(level.as_str().to_owned()),
             Some(ConsumedData {

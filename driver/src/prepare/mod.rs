@@ -34,6 +34,7 @@ pub mod mig_caps;
 pub mod sharing;
 pub mod state;
 pub mod status;
+pub mod time_slice;
 
 use std::collections::BTreeSet;
 use std::collections::HashMap;
@@ -474,11 +475,17 @@ impl Preparer {
         let configs = resolve_claim(&claim.to_string(), &allocation.configs, &targets)
             .map_err(|e| ClaimError::preformatted(claim, e.to_string()))?;
 
-        let actions: Vec<Action> = resolved
+        let mut actions: Vec<Action> = Vec::new();
+        for action in resolved
             .iter()
             .zip(&configs)
             .flat_map(|(d, c)| enforcement::actions(d, c))
-            .collect();
+        {
+            // Two shares of one GPU in a claim hold its time slice once.
+            if !(matches!(action, Action::TimeSlice { .. }) && actions.contains(&action)) {
+                actions.push(action);
+            }
+        }
         let started = ClaimEntry {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
@@ -540,10 +547,10 @@ impl Preparer {
 
         let mut built = Vec::with_capacity(resolved.len());
         for (device, config) in resolved.into_iter().zip(configs) {
-            if let EffectiveConfig::Gpu {
-                sharing: tessera_api::config::Sharing::TimeSlicing { interval },
-            } = config
-            {
+            // Recorded (a `TimeSlice` action) before it is made; under the
+            // hardware lock so it cannot cross another claim's reset.
+            if let Some(interval) = enforcement::time_slice(&device, &config) {
+                let _hardware = self.hardware_write();
                 self.deps
                     .sharing
                     .set_time_slice(uid, &device.gpu.uuid, interval)
@@ -749,6 +756,16 @@ impl Preparer {
         problems
     }
 
+    /// Whether a claim other than `uid` holds a changed time slice on `gpu`.
+    fn time_slice_held_by_other(&self, uid: &ClaimUid, gpu: &str) -> bool {
+        self.lock_checkpoint().entries().any(|(id, e)| {
+            id != uid
+                && e.actions
+                    .iter()
+                    .any(|a| matches!(a, Action::TimeSlice { gpu_uuid } if gpu_uuid == gpu))
+        })
+    }
+
     /// MIG devices the driver created (recorded in the checkpoint).
     pub fn created_mig(&self) -> BTreeSet<String> {
         self.lock_checkpoint()
@@ -806,8 +823,16 @@ impl Preparer {
                             mig_uuid: mig_uuid.clone(),
                         },
                     ),
+                    // Reset with the GPU's last holder: another claim's
+                    // recorded action keeps the slice (checked and reset
+                    // under the hardware lock, as prepare sets it).
                     Action::TimeSlice { gpu_uuid } => {
-                        self.deps.sharing.reset_time_slice(&uid, gpu_uuid)
+                        let _hardware = self.hardware_write();
+                        if self.time_slice_held_by_other(&uid, gpu_uuid) {
+                            Ok(())
+                        } else {
+                            self.deps.sharing.reset_time_slice(&uid, gpu_uuid)
+                        }
                     }
                     // The hold goes with the entry; settled below.
                     Action::MigMode { .. } => Ok(()),

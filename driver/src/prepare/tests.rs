@@ -15,6 +15,7 @@ use tessera_controller::model::{DeviceKind, DeviceRef};
 use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use super::sharing::{MpsClient, MpsTarget, SharingControl, SharingError, Unsupported};
+use super::time_slice::NvidiaSmiTimeSlice;
 use super::*;
 
 const NODE: &str = "node-a";
@@ -34,6 +35,8 @@ impl ClaimSource for Claims {
 struct Recorder {
     calls: Mutex<Vec<String>>,
     fail_mps: bool,
+    /// Where time-slice calls go besides the record (the real tool).
+    time_slicer: Option<NvidiaSmiTimeSlice>,
 }
 
 impl Recorder {
@@ -69,14 +72,28 @@ impl SharingControl for Recorder {
     }
     fn set_time_slice(
         &self,
-        _claim: &ClaimUid,
-        _gpu_uuid: &str,
-        _interval: TimeSliceInterval,
+        claim: &ClaimUid,
+        gpu_uuid: &str,
+        interval: TimeSliceInterval,
     ) -> Result<(), SharingError> {
-        Ok(())
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("timeslice {claim} {gpu_uuid} {interval:?}"));
+        match &self.time_slicer {
+            Some(t) => t.set_time_slice(claim, gpu_uuid, interval),
+            None => Ok(()),
+        }
     }
-    fn reset_time_slice(&self, _claim: &ClaimUid, _gpu_uuid: &str) -> Result<(), SharingError> {
-        Ok(())
+    fn reset_time_slice(&self, claim: &ClaimUid, gpu_uuid: &str) -> Result<(), SharingError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("reset timeslice {claim} {gpu_uuid}"));
+        match &self.time_slicer {
+            Some(t) => t.reset_time_slice(claim, gpu_uuid),
+            None => Ok(()),
+        }
     }
 }
 
@@ -538,4 +555,268 @@ fn checkpoint_entries_never_panic_on_mutated_input() {
         let file = json!({"version": 1, "bootId": "b", "crc32": crc32fast::hash(text.as_bytes()), "claims": text});
         fuzz_decode_checkpoint(file.to_string().as_bytes());
     }
+}
+
+// ---------------------------------------------------------------------------
+// Time slices through the driver root's `nvidia-smi` (the simulated one).
+
+/// The built `nvidia-smi` stand-in and fake NVML library (cargo builds them
+/// on first use; a no-op when fresh).
+fn fake_smi() -> &'static (std::path::PathBuf, std::path::PathBuf) {
+    static BUILT: std::sync::OnceLock<(std::path::PathBuf, std::path::PathBuf)> =
+        std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let out = std::process::Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "-p",
+                "tessera-fake-nvml",
+                "--lib",
+                "--bin",
+                "nvidia-smi",
+                "--message-format=json",
+            ])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .expect("running cargo build -p tessera-fake-nvml");
+        assert!(
+            out.status.success(),
+            "building the nvidia-smi stand-in failed"
+        );
+        let messages: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(|m: &serde_json::Value| m["reason"] == "compiler-artifact")
+            .collect();
+        let smi = messages
+            .iter()
+            .find_map(|m| {
+                m["executable"]
+                    .as_str()
+                    .filter(|e| e.ends_with("/nvidia-smi"))
+            })
+            .map(std::path::PathBuf::from)
+            .expect("cargo reported no nvidia-smi executable");
+        let lib = messages
+            .iter()
+            .flat_map(|m| m["filenames"].as_array().into_iter().flatten())
+            .filter_map(|f| f.as_str())
+            .find(|f| f.ends_with("libtessera_fake_nvml.so"))
+            .map(std::path::PathBuf::from)
+            .expect("cargo reported no fake NVML library");
+        (smi, lib)
+    })
+}
+
+const SHARED_DEVICE: &str = "gpu-0-shared";
+
+fn shared_catalog() -> Catalog {
+    let reference = |kind| DeviceRef {
+        gpu_uuid: GPU.into(),
+        gpu_index: 0,
+        kind,
+    };
+    Catalog::new(
+        inventory(),
+        [
+            ("gpu-0".to_owned(), reference(DeviceKind::Whole)),
+            (
+                SHARED_DEVICE.to_owned(),
+                reference(DeviceKind::Share {
+                    level: IsolationLevel::Shared,
+                    provider: None,
+                    time_slice: Some(tessera_controller::model::policy::TimeSlice::Long),
+                }),
+            ),
+        ]
+        .into(),
+    )
+}
+
+fn shared_claim(n: u8) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("c{n}"), "namespace": "ns", "uid": uid(n)},
+        "spec": {},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "share", "driver": DRIVER, "pool": NODE, "device": SHARED_DEVICE,
+                         "shareID": format!("7a0b8c0d-0000-4000-8000-0000000000{n:02x}"),
+                         "consumedCapacity": {"memory": "8Gi", "cores": "25"}}],
+        }}}
+    }))
+    .unwrap()
+}
+
+fn time_slicing_claim(n: u8, interval: &str) -> ResourceClaim {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("c{n}"), "namespace": "ns", "uid": uid(n)},
+        "spec": {},
+        "status": {"allocation": {"devices": {
+            "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}],
+            "config": [{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig",
+                "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}}}],
+        }}}
+    }))
+    .unwrap()
+}
+
+impl Fixture {
+    /// A fixture whose time-slice calls run `<driver root>/usr/bin/nvidia-smi`;
+    /// with `install`, that is the stand-in on a simulated H100 node whose
+    /// first GPU is [`GPU`].
+    fn with_smi(install: bool) -> Self {
+        let mut f = Fixture::new(false);
+        let root = f.dir.path().join("root");
+        f.sharing = Arc::new(Recorder {
+            time_slicer: Some(NvidiaSmiTimeSlice::new(&root)),
+            ..Default::default()
+        });
+        if install {
+            let (smi, lib) = fake_smi();
+            let topologies = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fake-nvml/topologies/h100x8.yaml");
+            let topology = std::fs::read_to_string(topologies)
+                .unwrap()
+                .replace("GPU-3d2a07e5-04b3-4312-87c3-c23be8aaee0f", GPU);
+            let dir = f.dir.path();
+            std::fs::write(dir.join("topology.yaml"), topology).unwrap();
+            std::fs::create_dir_all(dir.join("lib")).unwrap();
+            std::os::unix::fs::symlink(lib, dir.join("lib/libnvidia-ml.so.1")).unwrap();
+            std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+            let tool = root.join("usr/bin/nvidia-smi");
+            std::fs::write(
+                &tool,
+                format!(
+                    "#!/bin/sh\nLD_LIBRARY_PATH={d}/lib TESSERA_FAKE_NVML_TOPOLOGY={d}/topology.yaml \
+                     TESSERA_FAKE_NVML_STATE={d}/machine.state exec {smi} \"$@\"\n",
+                    d = dir.display(),
+                    smi = smi.display()
+                ),
+            )
+            .unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        f
+    }
+
+    /// The simulated GPU's time slice, read back with the stand-in.
+    fn time_slice(&self) -> String {
+        let out = std::process::Command::new(self.dir.path().join("root/usr/bin/nvidia-smi"))
+            .args(["compute-policy", "-i", GPU, "-l"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}");
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix("Timeslice"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| panic!("no time slice in {text}"))
+    }
+}
+
+#[tokio::test]
+async fn shared_shares_set_the_policy_time_slice_until_the_last_one_goes() {
+    let f = Fixture::with_smi(true);
+    let (preparer, _) = f
+        .open_with(
+            vec![shared_claim(1), shared_claim(2)],
+            shared_catalog(),
+            Arc::new(Unsupported),
+        )
+        .await;
+    assert_eq!(f.time_slice(), "0 (Default)");
+    let r = preparer.prepare(vec![claim_ref(1)]).await;
+    assert!(r[0].1.is_ok(), "{:?}", r[0].1);
+    assert_eq!(f.time_slice(), "3 (Long)");
+    let entry = preparer.entry(&ClaimUid::parse(&uid(1)).unwrap()).unwrap();
+    assert_eq!(
+        entry.actions,
+        vec![Action::TimeSlice {
+            gpu_uuid: GPU.into()
+        }]
+    );
+    assert_eq!(entry.status[0].data.time_slice.as_deref(), Some("Long"));
+    let r = preparer.prepare(vec![claim_ref(2)]).await;
+    assert!(r[0].1.is_ok(), "{:?}", r[0].1);
+
+    // The first to go leaves the slice to the other.
+    let un = preparer.unprepare(vec![claim_ref(1)]).await;
+    assert!(un[0].1.is_ok(), "{:?}", un[0].1);
+    assert_eq!(f.time_slice(), "3 (Long)");
+    assert!(
+        !f.sharing
+            .calls()
+            .iter()
+            .any(|c| c.starts_with("reset timeslice"))
+    );
+    // The last one resets it.
+    let un = preparer.unprepare(vec![claim_ref(2)]).await;
+    assert!(un[0].1.is_ok(), "{:?}", un[0].1);
+    assert_eq!(f.time_slice(), "0 (Default)");
+    assert!(
+        f.sharing
+            .calls()
+            .contains(&format!("reset timeslice {} {GPU}", uid(2)))
+    );
+}
+
+#[tokio::test]
+async fn time_slicing_config_sets_a_whole_gpus_slice_and_start_up_rolls_it_back() {
+    let f = Fixture::with_smi(true);
+    let claims = vec![time_slicing_claim(3, "Medium")];
+    let (preparer, _) = f
+        .open_with(claims.clone(), shared_catalog(), Arc::new(Unsupported))
+        .await;
+    let r = preparer.prepare(vec![claim_ref(3)]).await;
+    assert!(r[0].1.is_ok(), "{:?}", r[0].1);
+    assert_eq!(f.time_slice(), "2 (Medium)");
+    let entry = preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).unwrap();
+    assert_eq!(entry.status[0].data.sharing.as_deref(), Some("TimeSlicing"));
+    assert_eq!(entry.status[0].data.time_slice.as_deref(), Some("Medium"));
+
+    // A crash after the slice was set and before prepare completed: the
+    // recorded action is undone at start-up.
+    let mut started = entry.clone();
+    started.state = EntryState::Started;
+    preparer
+        .put(&ClaimUid::parse(&uid(3)).unwrap(), started)
+        .await
+        .unwrap();
+    drop(preparer);
+    let (preparer, recovery) = f
+        .open_with(claims, shared_catalog(), Arc::new(Unsupported))
+        .await;
+    assert_eq!(recovery.rolled_back.len(), 1, "{recovery:?}");
+    assert!(preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).is_none());
+    assert_eq!(f.time_slice(), "0 (Default)");
+}
+
+#[tokio::test]
+async fn a_missing_nvidia_smi_is_a_per_claim_error() {
+    let f = Fixture::with_smi(false);
+    let (preparer, _) = f
+        .open_with(
+            vec![shared_claim(1), time_slicing_claim(3, "Short")],
+            shared_catalog(),
+            Arc::new(Unsupported),
+        )
+        .await;
+    let results = preparer.prepare(vec![claim_ref(1)]).await;
+    let err = results[0].1.as_ref().unwrap_err().to_string();
+    for want in [
+        "claim ns/c1",
+        &format!("cannot set the time slice of GPU {GPU}"),
+        "usr/bin/nvidia-smi does not exist",
+        "fix:",
+    ] {
+        assert!(err.contains(want), "{want:?} not in {err}");
+    }
+    // Rolled back, nothing left.
+    assert!(preparer.entry(&ClaimUid::parse(&uid(1)).unwrap()).is_none());
+    assert_eq!(f.cdi_files(), 0);
+    let results = preparer.prepare(vec![claim_ref(3)]).await;
+    assert!(results[0].1.is_err());
 }
