@@ -150,6 +150,51 @@ async fn sigkill_at_random_points_of_prepare_and_unprepare() -> Result<()> {
     w.namespace.delete().await
 }
 
+/// A SIGKILLed plugin's registration socket can still accept connections
+/// after `kill` + `wait` returned: a child it was starting (the MPS daemon,
+/// the `quit` client) holds a copy of its listeners from fork until exec
+/// closes them. A connection made in that moment is queued, never answered,
+/// and reset when the listener closes; the kill/restart cycles above once
+/// failed so (GetInfo: `ConnectionReset`, before the new process had logged
+/// anything). Here a listener held in this process stands for that child:
+/// the new process's own socket must be the one registered with.
+#[tokio::test]
+async fn a_killed_plugins_socket_still_listening_is_not_taken_for_the_new_ones() -> Result<()> {
+    let w = World::new("plugin-leftover").await?;
+    let leftover = w
+        .dirs
+        .registry()
+        .join(format!("{}-0000000000-reg.sock", w.driver));
+    let listener = std::os::unix::net::UnixListener::bind(&leftover)?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let holder = std::thread::spawn(move || {
+        // The child execs a little later: the listener goes away.
+        std::thread::sleep(Duration::from_millis(500));
+        drop(listener);
+    });
+    let outcome = async {
+        let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+        ensure!(
+            !k.info.endpoint.is_empty(),
+            "registered without a DRA endpoint"
+        );
+        let _ = holder.join();
+        let answer = unprepare(&mut k, Vec::new()).await?;
+        ensure!(answer.claims.is_empty(), "{answer:?}");
+        Ok(())
+    }
+    .await;
+    if outcome.is_err() {
+        eprintln!(
+            "plugin log:\n{}",
+            std::fs::read_to_string(w.dirs.path("plugin.log")).unwrap_or_default()
+        );
+    }
+    outcome?;
+    drop(plugin);
+    w.namespace.delete().await
+}
+
 async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
     let mut rng = Rng(seed);
     let client = w.cluster.client();

@@ -347,6 +347,11 @@ pub fn mig_cap_minors(gpu_minor: u32, gi: u32) -> (u32, u32) {
 pub struct PluginProcess {
     child: Child,
     pub log: PathBuf,
+    /// The registration sockets in the instance's registry directory before
+    /// this process started: none of them is this process's (every process
+    /// names its sockets anew). A killed process's socket can still accept
+    /// connections for a moment after its death (see [`register`]).
+    registry_before: std::collections::BTreeSet<PathBuf>,
 }
 
 pub struct PluginOptions {
@@ -379,6 +384,9 @@ impl PluginProcess {
             Some(k) => (k.registry.clone(), k.plugins.clone()),
             None => (dirs.registry(), dirs.plugins()),
         };
+        let registry_before = std::fs::read_dir(dirs.registry())
+            .map(|rd| rd.filter_map(|e| Some(e.ok()?.path())).collect())
+            .unwrap_or_default();
         let mut command = Command::new(&b.tessera);
         if let Some(events) = &opts.events {
             command.env("TESSERA_FAKE_NVML_EVENTS", events);
@@ -425,7 +433,11 @@ impl PluginProcess {
             .stderr(out)
             .spawn()
             .context("starting tessera plugin")?;
-        Ok(PluginProcess { child, log })
+        Ok(PluginProcess {
+            child,
+            log,
+            registry_before,
+        })
     }
 
     pub fn pid(&self) -> i32 {
@@ -512,6 +524,15 @@ pub struct Kubelet {
 
 /// Waits for the plugin's registration socket, calls GetInfo on it and
 /// connects to the endpoint it names, like the kubelet's plugin manager.
+///
+/// Only a socket that appeared since `process` started is its own. A
+/// socket of a SIGKILLed instance stays in the directory, and it can still
+/// accept connections after `kill` + `wait` returned: a child the instance
+/// was starting (the MPS daemon, `echo quit | nvidia-cuda-mps-control`)
+/// holds a copy of every descriptor, listeners included, from fork until
+/// exec closes them. A connection made then is queued, never accepted, and
+/// reset when exec closes the listener (GetInfo fails with
+/// `ConnectionReset`).
 pub async fn register(
     dirs: &PluginDirs,
     process: &mut PluginProcess,
@@ -535,7 +556,7 @@ pub async fn register(
 }
 
 /// Polls (every few milliseconds, until [`TIMEOUT`]) for a registration
-/// socket of `driver` that accepts connections.
+/// socket of `driver` that `process` created and that accepts connections.
 async fn wait_for_registration_socket(
     dirs: &PluginDirs,
     process: &mut PluginProcess,
@@ -547,9 +568,11 @@ async fn wait_for_registration_socket(
         process.check_running()?;
         let found = std::fs::read_dir(&registry).ok().and_then(|rd| {
             rd.filter_map(|e| e.ok()).map(|e| e.path()).find(|p| {
-                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
-                    n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock")
-                }) && std::os::unix::net::UnixStream::connect(p).is_ok()
+                !process.registry_before.contains(p)
+                    && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                        n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock")
+                    })
+                    && std::os::unix::net::UnixStream::connect(p).is_ok()
             })
         });
         if let Some(found) = found {
