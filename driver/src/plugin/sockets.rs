@@ -27,7 +27,8 @@ pub fn instance_id() -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or_default();
-    let mixed = (nanos as u64) ^ (u64::from(std::process::id()) << 40);
+    // The pid spread over all bits (a shift would land above the 40 kept).
+    let mixed = (nanos as u64) ^ u64::from(std::process::id()).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     format!("{:010x}", mixed & 0xff_ffff_ffff)
 }
 
