@@ -25,14 +25,17 @@ struct SuiteRun {
     output: String,
 }
 
-fn run_suite(env: &ClusterEnv, driver: &str, only: &str) -> Result<SuiteRun> {
+/// `timeout` per check: pods that must run get the kubelet's retry of a
+/// prepare that raced the Node authorizer (about 10 s after binding, more
+/// under load).
+fn run_suite(env: &ClusterEnv, driver: &str, only: &str, timeout: &str) -> Result<SuiteRun> {
     let image =
         std::env::var("TESSERA_PROBE_IMAGE").unwrap_or_else(|_| "tessera.local/probe:1".into());
     let out = Command::new(env!("CARGO_BIN_EXE_tessera-conformance"))
         .arg("--kubeconfig")
         .arg(&env.kubeconfig)
         .args(["--driver", driver, "--node", &env.node_name, "--only", only])
-        .args(["--timeout", "60s", "--image", &image])
+        .args(["--timeout", timeout, "--image", &image])
         .output()
         .context("running tessera-conformance")?;
     let output = format!(
@@ -119,7 +122,7 @@ async fn with_faulty_prepare(
     let run = tokio::task::spawn_blocking({
         let env = env.clone();
         let driver = driver.clone();
-        move || run_suite(&env, &driver, "secure-one-device")
+        move || run_suite(&env, &driver, "secure-one-device", "180s")
     })
     .await?;
 
@@ -207,7 +210,8 @@ async fn slices_without_shared_counters_fail_over_allocation() -> Result<()> {
     let run = tokio::task::spawn_blocking({
         let env = env.clone();
         let driver = driver.clone();
-        move || run_suite(&env, &driver, "over-allocation-blocked")
+        // The fillers never start (no plugin): only the wait for their output uses it up.
+        move || run_suite(&env, &driver, "over-allocation-blocked", "60s")
     })
     .await?;
 

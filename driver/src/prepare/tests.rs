@@ -117,6 +117,18 @@ fn inventory() -> Inventory {
 }
 
 fn catalog() -> Catalog {
+    catalog_with_share(
+        "gpu-0-isolated",
+        DeviceKind::Share {
+            level: IsolationLevel::Isolated,
+            provider: None,
+            time_slice: None,
+        },
+    )
+}
+
+/// The fixture GPU published whole and as one share device.
+fn catalog_with_share(share: &str, kind: DeviceKind) -> Catalog {
     let reference = |kind| DeviceRef {
         gpu_uuid: GPU.into(),
         gpu_index: 0,
@@ -126,14 +138,7 @@ fn catalog() -> Catalog {
         inventory(),
         [
             ("gpu-0".to_owned(), reference(DeviceKind::Whole)),
-            (
-                "gpu-0-isolated".to_owned(),
-                reference(DeviceKind::Share {
-                    level: IsolationLevel::Isolated,
-                    provider: None,
-                    time_slice: None,
-                }),
-            ),
+            (share.to_owned(), reference(kind)),
         ]
         .into(),
     )
@@ -612,25 +617,13 @@ fn fake_smi() -> &'static (std::path::PathBuf, std::path::PathBuf) {
 const SHARED_DEVICE: &str = "gpu-0-shared";
 
 fn shared_catalog() -> Catalog {
-    let reference = |kind| DeviceRef {
-        gpu_uuid: GPU.into(),
-        gpu_index: 0,
-        kind,
-    };
-    Catalog::new(
-        inventory(),
-        [
-            ("gpu-0".to_owned(), reference(DeviceKind::Whole)),
-            (
-                SHARED_DEVICE.to_owned(),
-                reference(DeviceKind::Share {
-                    level: IsolationLevel::Shared,
-                    provider: None,
-                    time_slice: Some(tessera_controller::model::policy::TimeSlice::Long),
-                }),
-            ),
-        ]
-        .into(),
+    catalog_with_share(
+        SHARED_DEVICE,
+        DeviceKind::Share {
+            level: IsolationLevel::Shared,
+            provider: None,
+            time_slice: Some(tessera_controller::model::policy::TimeSlice::Long),
+        },
     )
 }
 

@@ -93,30 +93,56 @@ fn invalid_combination() -> Exit {
     )
 }
 
-/// Reads the options; a value may follow as the next word or after `=`.
-fn parse(argv: &[String]) -> Result<Args, Exit> {
-    let mut args = Args::default();
-    let mut words = argv.iter();
-    while let Some(word) = words.next() {
+/// Command-line words read as options: a value follows as the next word,
+/// or after `=` in a `--long=value` word.
+struct Options<'a> {
+    words: std::slice::Iter<'a, String>,
+}
+
+struct Opt<'a> {
+    word: &'a str,
+    flag: &'a str,
+    inline: Option<&'a str>,
+}
+
+impl<'a> Options<'a> {
+    fn new(argv: &'a [String]) -> Self {
+        Options { words: argv.iter() }
+    }
+
+    fn next_option(&mut self) -> Option<Opt<'a>> {
+        let word = self.words.next()?;
         let (flag, inline) = match word.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+            Some((f, v)) if f.starts_with("--") => (f, Some(v)),
             _ => (word.as_str(), None),
         };
-        let mut value = |name: &str| {
-            inline
-                .clone()
-                .or_else(|| words.next().cloned())
-                .ok_or_else(|| usage_error(&format!("Option {name} is missing its value")))
-        };
-        match flag {
+        Some(Opt { word, flag, inline })
+    }
+
+    fn value(&mut self, opt: &Opt<'a>) -> Result<String, Exit> {
+        opt.inline
+            .map(str::to_owned)
+            .or_else(|| self.words.next().cloned())
+            .ok_or_else(|| usage_error(&format!("Option {} is missing its value", opt.flag)))
+    }
+}
+
+fn unrecognized(opt: &Opt) -> Exit {
+    usage_error(&format!("Option {} is not recognized", opt.word))
+}
+
+/// Reads the options of the GPU listing and query modes.
+fn parse(argv: &[String]) -> Result<Args, Exit> {
+    let mut args = Args::default();
+    let mut options = Options::new(argv);
+    while let Some(opt) = options.next_option() {
+        match opt.flag {
             "-h" | "--help" => return Err(Exit(help(), 0)),
-            "-L" | "--list-gpus" if inline.is_none() => args.list = true,
-            "--query-gpu" => args.query = Some(value(flag)?),
-            "--format" => args.format = Some(value(flag)?),
-            "-i" | "--id" => args.ids = Some(value(flag)?),
-            _ => {
-                return Err(usage_error(&format!("Option {word} is not recognized")));
-            }
+            "-L" | "--list-gpus" if opt.inline.is_none() => args.list = true,
+            "--query-gpu" => args.query = Some(options.value(&opt)?),
+            "--format" => args.format = Some(options.value(&opt)?),
+            "-i" | "--id" => args.ids = Some(options.value(&opt)?),
+            _ => return Err(unrecognized(&opt)),
         }
     }
     Ok(args)
@@ -348,23 +374,13 @@ impl Query {
 /// `compute-policy`: the GPU's compute time slice.
 fn compute_policy(argv: &[String]) -> Result<String, Exit> {
     let (mut list, mut set, mut ids) = (false, None::<String>, None::<String>);
-    let mut words = argv.iter();
-    while let Some(word) = words.next() {
-        let (flag, inline) = match word.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (word.as_str(), None),
-        };
-        let mut value = |name: &str| {
-            inline
-                .clone()
-                .or_else(|| words.next().cloned())
-                .ok_or_else(|| usage_error(&format!("Option {name} is missing its value")))
-        };
-        match flag {
-            "-l" | "--list" if inline.is_none() => list = true,
-            "--set-timeslice" => set = Some(value(flag)?),
-            "-i" | "--id" => ids = Some(value(flag)?),
-            _ => return Err(usage_error(&format!("Option {word} is not recognized"))),
+    let mut options = Options::new(argv);
+    while let Some(opt) = options.next_option() {
+        match opt.flag {
+            "-l" | "--list" if opt.inline.is_none() => list = true,
+            "--set-timeslice" => set = Some(options.value(&opt)?),
+            "-i" | "--id" => ids = Some(options.value(&opt)?),
+            _ => return Err(unrecognized(&opt)),
         }
     }
     let level = match (list, set) {
