@@ -675,8 +675,10 @@ impl Publisher {
                 continue;
             }
 
-            // Wait for a reason to reconcile.
-            loop {
+            // Wait for a reason to reconcile; API events come in bursts, so
+            // they are debounced (slice events arriving meanwhile are drained:
+            // the reconcile reads the slices anyway).
+            let debounce = loop {
                 tokio::select! {
                     _ = &mut shutdown => return,
                     changed = inventory.changed() => {
@@ -685,27 +687,12 @@ impl Publisher {
                             return;
                         }
                         debug!("inventory changed");
-                        break;
+                        break false;
                     }
                     event = events.next() => {
                         match event {
-                            Some(Ok(event)) => {
-                                if !self.slice_event_matters(&event) {
-                                    continue;
-                                }
-                                if !self
-                                    .sleep_applying_claims(
-                                        self.config.debounce,
-                                        &mut shutdown,
-                                        &mut claim_events,
-                                    )
-                                    .await
-                                {
-                                    return;
-                                }
-                                drain(&mut events);
-                                break;
-                            }
+                            Some(Ok(event)) if self.slice_event_matters(&event) => break true,
+                            Some(Ok(_)) => {}
                             // The watcher relists after an error; that
                             // relist brings us back here.
                             Some(Err(e)) => warn!("watching ResourceSlices: {e}"),
@@ -716,26 +703,25 @@ impl Publisher {
                         // Only a change of this pool's held devices matters.
                         if self.claim_event(event) {
                             debug!("devices held by claims changed");
-                            if !self
-                                .sleep_applying_claims(
-                                    self.config.debounce,
-                                    &mut shutdown,
-                                    &mut claim_events,
-                                )
-                                .await
-                            {
-                                return;
-                            }
-                            break;
+                            break true;
                         }
                     }
                     _ = resync.tick() => {
                         // Re-detect: the server may have been upgraded or
                         // its feature gates changed.
                         self.detected = None;
-                        break;
+                        break false;
                     }
                 }
+            };
+            if debounce {
+                if !self
+                    .sleep_applying_claims(self.config.debounce, &mut shutdown, &mut claim_events)
+                    .await
+                {
+                    return;
+                }
+                drain(&mut events);
             }
         }
     }
