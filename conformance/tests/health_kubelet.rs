@@ -108,19 +108,7 @@ async fn run(
         .and_then(|c| c.resource_claim_name.clone())
         .context("pod status names no claim")?;
     let claims: Api<ResourceClaim> = ns.api();
-    let gpu_uuid = wait_for("status.devices with the GPU UUID", TIMEOUT, || async {
-        let c = claims.get(&claim_name).await?;
-        Ok(c.status
-            .and_then(|s| s.devices)
-            .and_then(|d| d.into_iter().next())
-            .and_then(|d| d.data)
-            .and_then(|d| {
-                d.0.get("gpuUUID")
-                    .and_then(|v| v.as_str())
-                    .map(str::to_owned)
-            }))
-    })
-    .await?;
+    let gpu_uuid = status_gpu_uuid(&claims, &claim_name).await?;
 
     // The GPU falls off the bus.
     let mut f = std::fs::OpenOptions::new().append(true).open(events)?;

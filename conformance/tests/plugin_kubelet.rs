@@ -103,19 +103,7 @@ async fn run(
     let spec = dirs.spec(&uid).context("no CDI spec for the Pod's claim")?;
     ensure!(spec["devices"][0]["name"] == format!("gpu_{uid}"), "{spec}");
     ensure!(dirs.checkpoint()[&uid]["state"] == "Completed");
-    let gpu_uuid = wait_for("status.devices with the GPU UUID", TIMEOUT, || async {
-        let c = claims.get(&claim_name).await?;
-        Ok(c.status
-            .and_then(|s| s.devices)
-            .and_then(|d| d.into_iter().next())
-            .and_then(|d| d.data)
-            .and_then(|d| {
-                d.0.get("gpuUUID")
-                    .and_then(|v| v.as_str())
-                    .map(str::to_owned)
-            }))
-    })
-    .await?;
+    let gpu_uuid = status_gpu_uuid(&claims, &claim_name).await?;
     ensure!(
         inventory().gpus.iter().any(|g| g.uuid == gpu_uuid),
         "status names {gpu_uuid}, not a GPU of the node"

@@ -761,6 +761,23 @@ pub async fn whole_gpu_pod(
     Ok(pods)
 }
 
+/// The GPU UUID the plugin wrote into the claim's `status.devices`, once there.
+pub async fn status_gpu_uuid(claims: &Api<ResourceClaim>, claim_name: &str) -> Result<String> {
+    wait_for("status.devices with the GPU UUID", TIMEOUT, || async {
+        let c = claims.get(claim_name).await?;
+        Ok(c.status
+            .and_then(|s| s.devices)
+            .and_then(|d| d.into_iter().next())
+            .and_then(|d| d.data)
+            .and_then(|d| {
+                d.0.get("gpuUUID")
+                    .and_then(|v| v.as_str())
+                    .map(str::to_owned)
+            }))
+    })
+    .await
+}
+
 /// Ends a test of [`whole_gpu_pod`] whatever happened: deletes its Pod,
 /// namespace, DeviceClass `id` and the slices of `driver`, stops the plugin
 /// with SIGTERM (so it removes its sockets from the kubelet's directories),
