@@ -798,6 +798,8 @@ cmd_node_start() {
 		fi
 	else
 		[[ -n "$topology" ]] || die "the first node-start needs --topology FILE (see driver/fake-nvml/topologies/)"
+		# A new machine: nothing of the last one's GPU state stays.
+		find "$(sim_kernel_dir)" -mindepth 1 -delete 2>/dev/null || true
 		NODE_DRIVER=${driver:-gpu.tessera.dev}
 		NODE_TOPOLOGY_SOURCE="$(cd "$(dirname "$topology")" && pwd)/$(basename "$topology")"
 	fi

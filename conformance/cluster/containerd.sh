@@ -27,7 +27,9 @@ SIM_KERNEL_MOUNT=/run/tessera-sim
 
 ctrd_dir() { echo "$DIR/containerd"; }
 ctrd_socket() { echo "$DIR/containerd/containerd.sock"; }
-sim_kernel_dir() { echo "$NODE_DIR/kernel"; }
+# Outside the node dir: every container's spec mounts it, so it must outlive
+# `rm -rf <state>/node`; node-start empties it for a new machine.
+sim_kernel_dir() { echo "$DIR/sim-kernel"; }
 
 # Prints the directory holding containerd, ctr and containerd-shim-runc-v2,
 # building them when needed (cached by version and Go toolchain).

@@ -170,8 +170,10 @@ async fn node_start_runs_the_node_process_on_the_kubelet_node() -> Result<()> {
         return Ok(());
     };
     let node_dir = cluster.state_dir().join("node");
+    // A node was started when it has its settings (the directory itself
+    // exists from `start`: the container runtime reads its CDI specs).
     ensure!(
-        !node_dir.exists(),
+        !node_dir.join("node.env").exists(),
         "{} exists: a simulated node was started on this cluster already (cluster.sh \
          node-start); this test needs the cluster's node slot: `conformance/cluster.sh node-stop \
          && rm -rf {}`, or run it on a cluster of its own",
