@@ -168,6 +168,15 @@ impl NodeEvents {
 
     /// Records a Warning event; failures are logged, never fatal.
     pub async fn warning(&self, reason: &str, message: &str) {
+        self.record("Warning", reason, message).await
+    }
+
+    /// Records a Normal event; failures are logged, never fatal.
+    pub async fn normal(&self, reason: &str, message: &str) {
+        self.record("Normal", reason, message).await
+    }
+
+    async fn record(&self, kind: &str, reason: &str, message: &str) {
         let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             k8s_openapi::jiff::Timestamp::now(),
         );
@@ -176,7 +185,7 @@ impl NodeEvents {
             "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": self.node },
             "reason": reason,
             "message": message,
-            "type": "Warning",
+            "type": kind,
             "source": { "component": self.component, "host": self.node },
             "reportingComponent": self.component,
             "reportingInstance": self.node,
