@@ -1,0 +1,78 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "tessera.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-qualified name of every object. */}}
+{{- define "tessera.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tessera.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tessera.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tessera.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tessera.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "tessera.serviceAccountName" -}}
+{{- default (include "tessera.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The driver name, checked: DeviceClass names and the policy are built from it. */}}
+{{- define "tessera.driverName" -}}
+{{- $d := required "driverName is required" .Values.driverName -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$" $d) -}}
+{{- fail (printf "driverName %q is not a DNS subdomain with at least one dot (e.g. gpu.example.com)" $d) -}}
+{{- end -}}
+{{- $d -}}
+{{- end -}}
+
+{{/* The DeviceClass domain: the driver name without a leading "gpu.". */}}
+{{- define "tessera.domain" -}}
+{{- include "tessera.driverName" . | trimPrefix "gpu." -}}
+{{- end -}}
+
+{{- define "tessera.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* A host path without a trailing slash ("/" stays "/"). */}}
+{{- define "tessera.clean" -}}
+{{- $p := clean . -}}
+{{- if not (hasPrefix "/" $p) -}}
+{{- fail (printf "%q is not an absolute path" .) -}}
+{{- end -}}
+{{- $p -}}
+{{- end -}}
+
+{{- define "tessera.driverRoot" -}}
+{{- include "tessera.clean" .Values.driverRoot -}}
+{{- end -}}
+
+{{- define "tessera.devRoot" -}}
+{{- include "tessera.clean" (default .Values.driverRoot .Values.devRoot) -}}
+{{- end -}}
+
+{{/* The NVML library as the pod sees it. */}}
+{{- define "tessera.nvmlLibrary" -}}
+{{- if hasPrefix "/" .Values.nvmlLibrary -}}
+{{- .Values.nvmlLibrary -}}
+{{- else -}}
+{{- clean (printf "%s/%s" (include "tessera.driverRoot" .) .Values.nvmlLibrary) -}}
+{{- end -}}
+{{- end -}}
