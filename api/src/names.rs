@@ -16,7 +16,8 @@ pub const DEFAULT_DRIVER_NAME: &str = "gpu.tessera.dev";
 /// Attribute names (keys of `devices[].attributes`).
 pub mod attr {
     /// Device type, a string: [`super::device_type::GPU`],
-    /// [`super::device_type::MIG`] or [`super::device_type::SHARE`].
+    /// [`super::device_type::MIG`], [`super::device_type::SHARE`] or
+    /// [`super::device_type::MONITOR`].
     pub const TYPE: &str = "type";
     /// UUID of the device: `GPU-…` for whole GPUs and share devices (the
     /// physical card), `MIG-…` for MIG devices that exist.
@@ -77,6 +78,10 @@ pub mod device_type {
     pub const MIG: &str = "mig";
     /// A share of a physical GPU (`allowMultipleAllocations`).
     pub const SHARE: &str = "share";
+    /// Read-only access to a physical GPU for monitoring agents (DCGM
+    /// exporter, `nvidia-smi`): consumes nothing, allocated only to claims
+    /// with `adminAccess: true`.
+    pub const MONITOR: &str = "monitor";
 }
 
 /// Values of [`attr::ISOLATION_LEVEL`].

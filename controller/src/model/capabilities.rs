@@ -15,26 +15,33 @@ pub struct Capabilities {
     /// Consumable capacity (KEP-5075): `allowMultipleAllocations` and
     /// capacity `requestPolicy`.
     pub consumable_capacity: bool,
+    /// Device taints (KEP-5055, `DRADeviceTaints`, beta and on by default
+    /// since 1.36): `devices[].taints` survive a write. Without them the
+    /// health of a GPU reaches the kubelet and the Node's events only.
+    pub device_taints: bool,
     /// Validation limits of the server.
     pub limits: SliceLimits,
 }
 
 impl Capabilities {
-    /// A server serving both features with the v1.36 limits: the full device
-    /// model (dynamic MIG, share devices, counters).
+    /// A server serving both features (and device taints) with the v1.36
+    /// limits: the full device model (dynamic MIG, share devices, counters).
     pub const fn full() -> Self {
         Capabilities {
             partitionable_devices: true,
             consumable_capacity: true,
+            device_taints: true,
             limits: SliceLimits::V1_36,
         }
     }
 
-    /// A server with neither feature: the static per-GPU mode from policy.
+    /// A server with neither feature (nor device taints): the static
+    /// per-GPU mode from policy.
     pub const fn legacy() -> Self {
         Capabilities {
             partitionable_devices: false,
             consumable_capacity: false,
+            device_taints: false,
             limits: SliceLimits::V1_36,
         }
     }
@@ -59,8 +66,8 @@ impl Default for Capabilities {
 pub struct SliceLimits {
     /// `ResourceSliceMaxDevices`.
     pub max_devices: usize,
-    /// Devices per slice when any device in it consumes counters (or has
-    /// taints): `ResourceSliceMaxDevicesWithTaintsOrConsumesCounters`.
+    /// Devices per slice when any device in it consumes counters or has
+    /// taints: `ResourceSliceMaxDevicesWithAdvancedFeatures` (v1.36).
     pub max_devices_with_counters: usize,
     /// `ResourceSliceMaxCounterSets`.
     pub max_counter_sets: usize,
@@ -72,6 +79,8 @@ pub struct SliceLimits {
     pub max_consumptions_per_device: usize,
     /// `ResourceSliceMaxAttributesAndCapacitiesPerDevice`.
     pub max_attributes_and_capacities: usize,
+    /// `DeviceTaintsMaxLength`: taints per device.
+    pub max_taints_per_device: usize,
 }
 
 impl SliceLimits {
@@ -84,6 +93,7 @@ impl SliceLimits {
         max_counters_per_consumption: 32,
         max_consumptions_per_device: 2,
         max_attributes_and_capacities: 32,
+        max_taints_per_device: 16,
     };
 }
 

@@ -77,6 +77,12 @@ pub enum DeviceKind {
         provider: Option<IsolationProvider>,
         time_slice: Option<TimeSlice>,
     },
+    /// The GPU's monitoring device, published in every model: no counters,
+    /// no capacity, so a claim with `adminAccess` (which the scheduler lets
+    /// share any device but still charges counters for) gets it whatever
+    /// holds the GPU. Prepare refuses it to claims without admin access and
+    /// gives the container what NVML needs, nothing to run work with.
+    Monitor,
 }
 
 /// Attributes every device of a GPU carries.
@@ -160,6 +166,18 @@ pub fn whole(name: &str, gpu: &Gpu, facts: &GpuFacts, consumes: Option<Consumpti
         fixed(quantity::count(gpu.multiprocessors.into())),
     );
     device(name, attributes, capacity, consumes, false)
+}
+
+/// The GPU's monitoring device: the card's `uuid`, no capacity, no
+/// counters, exclusive (admin access ignores that: any number of adminAccess
+/// claims can have it, a claim without admin access is refused at prepare).
+pub fn monitor(name: &str, gpu: &Gpu, facts: &GpuFacts) -> Device {
+    let mut attributes = facts.base(device_type::MONITOR);
+    attributes.insert(attr::UUID.into(), string(&gpu.uuid));
+    attributes.insert(attr::PARENT_UUID.into(), string(&gpu.uuid));
+    let mut device = device(name, attributes, BTreeMap::new(), None, false);
+    device.capacity = None;
+    device
 }
 
 /// A share device of `level`, multi-allocatable, with consumable `memory`

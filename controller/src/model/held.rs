@@ -5,7 +5,9 @@
 //! this GPU could have published in any model (full or static, any policy):
 //! `gpu-<n>`, `gpu-<n>-<level>`, the replicas `gpu-<n>-<level>-<i>`, the
 //! devices of the MIG instances that exist, and every MIG placement of the
-//! GPU's profiles. Nothing else is read out of a name. See [`super::plan`]
+//! GPU's profiles. Nothing else is read out of a name. The monitoring
+//! device `gpu-<n>-monitor` uses nothing and is published in every case:
+//! holding it decides nothing. See [`super::plan`]
 //! for what the planners do with the result.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -79,10 +81,15 @@ impl<'a> HeldOnGpu<'a> {
         let mut out = HeldOnGpu::default();
         let whole = naming::whole_device(n);
         let prefix = format!("{whole}-");
+        let monitor = naming::monitor_device(n);
         for name in held
             .iter()
             .filter(|h| **h == whole || h.starts_with(&prefix))
         {
+            // Published whatever else is: it uses nothing of the GPU.
+            if *name == monitor {
+                continue;
+            }
             out.names.insert(name.clone());
             if *name == whole {
                 out.whole = true;

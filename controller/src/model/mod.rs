@@ -11,6 +11,12 @@
 //!   (percent); attribute `isolationLevel`.
 //! * `gpu-<n>-mig-<profile>-<start>`: MIG devices, existing (static) and
 //!   every placement of every offered profile (dynamic).
+//! * `gpu-<n>-monitor`: the monitoring device, in every model: no counters,
+//!   no capacity, for claims with `adminAccess` (monitoring agents on busy
+//!   GPUs).
+//!
+//! Devices of a GPU the node holds unhealthy carry a taint ([`taints`])
+//! where the server serves device taints.
 //!
 //! On servers without partitionable devices or consumable capacity the model
 //! degrades to one static mode per GPU from policy (see [`plan::plan_static`]).
@@ -30,6 +36,7 @@ pub mod plan;
 pub mod policy;
 pub mod quantity;
 pub mod slices;
+pub mod taints;
 pub mod version;
 
 #[cfg(test)]
@@ -45,6 +52,7 @@ pub use capabilities::{Capabilities, SliceLimits};
 pub use devices::{DeviceKind, DeviceRef, IsolationLevel};
 pub use naming::{DriverName, GpuIndices};
 pub use policy::{NodePolicy, PolicyError};
+pub use taints::Unhealthy;
 
 /// Why no slices could be computed. Odd inventory values (an unparsable
 /// version, a PCI id of the wrong shape) are not errors: the attribute is
@@ -130,6 +138,7 @@ pub struct SliceModel<'a> {
     previous_indices: GpuIndices,
     owned_mig: BTreeSet<String>,
     held: BTreeSet<String>,
+    unhealthy: BTreeMap<String, Unhealthy>,
     owner: Option<OwnerReference>,
 }
 
@@ -150,6 +159,7 @@ impl<'a> SliceModel<'a> {
             previous_indices: GpuIndices::new(),
             owned_mig: BTreeSet::new(),
             held: BTreeSet::new(),
+            unhealthy: BTreeMap::new(),
             owner: None,
         }
     }
@@ -185,6 +195,13 @@ impl<'a> SliceModel<'a> {
     /// the inventory keeps its number while a claim holds one of its devices.
     pub fn held_devices(mut self, names: impl IntoIterator<Item = String>) -> Self {
         self.held = names.into_iter().collect();
+        self
+    }
+
+    /// GPUs (by UUID) the node holds unhealthy: their devices are tainted
+    /// where the server serves device taints (see [`taints`]).
+    pub fn unhealthy_gpus(mut self, gpus: BTreeMap<String, Unhealthy>) -> Self {
+        self.unhealthy = gpus;
         self
     }
 
@@ -262,11 +279,27 @@ impl<'a> SliceModel<'a> {
                 owned_mig: &self.owned_mig,
                 held: &self.held,
             };
-            let output = if full {
+            let mut output = if full {
                 plan::plan_full(&input, &mut notes)
             } else {
                 plan::plan_static(&input, &self.capabilities, &mut notes)
             };
+            output.devices.push(plan::monitor(&input));
+            if self.capabilities.device_taints
+                && let Some(unhealthy) = self.unhealthy.get(&gpu.uuid)
+            {
+                for planned in &mut output.devices {
+                    let effect = if matches!(planned.reference.kind, DeviceKind::Monitor) {
+                        taints::EFFECT_NONE
+                    } else {
+                        taints::NO_SCHEDULE
+                    };
+                    taints::apply(
+                        &mut planned.device,
+                        taints::taint(&self.driver, unhealthy, effect),
+                    );
+                }
+            }
             if output.mig_managed {
                 mig_managed.insert(gpu.uuid.clone());
             }

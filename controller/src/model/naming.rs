@@ -14,7 +14,8 @@
 //! * Devices: `gpu-<n>`, `gpu-<n>-isolated`, `gpu-<n>-shared`,
 //!   `gpu-<n>-mig-<profile>-<start>` (profile slugged: `1g.10gb+me` ->
 //!   `1g-10gb-me`; start = first memory slice of the placement), static-mode
-//!   replicas `gpu-<n>-isolated-<i>` / `gpu-<n>-shared-<i>`. A MIG device is
+//!   replicas `gpu-<n>-isolated-<i>` / `gpu-<n>-shared-<i>`, the monitoring
+//!   device `gpu-<n>-monitor`. A MIG device is
 //!   named by what it occupies, so an instance Tessera created for a claim
 //!   and the placement device it came from have the same name. Compute
 //!   instances sharing one GPU instance get `-ci<id>`; a held `-ci<id>` name
@@ -172,6 +173,11 @@ pub fn share_device(n: u32, level_slug: &str) -> String {
 
 pub fn replica_device(n: u32, level_slug: &str, replica: u32) -> String {
     format!("gpu-{n}-{level_slug}-{replica}")
+}
+
+/// The monitoring device of GPU `n` (adminAccess claims only).
+pub fn monitor_device(n: u32) -> String {
+    format!("gpu-{n}-monitor")
 }
 
 pub fn mig_device(n: u32, profile: &str, start: u32) -> String {

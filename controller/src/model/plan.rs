@@ -571,6 +571,17 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
     }
 }
 
+/// The GPU's monitoring device (every model, whatever is held: it consumes
+/// nothing, so it can double-book nothing).
+pub fn monitor(input: &GpuInput<'_>) -> Planned {
+    // The notes about the GPU's facts were made when its devices were planned.
+    let facts = GpuFacts::new(input.inventory, input.gpu, &mut Vec::new());
+    Planned {
+        device: devices::monitor(&naming::monitor_device(input.index), input.gpu, &facts),
+        reference: input.reference(DeviceKind::Monitor),
+    }
+}
+
 fn share_kind(level: IsolationLevel, policy: &GpuPolicy) -> DeviceKind {
     DeviceKind::Share {
         level,

@@ -9,7 +9,8 @@
 //! 2. Device slices, one GPU after the other: a GPU's devices never share a
 //!    slice with another GPU's, so a change on one GPU (a MIG instance
 //!    appearing) touches only that GPU's slice. A GPU with more devices than
-//!    fit (64 when they consume counters, 128 otherwise) spans several.
+//!    fit (64 when any consumes counters or carries a taint, 128 otherwise)
+//!    spans several.
 //!
 //! Slice `k` is named `<node>-<driver>-<k>`; every slice carries the same
 //! pool generation and the total slice count.
@@ -57,8 +58,8 @@ pub fn assemble(
 
     for gpu in gpus {
         let devices: Vec<Device> = gpu.devices.into_iter().map(|p| p.device).collect();
-        let uses_counters = devices.iter().any(consumes_counters);
-        let per_slice = if uses_counters {
+        let advanced = devices.iter().any(uses_advanced_features);
+        let per_slice = if advanced {
             limits.max_devices_with_counters
         } else {
             limits.max_devices
@@ -106,6 +107,12 @@ fn consumes_counters(device: &Device) -> bool {
         .consumes_counters
         .as_ref()
         .is_some_and(|c| !c.is_empty())
+}
+
+/// Whether the device counts toward the lower per-slice limit: it consumes
+/// counters or carries taints (the API server's "advanced features").
+fn uses_advanced_features(device: &Device) -> bool {
+    consumes_counters(device) || device.taints.as_ref().is_some_and(|t| !t.is_empty())
 }
 
 /// Whether two sets of slices of one pool publish the same thing: same
@@ -172,7 +179,7 @@ pub fn check_pool(slices: &[ResourceSlice], limits: &SliceLimits) -> Result<(), 
             }
         }
         if let Some(devices) = &spec.devices {
-            let max = if devices.iter().any(consumes_counters) {
+            let max = if devices.iter().any(uses_advanced_features) {
                 limits.max_devices_with_counters
             } else {
                 limits.max_devices
@@ -260,6 +267,30 @@ fn check_device(slice: &str, device: &Device, limits: &SliceLimits) -> Result<()
             return fail(format!(
                 "capacity {key} has a requestPolicy on an exclusive device"
             ));
+        }
+    }
+    let taints = device.taints.as_deref().unwrap_or_default();
+    if taints.len() > limits.max_taints_per_device {
+        return fail(format!("{} taints", taints.len()));
+    }
+    for t in taints {
+        let (prefix, name) = t.key.split_once('/').unwrap_or(("", &t.key));
+        let value = t.value.as_deref().unwrap_or_default();
+        let label_value = |v: &str| {
+            v.len() <= 63
+                && v.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+                && (v.is_empty()
+                    || (v.starts_with(|c: char| c.is_ascii_alphanumeric())
+                        && v.ends_with(|c: char| c.is_ascii_alphanumeric())))
+        };
+        if (!prefix.is_empty() && !naming::is_dns_subdomain(prefix))
+            || name.is_empty()
+            || !label_value(name)
+            || !label_value(value)
+            || !matches!(t.effect.as_str(), "None" | "NoSchedule" | "NoExecute")
+        {
+            return fail(format!("taint {}={value}:{} invalid", t.key, t.effect));
         }
     }
     let consumptions = device.consumes_counters.as_ref().map_or(0, Vec::len);

@@ -4,14 +4,18 @@
 //!    1.34+). Without it nothing can be published; the publisher says so and
 //!    retries with backoff (an upgrade may bring it), it never crashes.
 //! 2. Dropped fields: with a feature gate off the API server silently drops
-//!    that feature's fields on write. Three server-side dry-run creates of
+//!    that feature's fields on write. Server-side dry-run creates of
 //!    probe slices for this node show what survives:
 //!    * a slice with only `sharedCounters`, and a slice whose device
 //!      `consumesCounters` from a set it does not define (the 1.35+ layout;
 //!      a 1.33/1.34 server rejects it, which also counts as "not served"):
 //!      partitionable devices;
 //!    * a slice with an `allowMultipleAllocations` device whose capacity has
-//!      a `requestPolicy`: consumable capacity.
+//!      a `requestPolicy`: consumable capacity;
+//!    * a slice with a device carrying a taint: device taints
+//!      (`DRADeviceTaints`, beta and on by default since 1.36). Without
+//!      them unhealthy GPUs are not tainted (their health still reaches the
+//!      kubelet and the Node's events).
 //!
 //!    A dry run persists nothing and is not counted as a write.
 //! 3. Version: the full model additionally needs a scheduler with the fixes
@@ -24,7 +28,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceCapacity,
-    DeviceCounterConsumption, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    DeviceCounterConsumption, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -51,6 +55,8 @@ pub struct Detected {
     pub partitionable_served: bool,
     /// The server keeps the consumable-capacity fields.
     pub consumable_served: bool,
+    /// The server keeps device taints.
+    pub taints_served: bool,
     /// The version is at least the configured minimum for the full model.
     pub version_ok: bool,
     /// Why a feature counts as absent, for logs and `publish --once`.
@@ -66,10 +72,11 @@ impl Detected {
             "static per-GPU mode"
         };
         format!(
-            "server {}: partitionable devices {}, consumable capacity {}, {}",
+            "server {}: partitionable devices {}, consumable capacity {}, device taints {}, {}",
             self.git_version,
             yes_no(self.capabilities.partitionable_devices),
             yes_no(self.capabilities.consumable_capacity),
+            yes_no(self.capabilities.device_taints),
             mode
         )
     }
@@ -155,6 +162,29 @@ pub async fn detect(
         }
     };
 
+    let taints_served = match probe(&api, &probes.taints, "taints").await? {
+        Probe::Kept(s) => {
+            let kept = s
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+            if !kept {
+                reasons.push(
+                    "device taints: the server drops devices[].taints (feature gate \
+                     DRADeviceTaints off): unhealthy GPUs are not tainted"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("device taints: probe rejected: {why}"));
+            false
+        }
+    };
+
     let version_ok = version.is_some_and(|v| v >= min_full_model);
     if partitionable_served && consumable_served && !version_ok {
         reasons.push(format!(
@@ -167,12 +197,14 @@ pub async fn detect(
         capabilities: Capabilities {
             partitionable_devices: partitionable_served && version_ok,
             consumable_capacity: consumable_served,
+            device_taints: taints_served,
             limits: SliceLimits::V1_36,
         },
         git_version: info.git_version,
         version,
         partitionable_served,
         consumable_served,
+        taints_served,
         version_ok,
         reasons,
     };
@@ -223,11 +255,12 @@ async fn probe(
     }
 }
 
-/// The three probe slices.
+/// The probe slices.
 struct Probes {
     counters: ResourceSlice,
     consumes: ResourceSlice,
     multi: ResourceSlice,
+    taints: ResourceSlice,
 }
 
 impl Probes {
@@ -302,10 +335,27 @@ impl Probes {
                 ..ResourceSliceSpec::default()
             },
         );
+        let taints = slice(
+            "taints",
+            ResourceSliceSpec {
+                devices: Some(vec![Device {
+                    name: "probe".into(),
+                    taints: Some(vec![DeviceTaint {
+                        key: format!("{driver}/probe"),
+                        value: None,
+                        effect: "None".into(),
+                        time_added: None,
+                    }]),
+                    ..Device::default()
+                }]),
+                ..ResourceSliceSpec::default()
+            },
+        );
         Probes {
             counters,
             consumes,
             multi,
+            taints,
         }
     }
 }
@@ -343,7 +393,7 @@ mod tests {
         // The probes must be valid slices on a server that serves everything,
         // or detection would report a feature missing that is there.
         let p = Probes::new("node-a", &DriverName::default());
-        for s in [&p.counters, &p.consumes, &p.multi] {
+        for s in [&p.counters, &p.consumes, &p.multi, &p.taints] {
             let spec = &s.spec;
             assert!(spec.devices.is_some() != spec.shared_counters.is_some());
             assert_eq!(spec.node_name.as_deref(), Some("node-a"));

@@ -31,8 +31,8 @@
 //! write and stops writing instead of looping.
 //!
 //! In the node process the publisher is told what only the node knows
-//! ([`NodeState`]): devices its prepared claims hold, MIG instances it
-//! created, its GPU numbering; and it hands every model it builds back
+//! ([`NodeView`], [`NodeState`]): devices its prepared claims hold, MIG
+//! instances it created, the GPUs it holds unhealthy, its GPU numbering; and it hands every model it builds back
 //! ([`NodeState::model_built`]) before writing it, so the catalog prepare
 //! resolves device names through is always the published model.
 //!
@@ -73,7 +73,8 @@ pub use version::{MIN_FULL_MODEL, ServerVersion};
 
 use crate::model::naming::GpuIndices;
 use crate::model::{
-    Capabilities, DriverName, Model, ModelError, NodePolicy, SliceModel, slices::same_content,
+    Capabilities, DriverName, Model, ModelError, NodePolicy, SliceModel, Unhealthy,
+    slices::same_content,
 };
 
 /// What a reconcile works from: the GPUs NVML reported and, in the node
@@ -87,6 +88,9 @@ pub struct NodeView {
     pub owned_mig: BTreeSet<String>,
     /// Devices of this pool that claims prepared on the node hold.
     pub prepared: BTreeSet<String>,
+    /// GPUs (by UUID) the node's health monitor holds unhealthy: their
+    /// devices are tainted where the server serves device taints.
+    pub unhealthy: BTreeMap<String, Unhealthy>,
 }
 
 impl From<Inventory> for NodeView {
@@ -95,6 +99,7 @@ impl From<Inventory> for NodeView {
             inventory,
             owned_mig: BTreeSet::new(),
             prepared: BTreeSet::new(),
+            unhealthy: BTreeMap::new(),
         }
     }
 }
@@ -271,6 +276,7 @@ impl Publisher {
                 version: None,
                 partitionable_served: capabilities.partitionable_devices,
                 consumable_served: capabilities.consumable_capacity,
+                taints_served: capabilities.device_taints,
                 version_ok: true,
                 reasons: vec!["capabilities set by configuration".into()],
             },
@@ -417,6 +423,7 @@ impl Publisher {
         .driver(self.config.driver.clone())
         .held_devices(held.iter().cloned())
         .owned_mig_instances(view.owned_mig.iter().cloned())
+        .unhealthy_gpus(view.unhealthy.clone())
         .previous_indices(indices);
         if let Ok(owner) = &owner {
             builder = builder.owner(owner.clone());

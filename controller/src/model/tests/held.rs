@@ -50,11 +50,18 @@ fn gpu_of(name: &str) -> u32 {
 }
 
 /// Names of the devices published for GPU `n`.
+/// The work devices of GPU `n` (its monitoring device, which only
+/// adminAccess claims get and which consumes nothing, is always there).
 fn on_gpu(model: &Model, n: u32) -> BTreeSet<String> {
+    assert!(
+        model.devices.values().all(|r| r.gpu_index != n)
+            || model.devices.contains_key(&naming::monitor_device(n)),
+        "GPU {n} has no monitoring device"
+    );
     model
         .devices
         .iter()
-        .filter(|(_, r)| r.gpu_index == n)
+        .filter(|(_, r)| r.gpu_index == n && r.kind != DeviceKind::Monitor)
         .map(|(name, _)| name.clone())
         .collect()
 }
@@ -91,6 +98,7 @@ fn class(kind: &DeviceKind) -> Class {
         DeviceKind::Whole => Class::Whole,
         DeviceKind::Mig { .. } => Class::Mig,
         DeviceKind::Share { level, .. } | DeviceKind::Replica { level, .. } => Class::Level(*level),
+        DeviceKind::Monitor => unreachable!("monitoring devices are not work devices"),
     }
 }
 

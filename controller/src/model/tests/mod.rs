@@ -1,6 +1,7 @@
 //! Model-level tests with hand-built inventories.
 
 mod fixtures;
+mod health;
 mod held;
 mod sim;
 
@@ -41,10 +42,13 @@ fn all_devices(slices: &[ResourceSlice]) -> Vec<&Device> {
         .collect()
 }
 
+/// The published work devices (every GPU's monitoring device left out:
+/// `monitoring_devices_*` tests check those).
 fn names(model: &Model) -> BTreeSet<String> {
     all_devices(&model.slices)
         .into_iter()
         .map(|d| d.name.clone())
+        .filter(|n| !n.ends_with("-monitor"))
         .collect()
 }
 
@@ -422,7 +426,10 @@ fn every_published_device_needs_the_mig_mode_it_has_or_a_managed_switch() {
                 for (name, reference) in &model.devices {
                     let needs_mig = matches!(reference.kind, DeviceKind::Mig { .. });
                     assert!(
-                        needs_mig == mig_on || model.mig_managed.contains(&gpu.uuid),
+                        needs_mig == mig_on
+                            || model.mig_managed.contains(&gpu.uuid)
+                            // A monitor watches the GPU in either mode.
+                            || reference.kind == DeviceKind::Monitor,
                         "{name} published on {} ({:?}, policy {pol}) needs a MIG mode switch \
                          the driver does not make",
                         gpu.architecture,
@@ -456,7 +463,7 @@ fn whole_gpu_never_beside_anything() {
     sim.allocate("gpu-0", &[]).unwrap();
     let others: Vec<String> = sim
         .device_names()
-        .filter(|n| *n != "gpu-0")
+        .filter(|n| *n != "gpu-0" && *n != "gpu-0-monitor")
         .cloned()
         .collect();
     assert_eq!(others.len(), 27);
@@ -773,7 +780,8 @@ fn eight_h100_split_within_limits() {
     let inv = inventory((0..8).map(h100_mig_disabled).collect());
     let model = full(&inv);
     check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
-    assert_eq!(all_devices(&model.slices).len(), 8 * 28);
+    // 28 work devices and a monitoring device per GPU.
+    assert_eq!(all_devices(&model.slices).len(), 8 * 29);
     // One counter slice with 8 sets, then one device slice per GPU.
     assert_eq!(model.slices.len(), 9);
     assert_eq!(
@@ -817,7 +825,7 @@ fn small_limits_force_more_slices() {
         .filter(|s| s.spec.shared_counters.is_some())
         .count();
     assert_eq!(counter_slices, 3, "8 sets in slices of 3");
-    // 28 devices per GPU in slices of 10 -> 3 per GPU.
+    // 29 devices per GPU in slices of 10 -> 3 per GPU.
     assert_eq!(model.slices.len(), 3 + 8 * 3);
     let all: Vec<&str> = all_devices(&model.slices)
         .iter()
@@ -825,7 +833,7 @@ fn small_limits_force_more_slices() {
         .collect();
     let unique: BTreeSet<&str> = all.iter().copied().collect();
     assert_eq!(all.len(), unique.len());
-    assert_eq!(all.len(), 8 * 28);
+    assert_eq!(all.len(), 8 * 29);
 }
 
 #[test]
@@ -844,7 +852,7 @@ fn every_device_fits_the_per_device_limits() {
     let inv = inventory(vec![h100_mig_disabled(0), a100_with_instances(), t4()]);
     let model = full(&inv);
     for d in all_devices(&model.slices) {
-        let n = d.attributes.as_ref().unwrap().len() + d.capacity.as_ref().unwrap().len();
+        let n = d.attributes.as_ref().unwrap().len() + d.capacity.as_ref().map_or(0, |c| c.len());
         assert!(n <= 32, "{}: {n}", d.name);
     }
     check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
