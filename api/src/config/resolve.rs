@@ -45,6 +45,8 @@ pub enum DeviceType {
     Mig,
     /// A share of a GPU, at the given isolation level.
     Share(IsolationLevel),
+    /// A GPU's monitoring device (admin access): takes no config.
+    Monitor,
 }
 
 impl DeviceType {
@@ -54,15 +56,17 @@ impl DeviceType {
             DeviceType::Gpu => names::device_type::GPU,
             DeviceType::Mig => names::device_type::MIG,
             DeviceType::Share(_) => names::device_type::SHARE,
+            DeviceType::Monitor => names::device_type::MONITOR,
         }
     }
 
-    /// The config kind for this device type.
-    pub fn config_kind(self) -> Kind {
+    /// The config kind for this device type (`None`: it takes none).
+    pub fn config_kind(self) -> Option<Kind> {
         match self {
-            DeviceType::Gpu => Kind::GpuConfig,
-            DeviceType::Mig => Kind::MigConfig,
-            DeviceType::Share(_) => Kind::ShareConfig,
+            DeviceType::Gpu => Some(Kind::GpuConfig),
+            DeviceType::Mig => Some(Kind::MigConfig),
+            DeviceType::Share(_) => Some(Kind::ShareConfig),
+            DeviceType::Monitor => None,
         }
     }
 }
@@ -164,6 +168,8 @@ pub enum EffectiveConfig {
         /// consumed capacity); `None` for `Shared` ones.
         limits: Option<Limits>,
     },
+    /// A monitoring device: nothing to set.
+    Monitor,
 }
 
 impl EffectiveConfig {
@@ -180,6 +186,7 @@ impl EffectiveConfig {
                 limits: Some(full(device.holds)),
             },
             DeviceType::Share(IsolationLevel::Shared) => EffectiveConfig::Share { limits: None },
+            DeviceType::Monitor => EffectiveConfig::Monitor,
         }
     }
 }
@@ -316,7 +323,9 @@ pub fn resolve_claim(
     for (i, config) in decoded.iter().enumerate() {
         let kind = config.kind();
         if sources[i].requests.is_empty()
-            && !devices.iter().any(|d| d.device_type.config_kind() == kind)
+            && !devices
+                .iter()
+                .any(|d| d.device_type.config_kind() == Some(kind))
         {
             let mut types: Vec<&str> = devices.iter().map(|d| d.device_type.as_str()).collect();
             types.sort_unstable();
@@ -351,6 +360,25 @@ pub fn resolve_claim(
                     continue;
                 };
                 let kind = decoded[i].kind();
+                let Some(want) = want else {
+                    if scope == Scope::All {
+                        // Meant for the claim's other devices.
+                        continue;
+                    }
+                    return Err(error(
+                        Some(i),
+                        Problem::new(
+                            ProblemKind::NotApplicable,
+                            "requests",
+                            format!(
+                                "device `{}` of request `{}` is a monitoring device, which \
+                                 takes no config",
+                                device.device, device.request
+                            ),
+                            "remove this request from the config's `requests`",
+                        ),
+                    ));
+                };
                 if kind != want {
                     if scope == Scope::All {
                         // Meant for other devices of the same claim.
@@ -447,6 +475,7 @@ fn finish(device: &DeviceTarget, m: Merged) -> Result<EffectiveConfig, Failure> 
             }
             Ok(EffectiveConfig::Share { limits: None })
         }
+        DeviceType::Monitor => Ok(EffectiveConfig::Monitor),
     }
 }
 

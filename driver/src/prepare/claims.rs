@@ -156,6 +156,8 @@ pub struct Selected {
     pub share_id: Option<String>,
     /// `consumedCapacity`, as quantity strings.
     pub consumed: BTreeMap<String, String>,
+    /// The result's `adminAccess` (monitoring devices require it).
+    pub admin_access: bool,
 }
 
 /// What this driver on this node has to do for a claim.
@@ -268,6 +270,7 @@ pub fn select(
                 .flatten()
                 .map(|(k, q)| (k.clone(), q.0.clone()))
                 .collect(),
+            admin_access: r.admin_access == Some(true),
         })
         .collect();
 

@@ -104,6 +104,8 @@ pub enum Kind {
         /// The node policy's time slice for Shared shares of the GPU.
         time_slice: Option<TimeSliceInterval>,
     },
+    /// The GPU's monitoring device (adminAccess claims only).
+    Monitor,
 }
 
 /// Resolves one allocated device.
@@ -214,6 +216,34 @@ pub fn resolve(
                 consumed,
             )
         }
+        DeviceKind::Monitor => {
+            if !selected.admin_access {
+                return Err(ClaimError::new(
+                    claim,
+                    format!(
+                        "device {} is the monitoring device of GPU {}, which only a request with \
+                         adminAccess gets, and request `{}` does not have admin access",
+                        selected.device, gpu.uuid, selected.request
+                    ),
+                )
+                .field(format!("{field}.adminAccess"))
+                .fix(format!(
+                    "set `adminAccess: true` in request `{}` (its namespace needs the label \
+                     resource.kubernetes.io/admin-access=true), or ask for a device class that \
+                     selects work devices (type gpu, mig or share), then delete the Pod so the \
+                     claim is allocated again",
+                    selected.request
+                )));
+            }
+            (
+                Kind::Monitor,
+                DeviceType::Monitor,
+                Holdings {
+                    memory_bytes: 0,
+                    compute_percent: 0,
+                },
+            )
+        }
         DeviceKind::Replica {
             level,
             memory_bytes,
@@ -237,8 +267,8 @@ pub fn resolve(
             )
         }
     };
-    let mig_mode = catalog
-        .mig_managed(&gpu.uuid)
+    // A monitor watches the GPU in whatever mode it is.
+    let mig_mode = (catalog.mig_managed(&gpu.uuid) && !matches!(kind, Kind::Monitor))
         .then_some(matches!(kind, Kind::Mig { .. }));
     Ok(Resolved {
         selected: selected.clone(),
@@ -424,12 +454,22 @@ pub fn build(
     }
 
     let mut common = ContainerEdits::default();
+    // A claim of monitoring devices only gets what NVML needs: no UVM nodes
+    // (CUDA cannot start without them), no CUDA libraries.
+    let monitor_only = devices
+        .iter()
+        .all(|d| matches!(d.device.kind, Kind::Monitor));
     for node in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
-        if node == "/dev/nvidiactl" || layout.exists(node) {
+        if node == "/dev/nvidiactl" || (!monitor_only && layout.exists(node)) {
             common.device_nodes.push(layout.node(node));
         }
     }
-    common.mounts = layout.driver_files.clone();
+    common.mounts = layout
+        .driver_files
+        .iter()
+        .filter(|m| !monitor_only || is_nvml_file(&m.container_path))
+        .cloned()
+        .collect();
 
     let answer = devices
         .iter()
@@ -442,6 +482,13 @@ pub fn build(
         .collect();
     let status = devices.iter().map(status_of).collect();
     Ok((Spec::for_claim(cdi_devices, common), answer, status))
+}
+
+/// Whether a driver file is one a monitoring agent needs: NVML and
+/// `nvidia-smi`.
+fn is_nvml_file(container_path: &str) -> bool {
+    let name = container_path.rsplit('/').next().unwrap_or_default();
+    name.starts_with("libnvidia-ml.so") || name == "nvidia-smi"
 }
 
 fn request_edits(
@@ -584,9 +631,10 @@ fn status_of(built: &Built) -> DeviceStatus {
         EffectiveConfig::Share { .. } => {
             (None, time_slice(d, &built.config).map(|i| format!("{i:?}")))
         }
+        EffectiveConfig::Monitor => (None, None),
     };
     let (profile, isolation_level, consumed) = match &d.kind {
-        Kind::Whole => (None, None, None),
+        Kind::Whole | Kind::Monitor => (None, None, None),
         Kind::Mig { profile, .. } => (Some(profile.clone()), None, None),
         Kind::Share {
             level, consumed, ..
