@@ -5,6 +5,8 @@
 //! NVML event set (CRITICAL_XID_ERROR, every GPU) ──blocking thread──> HealthTracker
 //!     per GPU: Healthy | Unhealthy {xid} | Unknown {reason}, and since when
 //! HealthTracker + catalog (published device -> GPU) ──> NodeWatchResources stream
+//! HealthTracker ──> node view (unhealthy GPUs) ──> slice model: device taints
+//!               ──> Events on the Node, metrics
 //! ```
 //!
 //! * **What is watched**: XID critical errors of every GPU NVML lists when the
@@ -22,6 +24,13 @@
 //!   reset or a reboot, which restarts the plugin: a restart starts
 //!   Healthy). With `N > 0`, a GPU becomes Healthy again `N` seconds after
 //!   its last fatal XID.
+//! * **Slices, Events, metrics**: the GPUs held Unhealthy go into the
+//!   node's view ([`unhealthy_gpus`], read by the node's observer, which a
+//!   [`spawn_follower`] task pokes at every change) and from there into the
+//!   slice model, which taints their devices (`<driver>/unhealthy=xid-<n>`,
+//!   `NoSchedule`; see `tessera_controller::model::taints`). Each GPU turning
+//!   Unhealthy, Healthy again or unwatched is an Event on the Node
+//!   ([`Transition`]); the metrics count devices by health and XIDs seen.
 //! * **What the kubelet gets**: every device of this node's pool (the
 //!   catalog prepare resolves names through: whole GPUs, shares, MIG
 //!   devices) with its GPU's health, first at once, then at every change,
@@ -42,7 +51,10 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
+use tessera_controller::model::Unhealthy;
+
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::prepare::status::NodeEvents;
 
 /// XIDs that make a GPU Unhealthy, with what they mean. Each needs at least
 /// a GPU reset (or a node drain) before the GPU can be trusted again.
@@ -133,7 +145,12 @@ pub enum Health {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuHealth {
     pub health: Health,
+    /// When this health was last determined (start, the last fatal XID,
+    /// recovery).
     pub since: SystemTime,
+    /// While Unhealthy: when it became so (later fatal XIDs keep it; the
+    /// taint's `timeAdded`).
+    pub unhealthy_since: Option<SystemTime>,
 }
 
 /// GPU UUID -> health.
@@ -144,6 +161,8 @@ pub struct HealthTracker {
     policy: XidPolicy,
     recovery: Option<Duration>,
     state: watch::Sender<Arc<HealthMap>>,
+    /// XID events seen, by (GPU UUID, XID; 0 when NVML could not say).
+    xids: std::sync::Mutex<BTreeMap<(String, u64), u64>>,
 }
 
 impl HealthTracker {
@@ -154,7 +173,13 @@ impl HealthTracker {
             policy,
             recovery,
             state: watch::Sender::new(Arc::new(HealthMap::new())),
+            xids: std::sync::Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// Every XID event seen so far: (GPU UUID, XID) -> count (the metrics).
+    pub fn xid_counts(&self) -> BTreeMap<(String, u64), u64> {
+        self.xids.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Arc<HealthMap>> {
@@ -170,7 +195,15 @@ impl HealthTracker {
             if map.get(uuid).is_some_and(|g| g.health == health) {
                 return false;
             }
-            Arc::make_mut(map).insert(uuid.to_owned(), GpuHealth { health, since: at });
+            let unhealthy_since = matches!(health, Health::Unhealthy { .. }).then_some(at);
+            Arc::make_mut(map).insert(
+                uuid.to_owned(),
+                GpuHealth {
+                    health,
+                    since: at,
+                    unhealthy_since,
+                },
+            );
             true
         })
     }
@@ -188,6 +221,12 @@ impl HealthTracker {
 
     /// An XID event on GPU `uuid` (a MIG device's arrive on its GPU).
     pub fn xid(&self, uuid: &str, xid: Option<u64>, at: SystemTime) -> XidClass {
+        *self
+            .xids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((uuid.to_owned(), xid.unwrap_or(0)))
+            .or_default() += 1;
         let class = self.policy.classify(xid);
         let shown = xid.map_or_else(|| "unknown".to_owned(), |x| x.to_string());
         match (class, xid) {
@@ -199,11 +238,14 @@ impl HealthTracker {
                 );
                 // A later fatal XID restarts the recovery clock.
                 self.state.send_modify(|map| {
+                    let unhealthy_since =
+                        map.get(uuid).and_then(|g| g.unhealthy_since).unwrap_or(at);
                     Arc::make_mut(map).insert(
                         uuid.to_owned(),
                         GpuHealth {
                             health: Health::Unhealthy { xid: x },
                             since: at,
+                            unhealthy_since: Some(unhealthy_since),
                         },
                     );
                 });
@@ -239,6 +281,169 @@ impl HealthTracker {
         }
         due
     }
+}
+
+/// The GPUs `map` holds Unhealthy, as the slice model taints them: value
+/// `xid-<n>`, since when the GPU has been Unhealthy.
+pub fn unhealthy_gpus(map: &HealthMap) -> BTreeMap<String, Unhealthy> {
+    map.iter()
+        .filter_map(|(uuid, g)| match g.health {
+            Health::Unhealthy { xid } => Some((
+                uuid.clone(),
+                Unhealthy {
+                    reason: format!("xid-{xid}"),
+                    since: unix_seconds(g.unhealthy_since.unwrap_or(g.since)),
+                },
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+fn unix_seconds(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// A change of one GPU's health worth an Event on the Node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// It became Unhealthy, or its fatal XID changed.
+    Unhealthy { gpu: String, xid: u64 },
+    /// Healthy again after being Unhealthy.
+    Recovered { gpu: String },
+    /// Its XID events cannot be watched.
+    NotWatched { gpu: String, reason: String },
+}
+
+/// What changed from `before` to `after`.
+pub fn transitions(before: &HealthMap, after: &HealthMap) -> Vec<Transition> {
+    let mut out = Vec::new();
+    for (gpu, now) in after {
+        let was = before.get(gpu).map(|g| &g.health);
+        match (&now.health, was) {
+            (Health::Unhealthy { xid }, Some(Health::Unhealthy { xid: old })) if old == xid => {}
+            (Health::Unhealthy { xid }, _) => out.push(Transition::Unhealthy {
+                gpu: gpu.clone(),
+                xid: *xid,
+            }),
+            (Health::Healthy, Some(Health::Unhealthy { .. })) => {
+                out.push(Transition::Recovered { gpu: gpu.clone() })
+            }
+            (Health::Unknown { reason }, was) if !matches!(was, Some(Health::Unknown { .. })) => {
+                out.push(Transition::NotWatched {
+                    gpu: gpu.clone(),
+                    reason: reason.clone(),
+                })
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `gpu-<n> (GPU-…)`, or the UUID alone before the first model.
+fn gpu_label(catalog: Option<&Catalog>, uuid: &str) -> String {
+    catalog
+        .and_then(|c| c.devices().find(|(_, d)| d.gpu_uuid == uuid))
+        .map_or_else(
+            || uuid.to_owned(),
+            |(_, d)| format!("gpu-{} ({uuid})", d.gpu_index),
+        )
+}
+
+/// The Node event (`type`, reason, message) of a transition.
+pub fn event(
+    transition: &Transition,
+    catalog: Option<&Catalog>,
+    taint_key: &str,
+    recovery: Option<Duration>,
+) -> (bool, &'static str, String) {
+    match transition {
+        Transition::Unhealthy { gpu, xid } => (
+            true,
+            "GpuUnhealthy",
+            format!(
+                "GPU {}: XID {xid} ({}): its devices are reported Unhealthy to the kubelet and \
+                 tainted {taint_key}=xid-{xid}:NoSchedule where the API server serves device \
+                 taints, so new claims do not get them; running Pods are not evicted. {}",
+                gpu_label(catalog, gpu),
+                fatal_meaning(*xid).unwrap_or("fatal"),
+                match recovery {
+                    Some(after) => format!(
+                        "It counts as Healthy again {}s after its last fatal XID.",
+                        after.as_secs()
+                    ),
+                    None => "Drain the node and reset the GPU (or reboot); the restarted \
+                             driver starts it Healthy."
+                        .to_owned(),
+                }
+            ),
+        ),
+        Transition::Recovered { gpu } => (
+            false,
+            "GpuHealthy",
+            format!(
+                "GPU {} is Healthy again: no fatal XID for {}s; its taint {taint_key} is removed",
+                gpu_label(catalog, gpu),
+                recovery.map_or(0, |d| d.as_secs())
+            ),
+        ),
+        Transition::NotWatched { gpu, reason } => (
+            true,
+            "GpuHealthUnknown",
+            format!(
+                "GPU {}: health not watched ({reason}); its devices are reported Unknown and \
+                 never tainted",
+                gpu_label(catalog, gpu)
+            ),
+        ),
+    }
+}
+
+/// Follows the tracker for the life of the process: every change calls
+/// `on_change` (the node's observer, which puts the unhealthy GPUs into the
+/// view the publisher turns into slices), and every [`Transition`] becomes
+/// an Event on the Node.
+pub fn spawn_follower(
+    tracker: Arc<HealthTracker>,
+    events: Option<NodeEvents>,
+    catalog: Arc<DeviceCatalog>,
+    taint_key: String,
+    on_change: impl Fn() + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    let recovery = tracker.recovery;
+    let mut rx = tracker.subscribe();
+    tokio::spawn(async move {
+        let mut before = rx.borrow_and_update().clone();
+        // Whatever happened before this task ran reaches the view too.
+        on_change();
+        loop {
+            let transitions = {
+                let now = rx.borrow_and_update().clone();
+                let t = transitions(&before, &now);
+                if unhealthy_gpus(&before) != unhealthy_gpus(&now) {
+                    on_change();
+                }
+                before = now;
+                t
+            };
+            if let Some(events) = &events {
+                let cat = catalog.subscribe().borrow().clone();
+                for t in &transitions {
+                    let (warning, reason, message) = event(t, cat.as_deref(), &taint_key, recovery);
+                    if warning {
+                        events.warning(reason, &message).await;
+                    } else {
+                        events.normal(reason, &message).await;
+                    }
+                }
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    })
 }
 
 /// Registers XID events of every GPU NVML lists and feeds them to `tracker`

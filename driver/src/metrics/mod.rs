@@ -27,8 +27,10 @@ use tessera_controller::publisher::{NodeView, WriteCounters};
 use tokio::sync::watch;
 use tracing::debug;
 
+use crate::health::{Health, HealthMap, HealthTracker};
 use crate::mps::MpsSupervisor;
 use crate::prepare::Preparer;
+use crate::prepare::catalog::{Catalog, DeviceCatalog};
 use crate::prepare::state::EntryState;
 
 /// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
@@ -57,6 +59,23 @@ struct GpuLabels {
     gpu: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HealthLabels {
+    health: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuHealthLabels {
+    gpu: String,
+    health: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct XidLabels {
+    gpu: String,
+    xid: String,
+}
+
 /// Every metric of the node process.
 pub struct Metrics {
     registry: Registry,
@@ -72,6 +91,9 @@ pub struct Metrics {
     gpu_allocated: Family<GpuLabels, Gauge>,
     gpu_used: Family<GpuLabels, Gauge>,
     gpu_total: Family<GpuLabels, Gauge>,
+    device_health: Family<HealthLabels, Gauge>,
+    gpu_health: Family<GpuHealthLabels, Gauge>,
+    xid_errors: Family<XidLabels, Counter>,
     ready: AtomicBool,
     sampler: OnceLock<Sampler>,
 }
@@ -99,6 +121,9 @@ impl Metrics {
             gpu_allocated: Family::default(),
             gpu_used: Family::default(),
             gpu_total: Family::default(),
+            device_health: Family::default(),
+            gpu_health: Family::default(),
+            xid_errors: Family::default(),
             ready: AtomicBool::new(false),
             sampler: OnceLock::new(),
             registry: Registry::default(),
@@ -127,7 +152,7 @@ impl Metrics {
         );
         registry.register(
             "published_devices",
-            "Devices in the slice model last built for this node, by kind (gpu, mig, share)",
+            "Devices in the slice model last built for this node, by kind (gpu, mig, share, monitor)",
             m.devices.clone(),
         );
         registry.register(
@@ -168,6 +193,21 @@ impl Metrics {
             Unit::Bytes,
             m.gpu_total.clone(),
         );
+        registry.register(
+            "device_health",
+            "Published devices by the health of their GPU (healthy, unhealthy, unknown), as the kubelet is told",
+            m.device_health.clone(),
+        );
+        registry.register(
+            "gpu_health",
+            "1 for each GPU's current health (healthy, unhealthy, unknown)",
+            m.gpu_health.clone(),
+        );
+        registry.register(
+            "xid_errors",
+            "NVML XID critical error events, by GPU and XID (0: NVML could not say which)",
+            m.xid_errors.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -192,15 +232,21 @@ impl Metrics {
 
     /// The publisher built a model: count its devices; the node is ready.
     pub fn model_built(&self, model: &Model) {
-        let (mut gpu, mut mig, mut share) = (0, 0, 0);
+        let (mut gpu, mut mig, mut share, mut monitor) = (0, 0, 0, 0);
         for device in model.devices.values() {
             match device.kind {
                 DeviceKind::Whole => gpu += 1,
                 DeviceKind::Mig { .. } => mig += 1,
                 DeviceKind::Share { .. } | DeviceKind::Replica { .. } => share += 1,
+                DeviceKind::Monitor => monitor += 1,
             }
         }
-        for (kind, n) in [("gpu", gpu), ("mig", mig), ("share", share)] {
+        for (kind, n) in [
+            ("gpu", gpu),
+            ("mig", mig),
+            ("share", share),
+            ("monitor", monitor),
+        ] {
             self.devices.get_or_create(&KindLabels { kind }).set(n);
         }
         self.ready.store(true, Ordering::SeqCst);
@@ -250,6 +296,9 @@ pub struct Sampler {
     pub nvml: Arc<Nvml>,
     pub mps: Arc<MpsSupervisor>,
     pub publisher: Arc<WriteCounters>,
+    pub health: Arc<HealthTracker>,
+    /// The published devices (by GPU), for devices by health.
+    pub catalog: Arc<DeviceCatalog>,
 }
 
 impl Sampler {
@@ -299,6 +348,62 @@ impl Sampler {
         }
         m.set_gpu_memory(&m.gpu_used, &used);
         m.set_gpu_memory(&m.gpu_total, &total);
+
+        let catalog = self.catalog.subscribe().borrow().clone();
+        m.set_health(
+            &self.health.current(),
+            catalog.as_deref(),
+            &self.health.xid_counts(),
+        );
+    }
+}
+
+fn health_label(health: Option<&Health>) -> &'static str {
+    match health {
+        Some(Health::Healthy) => "healthy",
+        Some(Health::Unhealthy { .. }) => "unhealthy",
+        Some(Health::Unknown { .. }) | None => "unknown",
+    }
+}
+
+impl Metrics {
+    /// Health gauges from the tracker's map and the published devices; the
+    /// XID counters catch up with the tracker's counts.
+    fn set_health(
+        &self,
+        map: &HealthMap,
+        catalog: Option<&Catalog>,
+        xids: &std::collections::BTreeMap<(String, u64), u64>,
+    ) {
+        let mut by_health =
+            std::collections::BTreeMap::from([("healthy", 0), ("unhealthy", 0), ("unknown", 0)]);
+        for (_, device) in catalog.into_iter().flat_map(Catalog::devices) {
+            let label = health_label(map.get(&device.gpu_uuid).map(|g| &g.health));
+            *by_health.entry(label).or_default() += 1;
+        }
+        for (health, n) in by_health {
+            self.device_health
+                .get_or_create(&HealthLabels { health })
+                .set(n);
+        }
+        self.gpu_health.clear();
+        for (gpu, g) in map {
+            self.gpu_health
+                .get_or_create(&GpuHealthLabels {
+                    gpu: gpu.clone(),
+                    health: health_label(Some(&g.health)),
+                })
+                .set(1);
+        }
+        for ((gpu, xid), n) in xids {
+            catch_up(
+                &self.xid_errors.get_or_create(&XidLabels {
+                    gpu: gpu.clone(),
+                    xid: xid.to_string(),
+                }),
+                *n,
+            );
+        }
     }
 }
 
@@ -332,6 +437,69 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         assert!(!m.ready());
+    }
+
+    #[test]
+    fn devices_and_gpus_are_counted_by_health() {
+        use crate::health::{GpuHealth, XidPolicy};
+        use std::time::SystemTime;
+        use tessera_controller::model::DeviceRef;
+        let device = |gpu: &str, kind| DeviceRef {
+            gpu_uuid: gpu.into(),
+            gpu_index: 0,
+            kind,
+        };
+        let catalog = Catalog::new(
+            Default::default(),
+            [
+                ("gpu-0".to_owned(), device("GPU-0", DeviceKind::Whole)),
+                (
+                    "gpu-0-monitor".to_owned(),
+                    device("GPU-0", DeviceKind::Monitor),
+                ),
+                ("gpu-1".to_owned(), device("GPU-1", DeviceKind::Whole)),
+                ("gpu-2".to_owned(), device("GPU-2", DeviceKind::Whole)),
+            ]
+            .into_iter()
+            .collect(),
+        );
+        let at = SystemTime::UNIX_EPOCH;
+        let map: HealthMap = [
+            (
+                "GPU-0".to_owned(),
+                GpuHealth {
+                    health: Health::Unhealthy { xid: 79 },
+                    since: at,
+                    unhealthy_since: Some(at),
+                },
+            ),
+            (
+                "GPU-1".to_owned(),
+                GpuHealth {
+                    health: Health::Healthy,
+                    since: at,
+                    unhealthy_since: None,
+                },
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let tracker = HealthTracker::new(XidPolicy::default(), None);
+        tracker.xid("GPU-0", Some(79), at);
+        tracker.xid("GPU-0", Some(79), at);
+        let m = Metrics::new();
+        m.set_health(&map, Some(&catalog), &tracker.xid_counts());
+        let text = m.render();
+        for line in [
+            "tessera_device_health{health=\"healthy\"} 1",
+            "tessera_device_health{health=\"unhealthy\"} 2",
+            "tessera_device_health{health=\"unknown\"} 1",
+            "tessera_gpu_health{gpu=\"GPU-0\",health=\"unhealthy\"} 1",
+            "tessera_gpu_health{gpu=\"GPU-1\",health=\"healthy\"} 1",
+            "tessera_xid_errors_total{gpu=\"GPU-0\",xid=\"79\"} 2",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
     }
 
     #[test]

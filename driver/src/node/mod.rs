@@ -5,9 +5,9 @@
 //! ```text
 //! NVML ──observe──> NodeView {inventory, created MIG, prepared devices} ──> publisher
 //!   ^                  (read under the hardware lock)                         │ model
-//!   │                                                                         v
+//!   │                + unhealthy GPUs (health tracker)                        v
 //! prepare/unprepare <── catalog (the model being published) <── NodeTruth::model_built
-//!   └── pokes the observer after every change
+//!   └── pokes the observer after every change (so does a health change)
 //! ```
 //!
 //! * [`Observer`] reads the GPUs and the checkpoint together (the prepare
@@ -37,6 +37,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::discovery;
+use crate::health::HealthTracker;
 use crate::prepare::Preparer;
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
 
@@ -155,11 +156,23 @@ impl NodeState for NodeTruth {
 pub struct Observer {
     nvml: Arc<Nvml>,
     preparer: Arc<Preparer>,
+    health: Option<Arc<HealthTracker>>,
 }
 
 impl Observer {
     pub fn new(nvml: Arc<Nvml>, preparer: Arc<Preparer>) -> Self {
-        Observer { nvml, preparer }
+        Observer {
+            nvml,
+            preparer,
+            health: None,
+        }
+    }
+
+    /// Every view carries the GPUs `health` holds Unhealthy (the slices
+    /// taint their devices); poke the observer when it changes.
+    pub fn with_health(mut self, health: Arc<HealthTracker>) -> Self {
+        self.health = Some(health);
+        self
     }
 
     /// One look at the node. A GPU that cannot be read is left out, unless
@@ -186,6 +199,11 @@ impl Observer {
             inventory,
             owned_mig: self.preparer.created_mig(),
             prepared: self.preparer.prepared_devices(),
+            unhealthy: self
+                .health
+                .as_ref()
+                .map(|h| crate::health::unhealthy_gpus(&h.current()))
+                .unwrap_or_default(),
         })
     }
 
@@ -215,6 +233,7 @@ impl Observer {
                                     gpus = view.inventory.gpus.len(),
                                     created_mig = view.owned_mig.len(),
                                     prepared = view.prepared.len(),
+                                    unhealthy = view.unhealthy.len(),
                                     "node changed"
                                 );
                                 *current = view;

@@ -275,6 +275,22 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     )));
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
     let (poke, pokes) = std::sync::mpsc::channel::<()>();
+    // Health changes reach the slices (taints) through the observer, and
+    // the Node's events.
+    let health_poke = poke.clone();
+    health::spawn_follower(
+        health.clone(),
+        Some(NodeEvents::new(
+            client.clone(),
+            args.node_name.clone(),
+            format!("{}-plugin", args.driver_name),
+        )),
+        catalog.clone(),
+        tessera_controller::model::taints::unhealthy_key(&driver),
+        move || {
+            let _ = health_poke.send(());
+        },
+    );
     // Profiles come from the first look at the GPUs, taken after recovery
     // (which destroys MIG devices but never creates one).
     let mig = Arc::new(NvmlMig::new(nvml.clone(), &Inventory::default()));
@@ -313,7 +329,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     // into slices, and every model it builds is the catalog.
     let observer_nvml = nvml.clone();
     // Looked at after recovery, which may have destroyed MIG devices.
-    let observer = Arc::new(Observer::new(nvml, preparer.clone()));
+    let observer = Arc::new(Observer::new(nvml, preparer.clone()).with_health(health.clone()));
     let first_view = {
         let observer = observer.clone();
         tokio::task::spawn_blocking(move || observer.observe(None)).await??
@@ -352,6 +368,8 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             nvml: observer_nvml,
             mps: mps.clone(),
             publisher: publisher.counters(),
+            health: health.clone(),
+            catalog: catalog.clone(),
         });
     }
     let (stop_publisher, stopped) = tokio::sync::oneshot::channel::<()>();
