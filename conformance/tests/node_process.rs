@@ -171,6 +171,10 @@ fn allocation(node: &SimNode, device: &Value, n: usize) -> Value {
         r["shareID"] = json!(format!("{n:08x}-0000-4000-8000-{n:012x}"));
         r["consumedCapacity"] = json!({ "memory": "1Gi", "cores": "10" });
     }
+    // Monitoring devices are for admin access only.
+    if attr(device, "type") == Some("monitor") {
+        r["adminAccess"] = json!(true);
+    }
     r
 }
 
@@ -221,6 +225,12 @@ async fn prepare_as_published(node: &mut SimNode, device: &Value, n: usize) -> R
                 gpu_now.mig
             );
         }
+        // A monitor watches the GPU in whatever mode it is in.
+        "monitor" => ensure!(
+            matches!(gpu_now.mig, Mig::Enabled { .. })
+                == matches!(gpu_before.mig, Mig::Enabled { .. }),
+            "{name}: preparing a monitoring device changed the MIG mode of {uuid}"
+        ),
         _ => ensure!(
             !matches!(gpu_now.mig, Mig::Enabled { .. }),
             "{name} ({kind}) prepared while {uuid} is in MIG mode"
