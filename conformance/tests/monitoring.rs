@@ -1,0 +1,343 @@
+//! A monitoring agent on a busy GPU, through the real kube-scheduler,
+//! kubelet and containers: a workload Pod holds a whole GPU (its counters
+//! charged); a claim with `adminAccess: true` on the monitoring class,
+//! pinned to that GPU, is still allocated (the GPU's monitoring device) and
+//! its Pod sees the GPU with `nvidia-smi -L`. The same class without admin
+//! access is refused at prepare with an error naming the claim, the request
+//! and the fix.
+//!
+//! Pods must really run (nvidia-smi in the container), so the test needs
+//! the cluster's real container runtime and uses the node process on the
+//! kubelet's node (`cluster.sh node-start`): one already running is used
+//! with its driver name; otherwise it is started over
+//! `a100-40gb-x2-mig.yaml` and stopped and removed after.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tessera_conformance::{
+    ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
+};
+
+const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
+const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("conformance has a parent")
+        .to_path_buf()
+}
+
+fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
+    std::fs::read_to_string(state_dir.join(name))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
+        .collect()
+}
+
+fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<()> {
+    let out = Command::new(repo_root().join("conformance/cluster.sh"))
+        .args(args)
+        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
+        .output()
+        .context("running cluster.sh")?;
+    if !out.status.success() {
+        bail!(
+            "cluster.sh {args:?} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn node_running(env: &ClusterEnv) -> bool {
+    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok());
+    // SAFETY: signal 0 only checks that the process exists.
+    pid.is_some_and(|p| unsafe { libc::kill(p, 0) == 0 })
+}
+
+fn probe_image() -> String {
+    std::env::var("TESSERA_PROBE_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| "tessera.local/probe:1".into())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_admin_access_claim_monitors_a_gpu_a_workload_holds() -> Result<()> {
+    let env = ClusterEnv::from_env()?;
+    if env.kubelet.is_none() {
+        eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
+        return Ok(());
+    }
+    let runtime = std::env::var("TESSERA_CONTAINER_RUNTIME")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
+        .unwrap_or_else(|| "fake".to_owned());
+    if runtime != "containerd" {
+        eprintln!(
+            "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
+             this test reads what nvidia-smi printed in a pod"
+        );
+        return Ok(());
+    }
+    let cluster = TestCluster::shared().await?;
+    let started_node = !node_running(&env);
+    if started_node {
+        let topology = repo_root()
+            .join("driver/fake-nvml/topologies")
+            .join(TOPOLOGY);
+        let topology = topology.to_str().context("topology path")?;
+        if env.state_dir.join("node/node.env").exists() {
+            cluster_sh(&env, &["node-start"])?;
+        } else {
+            cluster_sh(&env, &["node-start", "--topology", topology])?;
+        }
+    }
+    let driver = env_file(&env.state_dir, "node/node.env")
+        .remove("NODE_DRIVER")
+        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let id = unique_name("mon");
+    let ns = cluster.create_namespace("monitoring").await?;
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+
+    let result = run(&cluster, &ns, &driver, &id).await;
+
+    for pod in ["workload", "monitor", "not-admin"] {
+        let _ = ns
+            .api::<Pod>()
+            .delete(pod, &DeleteParams::default().grace_period(0))
+            .await;
+    }
+    // Pods unprepared before the node process may stop.
+    let _ = wait_for("the test's pods gone", TIMEOUT, || {
+        let pods = ns.api::<Pod>();
+        async move {
+            Ok(pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        }
+    })
+    .await;
+    let _ = ns.delete().await;
+    for class in [format!("{id}-gpu"), format!("{id}-monitor")] {
+        let _ = delete_ignore_missing(&classes, &class).await;
+    }
+    if started_node {
+        let _ = cluster_sh(&env, &["node-stop"]);
+        let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
+    }
+    result
+}
+
+fn pod(name: &str, claim: &str, command: &str) -> Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": claim }],
+            "containers": [{
+                "name": "main",
+                "image": probe_image(),
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c", command],
+                "resources": { "claims": [{ "name": "gpu" }] },
+            }],
+        },
+    }))?)
+}
+
+async fn claim(ns: &TestNamespace, name: &str, exactly: serde_json::Value) -> Result<()> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": exactly }] } },
+    }))?;
+    ns.api::<ResourceClaim>()
+        .create(&PostParams::default(), &claim)
+        .await?;
+    Ok(())
+}
+
+/// `gpuUUID` of the claim's first device in `status.devices`, once there.
+async fn status_gpu(claims: &Api<ResourceClaim>, name: &str) -> Result<String> {
+    wait_for("status.devices with the GPU UUID", TIMEOUT, || async {
+        let c = claims.get(name).await?;
+        Ok(c.status
+            .and_then(|s| s.devices)
+            .and_then(|d| d.into_iter().next())
+            .and_then(|d| d.data)
+            .and_then(|d| {
+                d.0.get("gpuUUID")
+                    .and_then(|v| v.as_str())
+                    .map(str::to_owned)
+            }))
+    })
+    .await
+}
+
+/// The Pod's log once it contains `what`.
+async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> {
+    wait_for(&format!("{pod}'s log to show {what}"), TIMEOUT, || async {
+        let log = pods
+            .logs(pod, &LogParams::default())
+            .await
+            .unwrap_or_default();
+        Ok(log.contains(what).then_some(log))
+    })
+    .await
+}
+
+async fn run(cluster: &TestCluster, ns: &TestNamespace, driver: &str, id: &str) -> Result<()> {
+    let pp = PostParams::default();
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    for (suffix, ty) in [("gpu", "gpu"), ("monitor", "monitor")] {
+        let class: DeviceClass = serde_json::from_value(json!({
+            "metadata": { "name": format!("{id}-{suffix}") },
+            "spec": { "selectors": [{ "cel": { "expression": format!(
+                "device.driver == {driver:?} && device.attributes[{driver:?}].type == {ty:?}"
+            ) } }] },
+        }))?;
+        classes.create(&pp, &class).await?;
+    }
+    // Admin access needs the namespace label.
+    Api::<Namespace>::all(cluster.client())
+        .patch(
+            ns.name(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "labels": {
+                "resource.kubernetes.io/admin-access": "true"
+            } } })),
+        )
+        .await?;
+    let pods: Api<Pod> = ns.api();
+    let claims: Api<ResourceClaim> = ns.api();
+
+    // A workload holds a whole GPU.
+    claim(
+        ns,
+        "workload",
+        json!({ "deviceClassName": format!("{id}-gpu") }),
+    )
+    .await?;
+    pods.create(
+        &pp,
+        &pod("workload", "workload", "nvidia-smi -L && exec sleep 3600")?,
+    )
+    .await?;
+    let gpu = status_gpu(&claims, "workload").await?;
+    log_with(&pods, "workload", &gpu).await?;
+
+    // A monitoring claim for exactly that GPU, with admin access.
+    claim(
+        ns,
+        "monitor",
+        json!({
+            "deviceClassName": format!("{id}-monitor"),
+            "adminAccess": true,
+            "selectors": [{ "cel": { "expression": format!(
+                "device.attributes[{driver:?}].uuid == {gpu:?}"
+            ) } }],
+        }),
+    )
+    .await?;
+    pods.create(
+        &pp,
+        &pod(
+            "monitor",
+            "monitor",
+            "nvidia-smi -L; nvidia-smi --query-gpu=uuid,name --format=csv,noheader; \
+             ls /dev/nvidia-uvm 2>&1; exec sleep 3600",
+        )?,
+    )
+    .await?;
+    let log = log_with(&pods, "monitor", &gpu).await?;
+    eprintln!("the monitoring pod, beside a workload on {gpu}, printed:\n{log}");
+    ensure!(
+        log.contains(&format!("(UUID: {gpu})")),
+        "the monitor's nvidia-smi -L does not list {gpu}:\n{log}"
+    );
+    ensure!(
+        log.contains("No such file"),
+        "the monitoring container has /dev/nvidia-uvm (CUDA's device):\n{log}"
+    );
+    let allocated = claims.get("monitor").await?;
+    let results = allocated
+        .status
+        .and_then(|s| s.allocation)
+        .and_then(|a| a.devices)
+        .and_then(|d| d.results)
+        .unwrap_or_default();
+    ensure!(
+        results.len() == 1
+            && results[0].device.ends_with("-monitor")
+            && results[0].admin_access == Some(true),
+        "the monitoring claim's allocation: {results:?}"
+    );
+    // The workload still holds its GPU and runs.
+    let workload = pods.get("workload").await?;
+    ensure!(
+        workload.status.and_then(|s| s.phase).as_deref() == Some("Running"),
+        "the workload stopped"
+    );
+
+    // Without admin access the same device is refused at prepare, with the
+    // claim, the request and the fix named.
+    claim(
+        ns,
+        "not-admin",
+        json!({
+            "deviceClassName": format!("{id}-monitor"),
+            "selectors": [{ "cel": { "expression": format!(
+                "device.attributes[{driver:?}].uuid == {gpu:?}"
+            ) } }],
+        }),
+    )
+    .await?;
+    pods.create(&pp, &pod("not-admin", "not-admin", "exec sleep 3600")?)
+        .await?;
+    let events: Api<Event> = ns.api();
+    let refused = wait_for(
+        "the kubelet's event for the refused prepare",
+        TIMEOUT,
+        || {
+            let events = events.clone();
+            async move {
+                let list = events
+                    .list(&ListParams::default().fields("involvedObject.name=not-admin"))
+                    .await?;
+                Ok(list
+                    .items
+                    .into_iter()
+                    .filter_map(|e| e.message)
+                    .find(|m| m.contains("adminAccess")))
+            }
+        },
+    )
+    .await?;
+    ensure!(
+        refused.contains("not-admin")
+            && refused.contains("request `gpu`")
+            && refused.contains("adminAccess: true"),
+        "the error names neither the claim, the request nor the fix: {refused}"
+    );
+    Ok(())
+}
