@@ -196,6 +196,7 @@ struct ServerReport {
     git_version: String,
     partitionable_devices: bool,
     consumable_capacity: bool,
+    device_taints: bool,
     version_ok: bool,
     reasons: Vec<String>,
 }
@@ -206,6 +207,7 @@ impl From<&Detected> for ServerReport {
             git_version: d.git_version.clone(),
             partitionable_devices: d.capabilities.partitionable_devices,
             consumable_capacity: d.capabilities.consumable_capacity,
+            device_taints: d.capabilities.device_taints,
             version_ok: d.version_ok,
             reasons: d.reasons.clone(),
         }
