@@ -672,17 +672,18 @@ node_nvml_env() {
 	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir; this
+# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir
+# (profile TESSERA_PROFILE, default debug; the benchmark uses release); this
 # script builds none of them.
 node_binaries() {
-	local target="${CARGO_TARGET_DIR:-$REPO_ROOT/target}" f
+	local target="${CARGO_TARGET_DIR:-$REPO_ROOT/target}" profile="${TESSERA_PROFILE:-debug}" f
 	case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
-	TESSERA_BIN_="$target/debug/tessera"
-	FAKE_NVML_LIB_="$target/debug/libtessera_fake_nvml.so"
-	FAKE_MPS_="$target/debug/fake-mps-control"
-	FAKE_SMI_="$target/debug/nvidia-smi"
+	TESSERA_BIN_="$target/$profile/tessera"
+	FAKE_NVML_LIB_="$target/$profile/libtessera_fake_nvml.so"
+	FAKE_MPS_="$target/$profile/fake-mps-control"
+	FAKE_SMI_="$target/$profile/nvidia-smi"
 	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_MPS_" "$FAKE_SMI_"; do
-		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml (with the same CARGO_TARGET_DIR)"
+		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml$([[ $profile == release ]] && echo ' --release') (with the same CARGO_TARGET_DIR)"
 	done
 }
 

@@ -2,6 +2,7 @@
 //! local Kubernetes control plane started by `conformance/cluster.sh`.
 
 pub mod artifacts;
+pub mod bench;
 pub mod cluster;
 pub mod suite;
 

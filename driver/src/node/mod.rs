@@ -38,6 +38,7 @@ use tracing::{info, warn};
 
 use crate::discovery;
 use crate::health::HealthTracker;
+use crate::prepare::NodeChange;
 use crate::prepare::Preparer;
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
 
@@ -195,7 +196,20 @@ impl Observer {
                 None => warn!("GPU discovery: {e} (not published)"),
             }
         }
-        Ok(NodeView {
+        Ok(self.with_records(inventory))
+    }
+
+    /// `last`'s GPUs with the records as they are now: after a change that
+    /// left the GPUs alone (a whole GPU or a share prepared, a health
+    /// change), reading every GPU through NVML again would only cost time.
+    pub fn refresh(&self, last: &NodeView) -> NodeView {
+        let lock = self.preparer.hardware_lock();
+        let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
+        self.with_records(last.inventory.clone())
+    }
+
+    fn with_records(&self, inventory: Inventory) -> NodeView {
+        NodeView {
             inventory,
             owned_mig: self.preparer.created_mig(),
             prepared: self.preparer.prepared_devices(),
@@ -204,27 +218,37 @@ impl Observer {
                 .as_ref()
                 .map(|h| crate::health::unhealthy_gpus(&h.current()))
                 .unwrap_or_default(),
-        })
+        }
     }
 
     /// Observes every `period`, and at once when poked (prepare and
-    /// unprepare poke after each change); sends views that differ. Ends when
-    /// every poke sender is gone.
+    /// unprepare poke after each change, saying whether the GPUs changed or
+    /// only the records); sends views that differ. Ends when every poke
+    /// sender is gone.
     pub fn spawn(
         self: Arc<Self>,
         views: watch::Sender<NodeView>,
-        pokes: mpsc::Receiver<()>,
+        pokes: mpsc::Receiver<NodeChange>,
         period: Duration,
     ) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
             loop {
-                match pokes.recv_timeout(period) {
-                    Ok(()) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                let mut change = match pokes.recv_timeout(period) {
+                    Ok(change) => change,
+                    Err(mpsc::RecvTimeoutError::Timeout) => NodeChange::Gpus,
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                };
+                while let Ok(more) = pokes.try_recv() {
+                    if more == NodeChange::Gpus {
+                        change = more;
+                    }
                 }
-                while pokes.try_recv().is_ok() {}
-                let last = views.borrow().inventory.clone();
-                match self.observe(Some(&last)) {
+                let last = views.borrow().clone();
+                let looked = match change {
+                    NodeChange::Records => Ok(self.refresh(&last)),
+                    NodeChange::Gpus => self.observe(Some(&last.inventory)),
+                };
+                match looked {
                     Ok(view) => {
                         views.send_if_modified(|current| {
                             let changed = *current != view;

@@ -29,7 +29,7 @@ use crate::prepare::claims::ApiClaims;
 use crate::prepare::enforcement::{Layout, discover_driver_files};
 use crate::prepare::status::{NodeEvents, StatusWriter};
 use crate::prepare::time_slice::NvidiaSmiTimeSlice;
-use crate::prepare::{Dependencies, PrepareConfig, Preparer};
+use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PluginArgs {
@@ -274,7 +274,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         args.mps_dir.clone(),
     )));
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
-    let (poke, pokes) = std::sync::mpsc::channel::<()>();
+    let (poke, pokes) = std::sync::mpsc::channel::<NodeChange>();
     // Health changes reach the slices (taints) through the observer, and
     // the Node's events.
     let health_poke = poke.clone();
@@ -288,7 +288,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         catalog.clone(),
         tessera_controller::model::taints::unhealthy_key(&driver),
         move || {
-            let _ = health_poke.send(());
+            let _ = health_poke.send(NodeChange::Records);
         },
     );
     // Profiles come from the first look at the GPUs, taken after recovery
@@ -308,8 +308,8 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             args.node_name.clone(),
             format!("{}-plugin", args.driver_name),
         )),
-        on_change: Some(Arc::new(move || {
-            let _ = poke.send(());
+        on_change: Some(Arc::new(move |change| {
+            let _ = poke.send(change);
         })),
     };
     let (preparer, recovery) = Preparer::open(config, deps).await?;

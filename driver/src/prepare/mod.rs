@@ -84,7 +84,27 @@ pub struct Dependencies {
     pub events: Option<NodeEvents>,
     /// Called after the checkpoint or the GPUs changed (a claim prepared or
     /// unprepared), so the node's published view follows.
-    pub on_change: Option<Arc<dyn Fn() + Send + Sync>>,
+    pub on_change: Option<Arc<dyn Fn(NodeChange) + Send + Sync>>,
+}
+
+/// What changed on the node, so its view is read again no more than needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeChange {
+    /// Only records: which claims hold which devices, or a GPU's health.
+    /// The GPUs need not be read again.
+    Records,
+    /// The GPUs themselves (MIG mode, MIG devices): NVML is read again.
+    Gpus,
+}
+
+impl NodeChange {
+    fn gpus_if(changed: bool) -> Self {
+        if changed {
+            NodeChange::Gpus
+        } else {
+            NodeChange::Records
+        }
+    }
 }
 
 /// Held for writing while prepare changes the GPUs' MIG layout and records
@@ -181,9 +201,9 @@ impl Preparer {
         self.hardware.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn changed(&self) {
+    fn changed(&self, what: NodeChange) {
         if let Some(f) = &self.deps.on_change {
-            f();
+            f(what);
         }
     }
 
@@ -495,18 +515,25 @@ impl Preparer {
             spec: None,
             status: Vec::new(),
         };
-        self.put(&uid, started.clone()).await.map_err(|e| {
-            ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
-        })?;
+        // Recorded before any side effect it must undo. A claim without
+        // one (a whole GPU, a share without MPS or time slice) is recorded
+        // once, complete: a crash before that leaves at most its spec,
+        // which start-up recovery removes as an orphan.
+        if !started.actions.is_empty() {
+            self.put(&uid, started.clone()).await.map_err(|e| {
+                ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
+            })?;
+        }
 
         let this = self.clone();
-        let (id, who) = (uid.clone(), claim.clone());
-        let done = tokio::task::spawn_blocking(move || this.make(&who, &id, resolved, configs))
-            .await
-            .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))));
+        let (id, who, entry) = (uid.clone(), claim.clone(), started.clone());
+        let done =
+            tokio::task::spawn_blocking(move || this.make(&who, &id, entry, resolved, configs))
+                .await
+                .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))));
         match done {
-            Ok(entry) => {
-                self.changed();
+            Ok((entry, change)) => {
+                self.changed(change);
                 if let Some(writer) = &self.deps.status {
                     writer.spawn(
                         &claim.namespace,
@@ -533,17 +560,14 @@ impl Preparer {
         &self,
         claim: &ClaimRef,
         uid: &ClaimUid,
+        mut entry: ClaimEntry,
         mut resolved: Vec<Resolved>,
         configs: Vec<EffectiveConfig>,
-    ) -> ClaimResult<ClaimEntry> {
+    ) -> ClaimResult<(ClaimEntry, NodeChange)> {
         let fail = |what: String| ClaimError::new(claim, what);
-        let mut entry = self
-            .lock_checkpoint()
-            .get(uid)
-            .cloned()
-            .ok_or_else(|| fail("its checkpoint entry vanished".into()))?;
 
-        self.prepare_hardware(claim, uid, &mut entry, &mut resolved)?;
+        let change =
+            NodeChange::gpus_if(self.prepare_hardware(claim, uid, &mut entry, &mut resolved)?);
 
         let mut built = Vec::with_capacity(resolved.len());
         for (device, config) in resolved.into_iter().zip(configs) {
@@ -595,23 +619,38 @@ impl Preparer {
         entry.status = status;
         self.put_blocking(uid, entry.clone())
             .map_err(|e| fail(format!("cannot record it in the checkpoint: {e}")))?;
-        Ok(entry)
+        Ok((entry, change))
     }
 
     /// MIG mode and dynamic MIG, under the hardware lock, each change
     /// recorded before it is made (and a created device right after).
+    /// Whether it changed the GPUs (switched a MIG mode, created a device).
     fn prepare_hardware(
         &self,
         claim: &ClaimRef,
         uid: &ClaimUid,
         entry: &mut ClaimEntry,
         resolved: &mut [Resolved],
-    ) -> ClaimResult<()> {
+    ) -> ClaimResult<bool> {
         let fail = |what: String| ClaimError::new(claim, what);
         let record = |entry: &ClaimEntry| {
             self.put_blocking(uid, entry.clone())
                 .map_err(|e| fail(format!("cannot update its checkpoint entry: {e}")))
         };
+        let changes_gpus = resolved.iter().any(|d| {
+            d.mig_mode.is_some()
+                || matches!(
+                    d.kind,
+                    enforcement::Kind::Mig {
+                        create: Some(_),
+                        ..
+                    }
+                )
+        });
+        if !changes_gpus {
+            return Ok(false);
+        }
+        let mut changed = false;
         let _hardware = self.hardware_write();
         for device in resolved.iter() {
             let Some(enabled) = device.mig_mode else {
@@ -634,6 +673,7 @@ impl Preparer {
                     ))
                 })?;
                 info!(claim = %claim, gpu = %gpu, enabled, "switched MIG mode");
+                changed = true;
             }
         }
         for device in resolved.iter_mut() {
@@ -690,13 +730,18 @@ impl Preparer {
             }
             *instance = Some(created);
             record(entry)?;
+            changed = true;
         }
-        Ok(())
+        Ok(changed)
     }
 
     /// GPUs whose MIG mode the driver manages go back to MIG off once no
     /// claim holds them and no MIG device is on them.
     pub fn settle_mig_modes<'a>(&self, gpus: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        let mut gpus = gpus.into_iter().peekable();
+        if gpus.peek().is_none() {
+            return Vec::new();
+        }
         let _hardware = self.hardware_write();
         let held: BTreeSet<String> = self
             .lock_checkpoint()
@@ -704,6 +749,7 @@ impl Preparer {
             .flat_map(|(_, e)| e.mig_mode_holds().map(str::to_owned))
             .collect();
         let mut problems = Vec::new();
+        let mut switched = false;
         for gpu in gpus {
             if held.contains(gpu) {
                 continue;
@@ -716,7 +762,10 @@ impl Preparer {
             match idle_on {
                 Ok(false) => {}
                 Ok(true) => match self.deps.mig.set_mig_mode(gpu, false) {
-                    Ok(()) => info!(gpu = %gpu, "switched MIG mode off (no claim holds the GPU)"),
+                    Ok(()) => {
+                        info!(gpu = %gpu, "switched MIG mode off (no claim holds the GPU)");
+                        switched = true;
+                    }
                     Err(e) => problems.push(format!("switching MIG mode off on {gpu}: {e}")),
                 },
                 Err(e) => problems.push(format!("reading the MIG mode of {gpu}: {e}")),
@@ -724,6 +773,9 @@ impl Preparer {
         }
         for p in &problems {
             warn!("{p}");
+        }
+        if switched {
+            self.changed(NodeChange::Gpus);
         }
         problems
     }
@@ -794,7 +846,11 @@ impl Preparer {
                 .map_err(|e| ClaimError::new(claim, format!("cannot remove its CDI spec: {e}")));
         };
         let written_status = !entry.status.is_empty();
-        if entry.state == EntryState::Completed {
+        // Only side effects need the mark: without one, a crash between
+        // removing the spec and the entry leaves a complete entry whose
+        // spec start-up recovery writes again, and the kubelet's retry
+        // removes both.
+        if entry.state == EntryState::Completed && !entry.actions.is_empty() {
             entry.state = EntryState::Unpreparing;
             self.put(&uid, entry.clone()).await.map_err(|e| {
                 ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
@@ -857,7 +913,8 @@ impl Preparer {
                 .remove(&uid)
                 .map_err(|e| format!("removing its checkpoint entry: {e}"))?;
             self.settle_mig_modes(entry.mig_mode_holds());
-            self.changed();
+            let destroyed = (entry.actions.iter()).any(|a| matches!(a, Action::MigCreate { .. }));
+            self.changed(NodeChange::gpus_if(destroyed));
             Ok(())
         })
         .await

@@ -1,0 +1,311 @@
+//! What the cluster itself measures: the kubelet's DRA call histogram for
+//! pods, the API server's write counters, and when a driver's first slice
+//! appears.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Client};
+use serde::Serialize;
+use serde_json::json;
+
+use super::stats::{Histogram, parse_histogram, sum_counter};
+use crate::cluster::{TestNamespace, wait_for};
+
+const KUBELET_HISTOGRAM: &str = "dra_grpc_operations_duration_seconds";
+
+/// The kubelet's metrics, through the API server's node proxy.
+pub async fn kubelet_metrics(client: &Client, node: &str) -> Result<String> {
+    let req = http::Request::get(format!("/api/v1/nodes/{node}/proxy/metrics"))
+        .body(Vec::new())
+        .context("building the request")?;
+    client
+        .request_text(req)
+        .await
+        .with_context(|| format!("reading the kubelet metrics of node {node}"))
+}
+
+/// The API server's own metrics.
+pub async fn apiserver_metrics(client: &Client) -> Result<String> {
+    let req = http::Request::get("/metrics")
+        .body(Vec::new())
+        .context("building the request")?;
+    client
+        .request_text(req)
+        .await
+        .context("reading the API server's metrics")
+}
+
+/// Writes (create, update, patch, delete) the API server has served on
+/// ResourceSlices since it started.
+pub fn slice_writes(apiserver_metrics: &str) -> f64 {
+    [
+        "POST",
+        "PUT",
+        "PATCH",
+        "DELETE",
+        "DELETECOLLECTION",
+        "APPLY",
+    ]
+    .iter()
+    .map(|verb| {
+        sum_counter(
+            apiserver_metrics,
+            "apiserver_request_total",
+            &[("resource", "resourceslices"), ("verb", verb)],
+        )
+    })
+    .sum()
+}
+
+/// The kubelet's view of one DRA method of one driver.
+pub fn kubelet_histogram(metrics: &str, driver: &str, method: &str) -> Histogram {
+    // The label holds the full gRPC method (`/k8s.io...DRAPlugin/<method>`).
+    let mut merged = Histogram::default();
+    for line in metrics.lines().filter(|l| {
+        l.starts_with(KUBELET_HISTOGRAM) && l.contains(&format!("DRAPlugin/{method}\""))
+    }) {
+        let Some(label) = line
+            .split("method_name=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+        else {
+            continue;
+        };
+        let h = parse_histogram(
+            line,
+            KUBELET_HISTOGRAM,
+            &[("driver_name", driver), ("method_name", label)],
+        );
+        for (le, n) in h.buckets {
+            match merged.buckets.iter_mut().find(|(b, _)| *b == le) {
+                Some(b) => b.1 += n,
+                None => merged.buckets.push((le, n)),
+            }
+        }
+        merged.sum += h.sum;
+        merged.count += h.count;
+    }
+    merged.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    merged
+}
+
+/// The kubelet's prepare and unprepare histograms over a pods run.
+#[derive(Debug, Clone, Serialize)]
+pub struct PodsResult {
+    pub pods: usize,
+    pub prepare: KubeletView,
+    pub unprepare: KubeletView,
+    /// From the first pod created to all running.
+    pub all_running_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct KubeletView {
+    pub calls: f64,
+    pub mean_ms: f64,
+    /// Estimated from the histogram's buckets (as `histogram_quantile`).
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+impl KubeletView {
+    fn of(h: &Histogram) -> Self {
+        KubeletView {
+            calls: h.count,
+            mean_ms: h.mean() * 1e3,
+            p50_ms: h.quantile(0.5) * 1e3,
+            p99_ms: h.quantile(0.99) * 1e3,
+        }
+    }
+}
+
+/// A pods run: `pods` pods of one claim each (from a template of `class`)
+/// on `node`, running `image`.
+#[derive(Debug, Clone)]
+pub struct PodsRun {
+    pub node: String,
+    pub driver: String,
+    pub class: String,
+    pub image: String,
+    pub pods: usize,
+    pub timeout: Duration,
+}
+
+/// Creates the run's pods at once, waits until they run, deletes them;
+/// the kubelet's histogram deltas.
+pub async fn pods_run(client: &Client, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
+    let PodsRun {
+        node,
+        driver,
+        class,
+        image,
+        pods,
+        timeout,
+    } = run;
+    let (node, driver, pods, timeout) = (node.as_str(), driver.as_str(), *pods, *timeout);
+    let pp = PostParams::default();
+    let template: ResourceClaimTemplate = serde_json::from_value(json!({
+        "metadata": { "name": "gpu" },
+        "spec": { "spec": { "devices": { "requests": [{
+            "name": "gpu", "exactly": { "deviceClassName": class },
+        }]}}},
+    }))?;
+    ns.api::<ResourceClaimTemplate>()
+        .create(&pp, &template)
+        .await?;
+    let before = kubelet_metrics(client, node).await?;
+    let api = ns.api::<Pod>();
+    let began = Instant::now();
+    for i in 0..pods {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": { "name": format!("bench-{i:03}"), "labels": { "app": "bench" } },
+            "spec": {
+                "nodeName": null,
+                "nodeSelector": { "kubernetes.io/hostname": node },
+                "terminationGracePeriodSeconds": 0,
+                "automountServiceAccountToken": false,
+                "resourceClaims": [{ "name": "gpu", "resourceClaimTemplateName": "gpu" }],
+                "containers": [{
+                    "name": "main", "image": image, "imagePullPolicy": "IfNotPresent",
+                    "command": ["/bin/sleep", "3600"],
+                    "resources": { "claims": [{ "name": "gpu" }] },
+                }],
+            },
+        }))?;
+        api.create(&pp, &pod).await?;
+    }
+    let lp = ListParams::default().labels("app=bench");
+    wait_for("every bench pod running", timeout, || async {
+        let list = api.list(&lp).await?;
+        for p in &list.items {
+            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+            if phase == Some("Failed") {
+                bail!("pod {:?} failed", p.metadata.name);
+            }
+        }
+        let running = list
+            .items
+            .iter()
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .count();
+        Ok((running == pods).then_some(()))
+    })
+    .await?;
+    let all_running_s = began.elapsed().as_secs_f64();
+    api.delete_collection(&DeleteParams::default().grace_period(0), &lp)
+        .await?;
+    wait_for("every bench pod gone", timeout, || async {
+        Ok(api.list(&lp).await?.items.is_empty().then_some(()))
+    })
+    .await?;
+    // The kubelet unprepares after the pod object is gone too (its pod
+    // workers finish on their own): wait until it counted every call.
+    let after = wait_for("the kubelet to count every unprepare", timeout, || async {
+        let text = kubelet_metrics(client, node).await?;
+        let done = kubelet_histogram(&text, driver, "NodeUnprepareResources")
+            .since(&kubelet_histogram(
+                &before,
+                driver,
+                "NodeUnprepareResources",
+            ))
+            .count;
+        Ok((done >= pods as f64).then_some(text))
+    })
+    .await?;
+    let delta = |method| {
+        kubelet_histogram(&after, driver, method).since(&kubelet_histogram(&before, driver, method))
+    };
+    Ok(PodsResult {
+        pods,
+        prepare: KubeletView::of(&delta("NodePrepareResources")),
+        unprepare: KubeletView::of(&delta("NodeUnprepareResources")),
+        all_running_s,
+    })
+}
+
+/// Whether `driver` has published a slice for `pool`.
+pub async fn has_slice(client: &Client, driver: &str, pool: &str) -> Result<bool> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("spec.driver={driver}"));
+    Ok(slices
+        .list(&lp)
+        .await?
+        .items
+        .iter()
+        .any(|s| s.spec.pool.name == pool))
+}
+
+/// Waits for the first slice of `driver` for `pool`, then returns how long
+/// after the start of the process in `pid_file` (first word: the pid) it
+/// was seen. Times are kernel boot-time clock ticks, so the start of a
+/// process launched by someone else is measured too.
+pub async fn first_slice(
+    client: &Client,
+    driver: &str,
+    pool: &str,
+    pid_file: &Path,
+    timeout: Duration,
+) -> Result<Duration> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("spec.driver={driver}"));
+    let deadline = Instant::now() + timeout;
+    // Poll tightly: the answer is a latency, and a list is cheap here.
+    let seen = loop {
+        if slices
+            .list(&lp)
+            .await?
+            .items
+            .iter()
+            .any(|s| s.spec.pool.name == pool)
+        {
+            break boot_time()?;
+        }
+        if Instant::now() > deadline {
+            bail!("no slice of {driver} for {pool} within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let pid: u32 = std::fs::read_to_string(pid_file)
+        .with_context(|| format!("reading {}", pid_file.display()))?
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .with_context(|| format!("no pid in {}", pid_file.display()))?;
+    let started = process_start(pid)?;
+    Ok(seen.saturating_sub(started))
+}
+
+fn boot_time() -> Result<Duration> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    if rc != 0 {
+        bail!("clock_gettime: {}", std::io::Error::last_os_error());
+    }
+    Ok(Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+/// When a process started, on the boot-time clock (`/proc/<pid>/stat`
+/// field 22, in clock ticks).
+fn process_start(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // Fields after the command name, which may hold spaces: field 3 first.
+    let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or_default();
+    let ticks: u64 = after
+        .split_whitespace()
+        .nth(19)
+        .and_then(|t| t.parse().ok())
+        .context("no start time in /proc/<pid>/stat")?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+}

@@ -1,0 +1,257 @@
+//! Direct calls on a DRA plugin's socket, as the kubelet makes them: one
+//! `NodePrepareResources` per claim, `concurrency` calls in flight, claims
+//! stored (allocated) in the real API server so the plugin reads them as it
+//! would for a pod.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use futures::{StreamExt, TryStreamExt};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tessera_api::kubelet::{dra_v1, registration};
+use tonic::transport::{Channel, Endpoint};
+
+use super::stats::Summary;
+
+/// A gRPC channel over a unix socket (one HTTP/2 connection, as the
+/// kubelet keeps one per plugin).
+pub async fn connect(socket: &Path) -> Result<Channel> {
+    let path = socket.to_path_buf();
+    Endpoint::try_from("http://[::1]:1")?
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+        .with_context(|| format!("connecting to {}", socket.display()))
+}
+
+/// The DRA endpoint a driver registered, found as the kubelet finds it: a
+/// registration socket in `registry` named after the driver that answers
+/// `GetInfo`.
+pub async fn dra_endpoint(registry: &Path, driver: &str) -> Result<PathBuf> {
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(registry)
+        .with_context(|| format!("reading {}", registry.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(driver) && n.ends_with(".sock"))
+        })
+        .collect();
+    candidates.sort();
+    for socket in candidates {
+        let Ok(channel) = connect(&socket).await else {
+            continue;
+        };
+        let mut reg = registration::registration_client::RegistrationClient::new(channel);
+        if let Ok(info) = reg.get_info(registration::InfoRequest {}).await {
+            let info = info.into_inner();
+            if info.name == driver {
+                return Ok(PathBuf::from(info.endpoint));
+            }
+        }
+    }
+    bail!(
+        "no live registration socket of {driver} in {}",
+        registry.display()
+    )
+}
+
+/// Names of the devices `driver` publishes for `pool`, in slice order,
+/// keeping those whose attribute `attr` (if given) has the given string
+/// value.
+pub async fn published_devices(
+    client: &Client,
+    driver: &str,
+    pool: &str,
+    attr: Option<(&str, &str)>,
+) -> Result<Vec<String>> {
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let lp = ListParams::default().fields(&format!("spec.driver={driver}"));
+    let mut names = Vec::new();
+    for slice in slices.list(&lp).await?.items {
+        if slice.spec.pool.name != pool {
+            continue;
+        }
+        for device in slice.spec.devices.unwrap_or_default() {
+            let keep = attr.is_none_or(|(key, want)| {
+                device
+                    .attributes
+                    .as_ref()
+                    .and_then(|a| a.get(key))
+                    .and_then(|v| v.string.as_deref())
+                    == Some(want)
+            });
+            if keep {
+                names.push(device.name);
+            }
+        }
+    }
+    ensure!(
+        !names.is_empty(),
+        "{driver} publishes no matching device for pool {pool}"
+    );
+    Ok(names)
+}
+
+/// One run: `claims` claims of `per_claim` devices each.
+#[derive(Debug, Clone)]
+pub struct Run {
+    pub driver: String,
+    pub pool: String,
+    /// Devices handed out round robin. The plugin trusts the allocation
+    /// (the scheduler's job), so claims may share a device here.
+    pub devices: Vec<String>,
+    pub per_claim: usize,
+    pub claims: usize,
+    pub concurrency: usize,
+}
+
+/// Creates the run's claims with their allocation written in status.
+pub async fn create_claims(
+    client: &Client,
+    namespace: &str,
+    run: &Run,
+) -> Result<Vec<dra_v1::Claim>> {
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let run = Arc::new(run.clone());
+    futures::stream::iter(0..run.claims)
+        .map(|i| {
+            let (api, run) = (api.clone(), run.clone());
+            async move { create_claim(&api, namespace, &run, i).await }
+        })
+        .buffered(16)
+        .try_collect()
+        .await
+}
+
+async fn create_claim(
+    api: &Api<ResourceClaim>,
+    namespace: &str,
+    run: &Run,
+    i: usize,
+) -> Result<dra_v1::Claim> {
+    let name = format!("bench-{i:05}");
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": {
+            "deviceClassName": "bench", "allocationMode": "ExactCount", "count": run.per_claim,
+        }}]}},
+    }))?;
+    let created = api.create(&PostParams::default(), &claim).await?;
+    let results: Vec<_> = (0..run.per_claim)
+        .map(|k| {
+            let device = &run.devices[(i * run.per_claim + k) % run.devices.len()];
+            json!({ "request": "gpu", "driver": run.driver, "pool": run.pool, "device": device })
+        })
+        .collect();
+    let status = json!({ "status": { "allocation": { "devices": { "results": results } } } });
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .with_context(|| format!("writing the allocation of claim {name}"))?;
+    Ok(dra_v1::Claim {
+        namespace: namespace.to_owned(),
+        uid: created.metadata.uid.unwrap_or_default(),
+        name,
+    })
+}
+
+/// Prepares every claim, `concurrency` calls in flight; checks each answer
+/// has no error and `per_claim` devices.
+pub async fn prepare_all(
+    channel: &Channel,
+    claims: &[dra_v1::Claim],
+    run: &Run,
+) -> Result<Summary> {
+    timed(claims, run.concurrency, |claim| {
+        let mut dra = dra_v1::dra_plugin_client::DraPluginClient::new(channel.clone());
+        let per_claim = run.per_claim;
+        async move {
+            let uid = claim.uid.clone();
+            let answer = dra
+                .node_prepare_resources(dra_v1::NodePrepareResourcesRequest {
+                    claims: vec![claim],
+                })
+                .await?
+                .into_inner();
+            let Some(got) = answer.claims.get(&uid) else {
+                bail!("no answer for claim {uid}");
+            };
+            ensure!(got.error.is_empty(), "prepare of {uid}: {}", got.error);
+            ensure!(
+                got.devices.len() == per_claim,
+                "prepare of {uid} returned {} devices, not {per_claim}",
+                got.devices.len()
+            );
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// Unprepares every claim, `concurrency` calls in flight.
+pub async fn unprepare_all(
+    channel: &Channel,
+    claims: &[dra_v1::Claim],
+    run: &Run,
+) -> Result<Summary> {
+    timed(claims, run.concurrency, |claim| {
+        let mut dra = dra_v1::dra_plugin_client::DraPluginClient::new(channel.clone());
+        async move {
+            let uid = claim.uid.clone();
+            let answer = dra
+                .node_unprepare_resources(dra_v1::NodeUnprepareResourcesRequest {
+                    claims: vec![claim],
+                })
+                .await?
+                .into_inner();
+            let Some(got) = answer.claims.get(&uid) else {
+                bail!("no answer for claim {uid}");
+            };
+            ensure!(got.error.is_empty(), "unprepare of {uid}: {}", got.error);
+            Ok(())
+        }
+    })
+    .await
+}
+
+async fn timed<F, Fut>(claims: &[dra_v1::Claim], concurrency: usize, call: F) -> Result<Summary>
+where
+    F: Fn(dra_v1::Claim) -> Fut,
+    Fut: Future<Output = Result<()>>,
+{
+    let began = Instant::now();
+    let samples: Vec<Duration> = futures::stream::iter(claims.iter().cloned())
+        .map(|claim| {
+            let fut = call(claim);
+            async move {
+                let t = Instant::now();
+                fut.await?;
+                Ok::<_, anyhow::Error>(t.elapsed())
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .try_collect()
+        .await?;
+    Ok(Summary::of(&samples, claims.len(), began.elapsed()))
+}
+
+/// Resident memory of a process, from `/proc/<pid>/status`.
+pub fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmRSS line")
+}

@@ -1,0 +1,14 @@
+//! `tessera-bench`: the node-plugin benchmark (docs/benchmarks.md). It
+//! measures any DRA kubelet plugin the same way, so Tessera and the
+//! Kubernetes project's DRA test driver are compared call for call:
+//!
+//! * [`grpc`]: `NodePrepareResources` / `NodeUnprepareResources` called
+//!   directly on the plugin's socket for claims stored in the API server,
+//!   at a chosen concurrency, latencies timed per call;
+//! * [`cluster`]: the kubelet's own `dra_grpc_operations_duration_seconds`
+//!   for real pods, the API server's ResourceSlice write counters, and the
+//!   time from a process's start to its first slice.
+
+pub mod cluster;
+pub mod grpc;
+pub mod stats;

@@ -1,0 +1,278 @@
+//! Latency samples and what a benchmark reports about them.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Latencies of one phase (prepare or unprepare) of one run.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Summary {
+    pub calls: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub mean_ms: f64,
+    pub max_ms: f64,
+    /// Claims completed per second of the phase's wall time.
+    pub claims_per_s: f64,
+}
+
+impl Summary {
+    /// `wall` is the whole phase, from the first call to the last answer.
+    pub fn of(samples: &[Duration], claims: usize, wall: Duration) -> Summary {
+        let mut ms: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+        ms.sort_by(f64::total_cmp);
+        let mean = if ms.is_empty() {
+            0.0
+        } else {
+            ms.iter().sum::<f64>() / ms.len() as f64
+        };
+        Summary {
+            calls: ms.len(),
+            p50_ms: quantile(&ms, 0.50),
+            p99_ms: quantile(&ms, 0.99),
+            mean_ms: mean,
+            max_ms: ms.last().copied().unwrap_or(0.0),
+            claims_per_s: if wall.is_zero() {
+                0.0
+            } else {
+                claims as f64 / wall.as_secs_f64()
+            },
+        }
+    }
+}
+
+/// Nearest-rank quantile of sorted values (0 for none).
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// A Prometheus histogram as scraped: cumulative bucket counts by upper
+/// bound, plus sum and count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    pub buckets: Vec<(f64, f64)>,
+    pub sum: f64,
+    pub count: f64,
+}
+
+impl Histogram {
+    /// The observations made between `before` and `self` (same series).
+    pub fn since(&self, before: &Histogram) -> Histogram {
+        let buckets = self
+            .buckets
+            .iter()
+            .map(|(le, n)| {
+                let old = before
+                    .buckets
+                    .iter()
+                    .find(|(b, _)| b == le)
+                    .map_or(0.0, |(_, n)| *n);
+                (*le, n - old)
+            })
+            .collect();
+        Histogram {
+            buckets,
+            sum: self.sum - before.sum,
+            count: self.count - before.count,
+        }
+    }
+
+    pub fn mean(&self) -> f64 {
+        if self.count > 0.0 {
+            self.sum / self.count
+        } else {
+            0.0
+        }
+    }
+
+    /// Quantile estimated by linear interpolation inside its bucket, as
+    /// PromQL's `histogram_quantile` does.
+    pub fn quantile(&self, q: f64) -> f64 {
+        if self.count <= 0.0 {
+            return 0.0;
+        }
+        let rank = q * self.count;
+        let mut lower = (0.0, 0.0);
+        for &(le, n) in &self.buckets {
+            if n >= rank {
+                if le.is_infinite() {
+                    return lower.0;
+                }
+                let width = n - lower.1;
+                let into = if width > 0.0 {
+                    (rank - lower.1) / width
+                } else {
+                    0.0
+                };
+                return lower.0 + (le - lower.0) * into;
+            }
+            lower = (le, n);
+        }
+        lower.0
+    }
+}
+
+/// Reads one histogram series from Prometheus text: the `<name>_bucket`,
+/// `_sum` and `_count` lines whose labels include every `want` pair. Series
+/// that differ in other labels are added together.
+pub fn parse_histogram(text: &str, name: &str, want: &[(&str, &str)]) -> Histogram {
+    let mut h = Histogram::default();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        let (metric, labels) = match series.split_once('{') {
+            Some((m, rest)) => (m, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        let labels = parse_labels(labels);
+        let has = |k: &str, v: &str| labels.iter().any(|(lk, lv)| lk == k && lv == v);
+        if !want.iter().all(|(k, v)| has(k, v)) {
+            continue;
+        }
+        match metric.strip_prefix(name) {
+            Some("_bucket") => {
+                let Some(le) = labels.iter().find(|(k, _)| k == "le") else {
+                    continue;
+                };
+                let le = if le.1 == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.1.parse().unwrap_or(f64::NAN)
+                };
+                match h.buckets.iter_mut().find(|(b, _)| *b == le) {
+                    Some(b) => b.1 += value,
+                    None => h.buckets.push((le, value)),
+                }
+            }
+            Some("_sum") => h.sum += value,
+            Some("_count") => h.count += value,
+            _ => {}
+        }
+    }
+    h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    h
+}
+
+/// Sums a counter's series whose labels include every `want` pair.
+pub fn sum_counter(text: &str, name: &str, want: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (metric, labels) = series.split_once('{').unwrap_or((series, ""));
+            if metric != name {
+                return None;
+            }
+            let labels = parse_labels(labels.trim_end_matches('}'));
+            want.iter()
+                .all(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
+                .then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+fn parse_labels(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, e)) = chars.next() {
+                        value.push(e);
+                    }
+                }
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        out.push((key.trim_start_matches(',').trim().to_owned(), value));
+        rest = &after[end..];
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_use_the_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 50.0);
+        assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&[3.0], 0.99), 3.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn a_summary_counts_claims_per_second_of_wall_time() {
+        let s = Summary::of(
+            &[Duration::from_millis(2), Duration::from_millis(4)],
+            2,
+            Duration::from_millis(500),
+        );
+        assert_eq!(s.calls, 2);
+        assert_eq!(s.p50_ms, 2.0);
+        assert_eq!(s.mean_ms, 3.0);
+        assert_eq!(s.claims_per_s, 4.0);
+    }
+
+    const KUBELET: &str = r#"# HELP dra_grpc_operations_duration_seconds x
+# TYPE dra_grpc_operations_duration_seconds histogram
+dra_grpc_operations_duration_seconds_bucket{driver_name="a",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources",le="0.01"} 2
+dra_grpc_operations_duration_seconds_bucket{driver_name="a",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources",le="0.02"} 6
+dra_grpc_operations_duration_seconds_bucket{driver_name="a",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources",le="+Inf"} 6
+dra_grpc_operations_duration_seconds_sum{driver_name="a",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources"} 0.07
+dra_grpc_operations_duration_seconds_count{driver_name="a",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources"} 6
+dra_grpc_operations_duration_seconds_count{driver_name="b",grpc_status_code="OK",method_name="/v1.DRAPlugin/NodePrepareResources"} 9
+apiserver_request_total{code="201",resource="resourceslices",verb="POST"} 3
+apiserver_request_total{code="200",resource="resourceslices",verb="PUT"} 2
+apiserver_request_total{code="200",resource="resourceslices",verb="LIST"} 7
+"#;
+
+    #[test]
+    fn a_kubelet_histogram_is_read_for_one_driver_and_method() {
+        let h = parse_histogram(
+            KUBELET,
+            "dra_grpc_operations_duration_seconds",
+            &[
+                ("driver_name", "a"),
+                ("method_name", "/v1.DRAPlugin/NodePrepareResources"),
+            ],
+        );
+        assert_eq!(h.count, 6.0);
+        assert!((h.mean() - 0.07 / 6.0).abs() < 1e-12);
+        // Rank 3 of 6 lies a quarter into the (0.01, 0.02] bucket.
+        assert!((h.quantile(0.5) - 0.0125).abs() < 1e-12);
+        let later = Histogram {
+            count: 8.0,
+            sum: 0.1,
+            buckets: vec![(0.01, 3.0), (0.02, 8.0), (f64::INFINITY, 8.0)],
+        };
+        let d = later.since(&h);
+        assert_eq!(d.count, 2.0);
+        assert_eq!(d.buckets[0], (0.01, 1.0));
+    }
+
+    #[test]
+    fn counters_are_summed_over_matching_series() {
+        let writes = |verb| sum_counter(KUBELET, "apiserver_request_total", &[("verb", verb)]);
+        assert_eq!(writes("POST") + writes("PUT"), 5.0);
+        assert_eq!(writes("DELETE"), 0.0);
+    }
+}

@@ -1,0 +1,199 @@
+//! `tessera-bench`: measures a DRA kubelet plugin on the local cluster
+//! (see `conformance/bench.sh`, which runs it for Tessera and the Go test
+//! driver, and docs/benchmarks.md). Needs the environment of
+//! `conformance/cluster.sh env`. Prints one JSON object per result.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use serde_json::json;
+use tessera_conformance::TestCluster;
+use tessera_conformance::bench::{cluster, grpc};
+
+#[derive(Parser)]
+#[command(about = "Benchmarks a DRA kubelet plugin on the local cluster")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Prepare and unprepare latency, calls made directly on the plugin's
+    /// socket, for every combination of --per-claim and --concurrency.
+    Grpc {
+        #[arg(long)]
+        driver: String,
+        /// Pool (node name) whose devices are allocated; default: the
+        /// kubelet's node.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only devices whose attribute KEY has string value VALUE
+        /// (`KEY=VALUE`); default: every device of the pool.
+        #[arg(long)]
+        device_attr: Option<String>,
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8])]
+        per_claim: Vec<usize>,
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 64])]
+        concurrency: Vec<usize>,
+        /// Claims per run.
+        #[arg(long, default_value_t = 256)]
+        claims: usize,
+        /// The plugin's pid: its resident memory is reported after each
+        /// prepare phase (all claims prepared) and at the start.
+        #[arg(long)]
+        pid: Option<u32>,
+    },
+    /// Pods with one claim each, all created at once, run and deleted; the
+    /// kubelet's histogram of the plugin's calls over the run.
+    Pods {
+        #[arg(long)]
+        driver: String,
+        /// DeviceClass of the claims' one request.
+        #[arg(long)]
+        class: String,
+        #[arg(long, default_value_t = 32)]
+        pods: usize,
+        #[arg(long, default_value = "tessera.local/probe:1")]
+        image: String,
+    },
+    /// Waits for the driver's first slice for the pool and reports how long
+    /// after the start of the process in --pid-file it appeared.
+    FirstSlice {
+        #[arg(long)]
+        driver: String,
+        #[arg(long)]
+        pool: Option<String>,
+        #[arg(long)]
+        pid_file: PathBuf,
+    },
+    /// ResourceSlice writes the API server served while COMMAND (a driver
+    /// restart that returns once the driver is registered) ran and during
+    /// --window seconds after it.
+    SliceWrites {
+        #[arg(long, default_value_t = 10)]
+        window: u64,
+        #[arg(trailing_var_arg = true, required = true)]
+        command: Vec<String>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let cluster = TestCluster::shared().await?;
+    let client = cluster.client();
+    let node = cluster.node_name().to_owned();
+    match cli.command {
+        Command::Grpc {
+            driver,
+            pool,
+            device_attr,
+            per_claim,
+            concurrency,
+            claims,
+            pid,
+        } => {
+            let pool = pool.unwrap_or(node);
+            let attr = device_attr
+                .as_deref()
+                .map(|a| a.split_once('=').context("--device-attr takes KEY=VALUE"))
+                .transpose()?;
+            let devices = grpc::published_devices(&client, &driver, &pool, attr).await?;
+            let registry = &cluster
+                .kubelet()
+                .context("the cluster runs without a kubelet")?
+                .registry;
+            let endpoint = grpc::dra_endpoint(registry, &driver).await?;
+            let channel = grpc::connect(&endpoint).await?;
+            if let Some(pid) = pid {
+                println!(
+                    "{}",
+                    json!({ "driver": driver, "rss_idle_kib": grpc::rss_kib(pid)? })
+                );
+            }
+            for &k in &per_claim {
+                for &c in &concurrency {
+                    let run = grpc::Run {
+                        driver: driver.clone(),
+                        pool: pool.clone(),
+                        devices: devices.clone(),
+                        per_claim: k,
+                        claims,
+                        concurrency: c,
+                    };
+                    let ns = cluster.create_namespace("bench").await?;
+                    let refs = grpc::create_claims(&client, ns.name(), &run).await?;
+                    let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
+                    let rss = pid.map(grpc::rss_kib).transpose()?;
+                    let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
+                    ns.delete().await?;
+                    println!(
+                        "{}",
+                        json!({
+                            "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
+                            "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
+                        })
+                    );
+                }
+            }
+        }
+        Command::Pods {
+            driver,
+            class,
+            pods,
+            image,
+        } => {
+            let ns = cluster.create_namespace("bench-pods").await?;
+            let run = cluster::PodsRun {
+                node,
+                driver: driver.clone(),
+                class,
+                image,
+                pods,
+                timeout: Duration::from_secs(300),
+            };
+            let result = cluster::pods_run(&client, &ns, &run).await;
+            ns.delete().await?;
+            println!("{}", json!({ "driver": driver, "kubelet": result? }));
+        }
+        Command::FirstSlice {
+            driver,
+            pool,
+            pid_file,
+        } => {
+            let pool = pool.unwrap_or(node);
+            let took =
+                cluster::first_slice(&client, &driver, &pool, &pid_file, Duration::from_secs(120))
+                    .await?;
+            println!(
+                "{}",
+                json!({ "driver": driver, "start_to_first_slice_ms": took.as_secs_f64() * 1e3 })
+            );
+        }
+        Command::SliceWrites { window, command } => {
+            let before = cluster::slice_writes(&cluster::apiserver_metrics(&client).await?);
+            let restart = command.clone();
+            let status = tokio::task::spawn_blocking(move || {
+                std::process::Command::new(&restart[0])
+                    .args(&restart[1..])
+                    .status()
+            })
+            .await?
+            .with_context(|| format!("running {command:?}"))?;
+            anyhow::ensure!(status.success(), "{command:?} failed: {status}");
+            // A measurement window, not a synchronisation: writes a driver
+            // makes after it registered count too.
+            let end = Instant::now() + Duration::from_secs(window);
+            tokio::time::sleep_until(end.into()).await;
+            let after = cluster::slice_writes(&cluster::apiserver_metrics(&client).await?);
+            println!(
+                "{}",
+                json!({ "restart": command.join(" "), "slice_writes": after - before, "window_s": window })
+            );
+        }
+    }
+    Ok(())
+}
