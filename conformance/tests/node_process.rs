@@ -187,6 +187,19 @@ async fn prepare_as_published(node: &mut SimNode, device: &Value, n: usize) -> R
     let before = node.inventory()?;
     let gpu_before = gpu(&before, uuid)?.clone();
 
+    if kind == "monitor" {
+        // Admin access (which monitoring devices need) only in a namespace
+        // labelled for it.
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(node.world.cluster.client())
+            .patch(
+                node.world.ns(),
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(json!({ "metadata": { "labels": {
+                    "resource.kubernetes.io/admin-access": "true"
+                } } })),
+            )
+            .await?;
+    }
     let claim_name = unique_name("dev");
     let claims: Api<ResourceClaim> = node.world.namespace.api();
     let claim = create_allocated(
