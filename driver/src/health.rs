@@ -415,8 +415,9 @@ pub fn spawn_follower(
     let recovery = tracker.recovery;
     let mut rx = tracker.subscribe();
     tokio::spawn(async move {
-        let mut before = rx.borrow_and_update().clone();
-        // Whatever happened before this task ran reaches the view too.
+        // What happened before this task ran (a GPU already Unhealthy or
+        // not watched) is a transition too, and reaches the view.
+        let mut before = Arc::new(HealthMap::new());
         on_change();
         loop {
             let transitions = {
@@ -698,6 +699,70 @@ mod tests {
         assert_eq!(policy.classify(Some(8)), XidClass::Benign);
         assert_eq!(policy.classify(Some(13)), XidClass::Unlisted);
         assert_eq!(policy.classify(Some(79)), XidClass::Fatal);
+    }
+
+    #[test]
+    fn transitions_and_taints_follow_the_health() {
+        let t0 = UNIX_EPOCH + Duration::from_secs(1_000);
+        let tracker = HealthTracker::new(XidPolicy::default(), Some(Duration::from_secs(30)));
+        tracker.watching(GPU0, t0);
+        tracker.not_watched(GPU1, "no events".into(), t0);
+        let start = tracker.current();
+        assert_eq!(
+            transitions(&HealthMap::new(), &start),
+            [Transition::NotWatched {
+                gpu: GPU1.into(),
+                reason: "no events".into()
+            }]
+        );
+        assert!(unhealthy_gpus(&start).is_empty());
+
+        tracker.xid(GPU0, Some(79), t0 + Duration::from_secs(5));
+        let sick = tracker.current();
+        assert_eq!(
+            transitions(&start, &sick),
+            [Transition::Unhealthy {
+                gpu: GPU0.into(),
+                xid: 79
+            }]
+        );
+        let taints = unhealthy_gpus(&sick);
+        assert_eq!(taints[GPU0].reason, "xid-79");
+        assert_eq!(taints[GPU0].since, 1_005);
+        // The same fatal XID again: no new transition, the taint keeps its
+        // time (no slice rewrite), the recovery clock restarts.
+        tracker.xid(GPU0, Some(79), t0 + Duration::from_secs(20));
+        let again = tracker.current();
+        assert!(transitions(&sick, &again).is_empty());
+        assert_eq!(unhealthy_gpus(&again), taints);
+        assert!(tracker.recover(t0 + Duration::from_secs(40)).is_empty());
+        assert_eq!(
+            tracker.recover(t0 + Duration::from_secs(50)),
+            vec![GPU0.to_owned()]
+        );
+        let healthy = tracker.current();
+        assert_eq!(
+            transitions(&again, &healthy),
+            [Transition::Recovered { gpu: GPU0.into() }]
+        );
+        assert!(unhealthy_gpus(&healthy).is_empty());
+        let (warning, reason, message) = event(
+            &Transition::Unhealthy {
+                gpu: GPU0.into(),
+                xid: 79,
+            },
+            Some(&catalog()),
+            "gpu.tessera.dev/unhealthy",
+            None,
+        );
+        assert!(warning);
+        assert_eq!(reason, "GpuUnhealthy");
+        assert!(
+            message.starts_with("GPU gpu-0 (GPU-0): XID 79 (GPU has fallen off the bus)")
+                && message.contains("gpu.tessera.dev/unhealthy=xid-79:NoSchedule"),
+            "{message}"
+        );
+        assert_eq!(tracker.xid_counts()[&(GPU0.to_owned(), 79)], 2);
     }
 
     #[test]
