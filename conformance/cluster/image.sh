@@ -16,7 +16,7 @@
 #
 # The image is `FROM scratch`: the `tessera` binary at /bin/tessera (the
 # release build, `cargo build --release -p tessera-driver`, unless --binary
-# names another) and exactly the shared libraries `ldd` says it links, at the
+# or TESSERA_IMAGE_BINARY names another) and exactly the shared libraries `ldd` says it links, at the
 # paths the loader looks for them; entrypoint /bin/tessera. Nothing lives in
 # /usr, so a chart may mount a host's driver directories (/usr/lib/..., /usr/bin)
 # at their own paths without hiding the image's files.
@@ -27,6 +27,8 @@ CACHE="${TESSERA_CACHE:-$HOME/.cache/tessera}"
 IMAGE_REPOSITORY=tessera.local/tessera
 HELM_MODULE=helm.sh/helm/v3
 HELM_VERSION=v3.22.0
+# Minor version of the k8s.io/client-go helm $HELM_VERSION builds with (its go.mod).
+HELM_K8S_MINOR=37
 
 log() { printf '[image] %s\n' "$*" >&2; }
 die() {
@@ -97,7 +99,7 @@ build_archive() {
 ensure_helm() {
 	local out
 	command -v go >/dev/null || die "go is not installed (needed to build helm)"
-	out="$CACHE/helm/$HELM_VERSION-$(go env GOVERSION)"
+	out="$CACHE/helm/$HELM_VERSION-k1.$HELM_K8S_MINOR-$(go env GOVERSION)"
 	if [[ ! -x "$out/helm" ]]; then
 		mkdir -p "$CACHE/helm"
 		exec 8>"$CACHE/helm/.build.lock"
@@ -107,9 +109,15 @@ ensure_helm() {
 			local t0=$SECONDS
 			rm -rf "$out.tmp"
 			mkdir -p "$out.tmp"
+			# Stamped as helm's own release build does: its version, and the
+			# Kubernetes version `helm template` and `helm lint` assume (that of
+			# the client-go it builds with; unstamped it is 1.20).
+			local ldflags=(-s -w -X "$HELM_MODULE/internal/version.version=$HELM_VERSION") pkg
+			for pkg in pkg/lint/rules pkg/chartutil; do
+				ldflags+=(-X "$HELM_MODULE/$pkg.k8sVersionMajor=1" -X "$HELM_MODULE/$pkg.k8sVersionMinor=$HELM_K8S_MINOR")
+			done
 			(cd "$out.tmp" && GOBIN="$out.tmp" go install "${GO_BUILD_FLAGS[@]}" \
-				-ldflags "-s -w -X $HELM_MODULE/internal/version.version=$HELM_VERSION" \
-				"$HELM_MODULE/cmd/helm@$HELM_VERSION") >&2
+				-ldflags "${ldflags[*]}" "$HELM_MODULE/cmd/helm@$HELM_VERSION") >&2
 			rm -rf "$out"
 			mv "$out.tmp" "$out"
 			log "built helm in $((SECONDS - t0))s"
@@ -121,7 +129,7 @@ ensure_helm() {
 }
 
 main() {
-	local cmd=${1:-} bin="" out="" a
+	local cmd=${1:-} bin=${TESSERA_IMAGE_BINARY:-} out="" a
 	local -a tags=()
 	[[ $# -gt 0 ]] && shift
 	while (($#)); do
