@@ -448,10 +448,12 @@ async fn capability_flips_under_held_devices() -> Result<()> {
 async fn capability_flips(pool: &Pool) -> Result<()> {
     let publish = |caps: &str| pool.publish_once_with(&pool.topology, &["--capabilities", caps]);
     let pin = |gpu: &str| format!("{} == {gpu:?}", pool.attr("uuid"));
+    // Work devices: every GPU also has its monitoring device, which
+    // consumes nothing and only adminAccess claims get.
     let on_gpu = |devices: &BTreeMap<String, String>, gpu: &str| {
         devices
             .iter()
-            .filter(|(_, g)| g.as_str() == gpu)
+            .filter(|(d, g)| g.as_str() == gpu && !d.ends_with("-monitor"))
             .map(|(d, _)| d.clone())
             .collect::<BTreeSet<String>>()
     };

@@ -726,8 +726,9 @@ async fn install_classes(client: &Client, domain: &str) -> Result<Vec<String>> {
         names.push(name);
     }
     ensure!(
-        names.len() == 4,
-        "expected 4 DeviceClasses in {}, found {names:?}",
+        names.len() == 5,
+        "expected 5 DeviceClasses (gpu, mig, gpu-isolated, gpu-shared, gpu-monitor) in {}, \
+         found {names:?}",
         path.display()
     );
     Ok(names)
