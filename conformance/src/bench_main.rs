@@ -155,7 +155,8 @@ async fn main() -> Result<()> {
                 pods,
                 timeout: Duration::from_secs(300),
             };
-            let result = cluster::pods_run(&client, &ns, &run).await;
+            let kubelet = cluster::kubelet_client(&cluster).await?;
+            let result = cluster::pods_run(&kubelet, &ns, &run).await;
             ns.delete().await?;
             println!("{}", json!({ "driver": driver, "kubelet": result? }));
         }

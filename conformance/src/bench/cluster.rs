@@ -9,24 +9,42 @@ use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
-use kube::{Api, Client};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
 use serde::Serialize;
 use serde_json::json;
 
 use super::stats::{Histogram, parse_histogram, sum_counter};
-use crate::cluster::{TestNamespace, wait_for};
+use crate::cluster::{TestCluster, TestNamespace, wait_for};
 
 const KUBELET_HISTOGRAM: &str = "dra_grpc_operations_duration_seconds";
 
-/// The kubelet's metrics, through the API server's node proxy.
-pub async fn kubelet_metrics(client: &Client, node: &str) -> Result<String> {
-    let req = http::Request::get(format!("/api/v1/nodes/{node}/proxy/metrics"))
+/// A client for the local kubelet's own HTTPS port, with the admin
+/// credentials (the API server will not proxy to a loopback node address).
+pub async fn kubelet_client(cluster: &TestCluster) -> Result<Client> {
+    let ports = cluster.state_dir().join("ports.env");
+    let text =
+        std::fs::read_to_string(&ports).with_context(|| format!("reading {}", ports.display()))?;
+    let port = text
+        .lines()
+        .find_map(|l| l.strip_prefix("KUBELET_PORT="))
+        .with_context(|| format!("no KUBELET_PORT in {}", ports.display()))?;
+    let kubeconfig = Kubeconfig::read_from(cluster.kubeconfig())?;
+    let mut config =
+        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    config.cluster_url = format!("https://127.0.0.1:{}", port.trim()).parse()?;
+    Ok(Client::try_from(config)?)
+}
+
+/// The kubelet's metrics (a client from [`kubelet_client`]).
+pub async fn kubelet_metrics(kubelet: &Client) -> Result<String> {
+    let req = http::Request::get("/metrics")
         .body(Vec::new())
         .context("building the request")?;
-    client
+    kubelet
         .request_text(req)
         .await
-        .with_context(|| format!("reading the kubelet metrics of node {node}"))
+        .context("reading the kubelet's metrics")
 }
 
 /// The API server's own metrics.
@@ -138,7 +156,7 @@ pub struct PodsRun {
 
 /// Creates the run's pods at once, waits until they run, deletes them;
 /// the kubelet's histogram deltas.
-pub async fn pods_run(client: &Client, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
+pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
     let PodsRun {
         node,
         driver,
@@ -158,7 +176,7 @@ pub async fn pods_run(client: &Client, ns: &TestNamespace, run: &PodsRun) -> Res
     ns.api::<ResourceClaimTemplate>()
         .create(&pp, &template)
         .await?;
-    let before = kubelet_metrics(client, node).await?;
+    let before = kubelet_metrics(kubelet).await?;
     let api = ns.api::<Pod>();
     let began = Instant::now();
     for i in 0..pods {
@@ -206,7 +224,7 @@ pub async fn pods_run(client: &Client, ns: &TestNamespace, run: &PodsRun) -> Res
     // The kubelet unprepares after the pod object is gone too (its pod
     // workers finish on their own): wait until it counted every call.
     let after = wait_for("the kubelet to count every unprepare", timeout, || async {
-        let text = kubelet_metrics(client, node).await?;
+        let text = kubelet_metrics(kubelet).await?;
         let done = kubelet_histogram(&text, driver, "NodeUnprepareResources")
             .since(&kubelet_histogram(
                 &before,

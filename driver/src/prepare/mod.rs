@@ -515,10 +515,11 @@ impl Preparer {
             spec: None,
             status: Vec::new(),
         };
-        // Recorded before any side effect it must undo. A claim without
-        // one (a whole GPU, a share without MPS or time slice) is recorded
-        // once, complete: a crash before that leaves at most its spec,
-        // which start-up recovery removes as an orphan.
+        // Recorded before any side effect it must undo (MIG mode and MIG
+        // devices are recorded by the hardware step, before each change).
+        // A claim without one (a whole GPU, a share without MPS or time
+        // slice) is recorded once, complete: a crash before that leaves at
+        // most its spec, which start-up recovery removes as an orphan.
         if !started.actions.is_empty() {
             self.put(&uid, started.clone()).await.map_err(|e| {
                 ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
@@ -850,7 +851,7 @@ impl Preparer {
         // removing the spec and the entry leaves a complete entry whose
         // spec start-up recovery writes again, and the kubelet's retry
         // removes both.
-        if entry.state == EntryState::Completed && !entry.actions.is_empty() {
+        if entry.state == EntryState::Completed && entry.has_side_effects() {
             entry.state = EntryState::Unpreparing;
             self.put(&uid, entry.clone()).await.map_err(|e| {
                 ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))

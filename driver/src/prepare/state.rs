@@ -88,6 +88,13 @@ pub struct MigRecord {
 }
 
 impl ClaimEntry {
+    /// Whether undoing the claim does anything besides removing its spec
+    /// and record: a MIG mode hold is released by removing the record
+    /// (the mode is settled after).
+    pub fn has_side_effects(&self) -> bool {
+        (self.actions.iter()).any(|a| !matches!(a, Action::MigMode { .. }))
+    }
+
     /// MIG devices this claim's prepare created (and recorded).
     pub fn created_mig(&self) -> impl Iterator<Item = &str> {
         self.actions.iter().filter_map(|a| match a {

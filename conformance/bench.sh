@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The node-plugin benchmark of docs/benchmarks.md, in one command: Tessera's
+# node process and the Kubernetes project's DRA test driver (Go, kubeletplugin
+# helper, built from the k8s.io/kubernetes module the harness pins) side by
+# side on the same local cluster and kubelet, release builds.
+#
+# usage: conformance/bench.sh [--quick]
+#   --quick   fewer claims and one concurrency (a smoke run, not for the docs)
+# env:   TESSERA_BENCH_DIR  cluster state dir (default <repo>/.tessera/bench);
+#        the cluster is started there and stopped at the end.
+# Prints one JSON object per result; they are also kept in
+# <state dir>/results.jsonl. Nothing here is a test: numbers are reported,
+# never asserted.
+set -euo pipefail
+
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CLUSTER="$REPO_ROOT/conformance/cluster.sh"
+cd "$REPO_ROOT"
+say() { printf '[bench] %s\n' "$*" >&2; }
+
+quick=0
+[[ "${1:-}" == --quick ]] && quick=1
+
+export TESSERA_CLUSTER_DIR="${TESSERA_BENCH_DIR:-$REPO_ROOT/.tessera/bench}"
+export TESSERA_PROFILE=release
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${TESSERA_CACHE:-$HOME/.cache/tessera}/target}"
+TOPOLOGY=driver/fake-nvml/topologies/h100x8.yaml
+TESSERA=gpu.tessera.dev
+GO_DRIVER=go-test-driver.bench.dev
+
+say "release builds"
+cargo build --release --quiet -p tessera-driver -p tessera-fake-nvml
+cargo build --release --quiet -p tessera-conformance --bin tessera-bench
+BENCH="$CARGO_TARGET_DIR/release/tessera-bench"
+GO_BIN="${TESSERA_CACHE:-$HOME/.cache/tessera}/bench/dra-test-driver"
+mkdir -p "$(dirname "$GO_BIN")"
+(cd conformance/cluster && go build -o "$GO_BIN" k8s.io/kubernetes/test/e2e/dra/test-driver)
+
+"$CLUSTER" start >&2
+go_pid=
+cleanup() {
+	if [[ -n "$go_pid" ]]; then kill "$go_pid" 2>/dev/null || true; fi
+	"$CLUSTER" stop >&2 || true
+}
+trap cleanup EXIT
+eval "$("$CLUSTER" env)"
+D=$TESSERA_CLUSTER_DIR
+RESULTS="$D/results.jsonl"
+: >"$RESULTS"
+record() { tee -a "$RESULTS"; }
+
+# --- start to first slice, both drivers from a cold start -----------------
+"$BENCH" first-slice --driver "$TESSERA" --pid-file "$D/pids/tessera-node.pid" | record &
+waiter=$!
+"$CLUSTER" node-start --topology "$TOPOLOGY" >&2
+wait "$waiter"
+tessera_pid() { read -r p _ <"$D/pids/tessera-node.pid" && echo "$p"; }
+
+GO_DIR="$D/go-test-driver"
+mkdir -p "$GO_DIR" "$D/kubelet/plugins/$GO_DRIVER"
+start_go() {
+	rm -f "$GO_DIR/pid"
+	"$GO_BIN" --kubeconfig "$KUBECONFIG" --drivername "$GO_DRIVER" kubelet-plugin \
+		--node-name "$TESSERA_NODE_NAME" --num-devices 8 \
+		--datadir "$D/kubelet/plugins" --plugin-registration-path "$D/kubelet/plugins_registry" \
+		--cdi-dir "$D/cdi" >>"$GO_DIR/log" 2>&1 &
+	go_pid=$!
+	echo "$go_pid" >"$GO_DIR/pid"
+}
+"$BENCH" first-slice --driver "$GO_DRIVER" --pid-file "$GO_DIR/pid" | record &
+waiter=$!
+start_go
+wait "$waiter"
+
+# --- direct gRPC: latency, throughput, memory -----------------------------
+if ((quick)); then
+	grpc=(--per-claim 1 --concurrency 16 --claims 64)
+	held=100
+else
+	grpc=(--per-claim 1,8 --concurrency 1,16,64 --claims 256)
+	held=1000
+fi
+say "direct gRPC, Go test driver"
+"$BENCH" grpc --driver "$GO_DRIVER" "${grpc[@]}" --pid "$go_pid" | record
+say "direct gRPC, Tessera (whole GPUs)"
+"$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu "${grpc[@]}" --pid "$(tessera_pid)" | record
+say "resident memory with $held prepared claims"
+"$BENCH" grpc --driver "$GO_DRIVER" --per-claim 1 --concurrency 16 --claims "$held" --pid "$go_pid" | record
+"$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu --per-claim 1 --concurrency 16 --claims "$held" \
+	--pid "$(tessera_pid)" | record
+
+# --- pods through the kubelet: its own histogram ----------------------------
+kubectl apply -f deploy/deviceclasses.yaml >&2
+kubectl apply -f - >&2 <<EOF
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata:
+  name: $GO_DRIVER
+spec:
+  selectors:
+    - cel:
+        expression: device.driver == "$GO_DRIVER"
+EOF
+say "pods, Go test driver"
+"$BENCH" pods --driver "$GO_DRIVER" --class "$GO_DRIVER" --pods 8 | record
+say "pods, Tessera"
+"$BENCH" pods --driver "$TESSERA" --class gpu.tessera.dev --pods 8 | record
+
+# --- ResourceSlice writes on a restart with an unchanged inventory ---------
+say "restart writes"
+"$BENCH" slice-writes --window 10 -- bash -c "'$CLUSTER' node-stop >&2 && '$CLUSTER' node-start >&2" | record
+# The Go driver is restarted by a script the measurement runs, so its writes
+# fall inside it; the new process outlives the script, its pid in the file.
+cat >"$GO_DIR/restart.sh" <<EOF
+#!/usr/bin/env bash
+set -euo pipefail
+old=\$(cat '$GO_DIR/pid')
+kill "\$old"
+while kill -0 "\$old" 2>/dev/null; do sleep 0.05; done
+rm -f '$D/kubelet/plugins_registry/$GO_DRIVER-reg.sock'
+setsid '$GO_BIN' --kubeconfig '$KUBECONFIG' --drivername '$GO_DRIVER' kubelet-plugin \\
+	--node-name '$TESSERA_NODE_NAME' --num-devices 8 --datadir '$D/kubelet/plugins' \\
+	--plugin-registration-path '$D/kubelet/plugins_registry' --cdi-dir '$D/cdi' \\
+	>>'$GO_DIR/log' 2>&1 </dev/null &
+echo \$! >'$GO_DIR/pid'
+until [[ -S '$D/kubelet/plugins_registry/$GO_DRIVER-reg.sock' ]]; do
+	kill -0 \$! || { echo "the Go test driver died (log: $GO_DIR/log)" >&2; exit 1; }
+	sleep 0.05
+done
+EOF
+chmod +x "$GO_DIR/restart.sh"
+"$BENCH" slice-writes --window 10 -- "$GO_DIR/restart.sh" | record
+go_pid=$(cat "$GO_DIR/pid")
+say "results in $RESULTS"
