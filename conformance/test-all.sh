@@ -64,6 +64,15 @@ cargo build --workspace
 cargo test --workspace --no-run "${cargo_args[@]}"
 say "Rust build done ($((SECONDS - t0))s)"
 
+# --- hook: Helm chart -------------------------------------------------------
+# conformance/tests/helm_install.rs installs deploy/helm/tessera with helm
+# (built from its Go module, cached) and the node image of the release
+# binary (conformance/cluster/image.sh imports it into the cluster).
+t0=$SECONDS
+cargo build --release -p tessera-driver --bin tessera
+conformance/cluster/image.sh helm >/dev/null
+say "release binary and helm ready ($((SECONDS - t0))s)"
+
 # --- 3. clusters in a fresh state directory --------------------------------
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/tessera-test.XXXXXX")
 MAIN_DIR="$STATE/main"

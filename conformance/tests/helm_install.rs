@@ -1,0 +1,1041 @@
+//! The Helm chart (`deploy/helm/tessera`) installed for real on the local
+//! cluster's kubelet node, from the image `conformance/cluster/image.sh`
+//! builds (`FROM scratch`: the release `tessera` and the libraries it links)
+//! and imports into the cluster's containerd:
+//!
+//! * `helm lint` passes (defaults and this test's values), the PodMonitor is
+//!   rendered only when enabled;
+//! * `helm install`: the DaemonSet's pod runs, registers with the kubelet
+//!   and publishes the node's slices; the DeviceClasses it installed are
+//!   those of `deploy/deviceclasses.yaml` for the chart's driver name;
+//! * the example claim's pod (`deploy/examples/whole-gpu.yaml`) runs and
+//!   sees exactly the GPU its claim got;
+//! * the admission policy, as the daemon's service account with a token bound
+//!   to the daemon's pod (it carries the node's name), denies slice writes
+//!   for another node or driver and a token without the node, and admits its
+//!   own node's;
+//! * `helm upgrade` to a new image tag rolls the pod (maxSurge 1: the new
+//!   pod waits for the state lock while the old one serves); a pod created
+//!   during the roll runs without a failed prepare, the slices are not
+//!   rewritten, and the new pod unprepares and prepares claims afterwards.
+//!
+//! The simulated machine is the node's (`<state>/sim-kernel`, what every
+//! container sees at /run/tessera-sim), so the test needs the node slot of
+//! `cluster.sh node-start` free, as `node_start.rs` does; its driver name,
+//! namespace, release and host directories are its own.
+
+mod plugin_support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::authentication::v1::{SelfSubjectReview, TokenRequest};
+use k8s_openapi::api::core::v1::{Event, Pod, ServiceAccount};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+use tessera_conformance::{
+    TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
+};
+
+use plugin_support::{binaries, repo_root, status_gpu_uuid};
+
+/// Two whole GPUs: the example pod's and the pods of the roll.
+const TOPOLOGY: &str = "l4x2.yaml";
+/// Pods start from an image containerd has, but the first start of the
+/// node process also builds its model: be patient on two cores.
+const TIMEOUT: Duration = Duration::from_secs(180);
+/// Where the chart's driver root keeps the NVML library (Debian's layout).
+const NVML_IN_ROOT: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
+/// Every container of the node sees the simulated machine here.
+const SIM_MOUNT: &str = "/run/tessera-sim";
+/// How long after its container starts a new pod may first turn Ready (and
+/// the DaemonSet delete the old one): the window in which the test's pod is
+/// created, scheduled and prepared by the old pod. (`minReadySeconds` would
+/// say the same, but with maxSurge the 1.36 DaemonSet controller was seen
+/// not to come back after it: the roll stopped with both pods Ready.)
+const STARTUP_DELAY_SECONDS: u64 = 15;
+
+fn chart() -> PathBuf {
+    repo_root().join("deploy/helm/tessera")
+}
+
+/// Runs a command, returning stdout; the error carries stderr.
+fn run(command: &mut Command) -> Result<String> {
+    let shown = format!("{command:?}");
+    let out = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {shown}"))?;
+    ensure!(
+        out.status.success(),
+        "{shown} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f).await?
+}
+
+/// `conformance/cluster/image.sh` for this cluster.
+fn image_script(state_dir: &Path, args: &[&str]) -> Result<String> {
+    run(
+        Command::new(repo_root().join("conformance/cluster/image.sh"))
+            .args(args)
+            .env("TESSERA_CLUSTER_DIR", state_dir),
+    )
+}
+
+/// The helm client, with its caches and config in the test's directory.
+struct Helm {
+    bin: PathBuf,
+    home: PathBuf,
+    kubeconfig: PathBuf,
+}
+
+impl Helm {
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.bin);
+        c.args(args)
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .env("HELM_CACHE_HOME", self.home.join("cache"))
+            .env("HELM_CONFIG_HOME", self.home.join("config"))
+            .env("HELM_DATA_HOME", self.home.join("data"));
+        c
+    }
+
+    async fn run(&self, args: &[&str]) -> Result<String> {
+        let mut c = self.command(args);
+        blocking(move || run(&mut c)).await
+    }
+}
+
+/// The host side of the simulated node the chart's pod runs on.
+struct Machine {
+    dir: tempfile::TempDir,
+    sim_kernel: PathBuf,
+}
+
+impl Machine {
+    fn driver_root(&self) -> PathBuf {
+        self.dir.path().join("driver")
+    }
+
+    /// A driver root as a host with the NVIDIA driver has it (the fake
+    /// library and tools copied in, so every path resolves inside it, as
+    /// the pod sees it), and the machine's topology in the node's
+    /// sim-kernel directory, emptied first (a new machine).
+    fn new(state_dir: &Path) -> Result<Machine> {
+        // Short: the MPS pipes below it are Unix sockets.
+        let dir = tempfile::Builder::new().prefix("th").tempdir()?;
+        let sim_kernel = state_dir.join("sim-kernel");
+        std::fs::create_dir_all(&sim_kernel)?;
+        for entry in std::fs::read_dir(&sim_kernel)? {
+            let path = entry?.path();
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path)?;
+            } else {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        std::fs::copy(
+            repo_root()
+                .join("driver/fake-nvml/topologies")
+                .join(TOPOLOGY),
+            sim_kernel.join("topology.yaml"),
+        )?;
+        let m = Machine { dir, sim_kernel };
+        let root = m.driver_root();
+        for d in ["dev", "usr/bin", "usr/lib/x86_64-linux-gnu"] {
+            std::fs::create_dir_all(root.join(d))?;
+        }
+        std::fs::create_dir_all(m.dir.path().join("state"))?;
+        std::fs::create_dir_all(m.dir.path().join("mps"))?;
+        let b = binaries();
+        std::fs::copy(&b.fake_nvml, root.join(NVML_IN_ROOT))?;
+        let bin_dir = b.tessera.parent().context("tessera has no directory")?;
+        std::fs::copy(bin_dir.join("nvidia-smi"), root.join("usr/bin/nvidia-smi"))?;
+        std::fs::copy(
+            bin_dir.join("fake-mps-control"),
+            root.join("usr/bin/nvidia-cuda-mps-control"),
+        )?;
+        use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR, mknod_char};
+        mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
+        mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
+        mknod_char(&root.join("dev/nvidia-uvm-tools"), NVIDIA_UVM_MAJOR, 1)?;
+        for minor in m.minors()? {
+            mknod_char(
+                &root.join(format!("dev/nvidia{minor}")),
+                NVIDIA_MAJOR,
+                minor,
+            )?;
+        }
+        Ok(m)
+    }
+
+    /// The GPUs' minors, as `tessera inventory` on this machine reports them.
+    fn minors(&self) -> Result<Vec<u32>> {
+        let b = binaries();
+        let out = run(Command::new(&b.tessera)
+            .arg("--nvml-library")
+            .arg(self.driver_root().join(NVML_IN_ROOT))
+            .args(["inventory", "-o", "json"])
+            .env(
+                "TESSERA_FAKE_NVML_TOPOLOGY",
+                self.sim_kernel.join("topology.yaml"),
+            )
+            .env(
+                "TESSERA_FAKE_NVML_STATE",
+                self.sim_kernel.join("nvml.state"),
+            )
+            .env("TESSERA_FAKE_NVML_DRIVER_ROOT", self.driver_root())
+            .env_remove("TESSERA_FAKE_NVML_DEV_ROOT"))?;
+        let inventory: Value = serde_json::from_str(&out)?;
+        let minors: Vec<u32> = inventory["gpus"]
+            .as_array()
+            .context("no gpus in the inventory")?
+            .iter()
+            .filter_map(|g| g["minor"].as_u64().map(|m| m as u32))
+            .collect();
+        ensure!(!minors.is_empty(), "the simulated machine has no GPUs");
+        Ok(minors)
+    }
+
+    /// Empties the node's machine state again (what `node-start` of a new
+    /// machine would do too).
+    fn clear(&self) {
+        if let Ok(entries) = std::fs::read_dir(&self.sim_kernel) {
+            for e in entries.flatten() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// The chart's values for this cluster: the test's image, driver name and
+/// host paths, the node's simulated machine, the API server on loopback
+/// (no Service network here; the pod runs on the host network).
+fn values(
+    cluster: &TestCluster,
+    kubelet: &tessera_conformance::KubeletDirs,
+    machine: &Machine,
+    driver: &str,
+    tag: &str,
+) -> Result<Value> {
+    let recorded = std::fs::read_to_string(cluster.state_dir().join("cluster.env"))?;
+    let apiserver_port = recorded
+        .lines()
+        .find_map(|l| l.strip_prefix("APISERVER_PORT="))
+        .map(|p| p.trim_matches('\'').to_owned())
+        .context("no APISERVER_PORT in cluster.env")?;
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let path = |p: PathBuf| p.to_string_lossy().into_owned();
+    Ok(json!({
+        "driverName": driver,
+        "image": { "repository": "tessera.local/tessera", "tag": tag },
+        "kubeletDir": path(kubelet.root.clone()),
+        // The node slot's CDI directory: containerd reads it, no other
+        // plugin writes it while this test runs (checked at the start).
+        "cdiDir": path(cluster.state_dir().join("node/cdi")),
+        "stateDir": path(machine.dir.path().join("state")),
+        "mpsDir": path(machine.dir.path().join("mps")),
+        "driverRoot": path(machine.driver_root()),
+        "nvmlLibrary": NVML_IN_ROOT,
+        // "/" is a private mount on this machine (no systemd).
+        "driverRootMountPropagation": "None",
+        "metrics": { "port": metrics_port },
+        "probes": { "startup": { "initialDelaySeconds": STARTUP_DELAY_SECONDS } },
+        "nodeSelector": { "kubernetes.io/hostname": cluster.node_name() },
+        "extraEnv": [
+            { "name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1" },
+            { "name": "KUBERNETES_SERVICE_PORT", "value": apiserver_port },
+            { "name": "TESSERA_FAKE_NVML_TOPOLOGY", "value": format!("{SIM_MOUNT}/topology.yaml") },
+            { "name": "TESSERA_FAKE_NVML_STATE", "value": format!("{SIM_MOUNT}/nvml.state") },
+            { "name": "TESSERA_FAKE_NVML_DRIVER_ROOT", "value": path(machine.driver_root()) },
+            // The node process sees every GPU and changes the machine.
+            { "name": "TESSERA_FAKE_NVML_DEV_ROOT", "value": "" },
+        ],
+        "extraVolumes": [
+            { "name": "sim-kernel", "hostPath": { "path": path(machine.sim_kernel.clone()), "type": "Directory" } },
+        ],
+        "extraVolumeMounts": [
+            { "name": "sim-kernel", "mountPath": SIM_MOUNT },
+        ],
+    }))
+}
+
+/// Pods of the release, with the image tag each runs.
+async fn daemon_pods(pods: &Api<Pod>, release: &str) -> Result<Vec<(Pod, String)>> {
+    let list = pods
+        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={release}")))
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|p| {
+            let image = p
+                .spec
+                .as_ref()
+                .and_then(|s| s.containers.first())
+                .and_then(|c| c.image.clone())
+                .unwrap_or_default();
+            let tag = image.rsplit(':').next().unwrap_or_default().to_owned();
+            (p, tag)
+        })
+        .collect())
+}
+
+fn ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn running(pod: &Pod) -> bool {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+}
+
+/// Fails when the pod's container cannot start (its image, its spec) or
+/// keeps crashing: waiting longer would not help.
+fn stuck(pod: &Pod) -> Result<()> {
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref());
+    for c in statuses.into_iter().flatten() {
+        if let Some(w) = c.state.as_ref().and_then(|s| s.waiting.as_ref()) {
+            let reason = w.reason.as_deref().unwrap_or_default();
+            if matches!(
+                reason,
+                "CreateContainerError"
+                    | "CreateContainerConfigError"
+                    | "ErrImageNeverPull"
+                    | "ErrImagePull"
+                    | "ImagePullBackOff"
+                    | "CrashLoopBackOff"
+            ) {
+                bail!(
+                    "daemon pod {}: {reason}: {}",
+                    name(pod),
+                    w.message.as_deref().unwrap_or_default()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn name(pod: &Pod) -> String {
+    pod.metadata.name.clone().unwrap_or_default()
+}
+
+async fn logs(pods: &Api<Pod>, pod: &str) -> String {
+    pods.logs(pod, &LogParams::default())
+        .await
+        .unwrap_or_default()
+}
+
+/// The one daemon pod running `tag`, once it is Ready and its node process
+/// registered with the kubelet.
+async fn registered_daemon(pods: &Api<Pod>, release: &str, tag: &str) -> Result<Pod> {
+    wait_for(
+        &format!("the daemon pod of tag {tag} registered with the kubelet"),
+        TIMEOUT,
+        || async {
+            for (pod, t) in daemon_pods(pods, release).await? {
+                stuck(&pod)?;
+                if t == tag
+                    && ready(&pod)
+                    && logs(pods, &name(&pod))
+                        .await
+                        .contains("registered with the kubelet")
+                {
+                    return Ok(Some(pod));
+                }
+            }
+            Ok(None)
+        },
+    )
+    .await
+}
+
+/// The node's slices of `driver` once the pool is complete: name -> resourceVersion.
+async fn published(client: &Client, node: &str, driver: &str) -> Result<BTreeMap<String, String>> {
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let fields = format!("spec.nodeName={node},spec.driver={driver}");
+    wait_for("the node's slices", TIMEOUT, || async {
+        let list = api.list(&ListParams::default().fields(&fields)).await?;
+        let complete = list.items.first().is_some_and(|first| {
+            let pool = &first.spec.pool;
+            list.items
+                .iter()
+                .all(|s| s.spec.pool.generation == pool.generation)
+                && list.items.len() as i64 == pool.resource_slice_count
+        });
+        let devices = list
+            .items
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, Vec::len))
+            .sum::<usize>();
+        Ok((complete && devices > 0).then(|| {
+            list.items
+                .iter()
+                .map(|s| {
+                    (
+                        s.metadata.name.clone().unwrap_or_default(),
+                        s.metadata.resource_version.clone().unwrap_or_default(),
+                    )
+                })
+                .collect()
+        }))
+    })
+    .await
+}
+
+/// `kubectl` of the cluster, with `stdin` fed to it.
+fn kubectl(cluster: &TestCluster, args: &[&str], stdin: Option<String>) -> Result<String> {
+    let bin = cluster
+        .env()
+        .kube_bin
+        .clone()
+        .context("TESSERA_KUBE_BIN is not set")?;
+    let mut child = Command::new(bin)
+        .arg("kubectl")
+        .arg("--kubeconfig")
+        .arg(cluster.kubeconfig())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let Some(text) = stdin {
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .context("kubectl stdin")?
+            .write_all(text.as_bytes())?;
+    }
+    drop(child.stdin.take());
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The DeviceClasses of deploy/deviceclasses.yaml for `domain` (name ->
+/// spec), read through kubectl, and the ones the chart installed.
+async fn check_device_classes(cluster: &TestCluster, domain: &str) -> Result<()> {
+    let text = std::fs::read_to_string(repo_root().join("deploy/deviceclasses.yaml"))?
+        .replace("tessera.dev", domain);
+    let c = cluster.clone();
+    let rendered = blocking(move || {
+        kubectl(
+            &c,
+            &["create", "--dry-run=client", "-o", "json", "-f", "-"],
+            Some(text),
+        )
+    })
+    .await?;
+    // One JSON document per class.
+    let rendered: Vec<Value> = serde_json::Deserializer::from_str(&rendered)
+        .into_iter::<Value>()
+        .collect::<Result<_, _>>()?;
+    let want: BTreeMap<String, Value> = rendered
+        .iter()
+        .map(|c| {
+            (
+                c["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                c["spec"].clone(),
+            )
+        })
+        .collect();
+    ensure!(
+        !want.is_empty(),
+        "no DeviceClass in deploy/deviceclasses.yaml"
+    );
+    let api: Api<DeviceClass> = Api::all(cluster.client());
+    let installed: Vec<String> = api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|c| c.metadata.name)
+        .filter(|n| n.ends_with(&format!(".{domain}")))
+        .collect();
+    ensure!(
+        installed.len() == want.len(),
+        "the chart installed {installed:?}, deploy/deviceclasses.yaml has {:?}",
+        want.keys()
+    );
+    for (name, spec) in &want {
+        let got = api
+            .get(name)
+            .await
+            .with_context(|| format!("the chart installed no DeviceClass {name}"))?;
+        ensure!(
+            &serde_json::to_value(&got.spec)? == spec,
+            "DeviceClass {name}: the chart has {:?}, deploy/deviceclasses.yaml {spec}",
+            got.spec
+        );
+    }
+    Ok(())
+}
+
+/// The pod of deploy/examples/whole-gpu.yaml, for this test's classes.
+async fn example_pod(cluster: &TestCluster, ns: &str, domain: &str) -> Result<()> {
+    let text = std::fs::read_to_string(repo_root().join("deploy/examples/whole-gpu.yaml"))?
+        .replace("tessera.dev", domain);
+    let c = cluster.clone();
+    let ns = ns.to_owned();
+    blocking(move || kubectl(&c, &["apply", "-n", &ns, "-f", "-"], Some(text))).await?;
+    Ok(())
+}
+
+/// A pod like the example's (its claim from the example's template).
+async fn gpu_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "containers": [{
+                "name": "cuda",
+                "image": "tessera.local/probe:1",
+                "command": ["sh", "-c", "nvidia-smi -L && exec sleep infinity"],
+                "resources": { "claims": [{ "name": "gpu" }] },
+            }],
+            "resourceClaims": [{ "name": "gpu", "resourceClaimTemplateName": "whole-gpu" }],
+        },
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    Ok(())
+}
+
+/// Waits until `pod` runs and prints exactly the GPU its claim got; returns
+/// the claim's name and the GPU's UUID.
+async fn sees_its_gpu(ns: &TestNamespace, pod: &str) -> Result<(String, String)> {
+    let pods: Api<Pod> = ns.api();
+    let running_pod = wait_for(&format!("pod {pod} running"), TIMEOUT, || async {
+        let p = pods.get(pod).await?;
+        if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") {
+            bail!("pod {pod} failed: {:?}", p.status);
+        }
+        Ok(running(&p).then_some(p))
+    })
+    .await?;
+    let claim = running_pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|c| c.first())
+        .and_then(|c| c.resource_claim_name.clone())
+        .context("the pod's claim has no name")?;
+    let uuid = status_gpu_uuid(&ns.api::<ResourceClaim>(), &claim).await?;
+    let listing = wait_for(&format!("nvidia-smi -L of {pod}"), TIMEOUT, || async {
+        let text = logs(&pods, pod).await;
+        Ok(text.contains("GPU 0:").then_some(text))
+    })
+    .await?;
+    let gpus: Vec<&str> = listing.lines().filter(|l| l.starts_with("GPU ")).collect();
+    ensure!(
+        gpus.len() == 1 && gpus[0].contains(&uuid),
+        "{pod}: its claim got {uuid}, nvidia-smi -L lists {gpus:?}"
+    );
+    Ok((claim, uuid))
+}
+
+/// A client that authenticates with `token` (and nothing else).
+async fn client_with_token(cluster: &TestCluster, token: &str) -> Result<Client> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(cluster.kubeconfig())?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.to_owned().into()),
+        ..Default::default()
+    };
+    Ok(Client::try_from(config)?)
+}
+
+/// A token of `sa`, bound to `pod` when given.
+async fn token(ns: &TestNamespace, sa: &str, pod: Option<&Pod>) -> Result<String> {
+    let mut spec = json!({ "audiences": [], "expirationSeconds": 600 });
+    if let Some(pod) = pod {
+        spec["boundObjectRef"] = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "name": pod.metadata.name, "uid": pod.metadata.uid,
+        });
+    }
+    let request: TokenRequest = serde_json::from_value(json!({ "spec": spec }))?;
+    let answer: TokenRequest = ns
+        .api::<ServiceAccount>()
+        .create_subresource("token", sa, &PostParams::default(), &request)
+        .await
+        .context("TokenRequest")?;
+    answer
+        .status
+        .and_then(|s| s.token)
+        .context("no token in the answer")
+}
+
+fn slice(name: &str, driver: &str, node: &str) -> Result<ResourceSlice> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": { "name": node, "generation": 1, "resourceSliceCount": 1 },
+            "devices": [],
+        },
+    }))?)
+}
+
+fn denied(result: kube::Result<ResourceSlice>, policy: &str, what: &str) -> Result<()> {
+    match result {
+        Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains(policy) => {
+            eprintln!("denied as expected ({what}): {}", s.message);
+            Ok(())
+        }
+        Err(e) => bail!("{what}: expected a denial by {policy}, got {e}"),
+        Ok(_) => bail!("{what}: admitted, the policy {policy} should deny it"),
+    }
+}
+
+/// The admission policy, as the daemon's service account.
+async fn check_admission(
+    cluster: &TestCluster,
+    ns: &TestNamespace,
+    release: &str,
+    daemon: &Pod,
+    driver: &str,
+) -> Result<()> {
+    let node = cluster.node_name();
+    let sa = daemon
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .context("the daemon pod has no service account")?;
+    let policy = format!("{release}-tessera-own-node-slices");
+    let bound = client_with_token(cluster, &token(ns, &sa, Some(daemon)).await?).await?;
+
+    // The API server puts the node of the pod the token is bound to into
+    // the user's extra (ServiceAccountTokenPodNodeInfo, GA in 1.32).
+    let review: SelfSubjectReview = Api::all(bound.clone())
+        .create(&PostParams::default(), &serde_json::from_value(json!({}))?)
+        .await
+        .context("SelfSubjectReview as the daemon")?;
+    let user = review
+        .status
+        .and_then(|s| s.user_info)
+        .context("no user in the review")?;
+    let extra = user.extra.unwrap_or_default();
+    ensure!(
+        extra.get("authentication.kubernetes.io/node-name") == Some(&vec![node.to_owned()]),
+        "the bound token's user {:?} has no node name {node} in its extra {extra:?}",
+        user.username
+    );
+
+    let as_daemon: Api<ResourceSlice> = Api::all(bound);
+    let admin: Api<ResourceSlice> = Api::all(cluster.client());
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let other = unique_name("other-node");
+    denied(
+        as_daemon
+            .create(
+                &PostParams::default(),
+                &slice(&unique_name("adm"), driver, &other)?,
+            )
+            .await,
+        &policy,
+        "a slice of another node",
+    )?;
+    denied(
+        as_daemon
+            .create(
+                &dry,
+                &slice(&unique_name("adm"), "gpu.other.example.com", node)?,
+            )
+            .await,
+        &policy,
+        "a slice of another driver on its own node",
+    )?;
+    // Deleting (or changing) another node's slice.
+    let theirs = unique_name("adm-theirs");
+    admin
+        .create(&PostParams::default(), &slice(&theirs, driver, &other)?)
+        .await?;
+    let deleted = as_daemon.delete(&theirs, &DeleteParams::default()).await;
+    delete_ignore_missing(&admin, &theirs).await?;
+    match deleted {
+        Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains(&policy) => {}
+        other => bail!("deleting another node's slice as the daemon: {other:?}"),
+    }
+    // Its own node's slice is admitted (a dry run: the pool stays the daemon's).
+    as_daemon
+        .create(&dry, &slice(&unique_name("adm-own"), driver, node)?)
+        .await
+        .context("the daemon's service account may write its own node's slice")?;
+    // A token not bound to a pod names no node: nothing is admitted.
+    let unbound = client_with_token(cluster, &token(ns, &sa, None).await?).await?;
+    denied(
+        Api::<ResourceSlice>::all(unbound)
+            .create(&dry, &slice(&unique_name("adm"), driver, node)?)
+            .await,
+        &policy,
+        "a token without the node's name",
+    )?;
+    Ok(())
+}
+
+/// Records the longest time no registration socket of `driver` was in the
+/// kubelet's registry (a measurement, printed; nothing waits on it).
+struct GapMeter {
+    stop: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<Duration>,
+}
+
+impl GapMeter {
+    fn start(registry: PathBuf, driver: String) -> GapMeter {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut longest = Duration::ZERO;
+            let mut since: Option<Instant> = None;
+            while !flag.load(Ordering::Relaxed) {
+                let present = std::fs::read_dir(&registry).is_ok_and(|rd| {
+                    rd.flatten().any(|e| {
+                        e.file_name().to_str().is_some_and(|n| {
+                            n.starts_with(&format!("{driver}-")) && n.ends_with("-reg.sock")
+                        })
+                    })
+                });
+                match (present, since) {
+                    (false, None) => since = Some(Instant::now()),
+                    (true, Some(t)) => {
+                        longest = longest.max(t.elapsed());
+                        since = None;
+                    }
+                    _ => {}
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            longest
+        });
+        GapMeter { stop, handle }
+    }
+
+    fn finish(self) -> Duration {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().unwrap_or_default()
+    }
+}
+
+/// Warning events the kubelet recorded for `pod` about preparing its claims.
+async fn failed_prepares(ns: &TestNamespace, pod: &str) -> Result<Vec<String>> {
+    let events = ns
+        .api::<Event>()
+        .list(&ListParams::default().fields(&format!("involvedObject.name={pod}")))
+        .await?;
+    Ok(events
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
+        .map(|e| e.message.unwrap_or_default())
+        .collect())
+}
+
+#[tokio::test]
+async fn the_chart_installs_runs_gpu_pods_admits_only_its_node_and_rolls() -> Result<()> {
+    let cluster = TestCluster::shared().await?;
+    let Some(kubelet) = cluster.kubelet().cloned() else {
+        eprintln!("cluster runs without a kubelet (TESSERA_KUBELET=0): nothing to install on");
+        return Ok(());
+    };
+    let node_dir = cluster.state_dir().join("node");
+    ensure!(
+        !node_dir.join("node.env").exists(),
+        "{} exists: a simulated node was started on this cluster (cluster.sh node-start); the \
+         chart's pod needs the node's simulated machine: `conformance/cluster.sh node-stop && rm \
+         -rf {}`, or run this test on a cluster of its own",
+        node_dir.display(),
+        node_dir.display()
+    );
+
+    // Tools: helm from its Go module, the image in two tags (the upgrade's).
+    let id = unique_name("h");
+    let (tag1, tag2) = (format!("{id}-a"), format!("{id}-b"));
+    let state_dir = cluster.state_dir().to_path_buf();
+    let t0 = Instant::now();
+    let helm_bin = {
+        let s = state_dir.clone();
+        blocking(move || image_script(&s, &["helm"])).await?
+    };
+    {
+        let (s, a, b) = (state_dir.clone(), tag1.clone(), tag2.clone());
+        blocking(move || image_script(&s, &["import", "--tag", &a, "--tag", &b])).await?;
+    }
+    eprintln!("helm and the image ready in {:?}", t0.elapsed());
+    let machine = Machine::new(&state_dir)?;
+    let helm = Helm {
+        bin: PathBuf::from(helm_bin.trim()),
+        home: machine.dir.path().join("helm"),
+        kubeconfig: cluster.kubeconfig().to_path_buf(),
+    };
+
+    let driver = format!("gpu.{id}.tessera.dev");
+    let domain = format!("{id}.tessera.dev");
+    let ns = cluster.create_namespace("helm").await?;
+    let release = id.clone();
+    let values_file = machine.dir.path().join("values.json");
+    let values = values(&cluster, &kubelet, &machine, &driver, &tag1)?;
+    std::fs::write(&values_file, serde_json::to_vec_pretty(&values)?)?;
+
+    let result = install_and_roll(
+        &cluster,
+        &helm,
+        &ns,
+        &release,
+        &driver,
+        &domain,
+        &values_file,
+        &tag2,
+        &kubelet,
+    )
+    .await;
+
+    // Cleanup whatever happened: workloads first (their claims are
+    // unprepared while the node process still runs), then the release.
+    let pods: Api<Pod> = ns.api();
+    if result.is_err() {
+        for (pod, tag) in daemon_pods(&pods, &release).await.unwrap_or_default() {
+            eprintln!(
+                "--- daemon pod {} ({tag}) log:\n{}",
+                name(&pod),
+                logs(&pods, &name(&pod)).await
+            );
+        }
+    }
+    let workloads = |list: Vec<Pod>| -> Vec<String> {
+        list.iter()
+            .filter(|p| {
+                p.metadata
+                    .labels
+                    .as_ref()
+                    .is_none_or(|l| l.get("app.kubernetes.io/instance") != Some(&release))
+            })
+            .map(name)
+            .collect()
+    };
+    if let Ok(list) = pods.list(&ListParams::default()).await {
+        for p in workloads(list.items) {
+            let _ = pods
+                .delete(&p, &DeleteParams::default().grace_period(0))
+                .await;
+        }
+    }
+    let _ = wait_for("the test's GPU pods gone", TIMEOUT, || async {
+        let left = workloads(pods.list(&ListParams::default()).await?.items);
+        Ok(left.is_empty().then_some(()))
+    })
+    .await;
+    let uninstalled = helm
+        .run(&[
+            "uninstall",
+            &release,
+            "-n",
+            ns.name(),
+            "--wait",
+            "--timeout",
+            "3m",
+        ])
+        .await;
+    let _ = wait_for("the daemon pods gone", TIMEOUT, || async {
+        Ok(daemon_pods(&pods, &release).await?.is_empty().then_some(()))
+    })
+    .await;
+    let slices: Api<ResourceSlice> = Api::all(cluster.client());
+    if let Ok(list) = slices
+        .list(&ListParams::default().fields(&format!("spec.driver={driver}")))
+        .await
+    {
+        for s in list.items {
+            let _ = delete_ignore_missing(&slices, s.metadata.name.as_deref().unwrap_or_default())
+                .await;
+        }
+    }
+    let _ = ns.delete().await;
+    machine.clear();
+    for f in std::fs::read_dir(node_dir.join("cdi"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        // Specs of this test's claims only: the node slot was free.
+        let _ = std::fs::remove_file(f.path());
+    }
+    result?;
+    uninstalled.map(|_| ())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn install_and_roll(
+    cluster: &TestCluster,
+    helm: &Helm,
+    ns: &TestNamespace,
+    release: &str,
+    driver: &str,
+    domain: &str,
+    values_file: &Path,
+    tag2: &str,
+    kubelet: &tessera_conformance::KubeletDirs,
+) -> Result<()> {
+    let chart = chart();
+    let chart = chart.to_str().context("chart path")?;
+    let values = values_file.to_str().context("values path")?;
+    let tag1: String =
+        serde_json::from_slice::<Value>(&std::fs::read(values_file)?)?["image"]["tag"]
+            .as_str()
+            .context("tag")?
+            .to_owned();
+
+    // Lint, and the optional PodMonitor.
+    helm.run(&["lint", "--strict", chart]).await?;
+    helm.run(&["lint", "--strict", chart, "-f", values]).await?;
+    let plain = helm.run(&["template", "t", chart]).await?;
+    let monitored = helm
+        .run(&["template", "t", chart, "--set", "podMonitor.enabled=true"])
+        .await?;
+    ensure!(
+        !plain.contains("kind: PodMonitor") && monitored.contains("kind: PodMonitor"),
+        "the PodMonitor must be rendered exactly when podMonitor.enabled"
+    );
+
+    // Install: the pod runs, registers, publishes.
+    let t0 = Instant::now();
+    helm.run(&["install", release, chart, "-n", ns.name(), "-f", values])
+        .await?;
+    let pods: Api<Pod> = ns.api();
+    let first = registered_daemon(&pods, release, &tag1).await?;
+    let before = published(&cluster.client(), cluster.node_name(), driver).await?;
+    eprintln!(
+        "helm install -> pod registered and {} slices published in {:?}",
+        before.len(),
+        t0.elapsed()
+    );
+    check_device_classes(cluster, domain).await?;
+
+    // The example claim's pod runs with its GPU.
+    let t0 = Instant::now();
+    example_pod(cluster, ns.name(), domain).await?;
+    let (_, example_gpu) = sees_its_gpu(ns, "whole-gpu").await?;
+    eprintln!("example pod ran with {example_gpu} in {:?}", t0.elapsed());
+
+    check_admission(cluster, ns, release, &first, driver).await?;
+
+    // Upgrade to the second tag: a surge pod beside the old one.
+    let gap = GapMeter::start(kubelet.registry.clone(), driver.to_owned());
+    let t0 = Instant::now();
+    let tag_arg = format!("image.tag={tag2}");
+    helm.run(&[
+        "upgrade",
+        release,
+        chart,
+        "-n",
+        ns.name(),
+        "-f",
+        values,
+        "--set",
+        &tag_arg,
+    ])
+    .await?;
+    let old_name = name(&first);
+    wait_for("the new daemon pod beside the old one", TIMEOUT, || async {
+        let now = daemon_pods(&pods, release).await?;
+        let new = now.iter().any(|(_, t)| t == tag2);
+        let old = now.iter().any(|(p, _)| name(p) == old_name);
+        if !old && !new {
+            bail!("the old pod went before a new one appeared");
+        }
+        Ok((new && old).then_some(()))
+    })
+    .await?;
+    // A pod created during the roll.
+    gpu_pod(&pods, "during-roll").await?;
+    let (roll_claim, roll_gpu) = sees_its_gpu(ns, "during-roll").await?;
+    let new = registered_daemon(&pods, release, tag2).await?;
+    wait_for("the old daemon pod gone", TIMEOUT, || async {
+        let now = daemon_pods(&pods, release).await?;
+        Ok((!now.iter().any(|(p, _)| name(p) == old_name)).then_some(()))
+    })
+    .await?;
+    let rolled = t0.elapsed();
+    let gap = gap.finish();
+    let failures = failed_prepares(ns, "during-roll").await?;
+    ensure!(
+        failures.is_empty(),
+        "the pod created during the roll had failed prepares: {failures:?}"
+    );
+    let new_log = logs(&pods, &name(&new)).await;
+    ensure!(
+        new_log.contains("waiting for it to exit (rolling update)"),
+        "the new pod did not start beside the old one (no wait for the state lock):\n{new_log}"
+    );
+    let after = published(&cluster.client(), cluster.node_name(), driver).await?;
+    ensure!(
+        after == before,
+        "the roll rewrote the slices: {before:?} -> {after:?}"
+    );
+    eprintln!(
+        "helm upgrade rolled the pod in {rolled:?} (the pod created during the roll ran with \
+         {roll_gpu}); longest time without a registered plugin: {gap:?}"
+    );
+
+    // The new pod serves: it unprepares the roll's claim and prepares another.
+    let claims: Api<ResourceClaim> = ns.api();
+    pods.delete("during-roll", &DeleteParams::default().grace_period(0))
+        .await?;
+    let cdi = cluster.state_dir().join("node/cdi");
+    let roll_uid = claims
+        .get(&roll_claim)
+        .await
+        .ok()
+        .and_then(|c| c.metadata.uid)
+        .unwrap_or_default();
+    wait_for("the roll's claim unprepared", TIMEOUT, || async {
+        let gone = pods.get_opt("during-roll").await?.is_none();
+        let spec = cdi.join(format!("gpu.tessera.dev-claim_{roll_uid}.json"));
+        Ok((gone && !spec.exists()).then_some(()))
+    })
+    .await?;
+    gpu_pod(&pods, "after-roll").await?;
+    let (_, after_gpu) = sees_its_gpu(ns, "after-roll").await?;
+    ensure!(after_gpu != example_gpu, "two pods on one whole GPU");
+    Ok(())
+}
