@@ -122,4 +122,6 @@ pub enum ProblemKind {
     WrongKind,
     /// A setting that the device it applies to cannot honour.
     NotApplicable,
+    /// A config scoped to a request the claim does not have.
+    UnknownRequest,
 }

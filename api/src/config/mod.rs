@@ -27,7 +27,15 @@
 //! per setting. A config of the wrong kind for a device it is scoped to is an
 //! error; an unscoped config only applies to devices of its kind but must
 //! fit at least one.
+//!
+//! # Admission ([`check_claim_spec`])
+//!
+//! What needs no allocation (decoding, request names) is checked again when
+//! a claim or claim template is created, by `tessera webhook`, with the same
+//! problems and fixes; [`ConfigError::admission_message`] renders them with
+//! the field as a path in the object.
 
+mod admission;
 mod decode;
 mod error;
 mod resolve;
@@ -36,6 +44,7 @@ mod types;
 #[cfg(test)]
 mod tests;
 
+pub use admission::check_claim_spec;
 pub use decode::{decode, decode_value};
 pub use error::{ConfigError, Problem, ProblemKind, SourceRef};
 pub use resolve::{
