@@ -15,3 +15,4 @@ pub mod mps;
 pub mod node;
 pub mod plugin;
 pub mod prepare;
+pub mod webhook;

@@ -61,6 +61,11 @@ enum Command {
     /// allocated to them vs what NVML reports used. Reads the node process's
     /// state directory without locking it: safe while the node process runs.
     Status(status_cmd::StatusArgs),
+
+    /// Serve the validating admission webhook: refuse ResourceClaims and
+    /// ResourceClaimTemplates whose opaque config for this driver does not
+    /// decode, with the message prepare would give (HTTPS, POST /validate).
+    Webhook(tessera_driver::webhook::WebhookArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -86,6 +91,7 @@ fn main() -> ExitCode {
             tessera_driver::plugin::cli::main(&cli.nvml_library, args).map(|()| ExitCode::SUCCESS)
         }
         Command::Status(args) => status_cmd::status(&cli.nvml_library, args),
+        Command::Webhook(args) => tessera_driver::webhook::main(args).map(|()| ExitCode::SUCCESS),
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

@@ -1,0 +1,208 @@
+use serde_json::{Value, json};
+use tessera_api::config::API_VERSION;
+
+use super::*;
+
+const DRIVER: &str = "gpu.tessera.dev";
+
+fn claim_object(config: Value) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "c", "namespace": "ns"},
+        "spec": {"devices": {
+            "requests": [
+                {"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}},
+                {"name": "alt", "firstAvailable": [
+                    {"name": "big", "deviceClassName": "gpu.tessera.dev"},
+                    {"name": "small", "deviceClassName": "mig.tessera.dev"}
+                ]}
+            ],
+            "config": config,
+        }},
+    })
+}
+
+fn request(resource: &str, operation: &str, object: Value, old: Value) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "0f3e",
+            "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "X"},
+            "resource": {"group": "resource.k8s.io", "version": "v1", "resource": resource},
+            "operation": operation,
+            "namespace": "ns",
+            "object": object,
+            "oldObject": old,
+        }
+    }))
+    .unwrap()
+}
+
+fn answer(body: &[u8]) -> (bool, String) {
+    let review = review(DRIVER, body).unwrap();
+    assert_eq!(review["apiVersion"], "admission.k8s.io/v1");
+    assert_eq!(review["kind"], "AdmissionReview");
+    let response = &review["response"];
+    assert_eq!(response["uid"], "0f3e");
+    (
+        response["allowed"].as_bool().unwrap(),
+        response["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
+    )
+}
+
+fn ours(parameters: Value) -> Value {
+    json!({"opaque": {"driver": DRIVER, "parameters": parameters}})
+}
+
+fn bad_strategy() -> Value {
+    json!({"apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": {"strategy": "Bogus"}})
+}
+
+#[test]
+fn a_bad_config_is_denied_with_prepares_words_and_its_path() {
+    let object = claim_object(json!([
+        {"opaque": {"driver": "net.example.com", "parameters": {"anything": 1}}},
+        ours(bad_strategy()),
+    ]));
+    let (allowed, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
+    assert!(!allowed);
+    let problem = tessera_api::config::decode_value(&bad_strategy()).unwrap_err();
+    assert_eq!(
+        message,
+        format!(
+            "claim ns/c: spec.devices.config[1].opaque.parameters.sharing.strategy: {}; fix: {}",
+            problem.message, problem.fix
+        )
+    );
+}
+
+#[test]
+fn a_template_is_checked_under_spec_spec() {
+    let object = json!({
+        "metadata": {"name": "t", "namespace": "ns"},
+        "spec": {"spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}],
+            "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER,
+                        "parameters": {"apiVersion": API_VERSION, "kind": "GPUConfig"}}}],
+        }}},
+    });
+    let (allowed, message) = answer(&request(
+        "resourceclaimtemplates",
+        "CREATE",
+        object,
+        Value::Null,
+    ));
+    assert!(!allowed);
+    assert!(
+        message.starts_with(
+            "claim template ns/t: spec.spec.devices.config[0].opaque.parameters.kind: unknown kind"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn good_configs_other_drivers_and_no_config_are_allowed() {
+    let good = ours(json!({"apiVersion": API_VERSION, "kind": "MigConfig",
+                           "sharing": {"strategy": "MPS", "mps": {"computePercent": 50}}}));
+    let mut scoped = good.clone();
+    scoped["requests"] = json!(["alt/small", "gpu"]);
+    for config in [
+        json!([good]),
+        json!([scoped]),
+        json!([{"opaque": {"driver": "other.example.com", "parameters": {"kind": "Whatever"}}}]),
+        json!([]),
+        Value::Null,
+    ] {
+        let (allowed, message) = answer(&request(
+            "resourceclaims",
+            "CREATE",
+            claim_object(config.clone()),
+            Value::Null,
+        ));
+        assert!(allowed, "{config}: {message}");
+    }
+}
+
+#[test]
+fn every_problem_is_listed_and_unknown_requests_too() {
+    let mut unknown = ours(json!({"apiVersion": API_VERSION, "kind": "GpuConfig"}));
+    unknown["requests"] = json!(["alt/huge"]);
+    let object = claim_object(json!([ours(bad_strategy()), unknown]));
+    let (allowed, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
+    assert!(!allowed);
+    let lines: Vec<&str> = message.lines().collect();
+    assert_eq!(lines.len(), 2, "{message}");
+    assert!(
+        lines[1].starts_with(
+            "claim ns/c: spec.devices.config[1].requests: `alt/huge` is not a request"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn updates_are_checked_only_when_the_spec_changes() {
+    let bad = claim_object(json!([ours(bad_strategy())]));
+    let mut relabelled = bad.clone();
+    relabelled["metadata"]["finalizers"] = json!([]);
+    let (allowed, _) = answer(&request(
+        "resourceclaims",
+        "UPDATE",
+        relabelled,
+        bad.clone(),
+    ));
+    assert!(allowed, "a metadata update of an existing claim");
+    let good = claim_object(json!([]));
+    let (allowed, _) = answer(&request("resourceclaims", "UPDATE", bad.clone(), good));
+    assert!(!allowed, "a spec change to a bad config");
+    let (allowed, _) = answer(&request("resourceclaims", "DELETE", Value::Null, bad));
+    assert!(allowed);
+}
+
+#[test]
+fn other_resources_and_subresources_are_never_blocked() {
+    let bad = claim_object(json!([ours(bad_strategy())]));
+    let (allowed, _) = answer(&request("pods", "CREATE", bad.clone(), Value::Null));
+    assert!(allowed);
+    let mut body: Value =
+        serde_json::from_slice(&request("resourceclaims", "UPDATE", bad, Value::Null)).unwrap();
+    body["request"]["subResource"] = json!("status");
+    let (allowed, _) = answer(&serde_json::to_vec(&body).unwrap());
+    assert!(allowed);
+}
+
+#[test]
+fn what_is_not_an_admission_review_is_an_error() {
+    assert!(review(DRIVER, b"{").is_err());
+    assert!(review(DRIVER, br#"{"apiVersion":"v1","kind":"Pod"}"#).is_err());
+    let err = review(
+        DRIVER,
+        br#"{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"x"}}"#,
+    )
+    .unwrap_err();
+    assert!(err.contains("admissionReviewVersions"), "{err}");
+    assert!(
+        review(
+            DRIVER,
+            br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview"}"#
+        )
+        .is_err()
+    );
+}
+
+#[test]
+fn a_generated_name_is_named_as_best_known() {
+    let mut object = claim_object(json!([ours(bad_strategy())]));
+    object["metadata"] = json!({"generateName": "pod-gpu-", "namespace": "ns"});
+    let (_, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
+    assert!(
+        message.starts_with("claim ns/pod-gpu-<generated>: "),
+        "{message}"
+    );
+}
