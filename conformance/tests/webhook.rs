@@ -1,0 +1,380 @@
+//! `tessera webhook` against the real API server: a ValidatingWebhookConfiguration
+//! points the API server at the webhook (HTTPS on loopback, a CA made with
+//! the openssl CLI for this test), and creates of ResourceClaims and
+//! ResourceClaimTemplates with a bad opaque config for the driver are
+//! refused at create time with prepare's words and the field path, while
+//! good configs, other drivers' configs and claims without a config for the
+//! driver are admitted unchanged.
+//!
+//! Other tests share the API server: the configuration only selects this
+//! test's namespace (a label no other namespace has), and the webhook checks
+//! a driver name no other test uses.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+use kube::Api;
+use kube::api::{Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use tessera_api::config::{API_VERSION, decode_value};
+use tessera_conformance::artifacts::binaries;
+use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+/// The label that scopes the webhook configuration to this test's namespace.
+const SCOPE_LABEL: &str = "tessera.dev/webhook-test";
+
+/// A CA and a serving certificate for 127.0.0.1 signed by it (openssl CLI).
+struct Certificates {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .context("running openssl (the CLI must be installed)")?;
+    ensure!(
+        out.status.success(),
+        "openssl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+fn certificates(dir: &Path) -> Result<Certificates> {
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    openssl(
+        dir,
+        &[
+            &[
+                "req",
+                "-x509",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=tessera-webhook-test-ca",
+            ][..],
+            &ec,
+            &["-keyout", "ca.key", "-out", "ca.crt"],
+            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat(),
+    )?;
+    openssl(
+        dir,
+        &[
+            &["req", "-new", "-nodes", "-subj", "/CN=127.0.0.1"][..],
+            &ec,
+            &["-keyout", "tls.key", "-out", "tls.csr"],
+        ]
+        .concat(),
+    )?;
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n\
+         keyUsage=critical,digitalSignature\nbasicConstraints=CA:FALSE\n",
+    )?;
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "tls.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+            "-out",
+            "tls.crt",
+        ],
+    )?;
+    Ok(Certificates {
+        ca: dir.join("ca.crt"),
+        cert: dir.join("tls.crt"),
+        key: dir.join("tls.key"),
+    })
+}
+
+/// The running `tessera webhook`; killed on drop.
+struct Webhook {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Webhook {
+    fn start(dir: &Path, certs: &Certificates, driver: &str) -> Result<Self> {
+        let log = dir.join("webhook.log");
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(&binaries().tessera)
+            .args([
+                "webhook",
+                "--driver-name",
+                driver,
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--tls-cert-file")
+            .arg(&certs.cert)
+            .arg("--tls-private-key-file")
+            .arg(&certs.key)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .context("starting tessera webhook")?;
+        Ok(Webhook { child, log })
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The port it bound, from its log line `serving admission reviews on
+    /// https://<address>/validate`.
+    async fn port(&mut self) -> Result<u16> {
+        const MARK: &str = "serving admission reviews on https://";
+        wait_for("the webhook's address in its log", TIMEOUT, || {
+            let exited = self.child.try_wait();
+            let log = self.log();
+            async move {
+                if let Some(status) = exited? {
+                    bail!("tessera webhook exited ({status}); log:\n{log}");
+                }
+                Ok(log.split_once(MARK).and_then(|(_, rest)| {
+                    let address = rest.split_once("/validate")?.0;
+                    address
+                        .parse::<std::net::SocketAddr>()
+                        .ok()
+                        .map(|a| a.port())
+                }))
+            }
+        })
+        .await
+    }
+}
+
+impl Drop for Webhook {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn claim(name: &str, config: Value) -> Result<ResourceClaim> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}],
+            "config": config,
+        }},
+    }))?)
+}
+
+fn template(name: &str, config: Value) -> Result<ResourceClaimTemplate> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.tessera.dev"}}],
+            "config": config,
+        }}},
+    }))?)
+}
+
+fn opaque(driver: &str, parameters: Value) -> Value {
+    json!({"requests": ["gpu"], "opaque": {"driver": driver, "parameters": parameters}})
+}
+
+/// The message of a refused create, or an error if it was admitted.
+fn refusal<T>(what: &str, result: kube::Result<T>) -> Result<String> {
+    match result {
+        Ok(_) => bail!("{what} was admitted"),
+        Err(kube::Error::Api(status)) => Ok(status.message),
+        Err(e) => Err(e).context(what.to_owned()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_configs_are_refused_at_create_time() -> Result<()> {
+    let cluster = TestCluster::shared().await?;
+    let client = cluster.client();
+    let ns = cluster.create_namespace("webhook").await?;
+    let dir = tempfile::tempdir()?;
+    let driver = format!("{}.tessera.dev", unique_name("hook"));
+    let configs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let config_name = unique_name("tessera-webhook-test");
+
+    let result = async {
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+            .patch(
+                ns.name(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {SCOPE_LABEL: ns.name()}}})),
+            )
+            .await?;
+        let certs = certificates(dir.path())?;
+        let mut webhook = Webhook::start(dir.path(), &certs, &driver)?;
+        let port = webhook.port().await?;
+
+        let mut configuration: ValidatingWebhookConfiguration = serde_json::from_value(json!({
+            "metadata": {"name": config_name},
+            "webhooks": [{
+                "name": format!("claims.{driver}"),
+                "clientConfig": {"url": format!("https://127.0.0.1:{port}/validate")},
+                "rules": [{
+                    "operations": ["CREATE", "UPDATE"],
+                    "apiGroups": ["resource.k8s.io"],
+                    "apiVersions": ["v1"],
+                    "resources": ["resourceclaims", "resourceclaimtemplates"],
+                    "scope": "Namespaced",
+                }],
+                "namespaceSelector": {"matchLabels": {SCOPE_LABEL: ns.name()}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 10,
+            }],
+        }))?;
+        configuration.webhooks.as_mut().unwrap()[0].client_config.ca_bundle =
+            Some(ByteString(std::fs::read(&certs.ca)?));
+        configs
+            .create(&PostParams::default(), &configuration)
+            .await
+            .context("creating the ValidatingWebhookConfiguration")?;
+
+        let claims: Api<ResourceClaim> = ns.api();
+        let templates: Api<ResourceClaimTemplate> = ns.api();
+        let bad_strategy =
+            json!({"apiVersion": API_VERSION, "kind": "GpuConfig", "sharing": {"strategy": "Bogus"}});
+
+        // The API server picks up new configurations asynchronously: a dry
+        // run of a claim the webhook must deny, until it is denied.
+        let last = Mutex::new(String::from("admitted"));
+        let probe = claim("probe", json!([opaque(&driver, bad_strategy.clone())]))?;
+        let dry_run = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        wait_for("the webhook to be called by the API server", TIMEOUT, || async {
+            match claims.create(&dry_run, &probe).await {
+                Err(kube::Error::Api(s)) if s.message.contains("denied the request") => {
+                    Ok(Some(()))
+                }
+                Ok(_) => Ok(None),
+                Err(e) => {
+                    *last.lock().unwrap() = e.to_string();
+                    Ok(None)
+                }
+            }
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "last answer: {}; webhook log:\n{}",
+                last.lock().unwrap(),
+                webhook.log()
+            )
+        })?;
+
+        // A claim with a bad config for the driver (after another driver's
+        // config, so the path names entry 1).
+        let bad = claim(
+            "bad",
+            json!([opaque("net.example.com", json!({"anything": "goes"})), opaque(&driver, bad_strategy.clone())]),
+        )?;
+        let message = refusal("the claim with a bad config", claims.create(&PostParams::default(), &bad).await)?;
+        println!("refused: {message}");
+        let problem = decode_value(&bad_strategy).unwrap_err();
+        let want = format!(
+            "claim {}/bad: spec.devices.config[1].opaque.parameters.sharing.strategy: {}; fix: {}",
+            ns.name(),
+            problem.message,
+            problem.fix
+        );
+        ensure!(message.contains(&want), "refusal {message:?} does not contain {want:?}");
+        ensure!(claims.get_opt("bad").await?.is_none(), "the refused claim exists");
+
+        // A template likewise, with an unknown kind.
+        let unknown_kind = json!({"apiVersion": API_VERSION, "kind": "GPUConfig"});
+        let message = refusal(
+            "the template with a bad config",
+            templates
+                .create(&PostParams::default(), &template("bad-template", json!([opaque(&driver, unknown_kind.clone())]))?)
+                .await,
+        )?;
+        let problem = decode_value(&unknown_kind).unwrap_err();
+        let want = format!(
+            "claim template {}/bad-template: spec.spec.devices.config[0].opaque.parameters.kind: {}; fix: {}",
+            ns.name(),
+            problem.message,
+            problem.fix
+        );
+        ensure!(message.contains(&want), "refusal {message:?} does not contain {want:?}");
+
+        // Good configs are admitted and stored as written.
+        let good = json!({"apiVersion": API_VERSION, "kind": "GpuConfig",
+                          "sharing": {"strategy": "MPS", "mps": {"memory": "4Gi", "computePercent": 50}}});
+        let created = claims
+            .create(&PostParams::default(), &claim("good", json!([opaque(&driver, good.clone())]))?)
+            .await
+            .context("a claim with a good config")?;
+        let stored = serde_json::to_value(&created)?;
+        ensure!(
+            stored["spec"]["devices"]["config"][0]["opaque"]["parameters"] == good,
+            "the stored config differs from the one written: {stored}"
+        );
+        templates
+            .create(&PostParams::default(), &template("good-template", json!([opaque(&driver, good)]))?)
+            .await
+            .context("a template with a good config")?;
+
+        // Another driver's config is none of the webhook's business, nor is
+        // a claim without a config for the driver.
+        claims
+            .create(
+                &PostParams::default(),
+                &claim("other", json!([opaque("net.example.com", json!({"kind": "GPUConfig", "x": 1}))]))?,
+            )
+            .await
+            .context("a claim with another driver's config")?;
+        claims
+            .create(&PostParams::default(), &claim("plain", json!([]))?)
+            .await
+            .context("a claim without config")?;
+
+        // A metadata update of an admitted claim is admitted.
+        claims
+            .patch(
+                "good",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+            )
+            .await
+            .context("labelling an admitted claim")?;
+        let log = webhook.log();
+        ensure!(log.contains("denied: claim"), "the webhook logged no denial:\n{log}");
+        Ok(())
+    }
+    .await;
+
+    delete_ignore_missing(&configs, &config_name).await?;
+    ns.delete().await?;
+    result
+}
