@@ -46,8 +46,9 @@ ensure_packages() {
 		say "installing ${missing[*]} failed; the podman test will fail"
 }
 # The local cluster's kubelet runs real containers: runc, the CNI plugins,
-# ip (pod network cleanup) and unshare come from Debian too.
-ensure_packages podman runc busybox-static containernetworking-plugins iproute2 util-linux
+# ip (pod network cleanup) and unshare come from Debian too. The webhook test
+# makes its CA and serving certificate with the openssl CLI.
+ensure_packages podman runc busybox-static containernetworking-plugins iproute2 util-linux openssl
 export TESSERA_REQUIRE_PODMAN=1
 
 # --- 2. Rust: compile everything before the clusters take CPU -----------------
