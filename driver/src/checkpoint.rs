@@ -17,10 +17,14 @@
 //!   not survive a reboot, so a checkpoint from another boot describes nothing
 //!   that still exists and is discarded.
 //! * Atomic: written with fsync + rename (see [`crate::cdi::write_atomically`]).
+//! * Group-committed when shared ([`SharedCheckpoint`]): claims prepared
+//!   at the same time wait for one write that holds all their changes,
+//!   instead of queueing one fsync each behind a lock.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -95,6 +99,8 @@ pub struct Checkpoint<T> {
     path: PathBuf,
     boot_id: String,
     claims: BTreeMap<ClaimUid, T>,
+    /// Counts changes in memory (see [`SharedCheckpoint`]).
+    generation: u64,
 }
 
 impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
@@ -113,6 +119,7 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             path,
             boot_id,
             claims: BTreeMap::new(),
+            generation: 0,
         };
         let outcome = checkpoint.load()?;
         Ok((checkpoint, outcome))
@@ -210,22 +217,29 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
     /// Write the current state (also used after start to drop a previous
     /// boot's file).
     pub fn persist(&self) -> Result<(), CheckpointError> {
-        let bytes = encode(&self.boot_id, &self.claims);
-        if let Some(dir) = self.path.parent() {
-            fs::create_dir_all(dir).map_err(|source| CheckpointError::Write {
-                path: self.path.clone(),
-                source,
-            })?;
-        }
-        write_atomically(&self.path, &bytes).map_err(|source| CheckpointError::Write {
-            path: self.path.clone(),
-            source,
-        })
+        write_file(&self.path, &encode(&self.boot_id, &self.claims))
+    }
+
+    /// Counts a change made in memory; its generation.
+    fn changed(&mut self) -> u64 {
+        self.generation += 1;
+        self.generation
     }
 
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let failed = |source| CheckpointError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir).map_err(failed)?;
+    }
+    write_atomically(path, bytes).map_err(failed)
 }
 
 fn encode<T: Serialize>(boot_id: &str, claims: &BTreeMap<ClaimUid, T>) -> Vec<u8> {
@@ -262,6 +276,109 @@ pub(crate) fn decode<T: DeserializeOwned>(
     let claims = serde_json::from_str(&envelope.claims)
         .map_err(|e| format!("checkpoint entries do not decode: {e}"))?;
     Ok((envelope.boot_id, claims))
+}
+
+/// A [`Checkpoint`] shared by claims prepared concurrently.
+///
+/// A change is made in memory under a short lock, then made durable by
+/// group commit: whoever holds the writer lock writes everything changed so
+/// far, so the claims that queued behind it find their change already on
+/// disk. A change is acknowledged only once a write that holds it succeeded;
+/// a failed write undoes the change in memory before the writer lock is
+/// released, so no later write can carry it to disk.
+#[derive(Debug)]
+pub struct SharedCheckpoint<T> {
+    state: Mutex<Checkpoint<T>>,
+    /// Generation of the state last written to disk.
+    written: Mutex<u64>,
+}
+
+impl<T: Serialize + DeserializeOwned + Clone> SharedCheckpoint<T> {
+    pub fn new(checkpoint: Checkpoint<T>) -> Self {
+        SharedCheckpoint {
+            state: Mutex::new(checkpoint),
+            written: Mutex::new(0),
+        }
+    }
+
+    /// The entries in memory, for reading (every acknowledged change, and
+    /// changes being written).
+    pub fn lock(&self) -> MutexGuard<'_, Checkpoint<T>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records `entry` for `claim` and returns once it is on disk.
+    pub fn put(&self, claim: ClaimUid, entry: T) -> Result<(), CheckpointError> {
+        let (previous, generation) = {
+            let mut cp = self.lock();
+            let previous = cp.claims.insert(claim.clone(), entry);
+            (previous, cp.changed())
+        };
+        self.commit(generation, || {
+            let mut cp = self.lock();
+            match previous {
+                Some(old) => cp.claims.insert(claim, old),
+                None => cp.claims.remove(&claim),
+            };
+            cp.changed();
+        })
+    }
+
+    /// Records `entry` for `claim` in memory only: it reaches the disk with
+    /// the next write of anyone's change. For a change whose loss in a crash
+    /// is harmless but which other claims must see now.
+    pub fn stage(&self, claim: ClaimUid, entry: T) {
+        let mut cp = self.lock();
+        cp.claims.insert(claim, entry);
+        cp.changed();
+    }
+
+    /// Forgets `claim` and returns once that is on disk; forgetting an
+    /// unknown claim is a no-op.
+    pub fn remove(&self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
+        let (old, generation) = {
+            let mut cp = self.lock();
+            let Some(old) = cp.claims.remove(claim) else {
+                return Ok(None);
+            };
+            (old, cp.changed())
+        };
+        let undo = old.clone();
+        self.commit(generation, || {
+            let mut cp = self.lock();
+            cp.claims.insert(claim.clone(), undo);
+            cp.changed();
+        })?;
+        Ok(Some(old))
+    }
+
+    /// Makes generation `generation` durable, writing it (and whatever
+    /// changed since) unless a write already did; `undo` runs under the
+    /// writer lock when the write fails.
+    fn commit(&self, generation: u64, undo: impl FnOnce()) -> Result<(), CheckpointError> {
+        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        if *written >= generation {
+            return Ok(());
+        }
+        let (bytes, snapshot, path) = {
+            let cp = self.lock();
+            (
+                encode(&cp.boot_id, &cp.claims),
+                cp.generation,
+                cp.path.clone(),
+            )
+        };
+        match write_file(&path, &bytes) {
+            Ok(()) => {
+                *written = snapshot;
+                Ok(())
+            }
+            Err(e) => {
+                undo();
+                Err(e)
+            }
+        }
+    }
 }
 
 /// A checkpoint as found on disk, read without the state lock and without
@@ -342,6 +459,54 @@ mod tests {
         assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
         assert_eq!(cp.get(&uid(1)).unwrap().device, "gpu-0");
         assert!(!cp.contains(&uid(2)));
+    }
+
+    #[test]
+    fn concurrent_changes_are_all_on_disk_when_acknowledged() {
+        let f = Fixture::new();
+        let shared = std::sync::Arc::new(SharedCheckpoint::new(f.open().0));
+        let threads: Vec<_> = (0..32u8)
+            .map(|n| {
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    shared.put(uid(n), entry(&format!("gpu-{n}"))).unwrap();
+                    if n % 2 == 1 {
+                        assert!(shared.remove(&uid(n)).unwrap().is_some());
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 16 });
+        for n in 0..32u8 {
+            assert_eq!(cp.contains(&uid(n)), n % 2 == 0, "claim {n}");
+        }
+        assert_eq!(shared.remove(&uid(1)).unwrap(), None);
+    }
+
+    #[test]
+    fn a_failed_write_undoes_the_change_in_memory() {
+        let f = Fixture::new();
+        let shared = SharedCheckpoint::new(f.open().0);
+        shared.put(uid(1), entry("gpu-0")).unwrap();
+        // The state directory becomes a file: every write fails.
+        let state = f.dir.path().join("state");
+        fs::remove_dir_all(&state).unwrap();
+        fs::write(&state, "").unwrap();
+        assert!(matches!(
+            shared.put(uid(2), entry("gpu-1")),
+            Err(CheckpointError::Write { .. })
+        ));
+        assert!(shared.remove(&uid(1)).is_err());
+        let cp = shared.lock();
+        assert!(
+            !cp.contains(&uid(2)),
+            "a change that failed to persist stays"
+        );
+        assert_eq!(cp.get(&uid(1)).unwrap().device, "gpu-0");
     }
 
     #[test]

@@ -45,7 +45,7 @@ use tessera_api::config::{EffectiveConfig, resolve_claim};
 use tracing::{error, info, warn};
 
 use crate::cdi::SpecDir;
-use crate::checkpoint::{Checkpoint, CheckpointError, LoadOutcome};
+use crate::checkpoint::{Checkpoint, CheckpointError, LoadOutcome, SharedCheckpoint};
 use crate::claim_uid::ClaimUid;
 
 use catalog::DeviceCatalog;
@@ -147,7 +147,7 @@ pub enum SetupError {
 pub struct Preparer {
     config: PrepareConfig,
     deps: Dependencies,
-    checkpoint: Mutex<Checkpoint<ClaimEntry>>,
+    checkpoint: SharedCheckpoint<ClaimEntry>,
     specs: SpecDir,
     locks: ClaimLocks,
     hardware: HardwareLock,
@@ -172,7 +172,7 @@ impl Preparer {
         let preparer = Arc::new(Preparer {
             config,
             deps,
-            checkpoint: Mutex::new(checkpoint),
+            checkpoint: SharedCheckpoint::new(checkpoint),
             specs,
             locks: ClaimLocks::default(),
             hardware: HardwareLock::default(),
@@ -360,7 +360,7 @@ impl Preparer {
     }
 
     fn lock_checkpoint(&self) -> std::sync::MutexGuard<'_, Checkpoint<ClaimEntry>> {
-        self.checkpoint.lock().unwrap_or_else(|p| p.into_inner())
+        self.checkpoint.lock()
     }
 
     /// The checkpoint entry of a claim (tests, diagnostics).
@@ -658,14 +658,21 @@ impl Preparer {
                 continue;
             };
             let gpu = &device.gpu.uuid;
+            let current = self.deps.mig.mig_enabled(gpu).map_err(|e| fail(e.0))?;
             if !entry.mig_mode_holds().any(|g| g == gpu) {
                 entry.actions.push(Action::MigMode {
                     gpu_uuid: gpu.clone(),
                     enabled,
                 });
-                record(entry)?;
+                // The hold must be seen by other claims before the lock is
+                // released; it must be durable only before a switch (one to
+                // roll back). Otherwise the claim's completion writes it.
+                if current == enabled {
+                    self.checkpoint.stage(uid.clone(), entry.clone());
+                } else {
+                    record(entry)?;
+                }
             }
-            let current = self.deps.mig.mig_enabled(gpu).map_err(|e| fail(e.0))?;
             if current != enabled {
                 self.deps.mig.set_mig_mode(gpu, enabled).map_err(|e| {
                     fail(format!(
@@ -910,7 +917,7 @@ impl Preparer {
             self.specs
                 .remove(&uid)
                 .map_err(|e| format!("removing its CDI spec: {e}"))?;
-            self.lock_checkpoint()
+            self.checkpoint
                 .remove(&uid)
                 .map_err(|e| format!("removing its checkpoint entry: {e}"))?;
             self.settle_mig_modes(entry.mig_mode_holds());
@@ -932,7 +939,7 @@ impl Preparer {
     }
 
     fn put_blocking(&self, uid: &ClaimUid, entry: ClaimEntry) -> Result<(), CheckpointError> {
-        self.lock_checkpoint().put(uid.clone(), entry)
+        self.checkpoint.put(uid.clone(), entry)
     }
 }
 
