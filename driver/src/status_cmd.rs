@@ -378,6 +378,7 @@ mod tests {
                     memory_bytes: 2 * GIB,
                     cores_percent: 25,
                 }),
+                isolation_provider: Some("hami-core".into()),
             },
         };
         let uid = ClaimUid::parse("0b5c7a62-6b5e-4c3c-9d7e-6c1f6f0d2a11").unwrap();

@@ -161,6 +161,7 @@ impl Node {
                 driver_root: self.root.clone(),
                 dev_root: self.root.clone(),
                 driver_files: Vec::new(),
+                hami_core_dir: self.root.join("usr/local/vgpu"),
             },
         };
         let claim_ref = ClaimRef {

@@ -114,6 +114,7 @@ mod tests {
             time_slice: None,
             limits: None,
             consumed: None,
+            isolation_provider: None,
         }
     }
 

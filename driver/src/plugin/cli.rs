@@ -71,6 +71,13 @@ pub struct PluginArgs {
     #[arg(long, env = "TESSERA_MPS_DIR", default_value = "/run/tessera/mps")]
     pub mps_dir: PathBuf,
 
+    /// Where HAMi-core's `libvgpu.so` and the `ld.so.preload` file listing
+    /// it (as `/usr/local/vgpu/libvgpu.so`) are: mounted into containers
+    /// of Isolated shares on GPUs whose policy names `isolationProvider:
+    /// hami-core`. Without them such a claim is refused, never weakened.
+    #[arg(long, env = "TESSERA_HAMI_CORE_DIR", default_value = crate::prepare::hami_core::DEFAULT_DIR)]
+    pub hami_core_dir: PathBuf,
+
     /// Root of the NVIDIA driver installation (libraries, tools,
     /// /proc/driver/nvidia); `/run/nvidia/driver` for a containerized driver.
     #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
@@ -267,6 +274,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             driver_root: args.driver_root.clone(),
             dev_root,
             driver_files,
+            hami_core_dir: args.hami_core_dir.clone(),
         },
     };
     let mps = Arc::new(MpsSupervisor::new(MpsConfig::new(

@@ -15,7 +15,9 @@
 //!   instance and compute instance capability nodes;
 //! * per request: `NVIDIA_VISIBLE_DEVICES` and `CUDA_VISIBLE_DEVICES` set to
 //!   exactly the request's GPU / MIG UUIDs, and the MPS client settings when
-//!   its devices run under MPS;
+//!   its devices run under MPS, or HAMi-core's library, preload file and
+//!   per-device limits when its Isolated shares are on a GPU whose policy
+//!   names `isolationProvider: hami-core` ([`super::hami_core`]);
 //! * per spec (any request): `/dev/nvidiactl`, `/dev/nvidia-uvm`,
 //!   `/dev/nvidia-uvm-tools` and the driver's libraries and tools from the
 //!   driver root.
@@ -34,10 +36,11 @@ use tessera_api::config::{
 use tessera_api::inventory::{Gpu, MigInstance, MigPlacement};
 use tessera_api::names;
 use tessera_controller::model::DeviceKind;
-use tessera_controller::model::policy::TimeSlice;
+use tessera_controller::model::policy::{IsolationProvider, TimeSlice};
 
 use super::catalog::Catalog;
 use super::claims::{ClaimError, ClaimRef, Selected};
+use super::hami_core;
 use super::mig_caps;
 use super::sharing::{MpsClient, MpsTarget};
 use super::state::{Action, ConsumedData, DeviceData, DeviceStatus, LimitsData, PreparedDevice};
@@ -55,6 +58,9 @@ pub struct Layout {
     /// Driver libraries and tools mounted into every container with a
     /// claim (see [`discover_driver_files`]).
     pub driver_files: Vec<Mount>,
+    /// Where HAMi-core's `libvgpu.so` and `ld.so.preload` are on this host
+    /// (Isolated shares whose provider is `hami-core`).
+    pub hami_core_dir: PathBuf,
 }
 
 impl Layout {
@@ -103,6 +109,8 @@ pub enum Kind {
         consumed: Holdings,
         /// The node policy's time slice for Shared shares of the GPU.
         time_slice: Option<TimeSliceInterval>,
+        /// Who enforces an Isolated share's limits, as published.
+        provider: Option<IsolationProvider>,
     },
     /// The GPU's monitoring device (adminAccess claims only).
     Monitor,
@@ -202,7 +210,9 @@ pub fn resolve(
             )
         }
         DeviceKind::Share {
-            level, time_slice, ..
+            level,
+            time_slice,
+            provider,
         } => {
             let level = *level;
             let consumed = consumed_capacity(claim, selected, &field)?;
@@ -211,6 +221,7 @@ pub fn resolve(
                     level,
                     consumed,
                     time_slice: policy_time_slice(level, *time_slice),
+                    provider: *provider,
                 },
                 DeviceType::Share(level),
                 consumed,
@@ -249,6 +260,7 @@ pub fn resolve(
             memory_bytes,
             cores,
             time_slice,
+            provider,
             ..
         } => {
             let level = *level;
@@ -261,6 +273,7 @@ pub fn resolve(
                     level,
                     consumed,
                     time_slice: policy_time_slice(level, *time_slice),
+                    provider: *provider,
                 },
                 DeviceType::Share(level),
                 consumed,
@@ -359,6 +372,10 @@ pub fn actions(device: &Resolved, config: &EffectiveConfig) -> Vec<Action> {
             gpu_uuid: device.gpu.uuid.clone(),
         });
     }
+    if hami_core_limits(device, config).is_some() {
+        // Nothing on the host: the library enforces inside the container.
+        return actions;
+    }
     match config {
         EffectiveConfig::Gpu {
             sharing: ConfigSharing::Mps { .. },
@@ -396,8 +413,32 @@ pub fn mps_target(device: &Resolved) -> MpsTarget {
     }
 }
 
-/// Per-process limits a device's config asks MPS to enforce.
-pub fn mps_limits(config: &EffectiveConfig) -> Option<Limits> {
+/// Per-process limits a device's config asks MPS to enforce (none for a
+/// share whose limits HAMi-core enforces).
+pub fn mps_limits(device: &Resolved, config: &EffectiveConfig) -> Option<Limits> {
+    if hami_core_limits(device, config).is_some() {
+        return None;
+    }
+    config_limits(config)
+}
+
+/// The limits HAMi-core enforces for a device: an Isolated share on a GPU
+/// whose node policy names `isolationProvider: hami-core`.
+pub fn hami_core_limits(device: &Resolved, config: &EffectiveConfig) -> Option<Limits> {
+    match (&device.kind, config) {
+        (
+            Kind::Share {
+                provider: Some(IsolationProvider::HamiCore),
+                ..
+            },
+            EffectiveConfig::Share { limits },
+        ) => *limits,
+        _ => None,
+    }
+}
+
+/// The limits a device's config asks for, whoever enforces them.
+fn config_limits(config: &EffectiveConfig) -> Option<Limits> {
     match config {
         EffectiveConfig::Gpu {
             sharing: ConfigSharing::Mps { limits },
@@ -449,7 +490,7 @@ pub fn build(
         ids.insert(request, cdi::qualified_name(&name));
         cdi_devices.push(cdi::Device {
             name,
-            container_edits: request_edits(claim, layout, request, &members)?,
+            container_edits: request_edits(claim, uid, layout, request, &members)?,
         });
     }
 
@@ -493,6 +534,7 @@ fn is_nvml_file(container_path: &str) -> bool {
 
 fn request_edits(
     claim: &ClaimRef,
+    uid: &ClaimUid,
     layout: &Layout,
     request: &str,
     members: &[&Built],
@@ -583,7 +625,8 @@ fn request_edits(
             .iter()
             .enumerate()
             .filter_map(|(i, m)| {
-                mps_limits(&m.config).map(|l| format!("{i}={}M", l.memory_bytes / (1 << 20)))
+                mps_limits(&m.device, &m.config)
+                    .map(|l| format!("{i}={}M", l.memory_bytes / (1 << 20)))
             })
             .collect();
         if !memory.is_empty() {
@@ -594,7 +637,7 @@ fn request_edits(
         }
         if let Some(percent) = mps
             .iter()
-            .filter_map(|m| mps_limits(&m.config).map(|l| l.compute_percent))
+            .filter_map(|m| mps_limits(&m.device, &m.config).map(|l| l.compute_percent))
             .min()
         {
             edits
@@ -610,16 +653,73 @@ fn request_edits(
             mount_type: None,
         });
     }
+    hami_core_edits(claim, uid, layout, request, members, &visible, &mut edits)?;
     Ok(edits)
+}
+
+/// HAMi-core for the request's devices it enforces: its library and the
+/// preload file that makes the dynamic loader load it into every process,
+/// both read-only, and per device the limits at the CUDA index the
+/// container sees it under (its position in `CUDA_VISIBLE_DEVICES`). Two
+/// shares of one GPU in a request add up at that index.
+fn hami_core_edits(
+    claim: &ClaimRef,
+    uid: &ClaimUid,
+    layout: &Layout,
+    request: &str,
+    members: &[&Built],
+    visible: &[String],
+    edits: &mut ContainerEdits,
+) -> Result<(), ClaimError> {
+    let mut limits: BTreeMap<usize, Limits> = BTreeMap::new();
+    for m in members {
+        let Some(l) = hami_core_limits(&m.device, &m.config) else {
+            continue;
+        };
+        let index = visible
+            .iter()
+            .position(|u| *u == m.device.gpu.uuid)
+            .expect("every member's GPU is visible");
+        let at = limits.entry(index).or_insert(Limits {
+            memory_bytes: 0,
+            compute_percent: 0,
+        });
+        at.memory_bytes += l.memory_bytes;
+        at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
+    }
+    if limits.is_empty() {
+        return Ok(());
+    }
+    let files = hami_core::check(&layout.hami_core_dir).map_err(|e| {
+        ClaimError::new(claim, e.what)
+            .field(format!("spec.devices.requests[{request}]"))
+            .fix(e.fix)
+    })?;
+    for (index, l) in &limits {
+        let vars = hami_core::limit_env(*index, l).map_err(|e| {
+            ClaimError::new(claim, format!("request {request}: {e}"))
+                .field(format!("spec.devices.requests[{request}]"))
+                .fix("ask for at least 1Mi of memory and 1% of cores")
+        })?;
+        edits.env.extend(vars);
+    }
+    edits
+        .env
+        .push(hami_core::cache_env(&cdi_device_name(request, uid)));
+    edits.mounts.extend(hami_core::mounts(&files));
+    Ok(())
 }
 
 fn status_of(built: &Built) -> DeviceStatus {
     let d = &built.device;
-    let limits = mps_limits(&built.config).map(|l| LimitsData {
-        memory: Quantity::from_bytes(l.memory_bytes).to_string(),
-        memory_bytes: l.memory_bytes,
-        compute_percent: l.compute_percent,
-    });
+    let hami = hami_core_limits(d, &built.config);
+    let limits = hami
+        .or_else(|| mps_limits(d, &built.config))
+        .map(|l| LimitsData {
+            memory: Quantity::from_bytes(l.memory_bytes).to_string(),
+            memory_bytes: l.memory_bytes,
+            compute_percent: l.compute_percent,
+        });
     let (sharing, time_slice) = match built.config {
         EffectiveConfig::Gpu { sharing } | EffectiveConfig::Mig { sharing } => match sharing {
             ConfigSharing::None => (Some("None"), None),
@@ -661,6 +761,19 @@ fn status_of(built: &Built) -> DeviceStatus {
             time_slice,
             limits,
             consumed,
+            isolation_provider: match &d.kind {
+                Kind::Share {
+                    level: IsolationLevel::Isolated,
+                    provider,
+                    ..
+                } => Some(
+                    provider
+                        .unwrap_or(IsolationProvider::Mps)
+                        .as_str()
+                        .to_owned(),
+                ),
+                _ => None,
+            },
         },
     }
 }
@@ -747,6 +860,427 @@ pub fn discover_driver_files(root: &Path) -> Vec<Mount> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tessera_api::inventory::{Mig, MigEngines};
+
+    const GIB: u64 = 1 << 30;
+
+    fn gpu(uuid: &str, minor: u32, mig: Mig) -> Gpu {
+        Gpu {
+            uuid: uuid.into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "Nvidia".into(),
+            architecture: "hopper".into(),
+            cuda_compute_capability: "9.0".into(),
+            pci_bus_id: format!("0000:{minor:02x}:00.0"),
+            memory_bytes: 80 * GIB,
+            multiprocessors: 132,
+            minor,
+            mig,
+        }
+    }
+
+    fn claim() -> ClaimRef {
+        ClaimRef {
+            namespace: "team".into(),
+            name: "train".into(),
+            uid: UID.into(),
+        }
+    }
+
+    const UID: &str = "0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e";
+
+    /// A node root with `/dev/nvidia<minor>` for minors 0..4 and a
+    /// HAMi-core directory (library and preload file) unless `hami` is off.
+    struct Node {
+        dir: tempfile::TempDir,
+    }
+
+    impl Node {
+        fn new(hami: bool) -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let dev = dir.path().join("root/dev");
+            std::fs::create_dir_all(&dev).unwrap();
+            for n in ["nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl"] {
+                std::fs::write(dev.join(n), "").unwrap();
+            }
+            let hami_dir = dir.path().join("vgpu");
+            std::fs::create_dir_all(&hami_dir).unwrap();
+            if hami {
+                std::fs::write(hami_dir.join("libvgpu.so"), "").unwrap();
+                std::fs::write(
+                    hami_dir.join("ld.so.preload"),
+                    "/usr/local/vgpu/libvgpu.so\n",
+                )
+                .unwrap();
+            }
+            Node { dir }
+        }
+
+        fn layout(&self) -> Layout {
+            let root = self.dir.path().join("root");
+            Layout {
+                driver_root: root.clone(),
+                dev_root: root,
+                driver_files: Vec::new(),
+                hami_core_dir: self.hami_dir(),
+            }
+        }
+
+        fn hami_dir(&self) -> PathBuf {
+            self.dir.path().join("vgpu")
+        }
+
+        fn host(&self, file: &str) -> String {
+            self.hami_dir().join(file).to_string_lossy().into_owned()
+        }
+    }
+
+    fn selected(index: usize, request: &str, device: &str) -> Selected {
+        Selected {
+            index,
+            request: request.into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            share_id: Some(format!("share-{index}")),
+            consumed: BTreeMap::new(),
+            admin_access: false,
+        }
+    }
+
+    /// An Isolated share of `memory` and `cores` on `gpu`, enforced by
+    /// `provider`, as prepare resolves it (limits = consumed capacity).
+    fn share(
+        index: usize,
+        request: &str,
+        gpu: Gpu,
+        provider: IsolationProvider,
+        memory_bytes: u64,
+        cores: u32,
+    ) -> Built {
+        let consumed = Holdings {
+            memory_bytes,
+            compute_percent: cores,
+        };
+        let device = format!("gpu-{}-isolated", gpu.minor);
+        let device = Resolved {
+            selected: selected(index, request, &device),
+            kind: Kind::Share {
+                level: IsolationLevel::Isolated,
+                consumed,
+                time_slice: None,
+                provider: Some(provider),
+            },
+            target: DeviceTarget {
+                request: request.into(),
+                device,
+                device_type: DeviceType::Share(IsolationLevel::Isolated),
+                holds: consumed,
+            },
+            gpu,
+            mig_mode: None,
+        };
+        let config = EffectiveConfig::Share {
+            limits: Some(Limits {
+                memory_bytes,
+                compute_percent: cores,
+            }),
+        };
+        let mps = mps_limits(&device, &config).map(|_| MpsClient {
+            pipe_dir: PathBuf::from("/run/tessera/mps/pipe"),
+        });
+        Built {
+            device,
+            config,
+            mps,
+        }
+    }
+
+    fn hami(index: usize, request: &str, gpu: Gpu, memory_bytes: u64, cores: u32) -> Built {
+        share(
+            index,
+            request,
+            gpu,
+            IsolationProvider::HamiCore,
+            memory_bytes,
+            cores,
+        )
+    }
+
+    fn env_of(spec: &Spec, device: usize) -> Vec<&str> {
+        spec.devices[device]
+            .container_edits
+            .env
+            .iter()
+            .map(String::as_str)
+            .collect()
+    }
+
+    fn mounts_of(spec: &Spec, device: usize) -> Vec<(&str, &str, String)> {
+        spec.devices[device]
+            .container_edits
+            .mounts
+            .iter()
+            .map(|m| {
+                (
+                    m.host_path.as_str(),
+                    m.container_path.as_str(),
+                    m.options.join(","),
+                )
+            })
+            .collect()
+    }
+
+    fn uid() -> ClaimUid {
+        ClaimUid::parse(UID).unwrap()
+    }
+
+    #[test]
+    fn hami_core_shares_on_two_gpus_get_limits_at_the_index_the_container_sees() {
+        let node = Node::new(true);
+        // Allocated in this order: the container enumerates GPU-b as 0.
+        let devices = [
+            hami(0, "gpus", gpu("GPU-b", 3, Mig::NotSupported), 8 * GIB, 25),
+            hami(
+                1,
+                "gpus",
+                gpu("GPU-a", 1, Mig::NotSupported),
+                4 * GIB + 5,
+                50,
+            ),
+        ];
+        // No host action: no MPS daemon, nothing recorded.
+        for d in &devices {
+            assert!(actions(&d.device, &d.config).is_empty());
+            assert!(d.mps.is_none());
+        }
+        let (spec, answer, status) = build(&claim(), &uid(), &node.layout(), &devices).unwrap();
+        assert_eq!(spec.devices.len(), 1);
+        assert_eq!(spec.devices[0].name, format!("gpus_{UID}"));
+        assert_eq!(
+            env_of(&spec, 0),
+            [
+                "NVIDIA_VISIBLE_DEVICES=GPU-b,GPU-a",
+                "CUDA_VISIBLE_DEVICES=GPU-b,GPU-a",
+                "CUDA_DEVICE_MEMORY_LIMIT_0=8192m",
+                "CUDA_DEVICE_SM_LIMIT_0=25",
+                "CUDA_DEVICE_MEMORY_LIMIT_1=4096m",
+                "CUDA_DEVICE_SM_LIMIT_1=50",
+                &format!("CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/tessera-vgpu-gpus_{UID}.cache"),
+            ]
+        );
+        let ro = "ro,nosuid,nodev,bind".to_owned();
+        assert_eq!(
+            mounts_of(&spec, 0),
+            [
+                (
+                    node.host("libvgpu.so").as_str(),
+                    "/usr/local/vgpu/libvgpu.so",
+                    ro.clone()
+                ),
+                (
+                    node.host("ld.so.preload").as_str(),
+                    "/etc/ld.so.preload",
+                    ro
+                ),
+            ]
+        );
+        let nodes: Vec<&str> = spec.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(nodes, ["/dev/nvidia3", "/dev/nvidia1"]);
+        assert_eq!(answer.len(), 2);
+        let data = &status[1].data;
+        assert_eq!(data.isolation_provider.as_deref(), Some("hami-core"));
+        let limits = data.limits.as_ref().unwrap();
+        assert_eq!(
+            (limits.memory_bytes, limits.compute_percent),
+            (4 * GIB + 5, 50)
+        );
+    }
+
+    #[test]
+    fn each_request_counts_its_own_devices_from_zero() {
+        let node = Node::new(true);
+        let devices = [
+            hami(0, "a", gpu("GPU-a", 0, Mig::NotSupported), 2 * GIB, 10),
+            hami(1, "b", gpu("GPU-b", 1, Mig::NotSupported), 3 * GIB, 20),
+        ];
+        let (spec, _, _) = build(&claim(), &uid(), &node.layout(), &devices).unwrap();
+        let env: Vec<Vec<&str>> = (0..2).map(|i| env_of(&spec, i)).collect();
+        assert!(
+            env[0].contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=2048m"),
+            "{env:?}"
+        );
+        assert!(
+            env[1].contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=3072m"),
+            "{env:?}"
+        );
+        assert!(env[1].contains(&"CUDA_DEVICE_SM_LIMIT_0=20"), "{env:?}");
+        assert!(
+            !env.concat().iter().any(|e| e.contains("_LIMIT_1")),
+            "{env:?}"
+        );
+    }
+
+    #[test]
+    fn a_mig_device_beside_a_hami_core_share_keeps_its_index_and_gets_no_limit() {
+        let node = Node::new(true);
+        let root = node.dir.path().join("root");
+        // The driver's capability files for GI 1 / CI 0 on GPU minor 2 and
+        // the nodes already made.
+        let caps = mig_caps::caps_dir(&root, 2).join("gi1");
+        std::fs::create_dir_all(caps.join("ci0")).unwrap();
+        std::fs::write(
+            caps.join("access"),
+            "DeviceFileMinor: 21\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
+        std::fs::write(
+            caps.join("ci0/access"),
+            "DeviceFileMinor: 22\nDeviceFileMode: 292\n",
+        )
+        .unwrap();
+        std::fs::write(
+            root.join("proc/devices"),
+            "Character devices:\n237 nvidia-caps\n",
+        )
+        .unwrap();
+        let instance = MigInstance {
+            uuid: "MIG-1".into(),
+            profile: "3g.40gb".into(),
+            profile_id: 9,
+            gpu_instance_id: 1,
+            compute_instance_id: 0,
+            placement: MigPlacement { start: 0, size: 4 },
+            memory_bytes: 40 * GIB,
+            multiprocessors: 60,
+            engines: MigEngines::default(),
+        };
+        let parent = gpu(
+            "GPU-m",
+            2,
+            Mig::Enabled {
+                profiles: Vec::new(),
+                instances: vec![instance.clone()],
+            },
+        );
+        let mig = Built {
+            device: Resolved {
+                selected: selected(0, "gpus", "gpu-2-mig-3g.40gb-0"),
+                kind: Kind::Mig {
+                    profile: "3g.40gb".into(),
+                    instance: Some(instance),
+                    create: None,
+                },
+                target: DeviceTarget {
+                    request: "gpus".into(),
+                    device: "gpu-2-mig-3g.40gb-0".into(),
+                    device_type: DeviceType::Mig,
+                    holds: Holdings {
+                        memory_bytes: 40 * GIB,
+                        compute_percent: 100,
+                    },
+                },
+                gpu: parent,
+                mig_mode: None,
+            },
+            config: EffectiveConfig::Mig {
+                sharing: ConfigSharing::None,
+            },
+            mps: None,
+        };
+        let devices = [
+            mig,
+            hami(1, "gpus", gpu("GPU-a", 0, Mig::NotSupported), 6 * GIB, 30),
+        ];
+        let (spec, _, status) = build(&claim(), &uid(), &node.layout(), &devices).unwrap();
+        assert_eq!(
+            env_of(&spec, 0),
+            [
+                "NVIDIA_VISIBLE_DEVICES=MIG-1,GPU-a",
+                "CUDA_VISIBLE_DEVICES=MIG-1,GPU-a",
+                "CUDA_DEVICE_MEMORY_LIMIT_1=6144m",
+                "CUDA_DEVICE_SM_LIMIT_1=30",
+                &format!("CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/tessera-vgpu-gpus_{UID}.cache"),
+            ]
+        );
+        let nodes: Vec<&str> = spec.devices[0]
+            .container_edits
+            .device_nodes
+            .iter()
+            .map(|n| n.path.as_str())
+            .collect();
+        assert_eq!(
+            nodes,
+            [
+                "/dev/nvidia2",
+                "/dev/nvidia-caps/nvidia-cap21",
+                "/dev/nvidia-caps/nvidia-cap22",
+                "/dev/nvidia0"
+            ]
+        );
+        assert_eq!(status[0].data.isolation_provider, None);
+        assert_eq!(mounts_of(&spec, 0).len(), 2);
+    }
+
+    #[test]
+    fn two_hami_core_shares_of_one_gpu_in_a_request_add_up() {
+        let node = Node::new(true);
+        let devices = [
+            hami(0, "gpus", gpu("GPU-a", 0, Mig::NotSupported), 2 * GIB, 60),
+            hami(1, "gpus", gpu("GPU-a", 0, Mig::NotSupported), 3 * GIB, 60),
+        ];
+        let (spec, _, _) = build(&claim(), &uid(), &node.layout(), &devices).unwrap();
+        let env = env_of(&spec, 0);
+        assert!(env.contains(&"CUDA_VISIBLE_DEVICES=GPU-a"), "{env:?}");
+        assert!(env.contains(&"CUDA_DEVICE_MEMORY_LIMIT_0=5120m"), "{env:?}");
+        assert!(env.contains(&"CUDA_DEVICE_SM_LIMIT_0=100"), "{env:?}");
+    }
+
+    #[test]
+    fn without_the_library_a_hami_core_share_is_refused_not_weakened() {
+        let node = Node::new(false);
+        let devices = [hami(0, "gpus", gpu("GPU-a", 0, Mig::NotSupported), GIB, 10)];
+        let err = build(&claim(), &uid(), &node.layout(), &devices)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("team/train"), "{err}");
+        assert!(err.contains(&node.host("libvgpu.so")), "{err}");
+        assert!(err.contains("--hami-core-dir"), "{err}");
+        assert!(err.contains("isolationProvider: mps"), "{err}");
+    }
+
+    #[test]
+    fn an_mps_share_is_untouched_by_hami_core() {
+        let node = Node::new(true);
+        let d = share(
+            0,
+            "gpus",
+            gpu("GPU-a", 0, Mig::NotSupported),
+            IsolationProvider::Mps,
+            2 * GIB,
+            20,
+        );
+        assert!(matches!(
+            actions(&d.device, &d.config).as_slice(),
+            [Action::Mps { .. }]
+        ));
+        let (spec, _, status) = build(&claim(), &uid(), &node.layout(), &[d]).unwrap();
+        assert_eq!(
+            env_of(&spec, 0),
+            [
+                "NVIDIA_VISIBLE_DEVICES=GPU-a",
+                "CUDA_VISIBLE_DEVICES=GPU-a",
+                "CUDA_MPS_PIPE_DIRECTORY=/run/tessera/mps/pipe",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=20",
+            ]
+        );
+        assert_eq!(status[0].data.isolation_provider.as_deref(), Some("mps"));
+    }
 
     #[test]
     fn driver_files_are_found_below_the_root_and_mounted_at_their_paths() {

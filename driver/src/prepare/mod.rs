@@ -30,6 +30,7 @@
 pub mod catalog;
 pub mod claims;
 pub mod enforcement;
+pub mod hami_core;
 pub mod mig_caps;
 pub mod sharing;
 pub mod state;
@@ -586,7 +587,7 @@ impl Preparer {
                         ))
                     })?;
             }
-            let mps = match enforcement::mps_limits(&config) {
+            let mps = match enforcement::mps_limits(&device, &config) {
                 Some(limits) => Some(
                     self.deps
                         .sharing

@@ -174,6 +174,9 @@ pub struct DeviceData {
     /// For shares: the capacity the claim consumed (accounting for Shared).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consumed: Option<ConsumedData>,
+    /// For Isolated shares: who enforces `limits` (`mps`, `hami-core`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation_provider: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -178,6 +178,7 @@ impl Fixture {
                 driver_root: root.clone(),
                 dev_root: root,
                 driver_files: Vec::new(),
+                hami_core_dir: self.dir.path().join("hami-core"),
             },
         }
     }

@@ -1,0 +1,245 @@
+//! HAMi-core as the isolation provider of Isolated shares: what a container
+//! gets so that the interception library limits its CUDA processes.
+//!
+//! HAMi-core is a user-space library (`libvgpu.so`) that sits between a CUDA
+//! program and the driver's `libcuda.so` and refuses allocations beyond a
+//! memory limit and throttles kernel launches to an SM share. It reads, per
+//! CUDA device index `i` as the process enumerates devices:
+//!
+//! * `CUDA_DEVICE_MEMORY_LIMIT_<i>`: a byte count, optionally with a binary
+//!   suffix `k`, `m` or `g` (`10240m`); `0` or an unparsable value means no
+//!   limit, so Tessera never writes one;
+//! * `CUDA_DEVICE_SM_LIMIT_<i>`: percent of the device's SMs (`0`: none);
+//! * `CUDA_DEVICE_MEMORY_SHARED_CACHE`: the file its processes share to add
+//!   up their usage against the limit.
+//!
+//! The library is loaded into every dynamically linked process through
+//! `/etc/ld.so.preload` (a file listing it), mounted read-only over the
+//! image's own, rather than through `LD_PRELOAD`, which a process can clear
+//! for its children.
+//!
+//! On the host, the node's HAMi-core directory (`--hami-core-dir`) holds
+//! `libvgpu.so` and `ld.so.preload`; the preload file must list the library
+//! at the path containers see it under ([`CONTAINER_LIBRARY`]). Prepare
+//! checks both before it hands a claim out and refuses the claim, naming the
+//! file and the fix, when they are not there: a share published as
+//! `hami-core` is never prepared with weaker isolation.
+
+use std::path::{Path, PathBuf};
+
+use tessera_api::config::Limits;
+
+use crate::cdi::Mount;
+
+/// The plugin's default `--hami-core-dir` (where HAMi installs the library).
+pub const DEFAULT_DIR: &str = "/usr/local/vgpu";
+/// The library's file name in the HAMi-core directory.
+pub const LIBRARY: &str = "libvgpu.so";
+/// The preload file's name in the HAMi-core directory.
+pub const PRELOAD: &str = "ld.so.preload";
+/// Where containers see the library.
+pub const CONTAINER_LIBRARY: &str = "/usr/local/vgpu/libvgpu.so";
+/// Where containers see the preload file: the dynamic loader's own list.
+pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+
+/// The HAMi-core files of this host, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Files {
+    pub library: PathBuf,
+    pub preload: PathBuf,
+}
+
+/// Why the node cannot serve a `hami-core` share, and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Missing {
+    pub what: String,
+    pub fix: String,
+}
+
+const INSTEAD: &str = "or set `isolationProvider: mps` in the node policy for this GPU; \
+     Tessera does not prepare a hami-core share with weaker isolation";
+
+/// Checks that `dir` holds the library and a preload file that lists it
+/// where containers see it.
+pub fn check(dir: &Path) -> Result<Files, Missing> {
+    let library = dir.join(LIBRARY);
+    let preload = dir.join(PRELOAD);
+    match std::fs::metadata(&library) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => {
+            return Err(Missing {
+                what: format!(
+                    "the HAMi-core library {} is not a regular file",
+                    library.display()
+                ),
+                fix: format!(
+                    "install HAMi-core's {LIBRARY} there (or point the plugin's --hami-core-dir \
+                     at the directory that has it), {INSTEAD}"
+                ),
+            });
+        }
+        Err(e) => {
+            return Err(Missing {
+                what: format!(
+                    "the HAMi-core library {} cannot be used: {e}",
+                    library.display()
+                ),
+                fix: format!(
+                    "install HAMi-core's {LIBRARY} there (or point the plugin's --hami-core-dir \
+                     at the directory that has it), {INSTEAD}"
+                ),
+            });
+        }
+    }
+    let fix_preload = format!(
+        "write {} with the single line {CONTAINER_LIBRARY} (the library's path inside \
+         containers), {INSTEAD}",
+        preload.display()
+    );
+    let listed = match std::fs::read_to_string(&preload) {
+        Ok(text) => text
+            .split(|c: char| c.is_whitespace() || c == ':')
+            .any(|entry| entry == CONTAINER_LIBRARY),
+        Err(e) => {
+            return Err(Missing {
+                what: format!(
+                    "the HAMi-core preload file {} cannot be read: {e}",
+                    preload.display()
+                ),
+                fix: fix_preload,
+            });
+        }
+    };
+    if !listed {
+        return Err(Missing {
+            what: format!(
+                "the HAMi-core preload file {} does not list {CONTAINER_LIBRARY}, so the \
+                 library would not be loaded",
+                preload.display()
+            ),
+            fix: fix_preload,
+        });
+    }
+    Ok(Files { library, preload })
+}
+
+/// The read-only mounts of the library and the preload file.
+pub fn mounts(files: &Files) -> Vec<Mount> {
+    let ro = |host: &Path, container: &str| Mount {
+        host_path: host.to_string_lossy().into_owned(),
+        container_path: container.to_owned(),
+        options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+        mount_type: None,
+    };
+    vec![
+        ro(&files.library, CONTAINER_LIBRARY),
+        ro(&files.preload, CONTAINER_PRELOAD),
+    ]
+}
+
+/// `CUDA_DEVICE_MEMORY_LIMIT_<index>` (whole MiB, rounded down, as `<n>m`)
+/// and `CUDA_DEVICE_SM_LIMIT_<index>`. A limit the library would read as
+/// "none" (under 1 MiB, 0 %) is an error.
+pub fn limit_env(index: usize, limits: &Limits) -> Result<Vec<String>, String> {
+    let mib = limits.memory_bytes >> 20;
+    if mib == 0 {
+        return Err(format!(
+            "a memory limit of {} bytes is below 1 MiB, which HAMi-core reads as no limit",
+            limits.memory_bytes
+        ));
+    }
+    if limits.compute_percent == 0 {
+        return Err("a compute limit of 0 % is what HAMi-core reads as no limit".into());
+    }
+    Ok(vec![
+        format!("CUDA_DEVICE_MEMORY_LIMIT_{index}={mib}m"),
+        format!(
+            "CUDA_DEVICE_SM_LIMIT_{index}={}",
+            limits.compute_percent.min(100)
+        ),
+    ])
+}
+
+/// `CUDA_DEVICE_MEMORY_SHARED_CACHE`: a file in the container's own `/tmp`,
+/// named after the CDI device (request and claim), that the container's
+/// processes share.
+pub fn cache_env(cdi_device: &str) -> String {
+    format!("CUDA_DEVICE_MEMORY_SHARED_CACHE=/tmp/tessera-vgpu-{cdi_device}.cache")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_with(library: Option<&str>, preload: Option<&str>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        if let Some(l) = library {
+            std::fs::write(dir.path().join(LIBRARY), l).unwrap();
+        }
+        if let Some(p) = preload {
+            std::fs::write(dir.path().join(PRELOAD), p).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn a_complete_directory_is_mounted_read_only_at_the_loader_paths() {
+        let dir = dir_with(Some("elf"), Some("/usr/local/vgpu/libvgpu.so\n"));
+        let files = check(dir.path()).unwrap();
+        let got: Vec<(String, String)> = mounts(&files)
+            .into_iter()
+            .map(|m| {
+                assert_eq!(m.options, ["ro", "nosuid", "nodev", "bind"]);
+                (m.host_path, m.container_path)
+            })
+            .collect();
+        let host = |f: &str| dir.path().join(f).to_string_lossy().into_owned();
+        assert_eq!(
+            got,
+            vec![
+                (host(LIBRARY), "/usr/local/vgpu/libvgpu.so".to_owned()),
+                (host(PRELOAD), "/etc/ld.so.preload".to_owned()),
+            ]
+        );
+    }
+
+    #[test]
+    fn what_is_missing_is_named_with_the_fix() {
+        let none = dir_with(None, Some("/usr/local/vgpu/libvgpu.so"));
+        let e = check(none.path()).unwrap_err();
+        assert!(e.what.contains("libvgpu.so"), "{e:?}");
+        assert!(
+            e.fix.contains("--hami-core-dir") && e.fix.contains("weaker"),
+            "{e:?}"
+        );
+
+        let no_preload = dir_with(Some(""), None);
+        let e = check(no_preload.path()).unwrap_err();
+        assert!(e.what.contains("ld.so.preload"), "{e:?}");
+        assert!(e.fix.contains("/usr/local/vgpu/libvgpu.so"), "{e:?}");
+
+        let elsewhere = dir_with(Some(""), Some("/opt/vgpu/libvgpu.so\n"));
+        let e = check(elsewhere.path()).unwrap_err();
+        assert!(e.what.contains("does not list"), "{e:?}");
+    }
+
+    #[test]
+    fn limits_are_whole_mebibytes_and_percent_at_the_index() {
+        let l = Limits {
+            memory_bytes: (10 << 30) + 12345,
+            compute_percent: 25,
+        };
+        assert_eq!(
+            limit_env(1, &l).unwrap(),
+            [
+                "CUDA_DEVICE_MEMORY_LIMIT_1=10240m",
+                "CUDA_DEVICE_SM_LIMIT_1=25"
+            ]
+        );
+        let tiny = Limits {
+            memory_bytes: 1000,
+            compute_percent: 10,
+        };
+        assert!(limit_env(0, &tiny).unwrap_err().contains("no limit"));
+    }
+}
