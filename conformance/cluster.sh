@@ -597,6 +597,7 @@ export TESSERA_NODE_CDI_DIR='$NODE_DIR/cdi'
 export TESSERA_NODE_STATE_DIR='$NODE_DIR/state'
 export TESSERA_NODE_DRIVER_ROOT='$(node_driver_root)'
 export TESSERA_NODE_MPS_DIR='$(node_mps_dir)'
+export TESSERA_NODE_HAMI_CORE_DIR='$(node_hami_core_dir)'
 export TESSERA_NODE_LOG='$(node_log)'
 export TESSERA_FAKE_NVML_TOPOLOGY='$(sim_kernel_dir)/topology.yaml'
 export TESSERA_FAKE_NVML_STATE='$(sim_kernel_dir)/nvml.state'
@@ -728,6 +729,26 @@ make_driver_root() {
 	NODE_GPUS_=$(wc -w <<<"$minors")
 }
 
+# A stand-in for HAMi-core (the directory --hami-core-dir names): an empty
+# shared object as libvgpu.so (a real ELF the dynamic loader accepts and
+# that intercepts nothing; an empty file without a C compiler) and the
+# preload file listing it where containers see it. Prepare mounts both into
+# Isolated shares of GPUs whose policy says `isolationProvider: hami-core`.
+node_hami_core_dir() { echo "$NODE_DIR/hami-core"; }
+make_hami_core_standin() {
+	local dir
+	dir=$(node_hami_core_dir)
+	mkdir -p "$dir"
+	if [[ ! -s "$dir/libvgpu.so" ]]; then
+		if ! cc -shared -nostdlib -o "$dir/libvgpu.so.tmp" -x c /dev/null 2>/dev/null; then
+			: >"$dir/libvgpu.so.tmp"
+		fi
+		mv "$dir/libvgpu.so.tmp" "$dir/libvgpu.so"
+	fi
+	echo /usr/local/vgpu/libvgpu.so >"$dir/ld.so.preload.tmp"
+	mv "$dir/ld.so.preload.tmp" "$dir/ld.so.preload"
+}
+
 # Log lines written since byte offset $1 (the log is appended across restarts).
 node_log_since() { tail -c +"$(($1 + 1))" "$(node_log)"; }
 
@@ -828,13 +849,14 @@ cmd_node_start() {
 
 	local NODE_GPUS_
 	make_driver_root
+	make_hami_core_standin
 	local -a nvml_env plugin_args
 	mapfile -t nvml_env < <(node_nvml_env)
 	plugin_args=(--nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" plugin
 		--node-name "$NODE_NAME" --driver-name "$NODE_DRIVER" --kubeconfig "$DIR/kubeconfig"
 		--kubelet-registry-dir "$DIR/kubelet/plugins_registry" --kubelet-plugins-dir "$DIR/kubelet/plugins"
 		--cdi-dir "$NODE_DIR/cdi" --state-dir "$NODE_DIR/state" --driver-root "$(node_driver_root)"
-		--mps-dir "$(node_mps_dir)")
+		--mps-dir "$(node_mps_dir)" --hami-core-dir "$(node_hami_core_dir)")
 	if [[ -f "$NODE_DIR/policy.yaml" ]]; then plugin_args+=(--policy "$NODE_DIR/policy.yaml"); fi
 	plugin_args+=("${extra[@]}")
 

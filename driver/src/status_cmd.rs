@@ -1,17 +1,23 @@
 //! `tessera status`: an operator's view of one node, per GPU: its MIG
-//! mode, the claims prepared on it (device, kind, limits) and the memory
-//! allocated to them next to the memory NVML reports used.
+//! mode, the mode its claims use it in (whole, MIG, Isolated shares and
+//! their provider, Shared shares), its health, the claims prepared on it
+//! (device, kind, limits) with the Pods they are reserved for, and the
+//! memory allocated to them next to the memory NVML reports used.
 //!
 //! Read-only and lock-free: it reads `<state dir>/checkpoint.json` (which
 //! the node process replaces by rename, so a read sees one whole version)
 //! and NVML, and never takes `<state dir>/lock`, so it works while the node
-//! process runs.
+//! process runs. Pods (each claim's `status.reservedFor`) and health (the
+//! node process's device taints in the ResourceSlices) come from the API
+//! server when a kubeconfig is found; without one the report still prints,
+//! saying both are unknown.
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::ValueEnum;
 use serde::Serialize;
@@ -36,6 +42,21 @@ pub struct StatusArgs {
     /// Output format.
     #[arg(long, short, value_enum, default_value_t = Output::Text)]
     pub output: Output,
+
+    /// Kubeconfig for the Pods of each claim and the GPUs' health; without
+    /// it the usual places (KUBECONFIG, ~/.kube/config, in-cluster). Where
+    /// none is found (or `--no-api`), Pods and health are reported unknown.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Read nothing from the API server.
+    #[arg(long)]
+    pub no_api: bool,
+
+    /// The DRA driver name the node process publishes under (its health
+    /// taints are `<driver>/unhealthy`).
+    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = "gpu.tessera.dev")]
+    pub driver_name: String,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -51,6 +72,9 @@ pub struct Report {
     /// The checkpoint read.
     pub checkpoint: PathBuf,
     pub gpus: Vec<GpuStatus>,
+    /// Why Pods and health are unknown (no API server read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_unavailable: Option<String>,
     /// What could not be read (the rest is still reported).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub problems: Vec<String>,
@@ -65,6 +89,13 @@ pub struct GpuStatus {
     pub product_name: Option<String>,
     /// `enabled`, `disabled`, `notSupported`, or `unknown`.
     pub mig_mode: String,
+    /// What its prepared claims use it as: `idle`, `whole`, `mig`,
+    /// `isolated/<provider>`, `shared` (`+`-joined if several).
+    pub mode: String,
+    /// `healthy`, or `unhealthy (<cause>)` from the node's device taints;
+    /// absent when unknown (no API server read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_total_bytes: Option<u64>,
     /// Memory allocated to prepared claims (see `metrics::memory`).
@@ -96,6 +127,22 @@ pub struct ClaimOnGpu {
     pub memory_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsData>,
+    /// For Isolated shares: `mps` or `hami-core`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub isolation_provider: Option<String>,
+    /// The Pods the claim is reserved for (`status.reservedFor`); absent
+    /// when unknown (no API server read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pods: Option<Vec<String>>,
+}
+
+/// What the API server says about the node's claims and GPUs.
+#[derive(Debug, Clone, Default)]
+pub struct ApiView {
+    /// Pods per claim UID (claims the API server has under that UID).
+    pub pods: BTreeMap<String, Vec<String>>,
+    /// Unhealthy GPUs by UUID, with the taint's cause.
+    pub unhealthy: BTreeMap<String, String>,
 }
 
 pub fn status(library: &OsStr, args: &StatusArgs) -> anyhow::Result<ExitCode> {
@@ -124,13 +171,22 @@ pub fn status(library: &OsStr, args: &StatusArgs) -> anyhow::Result<ExitCode> {
         }
         Err(e) => problems.push(format!("NVML: {e}")),
     }
-    let report = build(
+    let api = if args.no_api {
+        Err("--no-api".to_owned())
+    } else {
+        read_api(args, &entries)
+    };
+    let mut report = build(
         args.state_dir.join("checkpoint.json"),
         &entries,
         &inventory,
         &used,
         problems,
     );
+    match api {
+        Ok(view) => report.apply(&view),
+        Err(why) => report.api_unavailable = Some(why),
+    }
     let text = match args.output {
         Output::Json => serde_json::to_string_pretty(&report)? + "\n",
         Output::Text => text(&report),
@@ -171,6 +227,128 @@ fn read_entries(
     snapshot.claims.into_iter().collect()
 }
 
+/// Reads each claim's Pods and the GPUs' health taints, within a few
+/// seconds; an error says why nothing could be read.
+fn read_api(args: &StatusArgs, entries: &[(ClaimUid, ClaimEntry)]) -> Result<ApiView, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting a runtime: {e}"))?;
+    let limit = Duration::from_secs(10);
+    runtime.block_on(async {
+        tokio::time::timeout(limit, api_view(args, entries))
+            .await
+            .unwrap_or_else(|_| Err(format!("the API server did not answer within {limit:?}")))
+    })
+}
+
+async fn api_view(
+    args: &StatusArgs,
+    entries: &[(ClaimUid, ClaimEntry)],
+) -> Result<ApiView, String> {
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    use kube::api::{Api, ListParams};
+
+    let client = tessera_driver::plugin::cli::client(
+        args.kubeconfig.as_deref(),
+        Duration::from_secs(5),
+        Some(Duration::from_secs(5)),
+    )
+    .await
+    .map_err(|e| format!("{e:#}"))?;
+    let lookups = entries.iter().map(|(uid, entry)| {
+        let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &entry.namespace);
+        async move {
+            let claim = api
+                .get_opt(&entry.name)
+                .await
+                .map_err(|e| format!("reading claim {}/{}: {e}", entry.namespace, entry.name))?;
+            // A claim of that name with another UID is not the one prepared.
+            let pods = claim
+                .filter(|c| c.metadata.uid.as_deref() == Some(uid.as_str()))
+                .and_then(|c| c.status?.reserved_for)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
+                .map(|r| format!("{}/{}", entry.namespace, r.name))
+                .collect::<Vec<_>>();
+            Ok::<_, String>((uid.as_str().to_owned(), pods))
+        }
+    });
+    let pods = futures::future::try_join_all(lookups)
+        .await?
+        .into_iter()
+        .collect();
+    let slices: Api<ResourceSlice> = Api::all(client);
+    let key = format!(
+        "{}/{}",
+        args.driver_name,
+        tessera_controller::model::taints::UNHEALTHY
+    );
+    let list = slices
+        .list(&ListParams::default().fields(&format!("spec.driver={}", args.driver_name)))
+        .await
+        .map_err(|e| format!("listing ResourceSlices of {}: {e}", args.driver_name))?;
+    let mut unhealthy = BTreeMap::new();
+    for device in list
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+    {
+        let uuid = device
+            .attributes
+            .as_ref()
+            .and_then(|a| a.get(tessera_api::names::attr::UUID))
+            .and_then(|v| v.string.clone());
+        let taint = device.taints.iter().flatten().find(|t| t.key == key);
+        if let (Some(uuid), Some(taint)) = (uuid, taint) {
+            unhealthy.insert(uuid, taint.value.clone().unwrap_or_default());
+        }
+    }
+    Ok(ApiView { pods, unhealthy })
+}
+
+impl Report {
+    /// Adds what the API server said: Pods per claim, health per GPU.
+    pub fn apply(&mut self, view: &ApiView) {
+        for gpu in &mut self.gpus {
+            gpu.health = Some(match view.unhealthy.get(&gpu.uuid) {
+                Some(cause) => format!("unhealthy ({cause})"),
+                None => "healthy".to_owned(),
+            });
+            for claim in &mut gpu.claims {
+                claim.pods = Some(view.pods.get(&claim.uid).cloned().unwrap_or_default());
+            }
+        }
+    }
+}
+
+/// What a GPU's claims use it as.
+fn mode(claims: &[ClaimOnGpu]) -> String {
+    let mut modes: Vec<String> = Vec::new();
+    for c in claims {
+        let m = match (c.kind.as_str(), c.isolation_level.as_deref()) {
+            ("gpu", _) => "whole".to_owned(),
+            ("mig", _) => "mig".to_owned(),
+            ("share", Some("Isolated")) => format!(
+                "isolated/{}",
+                c.isolation_provider.as_deref().unwrap_or("mps")
+            ),
+            ("share", _) => "shared".to_owned(),
+            // Monitoring devices watch; they do not use the GPU.
+            _ => continue,
+        };
+        if !modes.contains(&m) {
+            modes.push(m);
+        }
+    }
+    if modes.is_empty() {
+        "idle".to_owned()
+    } else {
+        modes.join("+")
+    }
+}
+
 /// The report from the checkpoint entries, the inventory and NVML's used
 /// memory per GPU.
 pub fn build(
@@ -204,6 +382,8 @@ pub fn build(
                         0
                     },
                     limits: data.limits.clone(),
+                    isolation_provider: data.isolation_provider.clone(),
+                    pods: None,
                 });
         }
     }
@@ -223,6 +403,8 @@ pub fn build(
             memory_allocated_bytes: allocated.get(&g.uuid).copied().unwrap_or(0),
             memory_used_bytes: used.get(&g.uuid).copied(),
             claims: claims.remove(g.uuid.as_str()).unwrap_or_default(),
+            mode: String::new(),
+            health: None,
         })
         .collect();
     // Claims on GPUs NVML does not list (gone, or NVML unreadable).
@@ -235,11 +417,17 @@ pub fn build(
             memory_allocated_bytes: allocated.get(uuid).copied().unwrap_or(0),
             memory_used_bytes: None,
             claims: on,
+            mode: String::new(),
+            health: None,
         });
+    }
+    for gpu in &mut gpus {
+        gpu.mode = mode(&gpu.claims);
     }
     Report {
         checkpoint,
         gpus,
+        api_unavailable: None,
         problems,
     }
 }
@@ -253,15 +441,20 @@ fn text(report: &Report) -> String {
     if report.gpus.is_empty() {
         out.push_str("no GPUs found and no claims prepared\n");
     }
+    if let Some(why) = &report.api_unavailable {
+        let _ = writeln!(out, "pods and health unknown: no API server read ({why})\n");
+    }
     for gpu in &report.gpus {
         let _ = writeln!(
             out,
-            "{}  {}  MIG {}",
+            "{}  {}  MIG {}  mode {}  health {}",
             gpu.uuid,
             gpu.product_name
                 .as_deref()
                 .unwrap_or("(not listed by NVML)"),
-            gpu.mig_mode
+            gpu.mig_mode,
+            gpu.mode,
+            gpu.health.as_deref().unwrap_or("unknown")
         );
         let opt = |v: Option<u64>| v.map_or_else(|| "?".to_owned(), gib);
         let _ = writeln!(
@@ -275,13 +468,16 @@ fn text(report: &Report) -> String {
             out.push_str("  no claims\n\n");
             continue;
         }
-        let rows: Vec<[String; 6]> = gpu
+        let rows: Vec<[String; 7]> = gpu
             .claims
             .iter()
             .map(|c| {
                 let mut limits = Vec::new();
                 if let Some(level) = &c.isolation_level {
-                    limits.push(level.clone());
+                    limits.push(match &c.isolation_provider {
+                        Some(p) => format!("{level}/{p}"),
+                        None => level.clone(),
+                    });
                 }
                 if let Some(profile) = &c.profile {
                     limits.push(profile.clone());
@@ -298,6 +494,11 @@ fn text(report: &Report) -> String {
                     c.kind.clone(),
                     c.state.clone(),
                     gib(c.memory_bytes),
+                    match &c.pods {
+                        None => "?".into(),
+                        Some(p) if p.is_empty() => "-".into(),
+                        Some(p) => p.join(","),
+                    },
                     if limits.is_empty() {
                         "-".into()
                     } else {
@@ -306,7 +507,10 @@ fn text(report: &Report) -> String {
                 ]
             })
             .collect();
-        let header = ["CLAIM", "DEVICE", "KIND", "STATE", "MEMORY", "LIMITS"].map(String::from);
+        let header = [
+            "CLAIM", "DEVICE", "KIND", "STATE", "MEMORY", "PODS", "LIMITS",
+        ]
+        .map(String::from);
         let mut widths = header.clone().map(|h| h.len());
         for row in &rows {
             for (w, cell) in widths.iter_mut().zip(row) {
@@ -381,7 +585,8 @@ mod tests {
                 isolation_provider: Some("hami-core".into()),
             },
         };
-        let uid = ClaimUid::parse("0b5c7a62-6b5e-4c3c-9d7e-6c1f6f0d2a11").unwrap();
+        let uid_text = "0b5c7a62-6b5e-4c3c-9d7e-6c1f6f0d2a11";
+        let uid = ClaimUid::parse(uid_text).unwrap();
         let entries = vec![(
             uid,
             ClaimEntry {
@@ -404,11 +609,30 @@ mod tests {
         assert_eq!(g.claims.len(), 1);
         assert_eq!(g.claims[0].name, "train");
         assert_eq!(g.claims[0].memory_bytes, 2 * GIB);
-        let shown = text(&report);
+        assert_eq!(g.mode, "isolated/hami-core");
+        let mut unknown = report.clone();
+        unknown.api_unavailable = Some("no kubeconfig".into());
+        let shown = text(&unknown);
+        assert!(shown.contains("pods and health unknown: no API server read (no kubeconfig)"));
+        assert!(shown.contains("MIG notSupported  mode isolated/hami-core  health unknown"));
         assert!(shown.contains("allocated 2.0 GiB, used 1.0 GiB (NVML), total 24.0 GiB"));
         assert!(
-            shown.contains("team/train  gpu-0-isolated  share  Completed  2.0 GiB  Isolated, memory 2Gi, compute 25%"),
+            shown.contains("team/train  gpu-0-isolated  share  Completed  2.0 GiB  ?     Isolated/hami-core, memory 2Gi, compute 25%"),
             "{shown}"
         );
+
+        let mut known = report;
+        known.apply(&ApiView {
+            pods: [(uid_text.to_owned(), vec!["team/trainer-0".to_owned()])].into(),
+            unhealthy: [("GPU-0".to_owned(), "xid-79".to_owned())].into(),
+        });
+        let shown = text(&known);
+        assert!(shown.contains("health unhealthy (xid-79)"), "{shown}");
+        assert!(
+            shown.contains("Completed  2.0 GiB  team/trainer-0  Isolated/hami-core"),
+            "{shown}"
+        );
+        let json = serde_json::to_value(&known).unwrap();
+        assert_eq!(json["gpus"][0]["claims"][0]["pods"][0], "team/trainer-0");
     }
 }
