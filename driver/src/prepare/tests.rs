@@ -147,6 +147,8 @@ fn catalog_with_share(share: &str, kind: DeviceKind) -> Catalog {
 struct Fixture {
     dir: tempfile::TempDir,
     sharing: Arc<Recorder>,
+    /// What the preparer said changed, in order.
+    changes: Arc<Mutex<Vec<NodeChange>>>,
 }
 
 impl Fixture {
@@ -163,6 +165,7 @@ impl Fixture {
                 fail_mps,
                 ..Default::default()
             }),
+            changes: Arc::default(),
         }
     }
 
@@ -205,7 +208,10 @@ impl Fixture {
             mig,
             status: None,
             events: None,
-            on_change: None,
+            on_change: Some({
+                let changes = self.changes.clone();
+                Arc::new(move |c| changes.lock().unwrap().push(c))
+            }),
         };
         Preparer::open(self.config(), deps).await.unwrap()
     }
@@ -423,6 +429,38 @@ async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so()
         mig.switches(),
         [format!("{GPU} mig off"), format!("{GPU} mig off")]
     );
+}
+
+#[tokio::test]
+async fn the_gpus_are_read_again_only_after_they_changed() {
+    let f = Fixture::new(false);
+    let mig = MigRecorder::new(false, 0);
+    let preparer = f.open_managed(mig.clone()).await;
+    let took = |f: &Fixture| std::mem::take(&mut *f.changes.lock().unwrap());
+    took(&f);
+
+    // MIG already off: the hold is a record, and the claim's one durable
+    // write carries it.
+    assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert_eq!(took(&f), [NodeChange::Records]);
+    assert!(mig.switches().is_empty());
+    let on_disk = crate::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir)
+        .unwrap()
+        .unwrap();
+    let entry = &on_disk.claims[&ClaimUid::parse(&uid(3)).unwrap()];
+    assert_eq!(entry.state, EntryState::Completed);
+    assert!(entry.mig_mode_holds().any(|g| g == GPU));
+    assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert_eq!(took(&f), [NodeChange::Records]);
+
+    // MIG on: prepare switches it off, a change of the GPUs.
+    mig.set_enabled(true);
+    assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert_eq!(took(&f), [NodeChange::Gpus]);
+    // Switched on under the hold; the last hold going switches it off.
+    mig.set_enabled(true);
+    assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert_eq!(took(&f), [NodeChange::Gpus, NodeChange::Records]);
 }
 
 #[tokio::test]
