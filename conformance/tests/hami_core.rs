@@ -1,0 +1,321 @@
+//! HAMi-core as the isolation provider, through the real kube-scheduler,
+//! kubelet and containers: on a node whose policy says `isolationProvider:
+//! hami-core`, a Pod with an Isolated share of 4Gi and 25 % runs, and its
+//! own shell sees `CUDA_DEVICE_MEMORY_LIMIT_0=4096m`,
+//! `CUDA_DEVICE_SM_LIMIT_0=25`, the preload file listing the library and the
+//! library itself (the harness's stand-in, see docs/simulated-gpus.md), and
+//! no MPS pipe. `tessera status` lists the claim on its GPU with the Pod,
+//! the mode `isolated/hami-core` and the GPU healthy; with `--no-api` it
+//! says Pods are unknown.
+//!
+//! It needs the cluster's real container runtime and a node process with
+//! that policy: one already running is used only if its policy names
+//! hami-core (otherwise the test is skipped: `cluster.sh node-stop` first);
+//! else it is started over `h100x8.yaml` with the policy, and stopped and
+//! removed after.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use kube::Api;
+use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use serde_json::{Value, json};
+use tessera_conformance::artifacts::binaries;
+use tessera_conformance::{
+    ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
+};
+
+const TOPOLOGY: &str = "h100x8.yaml";
+const POLICY: &str = "gpus:\n- select: {all: true}\n  isolationProvider: hami-core\n";
+const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("conformance has a parent")
+        .to_path_buf()
+}
+
+fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
+    std::fs::read_to_string(state_dir.join(name))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
+        .collect()
+}
+
+fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
+    let out = Command::new(repo_root().join("conformance/cluster.sh"))
+        .args(args)
+        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
+        .output()
+        .context("running cluster.sh")?;
+    if !out.status.success() {
+        bail!(
+            "cluster.sh {args:?} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn node_running(env: &ClusterEnv) -> bool {
+    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok());
+    // SAFETY: signal 0 only checks that the process exists.
+    pid.is_some_and(|p| unsafe { libc::kill(p, 0) == 0 })
+}
+
+fn probe_image() -> String {
+    std::env::var("TESSERA_PROBE_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| "tessera.local/probe:1".into())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Result<()> {
+    let env = ClusterEnv::from_env()?;
+    if env.kubelet.is_none() {
+        eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
+        return Ok(());
+    }
+    let runtime = std::env::var("TESSERA_CONTAINER_RUNTIME")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
+        .unwrap_or_else(|| "fake".to_owned());
+    if runtime != "containerd" {
+        eprintln!(
+            "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
+             this test reads what a pod's shell printed"
+        );
+        return Ok(());
+    }
+    let node_dir = env.state_dir.join("node");
+    let started_node = !node_running(&env);
+    if started_node {
+        let policy = tempfile::NamedTempFile::new()?;
+        std::fs::write(policy.path(), POLICY)?;
+        let policy = policy.path().to_str().context("policy path")?;
+        if node_dir.join("node.env").exists() {
+            cluster_sh(&env, &["node-start", "--policy", policy])?;
+        } else {
+            let topology = repo_root()
+                .join("driver/fake-nvml/topologies")
+                .join(TOPOLOGY);
+            let topology = topology.to_str().context("topology path")?;
+            cluster_sh(
+                &env,
+                &["node-start", "--topology", topology, "--policy", policy],
+            )?;
+        }
+    } else if !std::fs::read_to_string(node_dir.join("policy.yaml"))
+        .unwrap_or_default()
+        .contains("hami-core")
+    {
+        eprintln!(
+            "SKIP: the running node process's policy does not name hami-core \
+             (cluster.sh node-stop, and the test starts one that does)"
+        );
+        return Ok(());
+    }
+    let driver = env_file(&node_dir, "node.env")
+        .remove("NODE_DRIVER")
+        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let cluster = TestCluster::shared().await?;
+    let id = unique_name("hami");
+    let ns = cluster.create_namespace("hami-core").await?;
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+
+    let result = run(&env, &cluster, &ns, &driver, &id).await;
+
+    let _ = ns
+        .api::<Pod>()
+        .delete("limited", &DeleteParams::default().grace_period(0))
+        .await;
+    // Unprepared before the node process may stop.
+    let _ = wait_for("the test's pods gone", TIMEOUT, || {
+        let pods = ns.api::<Pod>();
+        async move {
+            Ok(pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        }
+    })
+    .await;
+    let _ = ns.delete().await;
+    let _ = delete_ignore_missing(&classes, &format!("{id}-isolated")).await;
+    if started_node {
+        let _ = cluster_sh(&env, &["node-stop"]);
+        let _ = std::fs::remove_dir_all(&node_dir);
+    }
+    result
+}
+
+/// The Pod's log once it contains `what`.
+async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> {
+    wait_for(&format!("{pod}'s log to show {what}"), TIMEOUT, || async {
+        let log = pods
+            .logs(pod, &LogParams::default())
+            .await
+            .unwrap_or_default();
+        Ok(log.contains(what).then_some(log))
+    })
+    .await
+}
+
+/// `tessera status -o json` on the simulated node.
+fn status(env: &ClusterEnv, driver: &str, extra: &[&str]) -> Result<Value> {
+    let vars: BTreeMap<String, String> = cluster_sh(env, &["env"])?
+        .lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .filter_map(|(k, v)| {
+            let v = v.strip_prefix('\'')?;
+            Some((k.to_owned(), v[..v.find('\'')?].to_owned()))
+        })
+        .collect();
+    let var = |k: &str| {
+        vars.get(k)
+            .with_context(|| format!("cluster.sh env has no {k}"))
+    };
+    let nvml = Path::new(var("TESSERA_NODE_DRIVER_ROOT")?)
+        .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+    let out = Command::new(&binaries().tessera)
+        .arg("--nvml-library")
+        .arg(nvml)
+        .args(["status", "-o", "json", "--driver-name", driver])
+        .arg("--state-dir")
+        .arg(var("TESSERA_NODE_STATE_DIR")?)
+        .arg("--kubeconfig")
+        .arg(&env.kubeconfig)
+        .args(extra)
+        .env(
+            "TESSERA_FAKE_NVML_TOPOLOGY",
+            var("TESSERA_FAKE_NVML_TOPOLOGY")?,
+        )
+        .env("TESSERA_FAKE_NVML_STATE", var("TESSERA_FAKE_NVML_STATE")?)
+        .env(
+            "TESSERA_FAKE_NVML_DRIVER_ROOT",
+            var("TESSERA_FAKE_NVML_DRIVER_ROOT")?,
+        )
+        .output()
+        .context("running tessera status")?;
+    ensure!(
+        out.status.success(),
+        "tessera status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+async fn run(
+    env: &ClusterEnv,
+    cluster: &TestCluster,
+    ns: &TestNamespace,
+    driver: &str,
+    id: &str,
+) -> Result<()> {
+    let pp = PostParams::default();
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": format!("{id}-isolated") },
+        "spec": { "selectors": [{ "cel": { "expression": format!(
+            "device.driver == {driver:?} && device.attributes[{driver:?}].type == 'share' && \
+             device.attributes[{driver:?}].isolationLevel == 'Isolated' && \
+             device.attributes[{driver:?}].isolationProvider == 'hami-core'"
+        ) } }] },
+    }))?;
+    classes.create(&pp, &class).await?;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": { "name": "limited" },
+        "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": {
+            "deviceClassName": format!("{id}-isolated"),
+            "capacity": { "requests": { "memory": "4Gi", "cores": "25" } },
+        } }] } },
+    }))?;
+    let claims: Api<ResourceClaim> = ns.api();
+    claims.create(&pp, &claim).await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "limited" },
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": "limited" }],
+            "containers": [{
+                "name": "main",
+                "image": probe_image(),
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c",
+                    "echo \"memory=$CUDA_DEVICE_MEMORY_LIMIT_0 sm=$CUDA_DEVICE_SM_LIMIT_0 \
+                     mps=${CUDA_MPS_PIPE_DIRECTORY:-none} visible=$CUDA_VISIBLE_DEVICES\"; \
+                     echo \"preload=$(cat /etc/ld.so.preload)\"; \
+                     test -f /usr/local/vgpu/libvgpu.so && echo library-mounted; \
+                     echo checked; exec sleep 3600"],
+                "resources": { "claims": [{ "name": "gpu" }] },
+            }],
+        },
+    }))?;
+    let pods: Api<Pod> = ns.api();
+    pods.create(&pp, &pod).await?;
+    let log = log_with(&pods, "limited", "checked").await?;
+    eprintln!("the hami-core pod printed:\n{log}");
+    ensure!(
+        log.contains("memory=4096m sm=25 mps=none visible=GPU-"),
+        "the container's limits are not the claim's 4Gi / 25 % (or it runs under MPS):\n{log}"
+    );
+    ensure!(
+        log.contains("preload=/usr/local/vgpu/libvgpu.so") && log.contains("library-mounted"),
+        "the preload file or the library is not mounted:\n{log}"
+    );
+
+    // tessera status lists the claim, its Pod and the GPU's mode.
+    let uid = claims.get("limited").await?.metadata.uid.context("uid")?;
+    let report = status(env, driver, &[])?;
+    let gpus = report["gpus"].as_array().context("gpus")?;
+    let (gpu, claim) = gpus
+        .iter()
+        .find_map(|g| {
+            let c = g["claims"].as_array()?.iter().find(|c| c["uid"] == uid)?;
+            Some((g, c))
+        })
+        .with_context(|| format!("tessera status does not list claim {uid}: {report:#}"))?;
+    ensure!(
+        claim["pods"] == json!([format!("{}/limited", ns.name())]),
+        "tessera status does not name the claim's pod: {claim:#}"
+    );
+    ensure!(
+        claim["isolationProvider"] == "hami-core"
+            && gpu["mode"] == "isolated/hami-core"
+            && gpu["health"] == "healthy",
+        "tessera status: {gpu:#}"
+    );
+    ensure!(
+        claim["limits"]["memoryBytes"] == 4u64 << 30 && claim["limits"]["computePercent"] == 25,
+        "tessera status shows other limits: {claim:#}"
+    );
+    let offline = status(env, driver, &["--no-api"])?;
+    ensure!(
+        offline["apiUnavailable"].is_string()
+            && offline["gpus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|g| g["claims"].as_array().into_iter().flatten())
+                .all(|c| c.get("pods").is_none()),
+        "without the API server the pods must be reported unknown: {offline:#}"
+    );
+    Ok(())
+}
