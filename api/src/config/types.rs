@@ -235,9 +235,11 @@ pub struct ShareConfig {
 /// Limits applied to each CUDA process of a claim by the isolation provider.
 ///
 /// Under MPS, `memory` becomes `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` and
-/// `computePercent` `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (a `hami-core`
-/// provider is published by policy but prepared with MPS for now). Useful when several processes share one claim and each
-/// should stay within a part of it. Neither may exceed what the claim holds:
+/// `computePercent` `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, per process. Under
+/// a `hami-core` provider they become `CUDA_DEVICE_MEMORY_LIMIT_<i>` and
+/// `CUDA_DEVICE_SM_LIMIT_<i>`, shared by the processes of one container.
+/// Useful when several processes share one claim and each should stay
+/// within a part of it. Neither may exceed what the claim holds:
 /// the whole device for GPUs and MIG devices, the consumed capacity for
 /// shares.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
