@@ -37,6 +37,10 @@ pub mod attr {
     /// PCI bus id of the physical card (Kubernetes' standard attribute, so
     /// fully qualified).
     pub const PCI_BUS_ID: &str = "resource.kubernetes.io/pciBusID";
+    /// The same PCI bus id under the name NVIDIA's DRA driver publishes it
+    /// (so claims written for it carry over): on whole GPUs, and on MIG
+    /// devices as the physical card's.
+    pub const PCIE_BUS_ID: &str = "pcieBusID";
     /// For MIG and share devices: UUID of the physical GPU they live on.
     pub const PARENT_UUID: &str = "parentUUID";
     /// For MIG devices: the MIG profile, e.g. `1g.10gb`.
@@ -118,6 +122,7 @@ mod tests {
             attr::DRIVER_VERSION,
             attr::CUDA_DRIVER_VERSION,
             attr::PCI_BUS_ID,
+            attr::PCIE_BUS_ID,
             attr::PARENT_UUID,
             attr::PROFILE,
             attr::ISOLATION_LEVEL,

@@ -158,6 +158,7 @@ pub fn whole(name: &str, gpu: &Gpu, facts: &GpuFacts, consumes: Option<Consumpti
     attributes.insert(attr::UUID.into(), string(&gpu.uuid));
     if let Some(bus) = &facts.pci_bus_id {
         attributes.insert(attr::PCI_BUS_ID.into(), string(bus));
+        attributes.insert(attr::PCIE_BUS_ID.into(), string(bus));
     }
     let mut capacity = BTreeMap::new();
     capacity.insert(cap::MEMORY.into(), fixed(quantity::bytes(gpu.memory_bytes)));
@@ -339,6 +340,11 @@ pub fn mig(
     let mut attributes = facts.base(device_type::MIG);
     attributes.insert(attr::PARENT_UUID.into(), string(&gpu.uuid));
     attributes.insert(attr::PROFILE.into(), string(spec.profile));
+    if let Some(bus) = &facts.pci_bus_id {
+        // NVIDIA's name only: the standard attribute means "this device is
+        // that PCI function", which a MIG device is not.
+        attributes.insert(attr::PCIE_BUS_ID.into(), string(bus));
+    }
     if let Some(uuid) = spec.uuid {
         attributes.insert(attr::UUID.into(), string(uuid));
     }

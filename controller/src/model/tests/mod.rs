@@ -165,6 +165,22 @@ fn pci_bus_id_only_on_whole_gpus() {
     }
 }
 
+/// NVIDIA's `pcieBusID`: the card's bus id on the whole GPU and on every
+/// MIG device of it (as NVIDIA's driver publishes it), on nothing else.
+#[test]
+fn nvidia_pcie_bus_id_on_whole_gpus_and_mig_devices() {
+    let inv = inventory(vec![h100_mig_disabled(0)]);
+    let model = full(&inv);
+    let mut migs = 0;
+    for d in all_devices(&model.slices) {
+        let kind = string_attr(d, attr::TYPE);
+        let want = matches!(kind, Some("gpu") | Some("mig")).then_some("0000:18:00.0");
+        assert_eq!(string_attr(d, attr::PCIE_BUS_ID), want, "{}", d.name);
+        migs += usize::from(kind == Some("mig"));
+    }
+    assert!(migs > 0);
+}
+
 #[test]
 fn mig_device_attributes_and_capacities() {
     let inv = inventory(vec![h100_mig_disabled(0)]);
@@ -1030,6 +1046,7 @@ fn bad_inventory_values_are_omitted_with_a_note() {
     let model = full(&inv);
     let whole = device(&model, "gpu-0");
     assert_eq!(string_attr(whole, attr::PCI_BUS_ID), None);
+    assert_eq!(string_attr(whole, attr::PCIE_BUS_ID), None);
     assert_eq!(version_attr(whole, attr::CUDA_COMPUTE_CAPABILITY), None);
     assert_eq!(version_attr(whole, attr::DRIVER_VERSION), None);
     assert!(model.notes.len() >= 3, "{:?}", model.notes);
@@ -1415,6 +1432,7 @@ fn device_classes_select_exactly_their_devices() {
         by_name.keys().copied().collect::<Vec<_>>(),
         vec![
             "gpu-isolated.tessera.dev",
+            "gpu-monitor.tessera.dev",
             "gpu-shared.tessera.dev",
             "gpu.tessera.dev",
             "mig.tessera.dev",
@@ -1471,6 +1489,10 @@ fn device_classes_select_exactly_their_devices() {
                 ..
             }
         ))
+    );
+    assert_eq!(
+        matching("gpu-monitor.tessera.dev"),
+        of_kind(&|k| matches!(k, DeviceKind::Monitor))
     );
     assert_eq!(matching("gpu.tessera.dev").len(), 2, "H100 and T4");
     assert!(!matching("mig.tessera.dev").is_empty());

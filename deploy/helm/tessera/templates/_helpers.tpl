@@ -33,9 +33,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default (include "tessera.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{/* The driver name, checked: DeviceClass names and the policy are built from it. */}}
+{{/* The driver name, checked: DeviceClass names and the policy are built from it.
+     nvidiaCompatibleNames makes it gpu.nvidia.com (a driverName other than the
+     default or that name is a contradiction, refused). */}}
 {{- define "tessera.driverName" -}}
 {{- $d := required "driverName is required" .Values.driverName -}}
+{{- if .Values.nvidiaCompatibleNames -}}
+{{- if not (has $d (list "gpu.tessera.dev" "gpu.nvidia.com")) -}}
+{{- fail (printf "nvidiaCompatibleNames: true makes the driver name gpu.nvidia.com; unset driverName (it is %q) or turn nvidiaCompatibleNames off" $d) -}}
+{{- end -}}
+{{- $d = "gpu.nvidia.com" -}}
+{{- end -}}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$" $d) -}}
 {{- fail (printf "driverName %q is not a DNS subdomain with at least one dot (e.g. gpu.example.com)" $d) -}}
 {{- end -}}
