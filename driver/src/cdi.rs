@@ -182,15 +182,16 @@ impl SpecDir {
         fs::create_dir_all(&self.dir)?;
         let path = self.spec_path(claim);
         let bytes = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
-        write_atomically(&path, &bytes)?;
+        write_for_this_boot(&path, &bytes)?;
         Ok(path)
     }
 
     /// Remove the claim's spec; absent is fine (unprepare is idempotent).
+    /// Like the write, for this boot only (see [`write_for_this_boot`]).
     pub fn remove(&self, claim: &ClaimUid) -> std::io::Result<()> {
         match fs::remove_file(self.spec_path(claim)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => sync_dir(&self.dir).or_else(ignore_missing),
+            _ => Ok(()),
         }
     }
 
@@ -282,17 +283,33 @@ pub fn remove_stale_temp_files(dir: &Path, prefix: &str) -> std::io::Result<Vec<
     Ok(removed)
 }
 
-fn ignore_missing(e: std::io::Error) -> std::io::Result<()> {
-    if e.kind() == std::io::ErrorKind::NotFound {
-        Ok(())
-    } else {
-        Err(e)
-    }
-}
-
 /// Write `bytes` to `path` so that readers see the old or the new content,
 /// never a mix, even across a crash or power loss.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    replace(path, bytes, Durability::PowerLoss)
+}
+
+/// Write `bytes` to `path` for this boot only: readers, and this process
+/// after a kill, see the old or the new content, never a mix.
+///
+/// For files that describe what a reboot ends (prepared claims, their CDI
+/// specs, MIG devices, MPS daemons). A killed process leaves the page cache
+/// intact and the rename alone is atomic, so fsync would only guard against
+/// a kernel crash or power loss, after which the boot id differs and the
+/// file is discarded (a torn one is set aside as unreadable).
+pub fn write_for_this_boot(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    replace(path, bytes, Durability::ThisBoot)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    /// Survives a kill of the writer.
+    ThisBoot,
+    /// Survives a power loss too (fsync of the file and the directory).
+    PowerLoss,
+}
+
+fn replace(path: &Path, bytes: &[u8], durability: Durability) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let file_name = path
         .file_name()
@@ -305,6 +322,9 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let result = (|| {
         let mut file = File::create(&tmp)?;
         file.write_all(bytes)?;
+        if durability == Durability::ThisBoot {
+            return fs::rename(&tmp, path);
+        }
         file.sync_all()?;
         fs::rename(&tmp, path)?;
         sync_dir(dir)

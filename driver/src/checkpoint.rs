@@ -16,7 +16,9 @@
 //! * Boot-scoped: CDI specs live on tmpfs and MIG instances and MPS daemons do
 //!   not survive a reboot, so a checkpoint from another boot describes nothing
 //!   that still exists and is discarded.
-//! * Atomic: written with fsync + rename (see [`crate::cdi::write_atomically`]).
+//! * Atomic, for this boot: written to a temp file and renamed over, without
+//!   fsync (see [`crate::cdi::write_for_this_boot`]: a killed process loses
+//!   nothing, and what the file describes ends with the boot anyway).
 //! * Group-committed when shared ([`SharedCheckpoint`]): claims prepared
 //!   at the same time wait for one write that holds all their changes,
 //!   instead of queueing one fsync each behind a lock.
@@ -29,7 +31,7 @@ use std::sync::{Mutex, MutexGuard};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::cdi::write_atomically;
+use crate::cdi::write_for_this_boot;
 use crate::claim_uid::ClaimUid;
 
 const FORMAT_VERSION: u32 = 1;
@@ -239,7 +241,7 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     if let Some(dir) = path.parent() {
         fs::create_dir_all(dir).map_err(failed)?;
     }
-    write_atomically(path, bytes).map_err(failed)
+    write_for_this_boot(path, bytes).map_err(failed)
 }
 
 fn encode<T: Serialize>(boot_id: &str, claims: &BTreeMap<ClaimUid, T>) -> Vec<u8> {
