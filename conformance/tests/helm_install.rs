@@ -17,7 +17,16 @@
 //! * `helm upgrade` to a new image tag rolls the pod (maxSurge 1: the new
 //!   pod waits for the state lock while the old one serves); a pod created
 //!   during the roll runs without a failed prepare, the slices are not
-//!   rewritten, and the new pod unprepares and prepares claims afterwards.
+//!   rewritten, and the new pod unprepares and prepares claims afterwards;
+//! * with `nvidiaCompatibleNames: true` (a second case, on eight simulated
+//!   H100s): the driver is `gpu.nvidia.com`, its DeviceClasses are
+//!   `gpu.nvidia.com`, `mig.nvidia.com`, ... (those of
+//!   `deploy/deviceclasses.yaml` for `nvidia.com`); a claim written as for
+//!   NVIDIA's driver (class `gpu.nvidia.com`, a CEL selector on
+//!   `productName` and `pcieBusID`) gets that GPU and its pod sees exactly
+//!   it; `deploy/examples/nvidia-gpu.yaml` runs as it is, and every other
+//!   manifest of `deploy/examples` runs with its classes renamed to
+//!   `nvidia.com`.
 //!
 //! The simulated machine is the node's (`<state>/sim-kernel`, what every
 //! container sees at /run/tessera-sim), so the test needs the node slot of
@@ -35,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::authentication::v1::{SelfSubjectReview, TokenRequest};
-use k8s_openapi::api::core::v1::{Event, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod, ServiceAccount};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client};
@@ -48,6 +57,13 @@ use plugin_support::{binaries, repo_root, status_gpu_uuid};
 
 /// Two whole GPUs: the example pod's and the pods of the roll.
 const TOPOLOGY: &str = "l4x2.yaml";
+/// Eight GPUs that offer every mode: one per example of deploy/examples
+/// and the NVIDIA-style claims.
+const NVIDIA_TOPOLOGY: &str = "h100x8.yaml";
+/// The namespace deploy/examples/monitoring.yaml creates.
+const MONITORING_NS: &str = "gpu-monitoring";
+/// Both cases use the node's simulated machine and CDI directory: one at a time.
+static NODE_SLOT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Pods start from an image containerd has, but the first start of the
 /// node process also builds its model: be patient on two cores.
 const TIMEOUT: Duration = Duration::from_secs(180);
@@ -136,7 +152,7 @@ impl Machine {
     /// library and tools copied in, so every path resolves inside it, as
     /// the pod sees it), and the machine's topology in the node's
     /// sim-kernel directory, emptied first (a new machine).
-    fn new(state_dir: &Path) -> Result<Machine> {
+    fn new(state_dir: &Path, topology: &str) -> Result<Machine> {
         // Short: the MPS pipes below it are Unix sockets.
         let dir = tempfile::Builder::new().prefix("th").tempdir()?;
         let sim_kernel = state_dir.join("sim-kernel");
@@ -152,7 +168,7 @@ impl Machine {
         std::fs::copy(
             repo_root()
                 .join("driver/fake-nvml/topologies")
-                .join(TOPOLOGY),
+                .join(topology),
             sim_kernel.join("topology.yaml"),
         )?;
         let m = Machine { dir, sim_kernel };
@@ -773,6 +789,19 @@ async fn failed_prepares(ns: &TestNamespace, pod: &str) -> Result<Vec<String>> {
 
 #[tokio::test]
 async fn the_chart_installs_runs_gpu_pods_admits_only_its_node_and_rolls() -> Result<()> {
+    let _slot = NODE_SLOT.lock().await;
+    chart_case(false).await
+}
+
+#[tokio::test]
+async fn the_chart_installs_under_nvidia_compatible_names_and_runs_every_example() -> Result<()> {
+    let _slot = NODE_SLOT.lock().await;
+    chart_case(true).await
+}
+
+/// Installs the chart on the node and runs one case: the roll (a driver
+/// name of its own), or NVIDIA-compatible names; cleans up either way.
+async fn chart_case(nvidia: bool) -> Result<()> {
     let cluster = TestCluster::shared().await?;
     let Some(kubelet) = cluster.kubelet().cloned() else {
         eprintln!("cluster runs without a kubelet (TESSERA_KUBELET=0): nothing to install on");
@@ -802,33 +831,46 @@ async fn the_chart_installs_runs_gpu_pods_admits_only_its_node_and_rolls() -> Re
         blocking(move || image_script(&s, &["import", "--tag", &a, "--tag", &b])).await?;
     }
     eprintln!("helm and the image ready in {:?}", t0.elapsed());
-    let machine = Machine::new(&state_dir)?;
+    let machine = Machine::new(&state_dir, if nvidia { NVIDIA_TOPOLOGY } else { TOPOLOGY })?;
     let helm = Helm {
         bin: PathBuf::from(helm_bin.trim()),
         home: machine.dir.path().join("helm"),
         kubeconfig: cluster.kubeconfig().to_path_buf(),
     };
 
-    let driver = format!("gpu.{id}.tessera.dev");
-    let domain = format!("{id}.tessera.dev");
+    let (driver, domain) = if nvidia {
+        ("gpu.nvidia.com".to_owned(), "nvidia.com".to_owned())
+    } else {
+        (format!("gpu.{id}.tessera.dev"), format!("{id}.tessera.dev"))
+    };
     let ns = cluster.create_namespace("helm").await?;
     let release = id.clone();
     let values_file = machine.dir.path().join("values.json");
-    let values = values(&cluster, &kubelet, &machine, &driver, &tag1)?;
+    let mut values = values(&cluster, &kubelet, &machine, &driver, &tag1)?;
+    if nvidia {
+        // The one value a user sets; driverName stays at its default.
+        let v = values.as_object_mut().context("values")?;
+        v.remove("driverName");
+        v.insert("nvidiaCompatibleNames".into(), json!(true));
+    }
     std::fs::write(&values_file, serde_json::to_vec_pretty(&values)?)?;
 
-    let result = install_and_roll(
-        &cluster,
-        &helm,
-        &ns,
-        &release,
-        &driver,
-        &domain,
-        &values_file,
-        &tag2,
-        &kubelet,
-    )
-    .await;
+    let result = if nvidia {
+        install_nvidia(&cluster, &helm, &ns, &release, &values_file, &tag1).await
+    } else {
+        install_and_roll(
+            &cluster,
+            &helm,
+            &ns,
+            &release,
+            &driver,
+            &domain,
+            &values_file,
+            &tag2,
+            &kubelet,
+        )
+        .await
+    };
 
     // Cleanup whatever happened: workloads first (their claims are
     // unprepared while the node process still runs), then the release.
@@ -860,11 +902,31 @@ async fn the_chart_installs_runs_gpu_pods_admits_only_its_node_and_rolls() -> Re
                 .await;
         }
     }
+    let monitoring: Api<Pod> = Api::namespaced(cluster.client(), MONITORING_NS);
+    if nvidia {
+        let _ = monitoring
+            .delete_collection(
+                &DeleteParams::default().grace_period(0),
+                &ListParams::default(),
+            )
+            .await;
+    }
     let _ = wait_for("the test's GPU pods gone", TIMEOUT, || async {
         let left = workloads(pods.list(&ListParams::default()).await?.items);
-        Ok(left.is_empty().then_some(()))
+        let monitors = if nvidia {
+            monitoring.list(&ListParams::default()).await?.items.len()
+        } else {
+            0
+        };
+        Ok((left.is_empty() && monitors == 0).then_some(()))
     })
     .await;
+    if nvidia {
+        let namespaces: Api<Namespace> = Api::all(cluster.client());
+        let _ = namespaces
+            .delete(MONITORING_NS, &DeleteParams::default())
+            .await;
+    }
     let uninstalled = helm
         .run(&[
             "uninstall",
@@ -1037,5 +1099,180 @@ async fn install_and_roll(
     gpu_pod(&pods, "after-roll").await?;
     let (_, after_gpu) = sees_its_gpu(ns, "after-roll").await?;
     ensure!(after_gpu != example_gpu, "two pods on one whole GPU");
+    Ok(())
+}
+
+/// Applies a manifest of deploy/examples with its classes renamed to
+/// `domain` (a file with its own namespace is applied as it is).
+async fn apply_example(cluster: &TestCluster, ns: &str, file: &str, domain: &str) -> Result<()> {
+    let text = std::fs::read_to_string(repo_root().join("deploy/examples").join(file))?
+        .replace("tessera.dev", domain);
+    let own_namespace = text
+        .lines()
+        .any(|l| l.trim_start().starts_with("namespace:"));
+    let mut args = vec!["apply".to_owned()];
+    if !own_namespace {
+        args.extend(["-n".to_owned(), ns.to_owned()]);
+    }
+    args.extend(["-f".to_owned(), "-".to_owned()]);
+    let c = cluster.clone();
+    blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        kubectl(&c, &args, Some(text))
+    })
+    .await
+    .with_context(|| format!("applying deploy/examples/{file}"))?;
+    Ok(())
+}
+
+/// Waits until every pod of `pods` except the release's runs.
+async fn all_running(pods: &Api<Pod>, release: &str, what: &str) -> Result<usize> {
+    wait_for(what, TIMEOUT, || async {
+        let list = pods.list(&ListParams::default()).await?.items;
+        let mut n = 0;
+        for p in &list {
+            let ours = p.metadata.labels.as_ref().is_some_and(|l| {
+                l.get("app.kubernetes.io/instance").map(String::as_str) == Some(release)
+            });
+            if ours {
+                continue;
+            }
+            if p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Failed") {
+                bail!("pod {} failed: {:?}", name(p), p.status);
+            }
+            if !running(p) {
+                return Ok(None);
+            }
+            n += 1;
+        }
+        Ok((n > 0).then_some(n))
+    })
+    .await
+}
+
+/// `nvidiaCompatibleNames: true`: the names, a claim written for NVIDIA's
+/// driver, and every example of deploy/examples.
+async fn install_nvidia(
+    cluster: &TestCluster,
+    helm: &Helm,
+    ns: &TestNamespace,
+    release: &str,
+    values_file: &Path,
+    tag: &str,
+) -> Result<()> {
+    const DRIVER: &str = "gpu.nvidia.com";
+    let chart = chart();
+    let chart = chart.to_str().context("chart path")?;
+    let values = values_file.to_str().context("values path")?;
+    helm.run(&["lint", "--strict", chart, "-f", values]).await?;
+    // A driver name beside the switch is a contradiction, refused.
+    let clash = helm
+        .run(&[
+            "template",
+            "t",
+            chart,
+            "--set",
+            "nvidiaCompatibleNames=true",
+            "--set",
+            "driverName=gpu.example.com",
+        ])
+        .await;
+    ensure!(
+        clash
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("nvidiaCompatibleNames")),
+        "nvidiaCompatibleNames with another driverName must fail: {clash:?}"
+    );
+
+    let t0 = Instant::now();
+    helm.run(&["install", release, chart, "-n", ns.name(), "-f", values])
+        .await?;
+    let pods: Api<Pod> = ns.api();
+    registered_daemon(&pods, release, tag).await?;
+    published(&cluster.client(), cluster.node_name(), DRIVER).await?;
+    eprintln!(
+        "nvidiaCompatibleNames: registered and published as {DRIVER} in {:?}",
+        t0.elapsed()
+    );
+    check_device_classes(cluster, "nvidia.com").await?;
+
+    // A whole GPU as NVIDIA's driver names it: NVIDIA's attribute names,
+    // single-quoted CEL, pinned to one card by its bus id.
+    let slices: Api<ResourceSlice> = Api::all(cluster.client());
+    let list = slices
+        .list(&ListParams::default().fields(&format!("spec.driver={DRIVER}")))
+        .await?;
+    let attr = |d: &k8s_openapi::api::resource::v1::Device, k: &str| {
+        d.attributes
+            .as_ref()
+            .and_then(|a| a.get(k))
+            .and_then(|v| v.string.clone())
+    };
+    let gpus: Vec<_> = list
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .filter(|d| attr(d, "type").as_deref() == Some("gpu"))
+        .collect();
+    let last = gpus.last().context("no whole GPU published")?;
+    let product = attr(last, "productName").context("no productName")?;
+    let bus = attr(last, "pcieBusID").context("no pcieBusID")?;
+    let want_uuid = attr(last, "uuid").context("no uuid")?;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": { "name": "nv-pinned" },
+        "spec": { "devices": { "requests": [{
+            "name": "gpu",
+            "exactly": {
+                "deviceClassName": "gpu.nvidia.com",
+                "selectors": [{ "cel": { "expression": format!(
+                    "device.attributes['gpu.nvidia.com'].productName == '{product}' && \
+                     device.attributes['gpu.nvidia.com'].pcieBusID == '{bus}'"
+                ) } }],
+            },
+        }] } },
+    }))?;
+    ns.api::<ResourceClaim>()
+        .create(&PostParams::default(), &claim)
+        .await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": { "name": "nv-pinned" },
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "containers": [{
+                "name": "cuda",
+                "image": "tessera.local/probe:1",
+                "command": ["sh", "-c", "nvidia-smi -L && exec sleep infinity"],
+                "resources": { "claims": [{ "name": "gpu" }] },
+            }],
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": "nv-pinned" }],
+        },
+    }))?;
+    pods.create(&PostParams::default(), &pod).await?;
+    let (_, got) = sees_its_gpu(ns, "nv-pinned").await?;
+    ensure!(
+        got == want_uuid,
+        "the claim pinned to {bus} ({want_uuid}) got {got}"
+    );
+
+    // deploy/examples/nvidia-gpu.yaml as it is.
+    apply_example(cluster, ns.name(), "nvidia-gpu.yaml", "nvidia.com").await?;
+    let (_, example) = sees_its_gpu(ns, "nvidia-gpu").await?;
+    ensure!(example != got, "two claims on one whole GPU");
+
+    // Every other example, under the nvidia.com classes.
+    let mut files: Vec<String> = std::fs::read_dir(repo_root().join("deploy/examples"))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|f| f.ends_with(".yaml") && f != "nvidia-gpu.yaml")
+        .collect();
+    files.sort();
+    for f in &files {
+        apply_example(cluster, ns.name(), f, "nvidia.com").await?;
+    }
+    let n = all_running(&pods, release, "the examples' pods running").await?;
+    let monitoring: Api<Pod> = Api::namespaced(cluster.client(), MONITORING_NS);
+    let m = all_running(&monitoring, release, "the monitoring example's pod running").await?;
+    eprintln!("deploy/examples {files:?} ran under nvidia.com classes: {n} + {m} pods");
     Ok(())
 }
