@@ -59,7 +59,8 @@ pub async fn apiserver_metrics(client: &Client) -> Result<String> {
 }
 
 /// Writes (create, update, patch, delete) the API server has served on
-/// ResourceSlices since it started.
+/// ResourceSlices since it started. Dry runs (a publisher's capability
+/// probes) change nothing and are not counted.
 pub fn slice_writes(apiserver_metrics: &str) -> f64 {
     [
         "POST",
@@ -74,7 +75,11 @@ pub fn slice_writes(apiserver_metrics: &str) -> f64 {
         sum_counter(
             apiserver_metrics,
             "apiserver_request_total",
-            &[("resource", "resourceslices"), ("verb", verb)],
+            &[
+                ("resource", "resourceslices"),
+                ("verb", verb),
+                ("dry_run", ""),
+            ],
         )
     })
     .sum()
@@ -326,4 +331,19 @@ fn process_start(pid: u32) -> Result<Duration> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
     Ok(Duration::from_nanos(ticks * 1_000_000_000 / hz))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dry_runs_are_not_slice_writes() {
+        let metrics = "\
+apiserver_request_total{code=\"201\",dry_run=\"\",resource=\"resourceslices\",verb=\"APPLY\"} 9
+apiserver_request_total{code=\"201\",dry_run=\"All\",resource=\"resourceslices\",verb=\"POST\"} 4
+apiserver_request_total{code=\"200\",dry_run=\"\",resource=\"resourceslices\",verb=\"LIST\"} 3
+";
+        assert_eq!(slice_writes(metrics), 9.0);
+    }
 }
