@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tessera_conformance::TestCluster;
-use tessera_conformance::bench::{cluster, grpc};
+use tessera_conformance::bench::{cluster, grpc, scale};
 
 #[derive(Parser)]
 #[command(about = "Benchmarks a DRA kubelet plugin on the local cluster")]
@@ -78,6 +78,10 @@ enum Command {
         #[arg(trailing_var_arg = true, required = true)]
         command: Vec<String>,
     },
+    /// Cluster scale on fake nodes (`cluster.sh add-nodes`; see
+    /// `conformance/bench-scale.sh`): one publisher per node, then pods on
+    /// Isolated shares vs the same capacity as replica devices.
+    Scale(scale::ScaleArgs),
 }
 
 #[tokio::main]
@@ -195,6 +199,7 @@ async fn main() -> Result<()> {
                 json!({ "restart": command.join(" "), "slice_writes": after - before, "window_s": window })
             );
         }
+        Command::Scale(args) => scale::run(&cluster, args).await?,
     }
     Ok(())
 }

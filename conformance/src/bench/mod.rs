@@ -7,8 +7,12 @@
 //!   at a chosen concurrency, latencies timed per call;
 //! * [`cluster`]: the kubelet's own `dra_grpc_operations_duration_seconds`
 //!   for real pods, the API server's ResourceSlice write counters, and the
-//!   time from a process's start to its first slice.
+//!   time from a process's start to its first slice;
+//! * [`scale`]: many simulated nodes on one control plane: publishing
+//!   every node's slices, and kube-scheduler's pace with Tessera's device
+//!   model vs plain replica devices.
 
 pub mod cluster;
 pub mod grpc;
+pub mod scale;
 pub mod stats;
