@@ -567,6 +567,17 @@ async fn sees_its_gpu(ns: &TestNamespace, pod: &str) -> Result<(String, String)>
         .and_then(|s| s.resource_claim_statuses.as_ref())
         .and_then(|c| c.first())
         .and_then(|c| c.resource_claim_name.clone())
+        .or_else(|| {
+            // A claim the pod names itself (no template): not in the status.
+            running_pod
+                .spec
+                .as_ref()?
+                .resource_claims
+                .as_ref()?
+                .first()?
+                .resource_claim_name
+                .clone()
+        })
         .context("the pod's claim has no name")?;
     let uuid = status_gpu_uuid(&ns.api::<ResourceClaim>(), &claim).await?;
     let listing = wait_for(&format!("nvidia-smi -L of {pod}"), TIMEOUT, || async {
