@@ -240,6 +240,8 @@ pub struct PublisherSetup {
     pub topology: PathBuf,
     pub kubeconfig: PathBuf,
     pub driver: String,
+    /// Node policy of every publisher; default: every mode on every GPU.
+    pub policy: Option<PathBuf>,
     /// One directory per node below it (simulated machine state, log).
     pub work_dir: PathBuf,
 }
@@ -264,14 +266,19 @@ impl Publishers {
             }
             std::fs::create_dir_all(dir.join("driver"))?;
             let log = std::fs::File::create(dir.join("publish.log"))?;
-            let child = Command::new(&setup.tessera)
+            let mut command = Command::new(&setup.tessera);
+            if let Some(policy) = &setup.policy {
+                command.env("TESSERA_POLICY", policy);
+            } else {
+                command.env_remove("TESSERA_POLICY");
+            }
+            let child = command
                 .arg("--nvml-library")
                 .arg(&setup.nvml_library)
                 .arg("publish")
                 .args(["--node-name", node, "--driver-name", &setup.driver])
                 .arg("--kubeconfig")
                 .arg(&setup.kubeconfig)
-                .env_remove("TESSERA_POLICY")
                 .env("TESSERA_FAKE_NVML_TOPOLOGY", &setup.topology)
                 .env("TESSERA_FAKE_NVML_STATE", dir.join("nvml.state"))
                 .env("TESSERA_FAKE_NVML_DRIVER_ROOT", dir.join("driver"))
@@ -837,11 +844,6 @@ pub async fn clean_up(client: &Client, ns: TestNamespace, timeout: Duration) -> 
     .await
 }
 
-/// ResourceSlice writes the API server has served so far.
-pub async fn slice_writes_now(client: &Client) -> Result<f64> {
-    Ok(slice_writes(&apiserver_metrics(client).await?))
-}
-
 // ------------------------------------------------------------ the whole ----
 
 /// `tessera-bench scale`: every phase, one JSON object per result.
@@ -864,6 +866,10 @@ pub struct ScaleArgs {
     pub work_dir: PathBuf,
     #[arg(long, default_value = tessera_api::names::DEFAULT_DRIVER_NAME)]
     pub driver: String,
+    /// Node policy (YAML) of every publisher; default: every mode on every
+    /// GPU (the full model).
+    #[arg(long)]
+    pub policy: Option<PathBuf>,
     /// DeviceClass of the Isolated shares (deploy/deviceclasses.yaml,
     /// applied beforehand).
     #[arg(long, default_value = "gpu-isolated.tessera.dev")]
@@ -886,6 +892,9 @@ pub struct ScaleArgs {
     /// complete.
     #[arg(long, default_value_t = 10)]
     pub settle: u64,
+    /// Only Tessera's model (no replica runs).
+    #[arg(long)]
+    pub no_replicas: bool,
     /// Seconds one scheduling run may take.
     #[arg(long, default_value_t = 3600)]
     pub timeout: u64,
@@ -988,6 +997,7 @@ pub async fn run(cluster: &TestCluster, args: ScaleArgs) -> Result<()> {
         topology: args.topology.clone(),
         kubeconfig: cluster.kubeconfig().to_owned(),
         driver: args.driver.clone(),
+        policy: args.policy.clone(),
         work_dir: args.work_dir.clone(),
     };
     let cpu = CpuMeter::start(cluster, None)?;
@@ -1026,11 +1036,18 @@ pub async fn run(cluster: &TestCluster, args: ScaleArgs) -> Result<()> {
                 create_concurrency: args.create_concurrency,
                 timeout: Duration::from_secs(args.timeout),
             };
-            let writes = slice_writes_now(&client).await?;
+            let before = apiserver_metrics(&client).await?;
             let cpu = CpuMeter::start(cluster, publishers.as_deref())?;
             let (mut result, ns) = schedule(cluster, &scheduler, &run).await?;
             result["cpu_s"] = cpu.since()?;
-            result["slice_writes_during"] = json!(slice_writes_now(&client).await? - writes);
+            let after = apiserver_metrics(&client).await?;
+            result["slice_writes_during"] = json!(slice_writes(&after) - slice_writes(&before));
+            // Everyone's, this benchmark's claims and its one list included.
+            result["requests_during"] = json!(requests_delta(
+                &publisher_requests(&before),
+                &publisher_requests(&after),
+                1.0
+            ));
             if let Some(p) = publishers.as_deref_mut() {
                 p.check_running(&setup.work_dir)?;
                 result["publisher_rss_kib"] = rss_summary(&p.rss_kib()?);
@@ -1049,6 +1066,9 @@ pub async fn run(cluster: &TestCluster, args: ScaleArgs) -> Result<()> {
     .await?;
     publishers.stop()?;
     delete_slices(&client, &args.driver).await?;
+    if args.no_replicas {
+        return Ok(());
+    }
 
     let replica_class = args.replica_driver.clone();
     let result = apply_replicas(
