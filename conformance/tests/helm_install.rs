@@ -21,7 +21,8 @@
 //! * with `nvidiaCompatibleNames: true` (a second case, on eight simulated
 //!   H100s): the driver is `gpu.nvidia.com`, its DeviceClasses are
 //!   `gpu.nvidia.com`, `mig.nvidia.com`, ... (those of
-//!   `deploy/deviceclasses.yaml` for `nvidia.com`); a claim written as for
+//!   `deploy/deviceclasses.yaml` for `nvidia.com`); `tessera-conformance
+//!   --driver gpu.nvidia.com` (KAR-0003, secure access) passes; a claim written as for
 //!   NVIDIA's driver (class `gpu.nvidia.com`, a CEL selector on
 //!   `productName` and `pcieBusID`) gets that GPU and its pod sees exactly
 //!   it; `deploy/examples/nvidia-gpu.yaml` runs as it is, and every other
@@ -1207,6 +1208,20 @@ async fn install_nvidia(
     );
     check_device_classes(cluster, "nvidia.com").await?;
 
+    // The KAR-0003 suite under NVIDIA's names, on free GPUs.
+    let t0 = Instant::now();
+    let out_dir = values_file.parent().context("values dir")?.to_owned();
+    let env = cluster.env().clone();
+    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir)).await?;
+    ensure!(
+        junit.contains("testcase") && !junit.contains("<failure"),
+        "tessera-conformance --driver {DRIVER}: failures in its JUnit report:\n{junit}"
+    );
+    eprintln!(
+        "tessera-conformance --driver {DRIVER} passed in {:?}",
+        t0.elapsed()
+    );
+
     // A whole GPU as NVIDIA's driver names it: NVIDIA's attribute names,
     // single-quoted CEL, pinned to one card by its bus id.
     let slices: Api<ResourceSlice> = Api::all(cluster.client());
@@ -1286,4 +1301,34 @@ async fn install_nvidia(
     let m = all_running(&monitoring, release, "the monitoring example's pod running").await?;
     eprintln!("deploy/examples {files:?} ran under nvidia.com classes: {n} + {m} pods");
     Ok(())
+}
+
+/// `tessera-conformance --driver <driver>` on the node; returns its JUnit
+/// report.
+fn run_suite(env: &tessera_conformance::ClusterEnv, driver: &str, out: &Path) -> Result<String> {
+    let junit = out.join("junit.xml");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera-conformance"));
+    c.arg("--kubeconfig")
+        .arg(&env.kubeconfig)
+        .args([
+            "--driver",
+            driver,
+            "--node",
+            &env.node_name,
+            "--timeout",
+            "180s",
+        ])
+        .arg("--junit")
+        .arg(&junit)
+        .arg("--report")
+        .arg(out.join("report.md"));
+    if let Some(image) = std::env::var("TESSERA_PROBE_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+    {
+        c.args(["--image", &image]);
+    }
+    let stdout = run(&mut c)?;
+    eprintln!("{stdout}");
+    std::fs::read_to_string(&junit).context("reading the JUnit report")
 }
