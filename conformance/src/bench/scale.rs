@@ -780,19 +780,21 @@ pub async fn schedule(
         })?;
     let sched_after = metrics_of(scheduler).await?;
 
-    let b = bound.lock().expect("bound lock");
-    let mut at: Vec<f64> = b
-        .values()
-        .map(|t| t.duration_since(began).as_secs_f64())
-        .collect();
-    at.sort_by(f64::total_cmp);
-    let mut latency: Vec<f64> = created
-        .iter()
-        .filter_map(|(name, c)| b.get(name).map(|t| t.saturating_duration_since(*c)))
-        .map(|d| d.as_secs_f64() * 1e3)
-        .collect();
-    latency.sort_by(f64::total_cmp);
-    drop(b);
+    let (at, latency) = {
+        let b = bound.lock().expect("bound lock");
+        let mut at: Vec<f64> = b
+            .values()
+            .map(|t| t.duration_since(began).as_secs_f64())
+            .collect();
+        at.sort_by(f64::total_cmp);
+        let mut latency: Vec<f64> = created
+            .iter()
+            .filter_map(|(name, c)| b.get(name).map(|t| t.saturating_duration_since(*c)))
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
+        latency.sort_by(f64::total_cmp);
+        (at, latency)
+    };
     let (first, last) = (at[0], at[at.len() - 1]);
     let allocated = ns
         .api::<ResourceClaim>()
