@@ -13,6 +13,8 @@
 #   driver/fake-nvml/topologies/), from binaries cargo built; the node's state
 #   (<state dir>/node) outlives node-stop, and a restart without arguments
 #   reuses its topology, policy and driver name. `stop` stops it too.
+#   TESSERA_KUBE_VERSION=v1.36.3 builds and starts that release instead of
+#   the default (conformance/cluster/go.mod; others: go-1.<minor>.mod).
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,12 +25,27 @@ case "$DIR" in /*) ;; *) DIR="$PWD/$DIR" ;; esac
 START_TIMEOUT="${TESSERA_START_TIMEOUT:-240}"
 LOG_LEVEL="${TESSERA_LOG_LEVEL:-1}"
 
-# Gates Tessera relies on. In 1.36 all of them exist; DRAPrioritizedList and
-# DRAAdminAccess are GA (the latter locked), the others beta and on by default;
-# DRADeviceTaintRules is beta but off by default because its API
-# (resource.k8s.io/v1beta2 devicetaintrules) is off by default. Setting them
-# explicitly keeps the cluster's shape independent of upstream defaults.
-DEFAULT_FEATURE_GATES="DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,DRAResourceClaimDeviceStatus=true,ResourceHealthStatus=true,DRAPrioritizedList=true,DRAAdminAccess=true"
+# Gates Tessera relies on, per Kubernetes minor (checked against
+# pkg/features/kube_features.go of each release; see docs/development.md).
+# Gates that can still be switched are set explicitly, so the cluster's shape
+# does not depend on upstream defaults; GA gates locked on are left out (they
+# cannot be turned off, and a component refuses a gate its release removed).
+#   1.36: DRAPartitionableDevices, DRAConsumableCapacity, DRADeviceTaints,
+#         DRAResourceClaimDeviceStatus, ResourceHealthStatus beta (on);
+#         DRADeviceTaintRules beta but off, like its API (v1beta2);
+#         DRAPrioritizedList GA; DRAAdminAccess GA, locked.
+#   1.37: DRADeviceTaints and DRADeviceTaintRules GA (not yet locked; the
+#         API is resource.k8s.io/v1); DRAPartitionableDevices,
+#         DRAConsumableCapacity, ResourceHealthStatus still beta (on);
+#         DRAPrioritizedList, DRAResourceClaimDeviceStatus, DRAAdminAccess
+#         GA, locked.
+default_feature_gates() { # minor
+	case "$1" in
+	36) echo "DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,DRAResourceClaimDeviceStatus=true,ResourceHealthStatus=true,DRAPrioritizedList=true" ;;
+	37) echo "DRAPartitionableDevices=true,DRAConsumableCapacity=true,DRADeviceTaints=true,DRADeviceTaintRules=true,ResourceHealthStatus=true" ;;
+	*) return 1 ;;
+	esac
+}
 DEFAULT_RUNTIME_CONFIG="resource.k8s.io/v1beta1=true,resource.k8s.io/v1beta2=true,resource.k8s.io/v1alpha3=true"
 
 # Components in start order (stop: clients, then the API server, then etcd and the runtime).
@@ -47,15 +64,53 @@ die() {
 
 GO_BUILD_FLAGS=(-trimpath -buildvcs=false)
 
-k8s_version() { awk '$1 == "k8s.io/kubernetes" { print $2; exit }' "$SRC/go.mod"; }
+modfile_version() { awk '$1 == "k8s.io/kubernetes" { print $2; exit }' "$SRC/$1"; }
 
-# Everything that determines the binary: sources, module files, toolchain, flags.
+# The module file of the Kubernetes release to build: go.mod holds the
+# default release, go-1.<minor>.mod (+ .sum) each other one tested
+# (conformance/cluster/gen-replace.sh --modfile writes them).
+# TESSERA_KUBE_VERSION picks one: v1.36.3, 1.36.3, v1.36 or 1.36.
+MODFILE=""
+select_modfile() {
+	[[ -z "$MODFILE" ]] || return 0
+	local want=${TESSERA_KUBE_VERSION:-} f v have=()
+	want=${want#v}
+	for f in go.mod $(cd "$SRC" && ls go-1.*.mod 2>/dev/null); do
+		v=$(modfile_version "$f")
+		have+=("$v")
+		if [[ -z "$want" || "$want" == "${v#v}" || "$want" == "$(minor_of "$v")" ]]; then
+			MODFILE=$f
+			return 0
+		fi
+	done
+	die "TESSERA_KUBE_VERSION=$TESSERA_KUBE_VERSION: no module file for it in $SRC (have: ${have[*]})"
+}
+k8s_version() {
+	select_modfile
+	modfile_version "$MODFILE"
+}
+minor_of() { # v1.37.2 -> 1.37
+	local v=${1#v}
+	echo "${v%.*}"
+}
+# Go code that differs between releases (an interface method one release's
+# library has and another's lacks) is selected by a build tag naming the
+# release's minor: tessera_k8s_1_36, tessera_k8s_1_37, ...
+build_tags() { echo "tessera_k8s_$(minor_of "$(k8s_version)" | tr . _)"; }
+
+# Everything that determines the binary: sources, the module file used and
+# its sums, toolchain, flags.
 source_hash() {
+	select_modfile
 	(
 		cd "$SRC"
 		go env GOVERSION GOOS GOARCH
-		echo "${GO_BUILD_FLAGS[*]} $(build_ldflags "-")"
-		find . -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) -print | LC_ALL=C sort | xargs sha256sum
+		echo "${GO_BUILD_FLAGS[*]} -modfile=$MODFILE -tags=$(build_tags) $(build_ldflags "-")"
+		{
+			find . -type f -name '*.go' -print
+			echo "./$MODFILE"
+			echo "./${MODFILE%.mod}.sum"
+		} | LC_ALL=C sort | xargs sha256sum
 	) | sha256sum | cut -c1-16
 }
 
@@ -79,10 +134,17 @@ build_ldflags() {
 ensure_binary() {
 	if [[ -n "${TESSERA_KUBE_BIN:-}" ]]; then
 		[[ -x "$TESSERA_KUBE_BIN" ]] || die "TESSERA_KUBE_BIN=$TESSERA_KUBE_BIN is not executable"
+		if [[ -n "${TESSERA_KUBE_VERSION:-}" ]]; then
+			local have
+			have=$(binary_version "$TESSERA_KUBE_BIN")
+			[[ "${TESSERA_KUBE_VERSION#v}" == "${have#v}" || "${TESSERA_KUBE_VERSION#v}" == "$(minor_of "$have")" ]] ||
+				die "TESSERA_KUBE_BIN=$TESSERA_KUBE_BIN is $have, not TESSERA_KUBE_VERSION=$TESSERA_KUBE_VERSION (unset one of them)"
+		fi
 		echo "$TESSERA_KUBE_BIN"
 		return
 	fi
 	command -v go >/dev/null || die "go is not installed (needed to build conformance/cluster)"
+	select_modfile
 	local hash out bin
 	hash=$(source_hash)
 	out="$CACHE/kube/$hash"
@@ -93,9 +155,9 @@ ensure_binary() {
 		exec 9>"$CACHE/kube/.build.lock"
 		flock 9
 		if [[ ! -x "$bin" ]]; then
-			log "building tessera-kube ($(k8s_version)) into $out (first build of Kubernetes takes long on a small machine)"
+			log "building tessera-kube ($(k8s_version), $MODFILE) into $out (first build of Kubernetes takes long on a small machine)"
 			local t0=$SECONDS
-			(cd "$SRC" && go build "${GO_BUILD_FLAGS[@]}" -ldflags "$(build_ldflags "$hash")" -o "$bin.tmp" ./cmd/tessera-kube) >&2
+			(cd "$SRC" && go build "${GO_BUILD_FLAGS[@]}" -modfile="$MODFILE" -tags="$(build_tags)" -ldflags "$(build_ldflags "$hash")" -o "$bin.tmp" ./cmd/tessera-kube) >&2
 			mv -f "$bin.tmp" "$bin"
 			log "built in $((SECONDS - t0))s"
 		fi
@@ -107,22 +169,27 @@ ensure_binary() {
 	echo "$bin"
 }
 
-# Each source change leaves a ~180 MB binary behind: keep the three most
-# recently used, and anything used within the last day (a running cluster may
-# still need it).
+# Each source change leaves a ~180 MB binary behind: keep the four most
+# recently used (two per tested release), and anything used within the last
+# day (a running cluster may still need it).
 prune_cache() {
 	local d
 	while read -r d; do
 		[[ -n "$d" && -n "$(find "$d" -maxdepth 0 -mmin +1440)" ]] || continue
 		rm -rf "$d"
 		log "pruned old build $d"
-	done < <(ls -1dt "$CACHE"/kube/*/ 2>/dev/null | tail -n +4)
+	done < <(ls -1dt "$CACHE"/kube/*/ 2>/dev/null | tail -n +5)
+}
+
+# The release a tessera-kube binary was stamped with (v1.37.2).
+binary_version() {
+	"$1" kubectl version --client -o json 2>/dev/null | sed -n 's/^[[:space:]]*"gitVersion": "\(.*\)",$/\1/p' | head -n 1
 }
 
 cmd_build() {
 	local t0=$SECONDS bin
 	bin=$(ensure_binary)
-	log "tessera-kube ready: $bin ($((SECONDS - t0))s)"
+	log "tessera-kube $(binary_version "$bin") ready: $bin ($((SECONDS - t0))s)"
 	log "containerd ready: $(ensure_containerd)"
 	echo "$bin"
 }
@@ -190,12 +257,14 @@ wait_for() {
 
 # ---------------------------------------------------------------- start ----
 
-merge_gates() {
-	# Later entries win: defaults first, then TESSERA_FEATURE_GATES.
+merge_gates() { # kubernetes version
+	# Later entries win: the release's defaults first, then TESSERA_FEATURE_GATES.
 	local -A val=()
 	local -a order=()
-	local kv k
-	IFS=',' read -ra kvs <<<"$DEFAULT_FEATURE_GATES,${TESSERA_FEATURE_GATES:-}"
+	local kv k defaults
+	defaults=$(default_feature_gates "$(minor_of "$1" | cut -d. -f2)") ||
+		die "no feature gate list for Kubernetes $1 in $0 (default_feature_gates): check pkg/features/kube_features.go of that release"
+	IFS=',' read -ra kvs <<<"$defaults,${TESSERA_FEATURE_GATES:-}"
 	for kv in "${kvs[@]}"; do
 		kv=${kv// /}
 		[[ -z "$kv" ]] && continue
@@ -339,6 +408,15 @@ cmd_start() {
 		return 0
 	fi
 	KUBE_BIN=$(ensure_binary)
+	local kube_version
+	kube_version=$(binary_version "$KUBE_BIN")
+	[[ -n "$kube_version" ]] || die "$KUBE_BIN does not say its version (kubectl version --client)"
+	if [[ -f "$DIR/cluster.env" ]]; then
+		local last
+		last=$(sed -n "s/^KUBE_VERSION='\(.*\)'$/\1/p" "$DIR/cluster.env")
+		[[ -z "$last" || "$last" == "$kube_version" ]] ||
+			log "the state in $DIR was last run by Kubernetes $last, now $kube_version"
+	fi
 	mkdir -p "$DIR"/{pids,logs,pki,etcd,kubelet/pod-logs,bin}
 	chmod 700 "$DIR"
 
@@ -348,7 +426,7 @@ cmd_start() {
 	# shellcheck disable=SC1091
 	source "$DIR/ports.env"
 	local gates runtime_config kubelet_enabled node cri_socket
-	gates=$(merge_gates)
+	gates=$(merge_gates "$kube_version")
 	runtime_config="${TESSERA_RUNTIME_CONFIG:-$DEFAULT_RUNTIME_CONFIG}"
 	kubelet_enabled="${TESSERA_KUBELET:-1}"
 	node="${TESSERA_NODE_NAME:-tessera-node}"
@@ -358,6 +436,7 @@ cmd_start() {
 	((${#cri_socket} < 100)) || die "state dir path too long for unix sockets: $DIR"
 	cat >"$DIR/cluster.env" <<EOF
 KUBE_BIN='$KUBE_BIN'
+KUBE_VERSION='$kube_version'
 FEATURE_GATES='$gates'
 RUNTIME_CONFIG='$runtime_config'
 KUBELET_ENABLED='$kubelet_enabled'
@@ -446,7 +525,7 @@ EOF
 	if [[ "$KUBELET_ENABLED" == 1 ]]; then
 		wait_for "$(remaining)" "node $NODE_NAME Ready" node_ready
 	fi
-	log "cluster up in $((SECONDS - t0))s; state in $DIR"
+	log "cluster (Kubernetes $KUBE_VERSION) up in $((SECONDS - t0))s; state in $DIR"
 	log "use it with: eval \"\$($0 env)\""
 }
 
@@ -575,6 +654,7 @@ cmd_env() {
 export TESSERA_CLUSTER_DIR='$DIR'
 export KUBECONFIG='$DIR/kubeconfig'
 export TESSERA_KUBE_BIN='$KUBE_BIN'
+export TESSERA_KUBE_VERSION='${KUBE_VERSION:-}'
 export TESSERA_APISERVER_URL='https://127.0.0.1:$APISERVER_PORT'
 export TESSERA_NODE_NAME='$NODE_NAME'
 export TESSERA_KUBELET='$KUBELET_ENABLED'
@@ -919,7 +999,7 @@ cmd_logs() {
 source "$SRC/containerd.sh"
 
 usage() {
-	sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
 	cat <<EOF
 
 state dir: $DIR (TESSERA_CLUSTER_DIR)
