@@ -3,9 +3,15 @@
 # local control plane in a fresh temporary state directory, runs the whole
 # Rust workspace's tests against it, and stops it again whatever happens.
 #
+# The clusters run the default Kubernetes release (conformance/cluster/go.mod);
+# then the scheduler suites run once more against each other release Tessera
+# claims (a cluster of its own, stopped afterwards like the others).
+#
 # usage: conformance/test-all.sh [extra cargo test args...]
 # env:   TESSERA_KEEP_STATE=1 keeps the state dir (logs, etcd) after a green run;
 #        it is always kept after a failure, and its path printed.
+#        TESSERA_EXTRA_KUBE_VERSIONS: releases of the extra scheduler pass
+#        (default v1.36.3; none when cargo test args are given; "" skips it).
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -20,9 +26,22 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
 # --- 1. Go components (cached by source hash; seconds when unchanged) -------
+# The default release, and each release of the extra scheduler pass (step 4b).
+# A TESSERA_KUBE_VERSION or TESSERA_KUBE_BIN of the caller would pick the
+# release of every cluster here: the releases are this script's to choose.
+unset TESSERA_KUBE_VERSION TESSERA_KUBE_BIN
+if (($# == 0)); then
+	EXTRA_KUBE_VERSIONS=${TESSERA_EXTRA_KUBE_VERSIONS-v1.36.3}
+else
+	EXTRA_KUBE_VERSIONS=${TESSERA_EXTRA_KUBE_VERSIONS-}
+fi
+read -ra EXTRA_KUBE_VERSIONS <<<"$EXTRA_KUBE_VERSIONS"
 t0=$SECONDS
 "$CLUSTER" build >/dev/null
-say "Kubernetes components ready ($((SECONDS - t0))s)"
+for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
+	TESSERA_KUBE_VERSION=$v "$CLUSTER" build >/dev/null
+done
+say "Kubernetes components ready: default${EXTRA_KUBE_VERSIONS[*]:+ and ${EXTRA_KUBE_VERSIONS[*]}} ($((SECONDS - t0))s)"
 
 # --- hook: podman ----------------------------------------------------------
 # The CDI consumer test (driver/tests/cdi_podman.rs) runs a real container
@@ -78,19 +97,24 @@ say "release binary and helm ready ($((SECONDS - t0))s)"
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/tessera-test.XXXXXX")
 MAIN_DIR="$STATE/main"
 DEGRADED_DIR="$STATE/degraded"
+EXTRA_DIRS=() # clusters of the extra scheduler pass, once started
 
 finish() {
 	local rc=$?
 	trap - EXIT INT TERM
-	TESSERA_CLUSTER_DIR="$MAIN_DIR" "$CLUSTER" stop || rc=1
-	TESSERA_CLUSTER_DIR="$DEGRADED_DIR" "$CLUSTER" stop || rc=1
+	local d
+	for d in "$MAIN_DIR" "$DEGRADED_DIR" "${EXTRA_DIRS[@]}"; do
+		TESSERA_CLUSTER_DIR="$d" "$CLUSTER" stop || rc=1
+	done
 	if ((rc != 0)); then
 		say "FAILED (exit $rc); cluster state and logs kept in $STATE"
 		TESSERA_CLUSTER_DIR="$MAIN_DIR" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
-		if [[ -d "$DEGRADED_DIR/logs" ]]; then
-			say "degraded cluster:"
-			TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
-		fi
+		for d in "$DEGRADED_DIR" "${EXTRA_DIRS[@]}"; do
+			if [[ -d "$d/logs" ]]; then
+				say "cluster $d:"
+				TESSERA_CLUSTER_DIR="$d" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
+			fi
+		done
 	elif [[ "${TESSERA_KEEP_STATE:-0}" == 1 ]]; then
 		say "state kept in $STATE"
 	else
@@ -117,8 +141,41 @@ TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_KUBELET=0 \
 export TESSERA_DEGRADED_KUBECONFIG="$DEGRADED_DIR/kubeconfig"
 
 # --- 4. tests ----------------------------------------------------------------
-say "running cargo test --workspace against $TESSERA_APISERVER_URL"
-cargo test --workspace --no-fail-fast "$@"
+say "running cargo test --workspace against $TESSERA_APISERVER_URL ($TESSERA_KUBE_VERSION)"
+tests_rc=0
+cargo test --workspace --no-fail-fast "$@" || tests_rc=$?
+
+# --- 4b. the scheduler suites on the other releases claimed -------------------
+# What the scheduler decides is what changes between releases: the suites that
+# drive the real kube-scheduler run again against a main cluster (kubelet,
+# all gates) and a degraded one of each extra release. The default release's
+# clusters are stopped first (two cores).
+SCHEDULER_TESTS=(--test scheduler_allocates --test slices_scheduler --test slices_degraded --test health_taints)
+if ((${#EXTRA_KUBE_VERSIONS[@]} > 0)); then
+	TESSERA_CLUSTER_DIR="$MAIN_DIR" "$CLUSTER" stop
+	TESSERA_CLUSTER_DIR="$DEGRADED_DIR" "$CLUSTER" stop
+fi
+for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
+	vdir="$STATE/k${v//[^0-9]/}"
+	EXTRA_DIRS+=("$vdir" "$vdir-degraded")
+	# Nothing of the default release's cluster (its binary, its effective
+	# gates) may leak into these.
+	(
+		unset TESSERA_KUBE_BIN TESSERA_FEATURE_GATES TESSERA_DEGRADED_KUBECONFIG
+		export TESSERA_KUBE_VERSION=$v
+		TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" start
+		TESSERA_CLUSTER_DIR="$vdir-degraded" TESSERA_KUBELET=0 \
+			TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,DRAConsumableCapacity=false \
+			"$CLUSTER" start
+		eval "$(TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" env)"
+		export TESSERA_DEGRADED_KUBECONFIG="$vdir-degraded/kubeconfig"
+		say "running the scheduler suites against Kubernetes $TESSERA_KUBE_VERSION ($TESSERA_APISERVER_URL)"
+		cargo test --workspace --no-fail-fast "${SCHEDULER_TESTS[@]}"
+	) || tests_rc=1
+	TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" stop || tests_rc=1
+	TESSERA_CLUSTER_DIR="$vdir-degraded" "$CLUSTER" stop || tests_rc=1
+done
+((tests_rc == 0)) || exit "$tests_rc"
 
 # --- 5. bounded fuzzing of the untrusted-input decoders --------------------
 conformance/fuzz-smoke.sh
