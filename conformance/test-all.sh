@@ -159,15 +159,17 @@ for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	vdir="$STATE/k${v//[^0-9]/}"
 	EXTRA_DIRS+=("$vdir" "$vdir-degraded")
 	# Nothing of the default release's cluster (its binary, its effective
-	# gates) may leak into these.
+	# gates) may leak into these. (`set -e` does not hold inside a subshell
+	# followed by ||: each step says so itself.)
 	(
 		unset TESSERA_KUBE_BIN TESSERA_FEATURE_GATES TESSERA_DEGRADED_KUBECONFIG
 		export TESSERA_KUBE_VERSION=$v
-		TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" start
+		TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" start || exit 1
 		TESSERA_CLUSTER_DIR="$vdir-degraded" TESSERA_KUBELET=0 \
 			TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,DRAConsumableCapacity=false \
-			"$CLUSTER" start
-		eval "$(TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" env)"
+			"$CLUSTER" start || exit 1
+		vars=$(TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" env) || exit 1
+		eval "$vars"
 		export TESSERA_DEGRADED_KUBECONFIG="$vdir-degraded/kubeconfig"
 		say "running the scheduler suites against Kubernetes $TESSERA_KUBE_VERSION ($TESSERA_APISERVER_URL)"
 		cargo test --workspace --no-fail-fast "${SCHEDULER_TESTS[@]}"
