@@ -31,15 +31,15 @@ fn devices(slices: &[Value]) -> Vec<&Value> {
 #[test]
 fn full_model_for_eight_h100s() {
     let slices = slices_json("h100x8.yaml", &[]);
-    // One counter slice, then each GPU's 28 devices (whole, 2 shares, 25
-    // MIG placements) in a slice of its own.
+    // One counter slice, then each GPU's 29 devices (whole, 2 shares, 25
+    // MIG placements, the monitoring device) in a slice of its own.
     assert_eq!(slices.len(), 9);
     assert_eq!(
         slices[0]["spec"]["sharedCounters"].as_array().map(Vec::len),
         Some(8)
     );
     assert!(slices[0]["spec"]["devices"].is_null());
-    assert_eq!(devices(&slices).len(), 8 * 28);
+    assert_eq!(devices(&slices).len(), 8 * 29);
     for s in &slices {
         assert_eq!(s["spec"]["nodeName"], "node-a");
         assert_eq!(s["spec"]["driver"], "gpu.tessera.dev");
@@ -51,6 +51,12 @@ fn full_model_for_eight_h100s() {
         .expect("gpu-0-isolated");
     assert_eq!(isolated["allowMultipleAllocations"], true);
     assert!(isolated["consumesCounters"].is_array());
+    // Monitoring holds nothing: it consumes no counters and is not shared.
+    let monitor = devices(&slices)
+        .into_iter()
+        .find(|d| d["name"] == "gpu-0-monitor")
+        .expect("gpu-0-monitor");
+    assert!(monitor["consumesCounters"].is_null(), "{monitor}");
 }
 
 #[test]
@@ -88,7 +94,8 @@ fn policy_and_driver_name_are_applied() {
         .iter()
         .filter_map(|d| d["name"].as_str())
         .collect();
-    assert_eq!(names, ["gpu-0", "gpu-1"]);
+    // `whole` only, and a monitoring device per GPU in every mode.
+    assert_eq!(names, ["gpu-0", "gpu-0-monitor", "gpu-1", "gpu-1-monitor"]);
     assert!(
         slices
             .iter()
