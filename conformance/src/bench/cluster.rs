@@ -274,18 +274,10 @@ pub async fn first_slice(
     pid_file: &Path,
     timeout: Duration,
 ) -> Result<Duration> {
-    let slices: Api<ResourceSlice> = Api::all(client.clone());
-    let lp = ListParams::default().fields(&format!("spec.driver={driver}"));
     let deadline = Instant::now() + timeout;
     // Poll tightly: the answer is a latency, and a list is cheap here.
     let seen = loop {
-        if slices
-            .list(&lp)
-            .await?
-            .items
-            .iter()
-            .any(|s| s.spec.pool.name == pool)
-        {
+        if has_slice(client, driver, pool).await? {
             break boot_time()?;
         }
         if Instant::now() > deadline {

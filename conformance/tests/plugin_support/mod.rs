@@ -23,7 +23,6 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
@@ -35,7 +34,7 @@ use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::{dra_v1, registration};
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
 use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 pub const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 pub const TIMEOUT: Duration = Duration::from_secs(60);
@@ -504,17 +503,7 @@ impl Drop for PluginProcess {
 }
 
 /// A gRPC channel over a unix socket.
-pub async fn connect(socket: &Path) -> Result<Channel> {
-    let path = socket.to_path_buf();
-    Ok(Endpoint::try_from("http://[::1]:1")?
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
-            }
-        }))
-        .await?)
-}
+pub use tessera_conformance::bench::grpc::connect;
 
 /// What the kubelet learns at registration, and a DRA client for it.
 pub struct Kubelet {
