@@ -646,8 +646,8 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
     drop(k);
     ensure!(plugin.terminate().await?.success());
 
-    // Flip a byte inside the recorded entries: valid JSON, bad checksum.
-    let path = w.dirs.state().join("checkpoint.json");
+    // Flip a byte inside the claim's record: valid JSON, bad checksum.
+    let path = w.dirs.records().join(format!("{uid}.json"));
     let text = std::fs::read_to_string(&path)?;
     std::fs::write(&path, text.replacen("Completed", "Completes", 1))?;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
@@ -672,12 +672,12 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
         "{message}"
     );
     ensure!(
-        std::fs::read_dir(w.dirs.state())?
+        std::fs::read_dir(w.dirs.records())?
             .filter_map(|e| e.ok())
             .any(|e| e
                 .file_name()
                 .to_string_lossy()
-                .starts_with("checkpoint.json.corrupt-")),
+                .starts_with(&format!("{uid}.json.corrupt-"))),
         "quarantined file kept for inspection"
     );
     // The running Pod's spec is not treated as an orphan.

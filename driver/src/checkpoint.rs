@@ -5,23 +5,25 @@
 //! what was prepared before the process died, so every change is persisted
 //! before it is acknowledged.
 //!
-//! File format (one JSON object):
-//! `{"version":1,"bootId":"…","crc32":N,"claims":"<JSON text of the entries>"}`.
-//! The entries are embedded as text so the checksum covers exactly the bytes
-//! that were written, independent of JSON formatting.
+//! One file per claim, `<state dir>/prepared-claims/<claim UID>.json`:
+//! `{"version":2,"bootId":"…","crc32":N,"entry":"<JSON text of the entry>"}`.
+//! A change costs the same however many claims are prepared: prepare writes
+//! its claim's file, unprepare removes it, and claims never wait for each
+//! other's writes. The entry is embedded as text so the checksum covers
+//! exactly the bytes that were written, independent of JSON formatting.
 //!
 //! * Versioned: an unknown version is treated like corruption, never guessed at.
-//! * Checksummed: a torn or bit-flipped file is detected, moved aside and
-//!   reported; the daemon starts empty instead of crash-looping.
+//! * Checksummed: a torn or bit-flipped record is detected, moved aside and
+//!   reported; the daemon starts without it instead of crash-looping.
 //! * Boot-scoped: CDI specs live on tmpfs and MIG instances and MPS daemons do
-//!   not survive a reboot, so a checkpoint from another boot describes nothing
-//!   that still exists and is discarded.
+//!   not survive a reboot, so a record from another boot describes nothing
+//!   that still exists and is removed.
 //! * Atomic, for this boot: written to a temp file and renamed over, without
 //!   fsync (see [`crate::cdi::write_for_this_boot`]: a killed process loses
-//!   nothing, and what the file describes ends with the boot anyway).
-//! * Group-committed when shared ([`SharedCheckpoint`]): claims prepared
-//!   at the same time wait for one write that holds all their changes,
-//!   instead of queueing one fsync each behind a lock.
+//!   nothing, and what the record describes ends with the boot anyway).
+//! * Migrated: version 1 kept every claim in one `checkpoint.json`; start-up
+//!   splits it into records and removes it, so an upgrade keeps every
+//!   prepared claim.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -34,36 +36,57 @@ use serde::{Deserialize, Serialize};
 use crate::cdi::write_for_this_boot;
 use crate::claim_uid::ClaimUid;
 
-const FORMAT_VERSION: u32 = 1;
-const FILE_NAME: &str = "checkpoint.json";
+const FORMAT_VERSION: u32 = 2;
+/// The directory of records, under the state directory.
+pub const RECORDS_DIR: &str = "prepared-claims";
+const RECORD_SUFFIX: &str = ".json";
+/// Version 1: every claim in one file, rewritten whole on each change.
+const LEGACY_VERSION: u32 = 1;
+const LEGACY_FILE: &str = "checkpoint.json";
 
 /// Where the kernel publishes the current boot's random id.
 pub const KERNEL_BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 
+/// One claim's record on disk.
 #[derive(Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct Envelope {
+struct Record {
+    version: u32,
+    boot_id: String,
+    crc32: u32,
+    entry: String,
+}
+
+/// Version 1's single file.
+#[derive(Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct LegacyEnvelope {
     version: u32,
     boot_id: String,
     crc32: u32,
     claims: String,
 }
 
-/// How the checkpoint was found at start-up.
+/// How the records were found at start-up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoadOutcome {
-    /// No checkpoint yet (first start on this node).
+    /// No records yet (first start on this node, or nothing prepared).
     Fresh,
-    /// Entries restored from this boot.
+    /// Records restored from this boot.
     Restored { claims: usize },
-    /// Written in an earlier boot; nothing it describes survives a reboot.
+    /// Records written in an earlier boot, removed: nothing they describe
+    /// survives a reboot.
     PreviousBoot { claims: usize },
-    /// Unreadable: moved aside to `moved_to`; the daemon starts empty.
-    Quarantined { reason: String, moved_to: PathBuf },
+    /// Some records were unreadable and moved aside (the others restored).
+    Quarantined {
+        reason: String,
+        moved_to: Vec<PathBuf>,
+        restored: usize,
+    },
 }
 
 impl LoadOutcome {
-    /// Whether the entries are a complete account of what this driver has
+    /// Whether the records are a complete account of what this driver has
     /// prepared, so CDI specs not in it are leftovers that may be deleted.
     /// After quarantine they are not: a running pod's spec may be among them.
     pub fn knows_all_prepared_claims(&self) -> bool {
@@ -95,20 +118,32 @@ pub enum CheckpointError {
     },
 }
 
-/// Persistent map of claim UID -> entry `T` (defined by the prepare logic).
+/// Persistent map of claim UID -> entry `T` (defined by the prepare logic),
+/// shared by claims prepared concurrently. Callers serialize changes of
+/// one claim (the per-claim lock); changes of different claims write
+/// different files and never wait for each other.
 #[derive(Debug)]
 pub struct Checkpoint<T> {
-    path: PathBuf,
+    dir: PathBuf,
     boot_id: String,
-    claims: BTreeMap<ClaimUid, T>,
-    /// Counts changes in memory (see [`SharedCheckpoint`]).
-    generation: u64,
+    claims: Mutex<BTreeMap<ClaimUid, T>>,
+}
+
+/// What start-up found, before it becomes a [`LoadOutcome`].
+#[derive(Default)]
+struct Found {
+    restored: usize,
+    previous_boot: usize,
+    quarantined: Vec<(PathBuf, String)>,
 }
 
 impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
-    /// Open the checkpoint in `dir` for the boot identified by the contents of
-    /// `boot_id_file` (normally [`KERNEL_BOOT_ID`]).
-    pub fn open(dir: &Path, boot_id_file: &Path) -> Result<(Self, LoadOutcome), CheckpointError> {
+    /// Open the records under `state_dir` for the boot identified by the
+    /// contents of `boot_id_file` (normally [`KERNEL_BOOT_ID`]).
+    pub fn open(
+        state_dir: &Path,
+        boot_id_file: &Path,
+    ) -> Result<(Self, LoadOutcome), CheckpointError> {
         let boot_id = fs::read_to_string(boot_id_file)
             .map_err(|source| CheckpointError::BootId {
                 path: boot_id_file.to_owned(),
@@ -116,301 +151,331 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             })?
             .trim()
             .to_owned();
-        let path = dir.join(FILE_NAME);
-        let mut checkpoint = Checkpoint {
-            path,
+        let checkpoint = Checkpoint {
+            dir: state_dir.join(RECORDS_DIR),
             boot_id,
-            claims: BTreeMap::new(),
-            generation: 0,
+            claims: Mutex::new(BTreeMap::new()),
         };
-        let outcome = checkpoint.load()?;
+        let mut found = Found::default();
+        checkpoint.migrate(&state_dir.join(LEGACY_FILE), &mut found)?;
+        checkpoint.load(&mut found)?;
+        let outcome = match found {
+            Found { quarantined, .. } if !quarantined.is_empty() => LoadOutcome::Quarantined {
+                reason: (quarantined.iter())
+                    .map(|(path, why)| format!("{}: {why}", path.display()))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                moved_to: quarantined.into_iter().map(|(path, _)| path).collect(),
+                restored: found.restored,
+            },
+            Found {
+                restored: 0,
+                previous_boot: 0,
+                ..
+            } => LoadOutcome::Fresh,
+            Found {
+                restored: 0,
+                previous_boot,
+                ..
+            } => LoadOutcome::PreviousBoot {
+                claims: previous_boot,
+            },
+            Found { restored, .. } => LoadOutcome::Restored { claims: restored },
+        };
         Ok((checkpoint, outcome))
     }
 
-    fn load(&mut self) -> Result<LoadOutcome, CheckpointError> {
-        let bytes = match fs::read(&self.path) {
+    /// Splits a version 1 file into records (this boot's) and removes it.
+    fn migrate(&self, legacy: &Path, found: &mut Found) -> Result<(), CheckpointError> {
+        let bytes = match fs::read(legacy) {
             Ok(bytes) => bytes,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(LoadOutcome::Fresh),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(source) => {
                 return Err(CheckpointError::Read {
-                    path: self.path.clone(),
+                    path: legacy.to_owned(),
                     source,
                 });
             }
         };
-        match decode::<T>(&bytes) {
+        match decode_legacy::<T>(&bytes) {
             Ok((boot_id, claims)) if boot_id == self.boot_id => {
-                let count = claims.len();
-                self.claims = claims;
-                Ok(LoadOutcome::Restored { claims: count })
+                for (claim, entry) in claims {
+                    self.write(&claim, &entry)?;
+                }
             }
-            Ok((_, claims)) => Ok(LoadOutcome::PreviousBoot {
-                claims: claims.len(),
-            }),
-            Err(reason) => {
-                let moved_to = self.quarantine()?;
-                Ok(LoadOutcome::Quarantined { reason, moved_to })
+            Ok((_, claims)) => found.previous_boot += claims.len(),
+            Err(why) => {
+                found.quarantined.push((quarantine(legacy)?, why));
+                return Ok(());
             }
         }
-    }
-
-    fn quarantine(&self) -> Result<PathBuf, CheckpointError> {
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or_default();
-        let moved_to = self.path.with_extension(format!("json.corrupt-{stamp}"));
-        fs::rename(&self.path, &moved_to).map_err(|source| CheckpointError::Quarantine {
-            path: self.path.clone(),
+        fs::remove_file(legacy).map_err(|source| CheckpointError::Write {
+            path: legacy.to_owned(),
             source,
-        })?;
-        Ok(moved_to)
-    }
-
-    pub fn get(&self, claim: &ClaimUid) -> Option<&T> {
-        self.claims.get(claim)
-    }
-
-    pub fn contains(&self, claim: &ClaimUid) -> bool {
-        self.claims.contains_key(claim)
-    }
-
-    pub fn entries(&self) -> impl Iterator<Item = (&ClaimUid, &T)> {
-        self.claims.iter()
-    }
-
-    pub fn len(&self) -> usize {
-        self.claims.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.claims.is_empty()
-    }
-
-    /// Record `entry` for `claim` and persist before returning. On a write
-    /// failure the in-memory state is left as it was, so memory never claims
-    /// more than the disk does.
-    pub fn put(&mut self, claim: ClaimUid, entry: T) -> Result<(), CheckpointError> {
-        let previous = self.claims.insert(claim.clone(), entry);
-        self.persist().inspect_err(|_| match previous {
-            Some(old) => {
-                self.claims.insert(claim, old);
-            }
-            None => {
-                self.claims.remove(&claim);
-            }
         })
     }
 
-    /// Forget `claim` and persist; forgetting an unknown claim is a no-op.
-    pub fn remove(&mut self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
-        let Some(old) = self.claims.remove(claim) else {
-            return Ok(None);
-        };
-        match self.persist() {
-            Ok(()) => Ok(Some(old)),
-            Err(e) => {
-                self.claims.insert(claim.clone(), old);
-                Err(e)
+    /// Reads every record of this boot into memory; removes other boots'.
+    fn load(&self, found: &mut Found) -> Result<(), CheckpointError> {
+        let files = record_files(&self.dir).map_err(|why| CheckpointError::Read {
+            path: self.dir.clone(),
+            source: std::io::Error::other(why),
+        })?;
+        let mut claims = self.lock();
+        for (stem, path) in files {
+            let record = ClaimUid::parse(&stem)
+                .map_err(|e| e.to_string())
+                .and_then(|claim| {
+                    let bytes = fs::read(&path).map_err(|e| format!("cannot read it: {e}"))?;
+                    Ok((claim, decode_record::<T>(&bytes)?))
+                });
+            match record {
+                Ok((claim, (boot_id, entry))) if boot_id == self.boot_id => {
+                    claims.insert(claim, entry);
+                    found.restored += 1;
+                }
+                Ok(_) => {
+                    remove_if_present(&path).map_err(|source| CheckpointError::Write {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    found.previous_boot += 1;
+                }
+                Err(why) => found.quarantined.push((quarantine(&path)?, why)),
             }
         }
-    }
-
-    /// Write the current state (also used after start to drop a previous
-    /// boot's file).
-    pub fn persist(&self) -> Result<(), CheckpointError> {
-        write_file(&self.path, &encode(&self.boot_id, &self.claims))
-    }
-
-    /// Counts a change made in memory; its generation.
-    fn changed(&mut self) -> u64 {
-        self.generation += 1;
-        self.generation
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
-fn write_file(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let failed = |source| CheckpointError::Write {
-        path: path.to_owned(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(failed)?;
-    }
-    write_for_this_boot(path, bytes).map_err(failed)
-}
-
-fn encode<T: Serialize>(boot_id: &str, claims: &BTreeMap<ClaimUid, T>) -> Vec<u8> {
-    // Serializing plain data structs into JSON cannot fail.
-    let claims = serde_json::to_string(claims).expect("checkpoint entries serialize");
-    let envelope = Envelope {
-        version: FORMAT_VERSION,
-        boot_id: boot_id.to_owned(),
-        crc32: crc32fast::hash(claims.as_bytes()),
-        claims,
-    };
-    serde_json::to_vec(&envelope).expect("checkpoint envelope serializes")
-}
-
-/// Decode a checkpoint file; `Err` carries a human-readable reason.
-pub(crate) fn decode<T: DeserializeOwned>(
-    bytes: &[u8],
-) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
-    let envelope: Envelope =
-        serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint envelope: {e}"))?;
-    if envelope.version != FORMAT_VERSION {
-        return Err(format!(
-            "checkpoint version {} is not supported (this driver reads version {FORMAT_VERSION})",
-            envelope.version
-        ));
-    }
-    let actual = crc32fast::hash(envelope.claims.as_bytes());
-    if actual != envelope.crc32 {
-        return Err(format!(
-            "checksum mismatch: recorded {:08x}, computed {actual:08x}",
-            envelope.crc32
-        ));
-    }
-    let claims = serde_json::from_str(&envelope.claims)
-        .map_err(|e| format!("checkpoint entries do not decode: {e}"))?;
-    Ok((envelope.boot_id, claims))
-}
-
-/// A [`Checkpoint`] shared by claims prepared concurrently.
-///
-/// A change is made in memory under a short lock, then made durable by
-/// group commit: whoever holds the writer lock writes everything changed so
-/// far, so the claims that queued behind it find their change already on
-/// disk. A change is acknowledged only once a write that holds it succeeded;
-/// a failed write undoes the change in memory before the writer lock is
-/// released, so no later write can carry it to disk.
-#[derive(Debug)]
-pub struct SharedCheckpoint<T> {
-    state: Mutex<Checkpoint<T>>,
-    /// Generation of the state last written to disk.
-    written: Mutex<u64>,
-}
-
-impl<T: Serialize + DeserializeOwned + Clone> SharedCheckpoint<T> {
-    pub fn new(checkpoint: Checkpoint<T>) -> Self {
-        SharedCheckpoint {
-            state: Mutex::new(checkpoint),
-            written: Mutex::new(0),
-        }
+        Ok(())
     }
 
     /// The entries in memory, for reading (every acknowledged change, and
     /// changes being written).
-    pub fn lock(&self) -> MutexGuard<'_, Checkpoint<T>> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    pub fn lock(&self) -> MutexGuard<'_, BTreeMap<ClaimUid, T>> {
+        self.claims.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records `entry` for `claim` and returns once it is on disk.
+    /// Where the records are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Records `entry` for `claim` and returns once it is on disk. Other
+    /// claims see it at once; on a failed write the previous entry is put
+    /// back, so memory never claims more than the disk does.
     pub fn put(&self, claim: ClaimUid, entry: T) -> Result<(), CheckpointError> {
-        let (previous, generation) = {
-            let mut cp = self.lock();
-            let previous = cp.claims.insert(claim.clone(), entry);
-            (previous, cp.changed())
-        };
-        self.commit(generation, || {
-            let mut cp = self.lock();
+        let previous = self.lock().insert(claim.clone(), entry.clone());
+        self.write(&claim, &entry).inspect_err(|_| {
+            let mut claims = self.lock();
             match previous {
-                Some(old) => cp.claims.insert(claim, old),
-                None => cp.claims.remove(&claim),
+                Some(old) => claims.insert(claim, old),
+                None => claims.remove(&claim),
             };
-            cp.changed();
         })
     }
 
     /// Records `entry` for `claim` in memory only: it reaches the disk with
-    /// the next write of anyone's change. For a change whose loss in a crash
-    /// is harmless but which other claims must see now.
+    /// the claim's next write. For a change whose loss in a crash is
+    /// harmless but which other claims must see now.
     pub fn stage(&self, claim: ClaimUid, entry: T) {
-        let mut cp = self.lock();
-        cp.claims.insert(claim, entry);
-        cp.changed();
+        self.lock().insert(claim, entry);
     }
 
     /// Forgets `claim` and returns once that is on disk; forgetting an
     /// unknown claim is a no-op.
     pub fn remove(&self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
-        let (old, generation) = {
-            let mut cp = self.lock();
-            let Some(old) = cp.claims.remove(claim) else {
-                return Ok(None);
-            };
-            (old, cp.changed())
+        let Some(old) = self.lock().remove(claim) else {
+            return Ok(None);
         };
-        let undo = old.clone();
-        self.commit(generation, || {
-            let mut cp = self.lock();
-            cp.claims.insert(claim.clone(), undo);
-            cp.changed();
-        })?;
-        Ok(Some(old))
+        let path = self.record_path(claim);
+        match remove_if_present(&path) {
+            Ok(()) => Ok(Some(old)),
+            Err(source) => {
+                self.lock().insert(claim.clone(), old);
+                Err(CheckpointError::Write { path, source })
+            }
+        }
     }
 
-    /// Makes generation `generation` durable, writing it (and whatever
-    /// changed since) unless a write already did; `undo` runs under the
-    /// writer lock when the write fails.
-    fn commit(&self, generation: u64, undo: impl FnOnce()) -> Result<(), CheckpointError> {
-        let mut written = self.written.lock().unwrap_or_else(|p| p.into_inner());
-        if *written >= generation {
-            return Ok(());
-        }
-        let (bytes, snapshot, path) = {
-            let cp = self.lock();
-            (
-                encode(&cp.boot_id, &cp.claims),
-                cp.generation,
-                cp.path.clone(),
-            )
+    fn record_path(&self, claim: &ClaimUid) -> PathBuf {
+        self.dir.join(format!("{}{RECORD_SUFFIX}", claim.as_str()))
+    }
+
+    fn write(&self, claim: &ClaimUid, entry: &T) -> Result<(), CheckpointError> {
+        let path = self.record_path(claim);
+        let failed = |source| CheckpointError::Write {
+            path: path.clone(),
+            source,
         };
-        match write_file(&path, &bytes) {
-            Ok(()) => {
-                *written = snapshot;
-                Ok(())
-            }
-            Err(e) => {
-                undo();
-                Err(e)
-            }
-        }
+        fs::create_dir_all(&self.dir).map_err(failed)?;
+        write_for_this_boot(&path, &encode_record(&self.boot_id, entry)).map_err(failed)
     }
 }
 
-/// A checkpoint as found on disk, read without the state lock and without
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Moves an unreadable file aside for inspection; where it went.
+fn quarantine(path: &Path) -> Result<PathBuf, CheckpointError> {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let mut moved_to = path.as_os_str().to_owned();
+    moved_to.push(format!(".corrupt-{stamp}"));
+    let moved_to = PathBuf::from(moved_to);
+    fs::rename(path, &moved_to).map_err(|source| CheckpointError::Quarantine {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(moved_to)
+}
+
+fn encode_record<T: Serialize>(boot_id: &str, entry: &T) -> Vec<u8> {
+    // Serializing plain data structs into JSON cannot fail.
+    let entry = serde_json::to_string(entry).expect("checkpoint entries serialize");
+    let record = Record {
+        version: FORMAT_VERSION,
+        boot_id: boot_id.to_owned(),
+        crc32: crc32fast::hash(entry.as_bytes()),
+        entry,
+    };
+    serde_json::to_vec(&record).expect("checkpoint record serializes")
+}
+
+/// Checks a version and a checksum; `Err` carries a human-readable reason.
+fn verify(version: u32, expected: u32, crc32: u32, text: &str) -> Result<(), String> {
+    if version != expected {
+        return Err(format!(
+            "checkpoint version {version} is not supported here (expected version {expected})"
+        ));
+    }
+    let actual = crc32fast::hash(text.as_bytes());
+    if actual != crc32 {
+        return Err(format!(
+            "checksum mismatch: recorded {crc32:08x}, computed {actual:08x}"
+        ));
+    }
+    Ok(())
+}
+
+/// Decodes one claim's record: its boot and entry.
+pub(crate) fn decode_record<T: DeserializeOwned>(bytes: &[u8]) -> Result<(String, T), String> {
+    let record: Record =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint record: {e}"))?;
+    verify(record.version, FORMAT_VERSION, record.crc32, &record.entry)?;
+    let entry = serde_json::from_str(&record.entry)
+        .map_err(|e| format!("checkpoint entry does not decode: {e}"))?;
+    Ok((record.boot_id, entry))
+}
+
+/// Decodes a version 1 file: its boot and every claim's entry.
+pub(crate) fn decode_legacy<T: DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<(String, BTreeMap<ClaimUid, T>), String> {
+    let envelope: LegacyEnvelope =
+        serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint envelope: {e}"))?;
+    verify(
+        envelope.version,
+        LEGACY_VERSION,
+        envelope.crc32,
+        &envelope.claims,
+    )?;
+    let claims = serde_json::from_str(&envelope.claims)
+        .map_err(|e| format!("checkpoint entries do not decode: {e}"))?;
+    Ok((envelope.boot_id, claims))
+}
+
+/// The records as found on disk, read without the state lock and without
 /// changing anything (`tessera status` beside a running node process; the
-/// node process replaces the file by rename, so a read sees one whole
-/// version).
+/// node process replaces a record by rename, so a read sees one whole
+/// version of each).
 #[derive(Debug, Clone)]
 pub struct Snapshot<T> {
-    /// The boot the file was written in.
-    pub boot_id: String,
+    /// Entries of the boot asked for (of any boot when none was given).
     pub claims: BTreeMap<ClaimUid, T>,
+    /// Records of other boots, not listed (a node process removes them at
+    /// its next start).
+    pub other_boots: usize,
+    /// Records that could not be read, each with the reason.
+    pub unreadable: Vec<String>,
 }
 
-/// Reads the checkpoint in `dir`: `Ok(None)` when there is none; `Err` with
-/// a reason when it cannot be read or decoded.
-pub fn read_snapshot<T: DeserializeOwned>(dir: &Path) -> Result<Option<Snapshot<T>>, String> {
-    let path = dir.join(FILE_NAME);
-    let bytes = match fs::read(&path) {
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+/// Reads the records under `state_dir` (and a version 1 file not yet
+/// migrated), keeping those of boot `boot_id` (all when `None`).
+pub fn read_snapshot<T: DeserializeOwned>(
+    state_dir: &Path,
+    boot_id: Option<&str>,
+) -> Result<Snapshot<T>, String> {
+    let mut read: Vec<(String, ClaimUid, T)> = Vec::new();
+    let mut unreadable = Vec::new();
+    let legacy = state_dir.join(LEGACY_FILE);
+    match fs::read(&legacy) {
+        Ok(bytes) => match decode_legacy::<T>(&bytes) {
+            Ok((boot, claims)) => {
+                read.extend(claims.into_iter().map(|(c, e)| (boot.clone(), c, e)));
+            }
+            Err(why) => unreadable.push(format!("{}: {why}", legacy.display())),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("cannot read {}: {e}", legacy.display())),
+    }
+    for (stem, path) in record_files(&state_dir.join(RECORDS_DIR))? {
+        let record = ClaimUid::parse(&stem)
+            .map_err(|e| e.to_string())
+            .and_then(|claim| {
+                let bytes = fs::read(&path).map_err(|e| format!("cannot read it: {e}"))?;
+                let (boot, entry) = decode_record::<T>(&bytes)?;
+                Ok((boot, claim, entry))
+            });
+        match record {
+            Ok(record) => read.push(record),
+            // Removed by the node process between listing and reading.
+            Err(_) if !path.exists() => {}
+            Err(why) => unreadable.push(format!("{}: {why}", path.display())),
+        }
+    }
+    let (mine, other): (Vec<_>, Vec<_>) = read
+        .into_iter()
+        .partition(|(boot, _, _)| boot_id.is_none_or(|b| b == boot));
+    Ok(Snapshot {
+        claims: mine.into_iter().map(|(_, c, e)| (c, e)).collect(),
+        other_boots: other.len(),
+        unreadable,
+    })
+}
+
+/// The record files in `dir` (no temp files, nothing moved aside): each
+/// file's name without the suffix, and its path.
+fn record_files(dir: &Path) -> Result<Vec<(String, PathBuf)>, String> {
+    let listing = match fs::read_dir(dir) {
+        Ok(listing) => listing,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("cannot list {}: {e}", dir.display())),
     };
-    let (boot_id, claims) = decode(&bytes).map_err(|why| format!("{}: {why}", path.display()))?;
-    Ok(Some(Snapshot { boot_id, claims }))
+    let mut files = Vec::new();
+    for file in listing {
+        let path = file
+            .map_err(|e| format!("cannot list {}: {e}", dir.display()))?
+            .path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if let Some(stem) = name.strip_suffix(RECORD_SUFFIX)
+            && !name.starts_with('.')
+        {
+            files.push((stem.to_owned(), path));
+        }
+    }
+    Ok(files)
 }
 
-/// Fuzzing entry point: decoding arbitrary bytes must never panic.
+/// Fuzzing entry point: decoding arbitrary bytes, as a record or as a
+/// version 1 file, must never panic.
 #[doc(hidden)]
 pub fn fuzz_decode(bytes: &[u8]) {
-    let _ = decode::<serde_json::Value>(bytes);
+    let _ = decode_record::<serde_json::Value>(bytes);
+    let _ = decode_legacy::<serde_json::Value>(bytes);
 }
 
 #[cfg(test)]
@@ -434,8 +499,16 @@ mod tests {
             fs::write(&boot, "boot-a\n").unwrap();
             Fixture { dir, boot }
         }
+        fn state(&self) -> PathBuf {
+            self.dir.path().join("state")
+        }
         fn open(&self) -> (Checkpoint<Entry>, LoadOutcome) {
-            Checkpoint::open(&self.dir.path().join("state"), &self.boot).unwrap()
+            Checkpoint::open(&self.state(), &self.boot).unwrap()
+        }
+        fn record(&self, claim: &ClaimUid) -> PathBuf {
+            self.state()
+                .join(RECORDS_DIR)
+                .join(format!("{}.json", claim.as_str()))
         }
     }
 
@@ -452,21 +525,36 @@ mod tests {
     #[test]
     fn entries_survive_restart_in_same_boot() {
         let f = Fixture::new();
-        let (mut cp, outcome) = f.open();
+        let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Fresh);
         cp.put(uid(1), entry("gpu-0")).unwrap();
         cp.put(uid(2), entry("gpu-1")).unwrap();
         cp.remove(&uid(2)).unwrap();
+        assert!(!f.record(&uid(2)).exists(), "unprepare leaves no record");
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
-        assert_eq!(cp.get(&uid(1)).unwrap().device, "gpu-0");
-        assert!(!cp.contains(&uid(2)));
+        assert_eq!(cp.lock()[&uid(1)].device, "gpu-0");
+        assert!(!cp.lock().contains_key(&uid(2)));
+    }
+
+    #[test]
+    fn a_change_writes_only_its_claims_record() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        let first = fs::read(f.record(&uid(1))).unwrap();
+        for n in 2..50 {
+            cp.put(uid(n), entry(&format!("gpu-{n}"))).unwrap();
+        }
+        // The record of claim 1 is as written, whatever came after.
+        assert_eq!(fs::read(f.record(&uid(1))).unwrap(), first);
+        assert!(first.len() < 200, "{} bytes", first.len());
     }
 
     #[test]
     fn concurrent_changes_are_all_on_disk_when_acknowledged() {
         let f = Fixture::new();
-        let shared = std::sync::Arc::new(SharedCheckpoint::new(f.open().0));
+        let shared = std::sync::Arc::new(f.open().0);
         let threads: Vec<_> = (0..32u8)
             .map(|n| {
                 let shared = shared.clone();
@@ -484,7 +572,7 @@ mod tests {
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Restored { claims: 16 });
         for n in 0..32u8 {
-            assert_eq!(cp.contains(&uid(n)), n % 2 == 0, "claim {n}");
+            assert_eq!(cp.lock().contains_key(&uid(n)), n % 2 == 0, "claim {n}");
         }
         assert_eq!(shared.remove(&uid(1)).unwrap(), None);
     }
@@ -492,90 +580,175 @@ mod tests {
     #[test]
     fn a_failed_write_undoes_the_change_in_memory() {
         let f = Fixture::new();
-        let shared = SharedCheckpoint::new(f.open().0);
-        shared.put(uid(1), entry("gpu-0")).unwrap();
-        // The state directory becomes a file: every write fails.
-        let state = f.dir.path().join("state");
-        fs::remove_dir_all(&state).unwrap();
-        fs::write(&state, "").unwrap();
+        let (cp, _) = f.open();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        // The records directory becomes a file: every write fails.
+        let records = f.state().join(RECORDS_DIR);
+        fs::remove_dir_all(&records).unwrap();
+        fs::write(&records, "").unwrap();
         assert!(matches!(
-            shared.put(uid(2), entry("gpu-1")),
+            cp.put(uid(2), entry("gpu-1")),
             Err(CheckpointError::Write { .. })
         ));
-        assert!(shared.remove(&uid(1)).is_err());
-        let cp = shared.lock();
+        assert!(matches!(
+            cp.put(uid(1), entry("gpu-7")),
+            Err(CheckpointError::Write { .. })
+        ));
+        assert!(cp.remove(&uid(1)).is_err());
+        let claims = cp.lock();
         assert!(
-            !cp.contains(&uid(2)),
+            !claims.contains_key(&uid(2)),
             "a change that failed to persist stays"
         );
-        assert_eq!(cp.get(&uid(1)).unwrap().device, "gpu-0");
+        assert_eq!(claims[&uid(1)].device, "gpu-0");
+    }
+
+    #[test]
+    fn a_staged_entry_is_seen_at_once_and_written_with_the_claim() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        cp.stage(uid(1), entry("held"));
+        assert_eq!(cp.lock()[&uid(1)].device, "held");
+        assert!(!f.record(&uid(1)).exists());
+        cp.put(uid(1), entry("done")).unwrap();
+        assert_eq!(f.open().0.lock()[&uid(1)].device, "done");
     }
 
     #[test]
     fn reboot_discards_entries() {
         let f = Fixture::new();
-        let (mut cp, _) = f.open();
+        let (cp, _) = f.open();
         cp.put(uid(1), entry("gpu-0")).unwrap();
         fs::write(&f.boot, "boot-b\n").unwrap();
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::PreviousBoot { claims: 1 });
-        assert!(cp.is_empty());
+        assert!(cp.lock().is_empty());
+        assert!(!f.record(&uid(1)).exists());
         assert!(outcome.knows_all_prepared_claims());
+        assert_eq!(f.open().1, LoadOutcome::Fresh);
     }
 
     #[test]
     fn corruption_is_quarantined_not_fatal() {
         let f = Fixture::new();
-        let (mut cp, _) = f.open();
+        let (cp, _) = f.open();
         cp.put(uid(1), entry("gpu-0")).unwrap();
-        let path = cp.path().to_owned();
-        // Flip one byte inside the embedded entries: valid JSON, bad checksum.
+        cp.put(uid(2), entry("gpu-1")).unwrap();
+        let path = f.record(&uid(1));
+        // Flip one byte inside the embedded entry: valid JSON, bad checksum.
         let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
         fs::write(&path, text).unwrap();
         let (cp, outcome) = f.open();
-        let LoadOutcome::Quarantined { reason, moved_to } = &outcome else {
+        let LoadOutcome::Quarantined {
+            reason,
+            moved_to,
+            restored,
+        } = &outcome
+        else {
             panic!("expected quarantine, got {outcome:?}");
         };
         assert!(reason.contains("checksum mismatch"), "{reason}");
-        assert!(moved_to.exists());
+        assert!(reason.contains(uid(1).as_str()), "{reason}");
+        assert_eq!(moved_to.len(), 1);
+        assert!(moved_to[0].exists());
         assert!(!path.exists());
-        assert!(cp.is_empty());
+        assert_eq!(*restored, 1, "the other claim's record is intact");
+        assert_eq!(cp.lock().keys().collect::<Vec<_>>(), [&uid(2)]);
         assert!(!outcome.knows_all_prepared_claims());
+        // Moved aside for good: the next start finds only the intact one.
+        assert_eq!(f.open().1, LoadOutcome::Restored { claims: 1 });
     }
 
     #[test]
-    fn truncated_and_foreign_versions_are_quarantined() {
-        for content in [
-            &b"{\"version\":1,\"bootId\":\"boot-a\",\"crc"[..],
-            b"{\"version\":7,\"bootId\":\"boot-a\",\"crc32\":0,\"claims\":\"{}\"}",
-            b"\xff\xfe",
+    fn truncated_foreign_and_misnamed_records_are_quarantined() {
+        for (name, content) in [
+            (
+                format!("{}.json", uid(1).as_str()),
+                &b"{\"version\":2,\"bootId\":\"boot-a\",\"crc"[..],
+            ),
+            (
+                format!("{}.json", uid(1).as_str()),
+                b"{\"version\":7,\"bootId\":\"boot-a\",\"crc32\":0,\"entry\":\"{}\"}",
+            ),
+            (format!("{}.json", uid(1).as_str()), b"\xff\xfe"),
+            ("not-a-uid.json".to_owned(), b"{}"),
         ] {
             let f = Fixture::new();
-            fs::create_dir_all(f.dir.path().join("state")).unwrap();
-            fs::write(f.dir.path().join("state").join(FILE_NAME), content).unwrap();
+            let records = f.state().join(RECORDS_DIR);
+            fs::create_dir_all(&records).unwrap();
+            fs::write(records.join(&name), content).unwrap();
             let (_, outcome) = f.open();
             assert!(
                 matches!(outcome, LoadOutcome::Quarantined { .. }),
-                "{outcome:?}"
+                "{name}: {outcome:?}"
             );
         }
     }
 
     #[test]
-    fn entries_with_crafted_uids_are_rejected() {
+    fn a_version_1_file_is_split_into_records() {
+        let f = Fixture::new();
+        let claims = BTreeMap::from([(uid(1), entry("gpu-0")), (uid(2), entry("gpu-1"))]);
+        let text = serde_json::to_string(&claims).unwrap();
+        let legacy = serde_json::json!({
+            "version": 1,
+            "bootId": "boot-a",
+            "crc32": crc32fast::hash(text.as_bytes()),
+            "claims": text,
+        });
+        fs::create_dir_all(f.state()).unwrap();
+        fs::write(f.state().join(LEGACY_FILE), legacy.to_string()).unwrap();
+        let snapshot = read_snapshot::<Entry>(&f.state(), Some("boot-a")).unwrap();
+        assert_eq!(
+            snapshot.claims, claims,
+            "status reads a file not yet migrated"
+        );
+
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 2 });
+        assert_eq!(*cp.lock(), claims);
+        assert!(!f.state().join(LEGACY_FILE).exists());
+        assert!(f.record(&uid(2)).exists());
+        assert_eq!(*f.open().0.lock(), claims);
+    }
+
+    #[test]
+    fn a_snapshot_keeps_the_boot_asked_for() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        let records = f.state().join(RECORDS_DIR);
+        fs::write(
+            records.join(format!("{}.json", uid(3).as_str())),
+            "nonsense",
+        )
+        .unwrap();
+        fs::write(records.join(".x.json.tmp-1"), "half").unwrap();
+        let mine = read_snapshot::<Entry>(&f.state(), Some("boot-a")).unwrap();
+        assert_eq!(mine.claims.keys().collect::<Vec<_>>(), [&uid(1)]);
+        assert_eq!(mine.unreadable.len(), 1, "{:?}", mine.unreadable);
+        let other = read_snapshot::<Entry>(&f.state(), Some("boot-b")).unwrap();
+        assert!(other.claims.is_empty());
+        assert_eq!(other.other_boots, 1);
+        let none = read_snapshot::<Entry>(&f.dir.path().join("nowhere"), None).unwrap();
+        assert!(none.claims.is_empty() && none.unreadable.is_empty());
+    }
+
+    #[test]
+    fn legacy_entries_with_crafted_uids_are_rejected() {
         let claims = r#"{"../../etc/passwd":{"device":"gpu-0"}}"#;
         let envelope = format!(
             r#"{{"version":1,"bootId":"boot-a","crc32":{},"claims":{}}}"#,
             crc32fast::hash(claims.as_bytes()),
             serde_json::to_string(claims).unwrap()
         );
-        let err = decode::<Entry>(envelope.as_bytes()).unwrap_err();
+        let err = decode_legacy::<Entry>(envelope.as_bytes()).unwrap_err();
         assert!(err.contains("not a Kubernetes UID"), "{err}");
     }
 
     #[test]
     fn decoder_never_panics_on_noise() {
-        // Deterministic xorshift noise plus mutations of a valid file.
+        // Deterministic xorshift noise plus mutations of a valid record.
         let mut state = 0x9e3779b97f4a7c15u64;
         let mut next = move || {
             state ^= state << 13;
@@ -583,7 +756,7 @@ mod tests {
             state ^= state << 17;
             state
         };
-        let valid = encode("b", &BTreeMap::from([(uid(1), entry("gpu-0"))]));
+        let valid = encode_record("b", &entry("gpu-0"));
         for _ in 0..2000 {
             let mut bytes = valid.clone();
             for _ in 0..(next() % 4 + 1) {

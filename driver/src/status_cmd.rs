@@ -4,8 +4,9 @@
 //! (device, kind, limits) with the Pods they are reserved for, and the
 //! memory allocated to them next to the memory NVML reports used.
 //!
-//! Read-only and lock-free: it reads `<state dir>/checkpoint.json` (which
-//! the node process replaces by rename, so a read sees one whole version)
+//! Read-only and lock-free: it reads the claim records in
+//! `<state dir>/prepared-claims/` (the node process replaces each by
+//! rename, so a read sees one whole version)
 //! and NVML, and never takes `<state dir>/lock`, so it works while the node
 //! process runs. Pods (each claim's `status.reservedFor`) and health (the
 //! node process's device taints in the ResourceSlices) come from the API
@@ -177,7 +178,7 @@ pub fn status(library: &OsStr, args: &StatusArgs) -> anyhow::Result<ExitCode> {
         read_api(args, &entries)
     };
     let mut report = build(
-        args.state_dir.join("checkpoint.json"),
+        args.state_dir.join(checkpoint::RECORDS_DIR),
         &entries,
         &inventory,
         &used,
@@ -207,24 +208,28 @@ fn read_entries(
     boot_id_file: &Path,
     problems: &mut Vec<String>,
 ) -> Vec<(ClaimUid, ClaimEntry)> {
-    let snapshot = match checkpoint::read_snapshot::<ClaimEntry>(state_dir) {
-        Ok(Some(snapshot)) => snapshot,
-        Ok(None) => return Vec::new(),
-        Err(why) => {
-            problems.push(format!("checkpoint: {why}"));
-            return Vec::new();
+    // Records of an earlier boot list nothing that exists.
+    let boot = match std::fs::read_to_string(boot_id_file) {
+        Ok(boot) => Some(boot.trim().to_owned()),
+        Err(e) => {
+            problems.push(format!(
+                "cannot read the boot id from {}: {e} (showing the records of every boot)",
+                boot_id_file.display()
+            ));
+            None
         }
     };
-    match std::fs::read_to_string(boot_id_file) {
-        Ok(boot) if boot.trim() == snapshot.boot_id => {}
-        // Written before the last reboot: nothing it lists exists.
-        Ok(_) => return Vec::new(),
-        Err(e) => problems.push(format!(
-            "cannot read the boot id from {}: {e} (showing the checkpoint as is)",
-            boot_id_file.display()
-        )),
+    match checkpoint::read_snapshot::<ClaimEntry>(state_dir, boot.as_deref()) {
+        Ok(snapshot) => {
+            problems
+                .extend((snapshot.unreadable.into_iter()).map(|why| format!("checkpoint: {why}")));
+            snapshot.claims.into_iter().collect()
+        }
+        Err(why) => {
+            problems.push(format!("checkpoint: {why}"));
+            Vec::new()
+        }
     }
-    snapshot.claims.into_iter().collect()
 }
 
 /// Reads each claim's Pods and the GPUs' health taints, within a few

@@ -299,29 +299,65 @@ impl PluginDirs {
             .map(|b| serde_json::from_slice(&b).expect("spec is JSON"))
     }
 
-    /// Rewrites the checkpoint with these entries (a valid envelope, as the
-    /// plugin would have written it), to stage what a kill leaves.
+    /// The directory of the plugin's per-claim checkpoint records.
+    pub fn records(&self) -> PathBuf {
+        self.state().join("prepared-claims")
+    }
+
+    /// Rewrites the checkpoint records to hold exactly these entries (valid
+    /// records of the current boot, as the plugin would have written
+    /// them), to stage what a kill leaves.
     pub fn write_checkpoint(&self, entries: &BTreeMap<String, Value>) -> Result<()> {
-        let path = self.state().join("checkpoint.json");
-        let envelope: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
-        let claims = serde_json::to_string(entries)?;
-        let rewritten = json!({
-            "version": envelope["version"],
-            "bootId": envelope["bootId"],
-            "crc32": crc32fast::hash(claims.as_bytes()),
-            "claims": claims,
-        });
-        std::fs::write(&path, serde_json::to_vec(&rewritten)?)?;
+        let boot = std::fs::read_to_string(self.boot_id())?.trim().to_owned();
+        let dir = self.records();
+        std::fs::create_dir_all(&dir)?;
+        for file in std::fs::read_dir(&dir)? {
+            let path = file?.path();
+            let uid = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+            if !entries.contains_key(uid) {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        for (uid, entry) in entries {
+            let entry = serde_json::to_string(entry)?;
+            let record = json!({
+                "version": 2,
+                "bootId": boot,
+                "crc32": crc32fast::hash(entry.as_bytes()),
+                "entry": entry,
+            });
+            std::fs::write(
+                dir.join(format!("{uid}.json")),
+                serde_json::to_vec(&record)?,
+            )?;
+        }
         Ok(())
     }
 
-    /// The checkpoint's entries (decoded from the envelope).
+    /// The checkpoint's entries by claim UID (decoded from the records).
     pub fn checkpoint(&self) -> BTreeMap<String, Value> {
-        let Ok(bytes) = std::fs::read(self.state().join("checkpoint.json")) else {
+        let Ok(files) = std::fs::read_dir(self.records()) else {
             return BTreeMap::new();
         };
-        let envelope: Value = serde_json::from_slice(&bytes).expect("checkpoint JSON");
-        serde_json::from_str(envelope["claims"].as_str().expect("claims text")).unwrap()
+        let mut entries = BTreeMap::new();
+        for file in files {
+            let path = file.expect("records listed").path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            let Some(uid) = name
+                .strip_suffix(".json")
+                .filter(|_| !name.starts_with('.'))
+            else {
+                continue;
+            };
+            // Removed by the plugin between listing and reading.
+            let Ok(bytes) = std::fs::read(&path) else {
+                continue;
+            };
+            let record: Value = serde_json::from_slice(&bytes).expect("checkpoint record JSON");
+            let entry = record["entry"].as_str().expect("entry text");
+            entries.insert(uid.to_owned(), serde_json::from_str(entry).unwrap());
+        }
+        entries
     }
 }
 

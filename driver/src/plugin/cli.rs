@@ -462,6 +462,27 @@ pub async fn termination() {
     }
 }
 
+/// Async workers of the node process. Its async work is waiting on the API
+/// server and the kubelet; a thread per core (hundreds on a GPU node) would
+/// only add stacks and allocator arenas.
+const RUNTIME_WORKERS: usize = 2;
+/// Threads for blocking work (files, NVML, MIG, MPS): prepares beyond this
+/// many at once queue for a thread, as they would queue for the hardware
+/// lock anyway, instead of each growing the process by a thread.
+const BLOCKING_THREADS: usize = 16;
+
+/// glibc gives every thread that allocates an arena of its own (up to 8 per
+/// core), each keeping freed memory for reuse; two are enough for a process
+/// whose threads mostly wait.
+fn limit_malloc_arenas() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets an allocator tunable; it is called before
+    // any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
 /// `tessera plugin`.
 pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
@@ -471,7 +492,10 @@ pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+    limit_malloc_arenas();
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(RUNTIME_WORKERS)
+        .max_blocking_threads(BLOCKING_THREADS)
         .enable_all()
         .build()
         .context("starting the async runtime")?;

@@ -37,8 +37,8 @@ pub mod state;
 pub mod status;
 pub mod time_slice;
 
-use std::collections::BTreeSet;
 use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
@@ -46,7 +46,7 @@ use tessera_api::config::{EffectiveConfig, resolve_claim};
 use tracing::{error, info, warn};
 
 use crate::cdi::SpecDir;
-use crate::checkpoint::{Checkpoint, CheckpointError, LoadOutcome, SharedCheckpoint};
+use crate::checkpoint::{Checkpoint, CheckpointError, LoadOutcome};
 use crate::claim_uid::ClaimUid;
 
 use catalog::DeviceCatalog;
@@ -148,7 +148,7 @@ pub enum SetupError {
 pub struct Preparer {
     config: PrepareConfig,
     deps: Dependencies,
-    checkpoint: SharedCheckpoint<ClaimEntry>,
+    checkpoint: Checkpoint<ClaimEntry>,
     specs: SpecDir,
     locks: ClaimLocks,
     hardware: HardwareLock,
@@ -173,7 +173,7 @@ impl Preparer {
         let preparer = Arc::new(Preparer {
             config,
             deps,
-            checkpoint: SharedCheckpoint::new(checkpoint),
+            checkpoint,
             specs,
             locks: ClaimLocks::default(),
             hardware: HardwareLock::default(),
@@ -218,12 +218,18 @@ impl Preparer {
             problems: Vec::new(),
         };
         match &outcome {
-            LoadOutcome::Quarantined { reason, moved_to } => {
+            LoadOutcome::Quarantined {
+                reason,
+                moved_to,
+                restored,
+            } => {
+                let moved: Vec<String> = moved_to.iter().map(|p| p.display().to_string()).collect();
                 let message = format!(
-                    "the prepared-claims checkpoint was unreadable ({reason}) and was moved to {}; \
-                     starting with no prepared claims. CDI specs of running Pods are kept; \
-                     claims prepared before will be prepared again when their Pods restart",
-                    moved_to.display()
+                    "{} prepared-claim record(s) were unreadable ({reason}) and were moved to {}; \
+                     {restored} other claim(s) restored. CDI specs of running Pods are kept; \
+                     the claims of the unreadable records will be prepared again when their Pods restart",
+                    moved.len(),
+                    moved.join(", ")
                 );
                 error!("{message}");
                 if let Some(events) = &self.deps.events {
@@ -231,11 +237,7 @@ impl Preparer {
                 }
             }
             LoadOutcome::PreviousBoot { claims } => {
-                info!("checkpoint from a previous boot ({claims} claims) discarded");
-                let this = self.clone();
-                if let Err(e) = blocking(move || this.lock_checkpoint().persist()).await {
-                    recovery.problems.push(e.to_string());
-                }
+                info!("checkpoint records of a previous boot ({claims} claims) removed");
             }
             LoadOutcome::Restored { claims } => info!("checkpoint restored: {claims} claims"),
             LoadOutcome::Fresh => info!("no checkpoint yet"),
@@ -246,8 +248,8 @@ impl Preparer {
         let stale = blocking(move || {
             let mut stale = this.specs.remove_stale_temp_files()?;
             stale.extend(crate::cdi::remove_stale_temp_files(
-                &this.config.state_dir,
-                "checkpoint.json",
+                this.checkpoint.dir(),
+                "",
             )?);
             Ok::<_, std::io::Error>(stale)
         })
@@ -267,7 +269,7 @@ impl Preparer {
 
         let entries: Vec<(ClaimUid, ClaimEntry)> = self
             .lock_checkpoint()
-            .entries()
+            .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
         for (uid, entry) in entries {
@@ -320,11 +322,7 @@ impl Preparer {
         if outcome.knows_all_prepared_claims() {
             let this = self.clone();
             let removed = blocking(move || {
-                let known: Vec<ClaimUid> = this
-                    .lock_checkpoint()
-                    .entries()
-                    .map(|(k, _)| k.clone())
-                    .collect();
+                let known: BTreeSet<ClaimUid> = this.lock_checkpoint().keys().cloned().collect();
                 this.specs.remove_orphans(|c| known.contains(c))
             })
             .await
@@ -360,7 +358,7 @@ impl Preparer {
         Ok(true)
     }
 
-    fn lock_checkpoint(&self) -> std::sync::MutexGuard<'_, Checkpoint<ClaimEntry>> {
+    fn lock_checkpoint(&self) -> std::sync::MutexGuard<'_, BTreeMap<ClaimUid, ClaimEntry>> {
         self.checkpoint.lock()
     }
 
@@ -374,7 +372,7 @@ impl Preparer {
     /// start, e.g. MPS references of claims that are no longer prepared.
     pub fn entries(&self) -> Vec<(ClaimUid, ClaimEntry)> {
         self.lock_checkpoint()
-            .entries()
+            .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
     }
@@ -754,8 +752,8 @@ impl Preparer {
         let _hardware = self.hardware_write();
         let held: BTreeSet<String> = self
             .lock_checkpoint()
-            .entries()
-            .flat_map(|(_, e)| e.mig_mode_holds().map(str::to_owned))
+            .values()
+            .flat_map(|e| e.mig_mode_holds().map(str::to_owned))
             .collect();
         let mut problems = Vec::new();
         let mut switched = false;
@@ -819,7 +817,7 @@ impl Preparer {
 
     /// Whether a claim other than `uid` holds a changed time slice on `gpu`.
     fn time_slice_held_by_other(&self, uid: &ClaimUid, gpu: &str) -> bool {
-        self.lock_checkpoint().entries().any(|(id, e)| {
+        self.lock_checkpoint().iter().any(|(id, e)| {
             id != uid
                 && e.actions
                     .iter()
@@ -830,16 +828,16 @@ impl Preparer {
     /// MIG devices the driver created (recorded in the checkpoint).
     pub fn created_mig(&self) -> BTreeSet<String> {
         self.lock_checkpoint()
-            .entries()
-            .flat_map(|(_, e)| e.created_mig().map(str::to_owned))
+            .values()
+            .flat_map(|e| e.created_mig().map(str::to_owned))
             .collect()
     }
 
     /// Names of the devices of prepared claims.
     pub fn prepared_devices(&self) -> BTreeSet<String> {
         self.lock_checkpoint()
-            .entries()
-            .flat_map(|(_, e)| e.device_names().map(str::to_owned))
+            .values()
+            .flat_map(|e| e.device_names().map(str::to_owned))
             .collect()
     }
 
@@ -948,7 +946,8 @@ impl Preparer {
 /// entry type must never panic, whatever the bytes.
 #[doc(hidden)]
 pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
-    let _ = crate::checkpoint::decode::<ClaimEntry>(bytes);
+    let _ = crate::checkpoint::decode_legacy::<ClaimEntry>(bytes);
+    let _ = crate::checkpoint::decode_record::<ClaimEntry>(bytes);
 }
 
 /// Checks what the kubelet sent before it is used in a path or a URL.

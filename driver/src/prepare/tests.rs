@@ -444,9 +444,8 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
     assert_eq!(took(&f), [NodeChange::Records]);
     assert!(mig.switches().is_empty());
-    let on_disk = crate::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir)
-        .unwrap()
-        .unwrap();
+    let on_disk =
+        crate::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir, None).unwrap();
     let entry = &on_disk.claims[&ClaimUid::parse(&uid(3)).unwrap()];
     assert_eq!(entry.state, EntryState::Completed);
     assert!(entry.mig_mode_holds().any(|g| g == GPU));
@@ -495,7 +494,7 @@ async fn a_gpu_the_driver_does_not_manage_is_never_switched() {
 async fn start_up_rolls_back_started_and_finishes_unpreparing() {
     let f = Fixture::new(false);
     {
-        let (mut cp, _) =
+        let (cp, _) =
             Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
                 .unwrap();
         for (n, state) in [(5, EntryState::Started), (6, EntryState::Unpreparing)] {
@@ -553,7 +552,7 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
 #[test]
 fn fuzz_seed_is_a_valid_checkpoint() {
     let seed = include_bytes!("../../fuzz/seeds/two_claims.json");
-    let (boot, entries) = crate::checkpoint::decode::<ClaimEntry>(seed).unwrap();
+    let (boot, entries) = crate::checkpoint::decode_legacy::<ClaimEntry>(seed).unwrap();
     assert_eq!(boot, "boot-a");
     assert_eq!(entries.len(), 2);
     let first = entries.values().next().unwrap();
