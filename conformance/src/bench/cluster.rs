@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaimTemplate, ResourceSlice};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
@@ -147,7 +147,7 @@ impl KubeletView {
     }
 }
 
-/// A pods run: `pods` pods of one claim each (from a template of `class`)
+/// A pods run: `pods` pods of one claim each (a claim of `class` per pod)
 /// on `node`, running `image`.
 #[derive(Debug, Clone)]
 pub struct PodsRun {
@@ -172,15 +172,21 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
     } = run;
     let (node, driver, pods, timeout) = (node.as_str(), driver.as_str(), *pods, *timeout);
     let pp = PostParams::default();
-    let template: ResourceClaimTemplate = serde_json::from_value(json!({
-        "metadata": { "name": "gpu" },
-        "spec": { "spec": { "devices": { "requests": [{
-            "name": "gpu", "exactly": { "deviceClassName": class },
-        }]}}},
-    }))?;
-    ns.api::<ResourceClaimTemplate>()
-        .create(&pp, &template)
-        .await?;
+    // One named claim per pod, created first: the API server's node
+    // authorizer then knows the pod -> claim edge from the pod's spec when
+    // the kubelet reads the claim. (Claims from a template are named in the
+    // pod's status; a kubelet that reads one before that edge arrives is
+    // refused and backs off for about a minute, whichever the driver.)
+    let claims = ns.api::<ResourceClaim>();
+    for i in 0..pods {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": { "name": format!("bench-{i:03}") },
+            "spec": { "devices": { "requests": [{
+                "name": "gpu", "exactly": { "deviceClassName": class },
+            }]}},
+        }))?;
+        claims.create(&pp, &claim).await?;
+    }
     let before = kubelet_metrics(kubelet).await?;
     let api = ns.api::<Pod>();
     let began = Instant::now();
@@ -192,7 +198,7 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
                 "nodeSelector": { "kubernetes.io/hostname": node },
                 "terminationGracePeriodSeconds": 0,
                 "automountServiceAccountToken": false,
-                "resourceClaims": [{ "name": "gpu", "resourceClaimTemplateName": "gpu" }],
+                "resourceClaims": [{ "name": "gpu", "resourceClaimName": format!("bench-{i:03}") }],
                 "containers": [{
                     "name": "main", "image": image, "imagePullPolicy": "IfNotPresent",
                     "command": ["/bin/sleep", "3600"],

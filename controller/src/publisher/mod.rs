@@ -233,6 +233,23 @@ pub struct Publisher {
     claims: Option<HeldClaims>,
     /// The Node as owner, as last read.
     owner: Option<OwnerReference>,
+    /// What the last successful reconcile built its model from (None: a
+    /// reconcile is due whatever the node says).
+    last_inputs: Option<Inputs>,
+    /// What the reconcile under way builds from.
+    pending_inputs: Option<Inputs>,
+}
+
+/// What a model is built from besides the policy, the capabilities and the
+/// numbering: the same again builds the same model. A node change that
+/// leaves them equal (the node prepared a claim whose devices the claim
+/// watch already counted as held) needs no reconcile.
+#[derive(Debug, Clone, PartialEq)]
+struct Inputs {
+    inventory: Inventory,
+    owned_mig: BTreeSet<String>,
+    unhealthy: BTreeMap<String, Unhealthy>,
+    held: BTreeSet<String>,
 }
 
 impl Publisher {
@@ -248,6 +265,8 @@ impl Publisher {
             warned_normalising: false,
             claims: None,
             owner: None,
+            last_inputs: None,
+            pending_inputs: None,
         }
     }
 
@@ -384,10 +403,33 @@ impl Publisher {
     pub async fn reconcile(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
         let reads_before = self.counters.reads();
         let mut result = self.reconcile_inner(view).await;
-        if let Ok(r) = &mut result {
-            r.reads = self.counters.reads() - reads_before;
-        }
+        let inputs = self.pending_inputs.take();
+        self.last_inputs = match &mut result {
+            Ok(r) => {
+                r.reads = self.counters.reads() - reads_before;
+                inputs
+            }
+            Err(_) => None,
+        };
         result
+    }
+
+    /// Whether `view`, with the devices claims hold now, is what the last
+    /// successful reconcile built from (only while the claim watch keeps
+    /// the held devices; a lone reconcile always runs).
+    fn same_inputs(&self, view: &NodeView) -> bool {
+        let (Some(last), Some(claims)) = (
+            &self.last_inputs,
+            self.claims.as_ref().filter(|c| c.synced()),
+        ) else {
+            return false;
+        };
+        let held: BTreeSet<&String> = claims.held().iter().chain(&view.prepared).collect();
+        last.inventory == view.inventory
+            && last.owned_mig == view.owned_mig
+            && last.unhealthy == view.unhealthy
+            && held.len() == last.held.len()
+            && held.into_iter().eq(&last.held)
     }
 
     async fn reconcile_inner(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
@@ -407,6 +449,12 @@ impl Publisher {
         // learns at prepare) and what the node itself has prepared.
         let mut held = self.held_devices().await?;
         held.extend(view.prepared.iter().cloned());
+        self.pending_inputs = Some(Inputs {
+            inventory: inventory.clone(),
+            owned_mig: view.owned_mig.clone(),
+            unhealthy: view.unhealthy.clone(),
+            held: held.clone(),
+        });
         // Read back from the slices only for GPUs the node has no number
         // for (a lost state directory); what this process numbered wins.
         let mut indices = indices_from_slices(&existing);
@@ -600,7 +648,8 @@ impl Publisher {
 
     /// Reconciles until `shutdown` completes or the inventory sender is
     /// dropped: once the claim watch has listed every claim, then on each
-    /// new inventory, on changes to our slices made by anyone (including
+    /// node change that alters what the model is built from (not on a
+    /// prepare of devices claims already hold), on changes to our slices made by anyone (including
     /// deletion), when the devices of this pool that claims hold change, and
     /// every `resync`. Failures back off exponentially up to `backoff_max`;
     /// nothing here returns an error or panics on a server that is old, down
@@ -637,37 +686,13 @@ impl Publisher {
 
         loop {
             let current = inventory.borrow_and_update().clone();
-            let delay = match self.reconcile(&current).await {
-                Ok(r) => {
-                    backoff.reset();
-                    debug!(
-                        "reconciled: {} reads ({} claim lists, {} node gets, {} slice lists), {} writes",
-                        r.reads.total(),
-                        r.reads.claim_lists,
-                        r.reads.node_gets,
-                        r.reads.slice_lists,
-                        r.writes.total()
-                    );
-                    if r.notes != notes_logged {
-                        for n in &r.notes {
-                            info!("model: {n}");
-                        }
-                        notes_logged = r.notes;
-                    }
-                    None
-                }
-                Err(e) => {
-                    let d = backoff.next_delay();
-                    match &e {
-                        PublishError::Rejected { .. } | PublishError::NotServed(_) => {
-                            error!("{e}; retrying in {d:?}")
-                        }
-                        _ => warn!("{e}; retrying in {d:?}"),
-                    }
-                    Some(d)
-                }
+            let delay = if self.same_inputs(&current) {
+                debug!("the node changed, but not what the model is built from");
+                None
+            } else {
+                self.reconcile_logged(&current, &mut backoff, &mut notes_logged)
+                    .await
             };
-
             if let Some(delay) = delay {
                 // Back off: only shutdown interrupts. Slice events that
                 // arrive meanwhile are drained when we reconcile anyway;
@@ -698,7 +723,11 @@ impl Publisher {
                     }
                     event = events.next() => {
                         match event {
-                            Some(Ok(event)) if self.slice_event_matters(&event) => break true,
+                            Some(Ok(event)) if self.slice_event_matters(&event) => {
+                                // Our slices may differ from what we wrote.
+                                self.last_inputs = None;
+                                break true;
+                            }
                             Some(Ok(_)) => {}
                             // The watcher relists after an error; that
                             // relist brings us back here.
@@ -717,6 +746,7 @@ impl Publisher {
                         // Re-detect: the server may have been upgraded or
                         // its feature gates changed.
                         self.detected = None;
+                        self.last_inputs = None;
                         break false;
                     }
                 }
@@ -729,6 +759,46 @@ impl Publisher {
                     return;
                 }
                 drain(&mut events);
+            }
+        }
+    }
+
+    /// One reconcile of [`Publisher::run`], logged; the delay before the
+    /// next try when it failed.
+    async fn reconcile_logged(
+        &mut self,
+        view: &NodeView,
+        backoff: &mut Backoff,
+        notes_logged: &mut Vec<String>,
+    ) -> Option<Duration> {
+        match self.reconcile(view).await {
+            Ok(r) => {
+                backoff.reset();
+                debug!(
+                    "reconciled: {} reads ({} claim lists, {} node gets, {} slice lists), {} writes",
+                    r.reads.total(),
+                    r.reads.claim_lists,
+                    r.reads.node_gets,
+                    r.reads.slice_lists,
+                    r.writes.total()
+                );
+                if r.notes != *notes_logged {
+                    for n in &r.notes {
+                        info!("model: {n}");
+                    }
+                    *notes_logged = r.notes;
+                }
+                None
+            }
+            Err(e) => {
+                let d = backoff.next_delay();
+                match &e {
+                    PublishError::Rejected { .. } | PublishError::NotServed(_) => {
+                        error!("{e}; retrying in {d:?}")
+                    }
+                    _ => warn!("{e}; retrying in {d:?}"),
+                }
+                Some(d)
             }
         }
     }

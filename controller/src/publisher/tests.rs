@@ -332,11 +332,22 @@ mod with_server {
         assert_eq!(counters.reconciles(), settled);
         assert_eq!(api.requests()[mark..], [] as [String; 0]);
 
-        // (a) A reconcile with nothing changed: no claim list, no Node GET,
-        // one narrow slice list, no write.
+        // (a) The node prepared gpu-1, which a claim already holds: what the
+        // model is built from is unchanged, so no reconcile and no request.
         let mark = api.requests().len();
+        let mut node = view.clone();
+        node.prepared.insert("gpu-1".into());
+        tx.send_replace(node.clone());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(counters.reconciles(), settled);
+        assert_eq!(api.requests()[mark..], [] as [String; 0]);
+
+        // (a') It prepared a device no claim is known to hold yet (the claim
+        // watch lags): a reconcile, with no claim list, no Node GET, one
+        // narrow slice list and no write (the device is published anyway).
         let reads = counters.reads();
-        tx.send_replace(view.clone());
+        node.prepared.insert("gpu-0-shared".into());
+        tx.send_replace(node);
         until("reconcile", || counters.reconciles() == settled + 1).await;
         until("slice list", || api.requests().len() > mark).await;
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -81,6 +81,7 @@ pub struct Metrics {
     registry: Registry,
     prepare_seconds: Histogram,
     unprepare_seconds: Histogram,
+    claim_read_seconds: Histogram,
     results: Family<ResultLabels, Counter>,
     prepared_claims: Gauge,
     devices: Family<KindLabels, Gauge>,
@@ -111,6 +112,7 @@ impl Metrics {
         let m = Metrics {
             prepare_seconds: latency(),
             unprepare_seconds: latency(),
+            claim_read_seconds: latency(),
             results: Family::default(),
             prepared_claims: Gauge::default(),
             devices: Family::default(),
@@ -139,6 +141,12 @@ impl Metrics {
             "Time to unprepare one claim (NodeUnprepareResources, per claim)",
             Unit::Seconds,
             m.unprepare_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "claim_read_duration",
+            "Time prepare waited for the API server to return a claim (part of prepare_duration)",
+            Unit::Seconds,
+            m.claim_read_seconds.clone(),
         );
         registry.register(
             "claim_operations",
@@ -215,6 +223,11 @@ impl Metrics {
     pub fn prepared(&self, took: Duration, ok: bool) {
         self.prepare_seconds.observe(took.as_secs_f64());
         self.count("prepare", ok);
+    }
+
+    /// One claim read from the API server by prepare.
+    pub fn claim_read(&self, took: Duration) {
+        self.claim_read_seconds.observe(took.as_secs_f64());
     }
 
     /// One claim unprepared (`ok`) or failed.
@@ -425,10 +438,12 @@ mod tests {
         m.prepared(Duration::from_millis(20), true);
         m.prepared(Duration::from_millis(20), false);
         m.unprepared(Duration::from_millis(3), true);
+        m.claim_read(Duration::from_millis(2));
         let text = m.render();
         for line in [
             "tessera_prepare_duration_seconds_count 2",
             "tessera_unprepare_duration_seconds_count 1",
+            "tessera_claim_read_duration_seconds_count 1",
             "tessera_claim_operations_total{operation=\"prepare\",result=\"ok\"} 1",
             "tessera_claim_operations_total{operation=\"prepare\",result=\"error\"} 1",
             "tessera_claim_operations_total{operation=\"unprepare\",result=\"ok\"} 1",

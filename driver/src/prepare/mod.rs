@@ -464,19 +464,19 @@ impl Preparer {
             }
         }
 
-        let object = self
-            .deps
-            .claims
-            .get(&claim.namespace, &claim.name)
-            .await
-            .map_err(|e| match e {
-                FetchError::NotFound => ClaimError::new(claim, "the ResourceClaim does not exist")
-                    .fix("it was deleted; delete the Pod that references it"),
-                FetchError::Failed(why) => {
-                    ClaimError::new(claim, format!("cannot read the ResourceClaim: {why}"))
-                        .fix("check the API server and the driver's RBAC; the kubelet retries")
-                }
-            })?;
+        let reading = std::time::Instant::now();
+        let object = self.deps.claims.get(&claim.namespace, &claim.name).await;
+        if let Some(m) = self.metrics.get() {
+            m.claim_read(reading.elapsed());
+        }
+        let object = object.map_err(|e| match e {
+            FetchError::NotFound => ClaimError::new(claim, "the ResourceClaim does not exist")
+                .fix("it was deleted; delete the Pod that references it"),
+            FetchError::Failed(why) => {
+                ClaimError::new(claim, format!("cannot read the ResourceClaim: {why}"))
+                    .fix("check the API server and the driver's RBAC; the kubelet retries")
+            }
+        })?;
         let allocation = claims::select(claim, &object, &self.config.driver, &self.config.node)?;
 
         let catalog = self
