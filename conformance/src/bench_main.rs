@@ -115,7 +115,12 @@ async fn main() -> Result<()> {
             if let Some(pid) = pid {
                 println!(
                     "{}",
-                    json!({ "driver": driver, "rss_idle_kib": grpc::rss_kib(pid)? })
+                    json!({
+                        "driver": driver,
+                        "rss_idle_kib": grpc::rss_kib(pid)?,
+                        "rss_anon_idle_kib": grpc::status_kib(pid, "RssAnon")?,
+                        "rss_file_idle_kib": grpc::status_kib(pid, "RssFile")?,
+                    })
                 );
             }
             for &k in &per_claim {

@@ -247,11 +247,18 @@ where
 
 /// Resident memory of a process, from `/proc/<pid>/status`.
 pub fn rss_kib(pid: u32) -> Result<u64> {
+    status_kib(pid, "VmRSS")
+}
+
+/// A `kB` field of `/proc/<pid>/status` (`VmRSS`; `RssAnon`: memory the
+/// process allocated; `RssFile`: mapped files, its code among them, which
+/// the page cache shares and can reclaim).
+pub fn status_kib(pid: u32, field: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmRSS line")
+        .with_context(|| format!("no {field} line"))
 }
