@@ -36,6 +36,10 @@ GO_BIN="${TESSERA_CACHE:-$HOME/.cache/tessera}/bench/dra-test-driver"
 mkdir -p "$(dirname "$GO_BIN")"
 (cd conformance/cluster && go build -o "$GO_BIN" k8s.io/kubernetes/test/e2e/dra/test-driver)
 
+# A fresh cluster: start to first slice counts from no slices at all, and a
+# node process reusing an earlier run's slices would write none.
+"$CLUSTER" stop >&2 || true
+rm -rf "$TESSERA_CLUSTER_DIR"
 "$CLUSTER" start >&2
 go_pid=
 cleanup() {
