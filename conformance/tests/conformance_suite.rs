@@ -14,11 +14,12 @@
 //! The DeviceClasses of the driver's domain are created when missing (and
 //! removed after if the test created them).
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+mod plugin_support;
+
+use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::resource::v1::DeviceClass;
 use kube::Api;
 use kube::api::PostParams;
@@ -26,57 +27,11 @@ use serde_json::json;
 use tessera_conformance::suite::CHECKS;
 use tessera_conformance::{ClusterEnv, TestCluster, delete_ignore_missing};
 
+use plugin_support::cluster::{cluster_sh, container_runtime, env_file, node_running};
+use plugin_support::repo_root;
+
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 const CHECK_TIMEOUT: &str = "180s";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
-
-fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
-    std::fs::read_to_string(state_dir.join(name))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
-}
-
-/// The container runtime the cluster's kubelet uses.
-fn container_runtime(env: &ClusterEnv) -> String {
-    std::env::var("TESSERA_CONTAINER_RUNTIME")
-        .ok()
-        .filter(|v| !v.is_empty())
-        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
-        .unwrap_or_else(|| "fake".to_owned())
-}
-
-fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<()> {
-    let out = Command::new(repo_root().join("conformance/cluster.sh"))
-        .args(args)
-        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
-        .output()
-        .context("running cluster.sh")?;
-    if !out.status.success() {
-        bail!(
-            "cluster.sh {args:?} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(())
-}
-
-fn node_running(env: &ClusterEnv) -> bool {
-    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok());
-    // SAFETY: signal 0 only checks that the process exists.
-    pid.is_some_and(|p| unsafe { libc::kill(p, 0) == 0 })
-}
 
 async fn ensure_classes(api: &Api<DeviceClass>, driver: &str) -> Result<Vec<String>> {
     let mut created = Vec::new();

@@ -14,71 +14,31 @@
 //! else it is started over `h100x8.yaml` with the policy, and stopped and
 //! removed after.
 
+mod plugin_support;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
+use plugin_support::cluster::{
+    cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
+};
+use plugin_support::repo_root;
+
 const TOPOLOGY: &str = "h100x8.yaml";
 const POLICY: &str = "gpus:\n- select: {all: true}\n  isolationProvider: hami-core\n";
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
-
-fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
-    std::fs::read_to_string(state_dir.join(name))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
-}
-
-fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
-    let out = Command::new(repo_root().join("conformance/cluster.sh"))
-        .args(args)
-        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
-        .output()
-        .context("running cluster.sh")?;
-    if !out.status.success() {
-        bail!(
-            "cluster.sh {args:?} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn node_running(env: &ClusterEnv) -> bool {
-    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok());
-    // SAFETY: signal 0 only checks that the process exists.
-    pid.is_some_and(|p| unsafe { libc::kill(p, 0) == 0 })
-}
-
-fn probe_image() -> String {
-    std::env::var("TESSERA_PROBE_IMAGE")
-        .ok()
-        .filter(|i| !i.is_empty())
-        .unwrap_or_else(|| "tessera.local/probe:1".into())
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Result<()> {
@@ -87,11 +47,7 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
         eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
         return Ok(());
     }
-    let runtime = std::env::var("TESSERA_CONTAINER_RUNTIME")
-        .ok()
-        .filter(|v| !v.is_empty())
-        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
-        .unwrap_or_else(|| "fake".to_owned());
+    let runtime = container_runtime(&env);
     if runtime != "containerd" {
         eprintln!(
             "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
@@ -161,18 +117,6 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
         let _ = std::fs::remove_dir_all(&node_dir);
     }
     result
-}
-
-/// The Pod's log once it contains `what`.
-async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> {
-    wait_for(&format!("{pod}'s log to show {what}"), TIMEOUT, || async {
-        let log = pods
-            .logs(pod, &LogParams::default())
-            .await
-            .unwrap_or_default();
-        Ok(log.contains(what).then_some(log))
-    })
-    .await
 }
 
 /// `tessera status -o json` on the simulated node.

@@ -26,12 +26,14 @@
 //! stopped and removed after. Everything it creates in the API server is
 //! its own (a namespace, DeviceClasses with a unique prefix).
 
+mod plugin_support;
+
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
@@ -42,59 +44,15 @@ use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
+use plugin_support::cluster::{cluster_sh, container_runtime, env_file, node_pid, probe_image};
+use plugin_support::repo_root;
+
 const TOPOLOGY: &str = "h100x8.yaml";
 const POLICY: &str = "gpus:\n- select: {all: true}\n  timeSlice: long\n";
 const TIMEOUT: Duration = Duration::from_secs(120);
 const LONG: &str = "3 (Long)";
 const MEDIUM: &str = "2 (Medium)";
 const DEFAULT: &str = "0 (Default)";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
-
-fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
-    std::fs::read_to_string(state_dir.join(name))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
-}
-
-fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
-    let out = Command::new(repo_root().join("conformance/cluster.sh"))
-        .args(args)
-        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
-        .output()
-        .context("running cluster.sh")?;
-    if !out.status.success() {
-        bail!(
-            "cluster.sh {args:?} failed ({}):\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn node_pid(env: &ClusterEnv) -> Option<i32> {
-    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok())?;
-    // SAFETY: signal 0 only checks that the process exists.
-    (unsafe { libc::kill(pid, 0) == 0 }).then_some(pid)
-}
-
-fn probe_image() -> String {
-    std::env::var("TESSERA_PROBE_IMAGE")
-        .ok()
-        .filter(|i| !i.is_empty())
-        .unwrap_or_else(|| "tessera.local/probe:1".into())
-}
 
 /// The simulated node's variables, as `cluster.sh env` prints them after
 /// node-start.
@@ -234,11 +192,7 @@ async fn shared_shares_and_time_slicing_configs_set_and_reset_the_gpus_time_slic
         eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
         return Ok(());
     }
-    let runtime = std::env::var("TESSERA_CONTAINER_RUNTIME")
-        .ok()
-        .filter(|v| !v.is_empty())
-        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
-        .unwrap_or_else(|| "fake".to_owned());
+    let runtime = container_runtime(&env);
     if runtime != "containerd" {
         eprintln!(
             "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \

@@ -16,6 +16,8 @@
 
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

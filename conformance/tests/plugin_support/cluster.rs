@@ -1,0 +1,100 @@
+//! The local cluster as `conformance/cluster.sh` runs it, for tests whose
+//! pods really execute on the kubelet's node: the script itself, its state
+//! files, the node process it starts and the probe image pods run.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::LogParams;
+use tessera_conformance::{ClusterEnv, wait_for};
+
+use super::repo_root;
+
+/// How long [`log_with`] waits for a real container's output: the pod
+/// tests' timeout, twice the plugin tests' `TIMEOUT`.
+pub const POD_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// `KEY=value` lines of a state file `cluster.sh` wrote (`cluster.env`,
+/// `node/node.env`), values unquoted; empty when the file is missing.
+pub fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
+    std::fs::read_to_string(state_dir.join(name))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
+        .collect()
+}
+
+/// The container runtime the cluster's kubelet uses: only under
+/// `containerd` do pods execute (the fake CRI never runs them).
+pub fn container_runtime(env: &ClusterEnv) -> String {
+    std::env::var("TESSERA_CONTAINER_RUNTIME")
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
+        .unwrap_or_else(|| "fake".to_owned())
+}
+
+/// `cluster.sh <args>` on this test's cluster; its stdout (what `env`
+/// prints), an error with its stderr when it fails.
+pub fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
+    let out = Command::new(repo_root().join("conformance/cluster.sh"))
+        .args(args)
+        .env("TESSERA_CLUSTER_DIR", &env.state_dir)
+        .output()
+        .context("running cluster.sh")?;
+    if !out.status.success() {
+        bail!(
+            "cluster.sh {args:?} failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The node process `cluster.sh node-start` started, while it runs (its
+/// pid file outlives it).
+pub fn node_pid(env: &ClusterEnv) -> Option<i32> {
+    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok())?;
+    // SAFETY: signal 0 only checks that the process exists.
+    (unsafe { libc::kill(pid, 0) == 0 }).then_some(pid)
+}
+
+/// Whether a node process runs: a test that finds none starts its own and
+/// stops it after.
+pub fn node_running(env: &ClusterEnv) -> bool {
+    node_pid(env).is_some()
+}
+
+/// The image test pods run (busybox + glibc, imported by the cluster):
+/// `TESSERA_PROBE_IMAGE` when set.
+pub fn probe_image() -> String {
+    std::env::var("TESSERA_PROBE_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| "tessera.local/probe:1".into())
+}
+
+/// The Pod's log once it contains `what`.
+pub async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> {
+    wait_for(
+        &format!("{pod}'s log to show {what}"),
+        POD_TIMEOUT,
+        || async {
+            let log = pods
+                .logs(pod, &LogParams::default())
+                .await
+                .unwrap_or_default();
+            Ok(log.contains(what).then_some(log))
+        },
+    )
+    .await
+}
