@@ -205,11 +205,12 @@ async fn run(cluster: &TestCluster, ns: &TestNamespace, driver: &str, id: &str) 
             "monitor",
             "monitor",
             "nvidia-smi -L; nvidia-smi --query-gpu=uuid,name --format=csv,noheader; \
-             ls /dev/nvidia-uvm 2>&1; exec sleep 3600",
+             ls /dev/nvidia-uvm 2>&1; echo monitor-done; exec sleep 3600",
         )?,
     )
     .await?;
-    let log = log_with(&pods, "monitor", &gpu).await?;
+    // The last line, so every check below sees the whole output.
+    let log = log_with(&pods, "monitor", "monitor-done").await?;
     eprintln!("the monitoring pod, beside a workload on {gpu}, printed:\n{log}");
     ensure!(
         log.contains(&format!("(UUID: {gpu})")),
