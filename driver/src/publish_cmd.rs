@@ -216,7 +216,7 @@ impl From<&Detected> for ServerReport {
 
 /// A client for the publisher: no read timeout (it watches its slices).
 async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    tessera_driver::plugin::cli::client(kubeconfig, Duration::from_secs(10), None).await
+    tessera_driver::plugin::cli::client(kubeconfig, Duration::from_secs(10)).await
 }
 
 /// `tessera publish`.

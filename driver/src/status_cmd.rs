@@ -254,13 +254,10 @@ async fn api_view(
     use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
     use kube::api::{Api, ListParams};
 
-    let client = tessera_driver::plugin::cli::client(
-        args.kubeconfig.as_deref(),
-        Duration::from_secs(5),
-        Some(Duration::from_secs(5)),
-    )
-    .await
-    .map_err(|e| format!("{e:#}"))?;
+    let client =
+        tessera_driver::plugin::cli::client(args.kubeconfig.as_deref(), Duration::from_secs(5))
+            .await
+            .map_err(|e| format!("{e:#}"))?;
     let lookups = entries.iter().map(|(uid, entry)| {
         let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &entry.namespace);
         async move {

@@ -115,6 +115,17 @@ pub struct PluginArgs {
     #[arg(long, default_value_t = MIN_FULL_MODEL)]
     pub full_model_min_version: ServerVersion,
 
+    /// Write each prepared claim's `status.devices` (device data for users
+    /// and tools: UUIDs, MIG UUID, limits). Each prepare and unprepare then
+    /// costs one more API write; `false` leaves the field to others.
+    #[arg(
+        long,
+        env = "TESSERA_DEVICE_STATUS",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub device_status: bool,
+
     /// What the API server serves; `auto` detects it (discovery, dry-run
     /// probes, version). Forcing a lower level publishes the static model.
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
@@ -146,13 +157,11 @@ pub struct PluginArgs {
     pub metrics_address: String,
 }
 
-/// Builds a client from `--kubeconfig` or the usual places. `read_timeout`
-/// bounds the wait for each answer; a client that watches needs `None` (a
-/// watch waits minutes for its next event).
+/// Builds a client from `--kubeconfig` or the usual places (see
+/// [`http2_client`]). Callers bound each request's wait themselves.
 pub async fn client(
     kubeconfig: Option<&Path>,
     connect_timeout: Duration,
-    read_timeout: Option<Duration>,
 ) -> anyhow::Result<Client> {
     let mut config = match kubeconfig {
         Some(path) => {
@@ -167,8 +176,56 @@ pub async fn client(
         )?,
     };
     config.connect_timeout = Some(connect_timeout);
-    config.read_timeout = read_timeout;
-    Client::try_from(config).context("building the Kubernetes client")
+    http2_client(config).context("building the Kubernetes client")
+}
+
+/// How often an idle HTTP/2 connection is pinged, and how long the answer
+/// may take before the connection (and every request on it) fails.
+const PING_INTERVAL: Duration = Duration::from_secs(30);
+const PING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A client that multiplexes every request and watch over one HTTP/2
+/// connection, as Go clients do. Over HTTP/1.1 (kube's own client) each
+/// request in flight needs a connection of its own, and idle ones are
+/// closed by the API server after 90 s: a burst of prepares after a quiet
+/// spell paid a TLS handshake each. Here the watches keep the connection
+/// in use, and pings find a dead one (instead of per-read timeouts, which
+/// would cut long watches).
+fn http2_client(config: kube::Config) -> anyhow::Result<Client> {
+    use kube::client::ConfigExt;
+
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    // HTTP/2 writes a request as several small frames: without NODELAY the
+    // kernel holds the last one until the server's delayed ACK (40 ms).
+    http.set_nodelay(true);
+    http.set_connect_timeout(config.connect_timeout);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config.rustls_client_config()?)
+        .https_or_http();
+    let https = match &config.tls_server_name {
+        Some(name) => https.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(
+            name.clone()
+                .try_into()
+                .with_context(|| format!("tls-server-name {name:?}"))?,
+        )),
+        None => https,
+    };
+    let https = https.enable_http1().enable_http2().wrap_connector(http);
+    let connections =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            .http2_keep_alive_interval(PING_INTERVAL)
+            .http2_keep_alive_timeout(PING_TIMEOUT)
+            .http2_keep_alive_while_idle(true)
+            .build(https);
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(connections);
+    Ok(Client::new(service, config.default_namespace))
 }
 
 /// The node process, started: the kubelet plugin and the publisher.
@@ -197,8 +254,10 @@ impl NodeProcess {
 /// Sets up everything and returns the node process, ready to run.
 pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<NodeProcess> {
     let timeout = Duration::from_secs(args.api_timeout_seconds.max(1));
-    let watching = client(args.kubeconfig.as_deref(), timeout, None).await?;
-    let client = client(args.kubeconfig.as_deref(), timeout, Some(timeout)).await?;
+    // One client: its connection stays in use by the watches, so prepares
+    // never wait for a new one.
+    let client = client(args.kubeconfig.as_deref(), timeout).await?;
+    let watching = client.clone();
     let driver =
         DriverName::new(&args.driver_name).map_err(|e| anyhow::anyhow!("--driver-name: {e}"))?;
     let policy = match &args.policy {
@@ -310,7 +369,9 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             NvidiaSmiTimeSlice::new(&args.driver_root),
         )),
         mig: mig.clone(),
-        status: Some(StatusWriter::new(client.clone(), args.driver_name.clone())),
+        status: args
+            .device_status
+            .then(|| StatusWriter::new(client.clone(), args.driver_name.clone())),
         events: Some(NodeEvents::new(
             client.clone(),
             args.node_name.clone(),
