@@ -214,7 +214,7 @@ impl From<&Detected> for ServerReport {
     }
 }
 
-/// A client for the publisher: no read timeout (it watches its slices).
+/// A client for the publisher, which watches its slices and the claims.
 async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
     tessera_driver::plugin::cli::client(kubeconfig, Duration::from_secs(10)).await
 }
