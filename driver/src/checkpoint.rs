@@ -223,14 +223,8 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
         })?;
         let mut claims = self.lock();
         for (stem, path) in files {
-            let record = ClaimUid::parse(&stem)
-                .map_err(|e| e.to_string())
-                .and_then(|claim| {
-                    let bytes = fs::read(&path).map_err(|e| format!("cannot read it: {e}"))?;
-                    Ok((claim, decode_record::<T>(&bytes)?))
-                });
-            match record {
-                Ok((claim, (boot_id, entry))) if boot_id == self.boot_id => {
+            match read_record::<T>(&stem, &path) {
+                Ok((claim, boot_id, entry)) if boot_id == self.boot_id => {
                     claims.insert(claim, entry);
                     found.restored += 1;
                 }
@@ -361,6 +355,18 @@ fn verify(version: u32, expected: u32, crc32: u32, text: &str) -> Result<(), Str
     Ok(())
 }
 
+/// Reads the record file `path` named `<stem>.json`: its claim (the file
+/// name), boot and entry; `Err` with a reason.
+fn read_record<T: DeserializeOwned>(
+    stem: &str,
+    path: &Path,
+) -> Result<(ClaimUid, String, T), String> {
+    let claim = ClaimUid::parse(stem).map_err(|e| e.to_string())?;
+    let bytes = fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let (boot, entry) = decode_record(&bytes)?;
+    Ok((claim, boot, entry))
+}
+
 /// Decodes one claim's record: its boot and entry.
 pub(crate) fn decode_record<T: DeserializeOwned>(bytes: &[u8]) -> Result<(String, T), String> {
     let record: Record =
@@ -423,15 +429,8 @@ pub fn read_snapshot<T: DeserializeOwned>(
         Err(e) => return Err(format!("cannot read {}: {e}", legacy.display())),
     }
     for (stem, path) in record_files(&state_dir.join(RECORDS_DIR))? {
-        let record = ClaimUid::parse(&stem)
-            .map_err(|e| e.to_string())
-            .and_then(|claim| {
-                let bytes = fs::read(&path).map_err(|e| format!("cannot read it: {e}"))?;
-                let (boot, entry) = decode_record::<T>(&bytes)?;
-                Ok((boot, claim, entry))
-            });
-        match record {
-            Ok(record) => read.push(record),
+        match read_record::<T>(&stem, &path) {
+            Ok((claim, boot, entry)) => read.push((boot, claim, entry)),
             // Removed by the node process between listing and reading.
             Err(_) if !path.exists() => {}
             Err(why) => unreadable.push(format!("{}: {why}", path.display())),
