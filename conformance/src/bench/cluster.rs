@@ -22,13 +22,19 @@ const KUBELET_HISTOGRAM: &str = "dra_grpc_operations_duration_seconds";
 /// A client for the local kubelet's own HTTPS port, with the admin
 /// credentials (the API server will not proxy to a loopback node address).
 pub async fn kubelet_client(cluster: &TestCluster) -> Result<Client> {
+    component_client(cluster, "KUBELET_PORT").await
+}
+
+/// A client for a component's own HTTPS port on loopback (`port_key` in
+/// the cluster's `ports.env`), with the admin credentials.
+pub async fn component_client(cluster: &TestCluster, port_key: &str) -> Result<Client> {
     let ports = cluster.state_dir().join("ports.env");
     let text =
         std::fs::read_to_string(&ports).with_context(|| format!("reading {}", ports.display()))?;
     let port = text
         .lines()
-        .find_map(|l| l.strip_prefix("KUBELET_PORT="))
-        .with_context(|| format!("no KUBELET_PORT in {}", ports.display()))?;
+        .find_map(|l| l.strip_prefix(port_key)?.strip_prefix('='))
+        .with_context(|| format!("no {port_key} in {}", ports.display()))?;
     let kubeconfig = Kubeconfig::read_from(cluster.kubeconfig())?;
     let mut config =
         Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;

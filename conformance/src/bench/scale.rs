@@ -32,9 +32,8 @@ use k8s_openapi::api::resource::v1::{
     DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, Config, Resource};
+use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
@@ -615,18 +614,7 @@ pub struct ScheduleRun {
 /// A client for kube-scheduler's own HTTPS port (its metrics), with the
 /// admin credentials.
 pub async fn scheduler_client(cluster: &TestCluster) -> Result<Client> {
-    let ports = cluster.state_dir().join("ports.env");
-    let text =
-        std::fs::read_to_string(&ports).with_context(|| format!("reading {}", ports.display()))?;
-    let port = text
-        .lines()
-        .find_map(|l| l.strip_prefix("SCHEDULER_PORT="))
-        .with_context(|| format!("no SCHEDULER_PORT in {}", ports.display()))?;
-    let kubeconfig = Kubeconfig::read_from(cluster.kubeconfig())?;
-    let mut config =
-        Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
-    config.cluster_url = format!("https://127.0.0.1:{}", port.trim()).parse()?;
-    Ok(Client::try_from(config)?)
+    super::cluster::component_client(cluster, "SCHEDULER_PORT").await
 }
 
 async fn metrics_of(client: &Client) -> Result<String> {
