@@ -310,7 +310,19 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
                "consumedCapacity": {"memory": "8Gi", "cores": "25"}}),
     );
     let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, sharing).await;
-    let pipe_dir = node.dir.path().join("mps").join(&gpu.uuid).join("pipe");
+    // The claim's own daemon for request `gpu` on the GPU.
+    let daemons = supervisor.daemons();
+    assert_eq!(daemons.len(), 1, "{daemons:?}");
+    assert_eq!(
+        (
+            daemons[0].key.claim.as_str(),
+            daemons[0].key.request.as_str()
+        ),
+        (uid.as_str(), "gpu")
+    );
+    assert_eq!(daemons[0].key.device, gpu.uuid);
+    let pipe_dir = daemons[0].pipe_dir.clone();
+    assert!(pipe_dir.starts_with(node.dir.path().join("mps").join(uid.as_str())));
     let pid: i32 = fs::read_to_string(pipe_dir.join(PID_FILE))
         .expect("prepare started no MPS daemon")
         .trim()
@@ -347,14 +359,14 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     // The daemon's control endpoint is inside the container.
     assert!(seen.text.contains("mps-control reachable"), "{}", seen.text);
 
-    // Unprepare drops the last reference: the daemon quits.
+    // Unprepare stops the claim's daemon.
     let mut answers = preparer.unprepare(vec![claim_ref]).await;
     answers.remove(0).1.expect("unprepare failed");
     assert!(
         ProcessId::of(pid).is_none(),
         "the MPS daemon outlived its last claim"
     );
-    assert!(supervisor.claims().is_empty());
+    assert!(supervisor.daemons().is_empty());
     assert!(!spec_file.exists());
 }
 

@@ -1,14 +1,15 @@
 //! The MPS supervisor against `fake-mps-control`, a simulated
 //! `nvidia-cuda-mps-control` (daemon and client modes, pid file, control
-//! endpoint, `quit`): start, reuse, reference counting, adoption after a
-//! driver restart, restart after a crash, the stop path's guarantees, and a
-//! hostile container writing in the pipe directory it is given.
+//! endpoint, `quit`, default limits): one daemon per request of a claim and
+//! device with the claim's limits as its defaults, adoption after a driver
+//! restart, restart after a crash in a fresh pipe directory, the stop path's
+//! guarantees, and a hostile container writing in the pipe directory it is
+//! given.
 //!
 //! Every daemon runs as a real process; tests wait on observable state with
 //! deadlines, never on fixed sleeps. Tests read the daemon's pid file to
 //! find it; the driver never does.
 
-use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,16 +18,30 @@ use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
-    CONTROL, ClientLimits, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing, MpsSupervisor, PID_FILE,
-    ProcessId,
+    CONTROL, ClientLimits, DaemonKey, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing,
+    MpsSupervisor, PID_FILE, ProcessId, RECORD,
 };
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const GPU1: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
 const MIG0: &str = "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f";
 
+const LIMITS: ClientLimits = ClientLimits {
+    memory_bytes: 8 << 30,
+    thread_percent: 25,
+};
+
 fn claim(n: u8) -> ClaimUid {
     ClaimUid::parse(&format!("00000000-0000-4000-8000-0000000000{n:02x}")).unwrap()
+}
+
+/// The daemon of request `gpu` of claim `n` on `device`.
+fn key(n: u8, device: &str) -> DaemonKey {
+    DaemonKey {
+        claim: claim(n),
+        request: "gpu".into(),
+        device: device.into(),
+    }
 }
 
 /// The built `fake-mps-control` (cargo builds it on first use; a no-op when
@@ -80,46 +95,72 @@ impl Scratch {
         c
     }
 
-    fn pipe_dir(&self, uuid: &str) -> PathBuf {
-        self.dir.path().join(uuid).join("pipe")
+    fn root(&self, key: &DaemonKey) -> PathBuf {
+        self.dir.path().join(key.claim.as_str()).join(key.tag())
     }
 
-    fn log(&self, uuid: &str) -> String {
-        fs::read_to_string(self.dir.path().join(uuid).join("log/control.log")).unwrap_or_default()
+    fn pipe_dir(&self, key: &DaemonKey) -> PathBuf {
+        self.root(key).join("pipe")
+    }
+
+    fn log(&self, key: &DaemonKey) -> String {
+        fs::read_to_string(self.root(key).join("log/control.log")).unwrap_or_default()
     }
 
     /// PID of the daemon the pipe directory names, if its file exists.
-    fn pid_file(&self, uuid: &str) -> Option<i32> {
-        fs::read_to_string(self.pipe_dir(uuid).join(PID_FILE))
+    fn pid_file(&self, key: &DaemonKey) -> Option<i32> {
+        fs::read_to_string(self.pipe_dir(key).join(PID_FILE))
             .ok()?
             .trim()
             .parse()
             .ok()
     }
-}
 
-impl Scratch {
+    fn record_path(&self, key: &DaemonKey) -> PathBuf {
+        self.root(key).join(RECORD)
+    }
+
     /// The daemon the supervisor recorded, if any.
-    fn recorded_pid(&self, uuid: &str) -> Option<i32> {
-        let bytes = fs::read(self.dir.path().join(uuid).join("supervisor.json")).ok()?;
+    fn recorded_pid(&self, key: &DaemonKey) -> Option<i32> {
+        let bytes = fs::read(self.record_path(key)).ok()?;
         let record: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
         record["daemon"]["pid"].as_i64().map(|p| p as i32)
+    }
+
+    /// Every fake daemon still alive below the scratch dir (by the pid files
+    /// and records there).
+    fn daemons_left(&self) -> Vec<i32> {
+        let mut pids = Vec::new();
+        let walk = |dir: &Path| fs::read_dir(dir).into_iter().flatten().flatten();
+        for claim_dir in walk(self.dir.path()) {
+            for tag in walk(&claim_dir.path()) {
+                let root = tag.path();
+                let from_file = fs::read_to_string(root.join("pipe").join(PID_FILE))
+                    .ok()
+                    .and_then(|p| p.trim().parse::<i32>().ok());
+                let recorded = fs::read(root.join(RECORD))
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                    .and_then(|r| r["daemon"]["pid"].as_i64())
+                    .map(|p| p as i32);
+                pids.extend(from_file.into_iter().chain(recorded));
+            }
+        }
+        pids.retain(|pid| {
+            *pid != std::process::id() as i32
+                && fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .unwrap_or_default()
+                    .starts_with("fake-mps")
+        });
+        pids
     }
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        for uuid in [GPU0, GPU1, MIG0] {
-            for pid in [self.pid_file(uuid), self.recorded_pid(uuid)]
-                .into_iter()
-                .flatten()
-            {
-                let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-                if pid != std::process::id() as i32 && comm.starts_with("fake-mps") {
-                    // SAFETY: a daemon this test started in its own directory.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-            }
+        for pid in self.daemons_left() {
+            // SAFETY: a daemon this test started in its own directory.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
         }
     }
 }
@@ -161,127 +202,145 @@ fn kill9(pid: i32) {
 }
 
 #[test]
-fn starts_one_daemon_per_device_and_reuses_it() {
+fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
-
-    let a = sup.ensure(GPU0, &claim(1)).unwrap();
-    assert_eq!(a.device_uuid, GPU0);
-    assert_eq!(a.pipe_dir, s.pipe_dir(GPU0));
-    assert!(alive(a.pid));
-    assert_eq!(s.pid_file(GPU0), Some(a.pid));
-    assert!(a.pipe_dir.join(CONTROL).exists());
-    // The daemon serves exactly this device and answers on its pipe dir.
+    let (k1, k2) = (key(1, GPU0), key(2, GPU0));
+    let a = sup.ensure(&k1, LIMITS).unwrap();
+    let other = ClientLimits {
+        memory_bytes: 16 << 30,
+        thread_percent: 50,
+    };
+    let b = sup.ensure(&k2, other).unwrap();
+    assert_eq!(a.pipe_dir, s.pipe_dir(&k1));
+    assert_eq!(b.pipe_dir, s.pipe_dir(&k2));
+    assert_ne!(a.pid, b.pid);
+    assert!(alive(a.pid) && alive(b.pid));
+    assert_eq!(s.pid_file(&k1), Some(a.pid));
+    // Each daemon serves exactly its device, with its claim's limits as the
+    // defaults every client gets.
+    for (k, d, percent, limit) in [(&k1, &a, "25.0", "8192M"), (&k2, &b, "50.0", "16384M")] {
+        assert!(
+            s.log(k).contains(&format!("CUDA_VISIBLE_DEVICES={GPU0}")),
+            "{}",
+            s.log(k)
+        );
+        assert_eq!(
+            client(&d.pipe_dir, "get_default_active_thread_percentage"),
+            (true, format!("{percent}\n"))
+        );
+        assert_eq!(
+            client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
+            (true, format!("{limit}\n"))
+        );
+    }
+    // Idempotent per key; another request or device is another daemon.
+    assert_eq!(sup.ensure(&k1, LIMITS).unwrap().pid, a.pid);
+    assert_eq!(s.log(&k1).matches("Startup").count(), 1);
+    let mut other_request = k1.clone();
+    other_request.request = "second".into();
+    let c = sup.ensure(&other_request, LIMITS).unwrap();
+    let mig = sup.ensure(&key(3, MIG0), LIMITS).unwrap();
+    assert!(alive(c.pid) && alive(mig.pid) && c.pid != a.pid);
     assert!(
-        s.log(GPU0)
-            .contains(&format!("CUDA_VISIBLE_DEVICES={GPU0}")),
-        "{}",
-        s.log(GPU0)
-    );
-    assert_eq!(
-        client(&a.pipe_dir, "get_default_active_thread_percentage"),
-        (true, "100.0\n".into())
-    );
-
-    // A second claim and a repeated call share the daemon.
-    let b = sup.ensure(GPU0, &claim(2)).unwrap();
-    let again = sup.ensure(GPU0, &claim(1)).unwrap();
-    assert_eq!((b.pid, again.pid), (a.pid, a.pid));
-    assert_eq!(s.log(GPU0).matches("Startup").count(), 1);
-
-    // Another device (a MIG device too) gets its own daemon.
-    let other = sup.ensure(GPU1, &claim(1)).unwrap();
-    let mig = sup.ensure(MIG0, &claim(3)).unwrap();
-    assert!(alive(other.pid) && alive(mig.pid));
-    assert_ne!(other.pid, a.pid);
-    assert_ne!(mig.pid, other.pid);
-    assert!(
-        s.log(MIG0)
+        s.log(&key(3, MIG0))
             .contains(&format!("CUDA_VISIBLE_DEVICES={MIG0}"))
     );
+    assert_eq!(sup.daemons().len(), 4);
 
-    let claims = sup.claims();
-    assert_eq!(claims[GPU0], BTreeSet::from([claim(1), claim(2)]));
-    assert_eq!(claims[GPU1], BTreeSet::from([claim(1)]));
+    // Quitting one claim's daemon leaves the other's serving.
+    assert!(client(&a.pipe_dir, "quit").0);
+    wait_until("claim 1's daemon quit", || !alive(a.pid));
+    assert!(alive(b.pid));
+    assert!(client(&b.pipe_dir, "get_server_list").0);
 
-    for (uuid, c) in [(GPU0, 1), (GPU0, 2), (GPU1, 1), (MIG0, 3)] {
-        sup.release(uuid, &claim(c)).unwrap();
+    for k in [&k1, &k2, &other_request, &key(3, MIG0)] {
+        sup.release(k).unwrap();
     }
-    assert!(sup.claims().is_empty());
+    assert!(sup.daemons().is_empty());
+    assert!(!alive(b.pid) && !alive(c.pid) && !alive(mig.pid));
 }
 
 #[test]
-fn last_release_quits_the_daemon() {
+fn release_quits_the_daemon_and_removes_its_directory() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
-    let pid = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    sup.ensure(GPU0, &claim(2)).unwrap();
-
-    sup.release(GPU0, &claim(1)).unwrap();
-    // Releasing the same claim twice never drops another claim's reference.
-    sup.release(GPU0, &claim(1)).unwrap();
-    assert!(alive(pid), "daemon stopped while claim 2 holds it");
-    assert_eq!(sup.ensure(GPU0, &claim(2)).unwrap().pid, pid);
-
-    sup.release(GPU0, &claim(2)).unwrap();
-    assert!(!alive(pid), "the last release must stop the daemon");
-    // It was asked to quit (not killed), and its pipe dir is gone.
-    let log = s.log(GPU0);
-    assert!(
-        log.contains("Command: quit") && log.contains("Exit"),
-        "{log}"
-    );
-    assert!(!s.pipe_dir(GPU0).exists());
-    assert!(!s.dir.path().join(GPU0).join("supervisor.json").exists());
-
-    // Unknown claims and devices, and device names that are not UUIDs.
-    sup.release(GPU0, &claim(2)).unwrap();
-    sup.release(GPU1, &claim(9)).unwrap();
-    sup.release("../../etc", &claim(9)).unwrap();
+    let k = key(1, GPU0);
+    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let log_before = s.root(&k).join("log/control.log");
+    sup.release(&k).unwrap();
+    assert!(!alive(pid), "release must stop the daemon");
+    assert!(!s.root(&k).exists());
+    assert!(!s.dir.path().join(claim(1).as_str()).exists());
+    assert!(!log_before.exists());
+    // Unknown keys, and device names that are not UUIDs.
+    sup.release(&k).unwrap();
+    sup.release(&key(9, GPU1)).unwrap();
+    sup.release(&key(9, "../../etc")).unwrap();
     assert!(matches!(
-        sup.ensure("GPU-../../x", &claim(1)),
+        sup.ensure(&key(1, "GPU-../../x"), LIMITS),
         Err(MpsError::BadDevice(_))
     ));
 }
 
 #[test]
+fn limits_a_daemon_cannot_express_fail_the_claim() {
+    let s = Scratch::new();
+    let sup = MpsSupervisor::new(s.config());
+    let err = sup
+        .ensure(
+            &key(1, GPU0),
+            ClientLimits {
+                memory_bytes: 1000,
+                thread_percent: 10,
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, MpsError::Limits { .. }), "{err}");
+    assert!(err.to_string().contains("fix:"), "{err}");
+    assert!(sup.daemons().is_empty());
+    assert!(s.daemons_left().is_empty());
+}
+
+#[test]
 fn a_restarted_driver_adopts_running_daemons() {
     let s = Scratch::new();
-    let pid = {
+    let (k1, k2) = (key(1, GPU0), key(2, GPU0));
+    let pids = {
         let before = MpsSupervisor::new(s.config());
-        before.ensure(GPU0, &claim(1)).unwrap();
-        before.ensure(GPU0, &claim(2)).unwrap().pid
-        // The driver goes away; its daemon does not.
+        (
+            before.ensure(&k1, LIMITS).unwrap().pid,
+            before.ensure(&k2, LIMITS).unwrap().pid,
+        )
+        // The driver goes away; its daemons do not.
     };
-    assert!(alive(pid));
+    assert!(alive(pids.0) && alive(pids.1));
 
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
-    assert_eq!(report.adopted, [GPU0], "{report:?}");
+    assert_eq!(report.adopted, [k1.clone(), k2.clone()], "{report:?}");
     assert!(
         report.restarted.is_empty() && report.failed.is_empty(),
         "{report:?}"
     );
-    // The references survived the restart.
-    assert_eq!(after.claims()[GPU0], BTreeSet::from([claim(1), claim(2)]));
-    assert_eq!(after.ensure(GPU0, &claim(3)).unwrap().pid, pid);
-    after.release(GPU0, &claim(1)).unwrap();
-    after.release(GPU0, &claim(3)).unwrap();
-    assert!(alive(pid));
-    after.release(GPU0, &claim(2)).unwrap();
-    assert!(!alive(pid));
+    assert_eq!(after.ensure(&k1, LIMITS).unwrap().pid, pids.0);
+    after.release(&k1).unwrap();
+    assert!(!alive(pids.0) && alive(pids.1));
+    after.release(&k2).unwrap();
+    assert!(!alive(pids.1));
 }
 
 #[test]
 fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
     let s = Scratch::new();
+    let k = key(1, GPU0);
     let pid = MpsSupervisor::new(s.config())
-        .ensure(GPU0, &claim(1))
+        .ensure(&k, LIMITS)
         .unwrap()
         .pid;
-    assert_eq!(s.recorded_pid(GPU0), Some(pid));
+    assert_eq!(s.recorded_pid(&k), Some(pid));
     // The crash came after the daemon was spawned and before its identity
-    // was written: the record names the claim and the launch id only.
+    // was written: the record names the key, limits and launch id only.
     let environ = fs::read(format!("/proc/{pid}/environ")).unwrap();
     let prefix = format!("{LAUNCH_ID_ENV}=");
     let launch = environ
@@ -290,107 +349,97 @@ fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
         .next()
         .expect("the daemon carries its launch id")
         .to_owned();
-    let record_path = s.dir.path().join(GPU0).join("supervisor.json");
     fs::write(
-        &record_path,
-        serde_json::to_vec(&serde_json::json!({"claims": [claim(1)], "launch": launch})).unwrap(),
+        s.record_path(&k),
+        serde_json::to_vec(&serde_json::json!({"key": k, "limits": LIMITS, "launch": launch}))
+            .unwrap(),
     )
     .unwrap();
 
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
-    assert_eq!(report.adopted, [GPU0], "{report:?}");
-    assert_eq!(after.ensure(GPU0, &claim(1)).unwrap().pid, pid);
-    assert_eq!(s.recorded_pid(GPU0), Some(pid));
-    assert_eq!(s.log(GPU0).matches("Startup").count(), 1);
-    after.release(GPU0, &claim(1)).unwrap();
+    assert_eq!(report.adopted, [k.clone()], "{report:?}");
+    assert_eq!(after.ensure(&k, LIMITS).unwrap().pid, pid);
+    assert_eq!(s.recorded_pid(&k), Some(pid));
+    assert_eq!(s.log(&k).matches("Startup").count(), 1);
+    after.release(&k).unwrap();
     assert!(!alive(pid));
 }
 
 #[test]
 fn a_daemon_the_record_does_not_name_is_never_adopted_or_stopped() {
     let s = Scratch::new();
+    let k = key(1, GPU0);
     let pid = MpsSupervisor::new(s.config())
-        .ensure(GPU0, &claim(1))
+        .ensure(&k, LIMITS)
         .unwrap()
         .pid;
     // A live daemon answers on the pipe directory and its pid file names
     // it, but the record does not (nor does any launch id): it is not the
     // driver's to adopt or stop.
-    let record_path = s.dir.path().join(GPU0).join("supervisor.json");
-    fs::write(&record_path, br#"{"claims":[]}"#).unwrap();
-    assert_eq!(s.pid_file(GPU0), Some(pid));
-
+    fs::write(
+        s.record_path(&k),
+        serde_json::to_vec(&serde_json::json!({"key": k, "limits": LIMITS})).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(s.pid_file(&k), Some(pid));
+    // Keep the foreign daemon's pipe directory where we can reach it: the
+    // supervisor's restart makes a fresh one.
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
     assert!(
         report.adopted.is_empty() && report.stopped.is_empty() && report.failed.is_empty(),
         "{report:?}"
     );
+    assert_eq!(report.restarted, [k.clone()], "{report:?}");
     assert!(alive(pid), "a daemon the record does not name was stopped");
-    // A claim gets a daemon of the driver's own.
-    let ours = after.ensure(GPU0, &claim(2)).unwrap().pid;
+    let ours = after.ensure(&k, LIMITS).unwrap().pid;
     assert_ne!(ours, pid);
-    assert!(alive(ours) && alive(pid));
-    after.release(GPU0, &claim(2)).unwrap();
+    after.release(&k).unwrap();
     assert!(!alive(ours));
     assert!(alive(pid));
     kill9(pid);
 }
 
 #[test]
-fn stale_files_with_a_recycled_pid_are_not_adopted() {
+fn a_crashed_daemon_is_restarted_in_a_fresh_pipe_directory() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
-    let pid = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    kill9(pid);
-    // The control endpoint is left behind, and the pid file now names a
-    // live process that is no daemon (this test process).
-    assert!(s.pipe_dir(GPU0).join(CONTROL).exists());
-    fs::write(
-        s.pipe_dir(GPU0).join(PID_FILE),
-        format!("{}\n", std::process::id()),
-    )
-    .unwrap();
-
-    let after = MpsSupervisor::new(s.config());
-    let report = after.supervise();
-    assert_eq!(report.restarted, [GPU0], "{report:?}");
-    let new_pid = s.pid_file(GPU0).unwrap();
-    assert_ne!(new_pid, std::process::id() as i32);
-    assert!(alive(new_pid));
-    after.release(GPU0, &claim(1)).unwrap();
-    assert!(!alive(new_pid));
-}
-
-#[test]
-fn a_crashed_daemon_is_restarted() {
-    let s = Scratch::new();
-    let sup = MpsSupervisor::new(s.config());
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    kill9(first);
+    let k = key(1, GPU0);
+    let first = sup.ensure(&k, LIMITS).unwrap();
+    // What a running container holds: the directory itself, not its path.
+    let old_dir = fs::File::open(&first.pipe_dir).unwrap();
+    fs::write(first.pipe_dir.join("left-by-a-tenant"), "x").unwrap();
+    kill9(first.pid);
 
     let report = sup.supervise();
-    assert_eq!(report.restarted, [GPU0], "{report:?}");
-    let second = s.pid_file(GPU0).unwrap();
-    assert_ne!(second, first);
+    assert_eq!(report.restarted, [k.clone()], "{report:?}");
+    let second = s.pid_file(&k).unwrap();
+    assert_ne!(second, first.pid);
     assert!(alive(second));
-    assert!(client(&s.pipe_dir(GPU0), "get_server_list").0);
+    // Nothing of the old directory is reused, and the limits hold again.
+    let old = old_dir.metadata().unwrap();
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::nlink(&old),
+        0,
+        "the old directory was reused"
+    );
+    assert!(!s.pipe_dir(&k).join("left-by-a-tenant").exists());
+    assert_eq!(
+        client(&s.pipe_dir(&k), "get_default_active_thread_percentage"),
+        (true, "25.0\n".into())
+    );
     // Nothing more to do on the next pass.
     let report = sup.supervise();
     assert!(
         report.restarted.is_empty() && report.adopted.is_empty(),
         "{report:?}"
     );
-
-    // ensure() restarts too, for a claim arriving before the next pass.
+    // ensure() restarts too.
     kill9(second);
-    let third = sup.ensure(GPU0, &claim(2)).unwrap().pid;
+    let third = sup.ensure(&k, LIMITS).unwrap().pid;
     assert!(alive(third) && third != second);
-    assert_eq!(s.log(GPU0).matches("Startup").count(), 3);
-
-    sup.release(GPU0, &claim(1)).unwrap();
-    sup.release(GPU0, &claim(2)).unwrap();
+    sup.release(&k).unwrap();
     assert!(!alive(third));
 }
 
@@ -398,7 +447,8 @@ fn a_crashed_daemon_is_restarted() {
 fn the_watchdog_restarts_a_crashed_daemon_on_its_own() {
     let s = Scratch::new();
     let sup = Arc::new(MpsSupervisor::new(s.config()));
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    let k = key(1, GPU0);
+    let first = sup.ensure(&k, LIMITS).unwrap().pid;
     let (tx, rx) = std::sync::mpsc::channel();
     let watchdog = sup.spawn_watchdog(Duration::from_millis(20), move |report| {
         if !report.restarted.is_empty() {
@@ -409,16 +459,16 @@ fn the_watchdog_restarts_a_crashed_daemon_on_its_own() {
     let restarted = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("the watchdog did not restart the daemon");
-    assert_eq!(restarted, [GPU0]);
+    assert_eq!(restarted, [k.clone()]);
     drop(watchdog);
-    let second = s.pid_file(GPU0).unwrap();
+    let second = s.pid_file(&k).unwrap();
     assert!(alive(second) && second != first);
-    sup.release(GPU0, &claim(1)).unwrap();
+    sup.release(&k).unwrap();
     assert!(!alive(second));
 }
 
 #[test]
-fn a_daemon_that_ignores_quit_is_killed_only_if_it_is_ours() {
+fn a_daemon_that_ignores_quit_is_killed() {
     let s = Scratch::new();
     let mut config = s.config();
     config.quit_timeout = Duration::from_millis(300);
@@ -426,53 +476,17 @@ fn a_daemon_that_ignores_quit_is_killed_only_if_it_is_ours() {
         .env
         .push(("TESSERA_FAKE_MPS_IGNORE_QUIT".into(), "1".into()));
     let sup = MpsSupervisor::new(config.clone());
-
-    // Ours: quit is ignored, so the recorded process is killed.
-    let pid = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    sup.release(GPU0, &claim(1)).unwrap();
+    let k = key(1, GPU0);
+    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    sup.release(&k).unwrap();
     assert!(!alive(pid));
-    assert!(s.log(GPU0).contains("quit ignored"));
 
-    // Ours, adopted by a restarted driver: killed through a pidfd.
-    let pid = sup.ensure(GPU0, &claim(2)).unwrap().pid;
+    // Adopted by a restarted driver: killed through a pidfd.
+    let k2 = key(2, GPU0);
+    let pid = sup.ensure(&k2, LIMITS).unwrap().pid;
     drop(sup);
-    let after = MpsSupervisor::new(config.clone());
-    after.release(GPU0, &claim(2)).unwrap();
+    MpsSupervisor::new(config).release(&k2).unwrap();
     assert!(!alive(pid));
-
-    // Not ours: a daemon someone else started on the pipe directory of a
-    // device whose record has no claims and no process.
-    let pipe = s.pipe_dir(GPU1);
-    let status = Command::new(fake_mps_control())
-        .arg("-d")
-        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
-        .env(
-            "CUDA_MPS_LOG_DIRECTORY",
-            s.dir.path().join(GPU1).join("log"),
-        )
-        .env("TESSERA_FAKE_MPS_IGNORE_QUIT", "1")
-        .status()
-        .unwrap();
-    assert!(status.success());
-    wait_until("the foreign daemon is ready", || {
-        pipe.join(CONTROL).exists()
-    });
-    let foreign = s.pid_file(GPU1).unwrap();
-    fs::write(
-        s.dir.path().join(GPU1).join("supervisor.json"),
-        br#"{"claims":[]}"#,
-    )
-    .unwrap();
-    let report = MpsSupervisor::new(config).supervise();
-    assert!(
-        report.failed.is_empty() && report.stopped.is_empty(),
-        "{report:?}"
-    );
-    assert!(
-        alive(foreign),
-        "a daemon the driver did not start was killed"
-    );
-    kill9(foreign);
 }
 
 #[test]
@@ -484,14 +498,31 @@ fn a_daemon_that_never_gets_ready_fails_the_claim_cleanly() {
         .env
         .push(("TESSERA_FAKE_MPS_READY_DELAY_MS".into(), "60000".into()));
     let sup = MpsSupervisor::new(config);
-    let err = sup.ensure(GPU0, &claim(1)).unwrap_err();
+    let k = key(1, GPU0);
+    let pipe = s.pipe_dir(&k);
+    let pid = Arc::new(std::sync::Mutex::new(None));
+    let seen = {
+        let (pipe, pid) = (pipe.clone(), pid.clone());
+        std::thread::spawn(move || {
+            wait_until("the daemon wrote its pid file", || {
+                let p = fs::read_to_string(pipe.join(PID_FILE))
+                    .ok()
+                    .and_then(|p| p.trim().parse::<i32>().ok());
+                *pid.lock().unwrap() = p;
+                p.is_some()
+            })
+        })
+    };
+    let err = sup.ensure(&k, LIMITS).unwrap_err();
+    seen.join().unwrap();
     assert!(matches!(err, MpsError::NotReady { .. }), "{err}");
     let msg = err.to_string();
     assert!(msg.contains(GPU0) && msg.contains("control"), "{msg}");
-    // The half-started daemon was stopped, and the failed claim holds nothing.
-    let pid = s.pid_file(GPU0).expect("the daemon wrote its pid file");
+    // The half-started daemon was stopped, and nothing of it is left.
+    let pid = pid.lock().unwrap().unwrap();
     wait_until("the unready daemon is gone", || !alive(pid));
-    assert!(sup.claims().is_empty());
+    assert!(sup.daemons().is_empty());
+    assert!(!s.root(&k).exists());
 }
 
 #[test]
@@ -504,92 +535,82 @@ fn a_missing_control_binary_is_a_clear_error() {
         s.dir.path().join("usr/bin/nvidia-cuda-mps-control")
     );
     let sup = MpsSupervisor::new(config);
-    let err = sup.ensure(GPU0, &claim(1)).unwrap_err();
+    let err = sup.ensure(&key(1, GPU0), LIMITS).unwrap_err();
     assert!(matches!(err, MpsError::Launch { .. }), "{err}");
     assert!(err.to_string().contains("fix:"), "{err}");
-    assert!(sup.claims().is_empty());
+    assert!(sup.daemons().is_empty());
 }
 
 #[test]
-fn client_edits_point_containers_at_the_daemon_with_limits() {
-    let s = Scratch::new();
-    let sup = MpsSupervisor::new(s.config());
-    let daemon = sup.ensure(GPU0, &claim(1)).unwrap();
-    let edits = daemon
-        .client_edits(Some(ClientLimits {
-            memory_bytes: 4 << 30,
-            thread_percent: 30,
-        }))
-        .unwrap();
-    let pipe = daemon.pipe_dir.to_str().unwrap();
-    assert_eq!(
-        edits.env,
-        [
-            format!("CUDA_MPS_PIPE_DIRECTORY={pipe}"),
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M".into(),
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=30".into(),
-        ]
-    );
-    // The pipe directory only: never the logs or the supervisor's record.
-    assert_eq!(edits.mounts.len(), 1);
-    assert_eq!(edits.mounts[0].host_path, pipe);
-    assert_eq!(edits.mounts[0].container_path, pipe);
-    for option in ["nosuid", "nodev", "noexec"] {
-        assert!(
-            edits.mounts[0].options.iter().any(|o| o == option),
-            "{:?}",
-            edits.mounts[0].options
-        );
-    }
-    // A container with those settings reaches the daemon.
-    assert!(client(Path::new(pipe), "get_server_list").0);
-    sup.release(GPU0, &claim(1)).unwrap();
-}
-
-#[test]
-fn concurrent_claims_on_one_device_share_one_daemon() {
+fn concurrent_claims_on_one_device_get_a_daemon_each() {
     let s = Scratch::new();
     let sup = Arc::new(MpsSupervisor::new(s.config()));
-    let pids: Vec<i32> = (1..=8)
+    let pids: Vec<i32> = (1..=6)
         .map(|n| {
             let sup = Arc::clone(&sup);
-            std::thread::spawn(move || sup.ensure(GPU0, &claim(n)).unwrap().pid)
+            std::thread::spawn(move || sup.ensure(&key(n, GPU0), LIMITS).unwrap().pid)
         })
         .collect::<Vec<_>>()
         .into_iter()
         .map(|t| t.join().unwrap())
         .collect();
-    assert!(pids.iter().all(|p| *p == pids[0]), "{pids:?}");
-    assert_eq!(s.log(GPU0).matches("Startup").count(), 1);
-    let releases: Vec<_> = (1..=8)
+    let distinct: std::collections::BTreeSet<_> = pids.iter().collect();
+    assert_eq!(distinct.len(), 6, "{pids:?}");
+    let releases: Vec<_> = (1..=6)
         .map(|n| {
             let sup = Arc::clone(&sup);
-            std::thread::spawn(move || sup.release(GPU0, &claim(n)).unwrap())
+            std::thread::spawn(move || sup.release(&key(n, GPU0)).unwrap())
         })
         .collect();
     for t in releases {
         t.join().unwrap();
     }
-    assert!(!alive(pids[0]));
-    assert!(sup.claims().is_empty());
+    assert!(pids.iter().all(|p| !alive(*p)));
+    assert!(sup.daemons().is_empty());
 }
 
 #[test]
 fn a_state_dir_too_long_for_unix_sockets_is_refused() {
     let s = Scratch::new();
     let mut config = s.config();
-    config.state_dir = s.dir.path().join("x".repeat(60));
+    config.state_dir = s.dir.path().join("x".repeat(40));
     let err = MpsSupervisor::new(config)
-        .ensure(GPU0, &claim(1))
+        .ensure(&key(1, GPU0), LIMITS)
         .unwrap_err();
     assert!(matches!(err, MpsError::PathTooLong { .. }), "{err}");
     assert!(err.to_string().contains("fix:"), "{err}");
 }
 
 #[test]
-fn the_prepare_trait_maps_targets_to_per_device_daemons() {
+fn a_shared_daemon_of_an_earlier_version_is_retired() {
+    let s = Scratch::new();
+    // The layout an earlier version left: one daemon per device.
+    let old = s.dir.path().join(GPU0);
+    let pipe = old.join("pipe");
+    fs::create_dir_all(&pipe).unwrap();
+    let mut daemon = Command::new(fake_mps_control())
+        .arg("-f")
+        .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", old.join("log"))
+        .spawn()
+        .unwrap();
+    let id = ProcessId::of(daemon.id() as i32).unwrap();
+    fs::write(
+        old.join("supervisor.json"),
+        serde_json::to_vec(&serde_json::json!({"claims": [claim(1)], "daemon": id})).unwrap(),
+    )
+    .unwrap();
+    let report = MpsSupervisor::new(s.config()).supervise();
+    assert!(report.failed.is_empty(), "{report:?}");
+    // Stopped (and reaped through its pidfd, this test being its parent).
+    wait_until("the shared daemon is gone", || !alive(id.pid));
+    let _ = daemon.try_wait();
+    assert!(!old.exists());
+}
+
+#[test]
+fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     use tessera_api::config::{Limits, TimeSliceInterval};
-    use tessera_driver::mps::MpsSharing;
     use tessera_driver::prepare::sharing::{MpsTarget, SharingControl, Unsupported};
 
     let s = Scratch::new();
@@ -598,30 +619,31 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
         memory_bytes: 1 << 30,
         compute_percent: 50,
     };
-    let whole = MpsTarget {
-        gpu_uuid: GPU0.into(),
-        mig_uuid: None,
-    };
+    let whole = target(GPU0);
     let mig = MpsTarget {
-        gpu_uuid: GPU0.into(),
         mig_uuid: Some(MIG0.into()),
+        ..target(GPU0)
     };
     let a = sharing.mps_acquire(&claim(1), &whole, &limits).unwrap();
-    // A client gets the pipe directory, nothing else of the daemon's.
+    // A client gets the pipe directory and the limits, nothing else.
     assert_eq!(
         a,
         tessera_driver::prepare::sharing::MpsClient {
-            pipe_dir: s.pipe_dir(GPU0)
+            pipe_dir: s.pipe_dir(&key(1, GPU0)),
+            limits,
         }
     );
     // A MIG device gets its own daemon, serving only that MIG device.
     let b = sharing.mps_acquire(&claim(2), &mig, &limits).unwrap();
-    assert_eq!(b.pipe_dir, s.pipe_dir(MIG0));
+    assert_eq!(b.pipe_dir, s.pipe_dir(&key(2, MIG0)));
     assert!(
-        s.log(MIG0)
+        s.log(&key(2, MIG0))
             .contains(&format!("CUDA_VISIBLE_DEVICES={MIG0}"))
     );
-    let pids = (s.pid_file(GPU0).unwrap(), s.pid_file(MIG0).unwrap());
+    let pids = (
+        s.pid_file(&key(1, GPU0)).unwrap(),
+        s.pid_file(&key(2, MIG0)).unwrap(),
+    );
     assert!(alive(pids.0) && alive(pids.1));
 
     // Time slices are the inner implementation's business.
@@ -637,14 +659,7 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
     assert!(!alive(pids.1));
     // Errors reach prepare as text naming the device.
     let err = sharing
-        .mps_acquire(
-            &claim(3),
-            &MpsTarget {
-                gpu_uuid: "GPU-../x".into(),
-                mig_uuid: None,
-            },
-            &limits,
-        )
+        .mps_acquire(&claim(3), &target("GPU-../x"), &limits)
         .unwrap_err();
     assert!(err.0.contains("GPU-../x"), "{err}");
 }
@@ -652,8 +667,8 @@ fn the_prepare_trait_maps_targets_to_per_device_daemons() {
 // ---------------------------------------------------------------------------
 // A hostile container.
 //
-// Every Isolated container on a device gets that device's MPS pipe directory
-// mounted read-write, in any namespace, and may run as root. These tests play
+// Every Isolated container gets its own claim's MPS pipe directory mounted
+// read-write, and may run as root. These tests play
 // such a container: it rewrites the daemon's pid file to name a process the
 // driver must never touch, plants symlinks to a file the driver must never
 // truncate or show, and makes the daemon quit behind the driver's back. The
@@ -754,6 +769,7 @@ impl Drop for Hostile {
 
 fn target(device: &str) -> MpsTarget {
     MpsTarget {
+        request: "gpu".into(),
         gpu_uuid: device.into(),
         mig_uuid: None,
     }
@@ -761,8 +777,8 @@ fn target(device: &str) -> MpsTarget {
 
 fn share_limits() -> tessera_api::config::Limits {
     tessera_api::config::Limits {
-        memory_bytes: 1 << 30,
-        compute_percent: 50,
+        memory_bytes: LIMITS.memory_bytes,
+        compute_percent: LIMITS.thread_percent,
     }
 }
 
@@ -783,12 +799,12 @@ fn hostile_setup(s: &Scratch) -> (Arc<MpsSupervisor>, MpsSharing<Unsupported>) {
 }
 
 /// Our daemon, not the decoy: a live fake-mps-control answering on the pipe.
-fn assert_serving(s: &Scratch, pid: i32, decoy: i32) {
+fn assert_serving(s: &Scratch, k: &DaemonKey, pid: i32, decoy: i32) {
     assert_ne!(pid, decoy);
     assert!(alive(pid));
     let comm = fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
     assert!(comm.starts_with("fake-mps"), "pid {pid} is {comm:?}");
-    assert!(client(&s.pipe_dir(GPU0), "get_server_list").0);
+    assert!(client(&s.pipe_dir(k), "get_server_list").0);
 }
 
 #[test]
@@ -796,21 +812,21 @@ fn a_hostile_container_cannot_steer_a_restart() {
     let s = Scratch::new();
     let (sup, sharing) = hostile_setup(&s);
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
 
     h.plant_symlinks(&LOG_NAMES);
-    h.quit_daemon(&s.pipe_dir(GPU0), first);
+    h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), first);
     h.forge_pid_file();
 
     // The watchdog's pass finds the daemon gone and starts a fresh one.
     let report = sup.supervise();
     h.assert_unharmed(&errors(&report));
-    assert_eq!(report.restarted, [GPU0], "{report:?}");
-    let second = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    assert_eq!(report.restarted, [key(1, GPU0)], "{report:?}");
+    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
     assert_ne!(second, first);
-    assert_serving(&s, second, h.decoy_pid());
+    assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
 
-    sup.release(GPU0, &claim(1)).unwrap();
+    sup.release(&key(1, GPU0)).unwrap();
     assert!(!alive(second));
     h.assert_unharmed(&[]);
 }
@@ -823,10 +839,10 @@ fn a_hostile_container_cannot_steer_a_stop() {
 
     // The pid file names the decoy while our daemon runs: the last release
     // stops our daemon, and only it.
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
     h.forge_pid_file();
     h.plant_symlinks(&LOG_NAMES);
-    let result = sup.release(GPU0, &claim(1));
+    let result = sup.release(&key(1, GPU0));
     h.assert_unharmed(&[result
         .as_ref()
         .err()
@@ -837,21 +853,21 @@ fn a_hostile_container_cannot_steer_a_stop() {
 
     // The daemon quit behind the driver's back, the pid file names the
     // decoy and the control endpoint is a symlink to the decoy file.
-    let second = sup.ensure(GPU0, &claim(2)).unwrap().pid;
-    assert_serving(&s, second, h.decoy_pid());
-    h.quit_daemon(&s.pipe_dir(GPU0), second);
+    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
+    h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), second);
     h.forge_pid_file();
     h.plant_symlinks(&[CONTROL]);
     h.plant_symlinks(&LOG_NAMES);
-    let result = sup.release(GPU0, &claim(2));
+    let result = sup.release(&key(1, GPU0));
     h.assert_unharmed(&[result
         .as_ref()
         .err()
         .map(ToString::to_string)
         .unwrap_or_default()]);
     result.unwrap();
-    assert!(sup.claims().is_empty());
-    assert!(!s.pipe_dir(GPU0).exists());
+    assert!(sup.daemons().is_empty());
+    assert!(!s.pipe_dir(&key(1, GPU0)).exists());
 }
 
 #[test]
@@ -859,25 +875,25 @@ fn a_hostile_container_cannot_steer_a_restarted_driver() {
     let s = Scratch::new();
     let (sup, sharing) = hostile_setup(&s);
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
     // The driver goes away; while it is gone the container strikes.
     drop((sup, sharing));
     h.plant_symlinks(&LOG_NAMES);
-    h.quit_daemon(&s.pipe_dir(GPU0), first);
+    h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), first);
     h.forge_pid_file();
 
     let (after, _sharing) = hostile_setup(&s);
     let report = after.supervise();
     h.assert_unharmed(&errors(&report));
-    assert_eq!(report.restarted, [GPU0], "{report:?}");
-    let second = after.ensure(GPU0, &claim(1)).unwrap().pid;
-    assert_serving(&s, second, h.decoy_pid());
+    assert_eq!(report.restarted, [key(1, GPU0)], "{report:?}");
+    let second = after.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
 
     // The checkpoint no longer knows the claim: the daemon is stopped.
     h.forge_pid_file();
     let report = after.retain_claims(|_| false);
     h.assert_unharmed(&errors(&report));
-    assert_eq!(report.stopped, [GPU0], "{report:?}");
+    assert_eq!(report.stopped, [key(1, GPU0)], "{report:?}");
     assert!(!alive(second));
     h.assert_unharmed(&[]);
 }
@@ -895,13 +911,13 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
         (sup.clone(), MpsSharing::new(sup, Unsupported))
     };
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    h.quit_daemon(&s.pipe_dir(GPU0), first);
+    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), first);
 
     // While the next daemon is starting, a symlink to an existing file
     // stands where its endpoint will be.
     let planter = {
-        let pipe = s.pipe_dir(GPU0);
+        let pipe = s.pipe_dir(&key(1, GPU0));
         let decoy_file = h.decoy_file.clone();
         std::thread::spawn(move || {
             wait_until("the restarted daemon wrote its pid file", || {
@@ -910,12 +926,16 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
             std::os::unix::fs::symlink(&decoy_file, pipe.join(CONTROL)).unwrap();
         })
     };
-    let result = sup.ensure(GPU0, &claim(1));
+    let result = sup.ensure(&key(1, GPU0), LIMITS);
     planter.join().unwrap();
     match &result {
         // Ready means the daemon's own socket, not the symlink.
         Ok(_) => {
-            let endpoint = s.pipe_dir(GPU0).join(CONTROL).symlink_metadata().unwrap();
+            let endpoint = s
+                .pipe_dir(&key(1, GPU0))
+                .join(CONTROL)
+                .symlink_metadata()
+                .unwrap();
             assert!(
                 std::os::unix::fs::FileTypeExt::is_socket(&endpoint.file_type()),
                 "ready with {endpoint:?} as the endpoint"
@@ -927,15 +947,16 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
             assert!(matches!(e, MpsError::LaunchFailed { .. }), "{e}");
             h.assert_unharmed(&[e.to_string()]);
             assert!(e.to_string().contains("launcher.log"), "{e}");
-            // The next pass clears the symlink and starts a daemon.
+            // Nothing of the failed start is left to supervise; the next
+            // prepare starts a daemon in a fresh directory.
             let report = sup.supervise();
             h.assert_unharmed(&errors(&report));
-            assert_eq!(report.restarted, [GPU0], "{report:?}");
+            assert!(report.restarted.is_empty(), "{report:?}");
         }
     }
-    let second = sup.ensure(GPU0, &claim(1)).unwrap().pid;
-    assert_serving(&s, second, h.decoy_pid());
-    sup.release(GPU0, &claim(1)).unwrap();
+    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
+    sup.release(&key(1, GPU0)).unwrap();
     assert!(!alive(second));
     h.assert_unharmed(&[]);
 }

@@ -165,7 +165,7 @@ impl Metrics {
         );
         registry.register(
             "mps_daemons",
-            "MPS control daemons the node process supervises (devices with Isolated claims)",
+            "MPS control daemons the node process supervises (one per request of a claim and device)",
             m.mps_daemons.clone(),
         );
         registry.register(
@@ -322,7 +322,7 @@ impl Sampler {
             .filter(|(_, e)| e.state == EntryState::Completed)
             .count();
         m.prepared_claims.set(completed as i64);
-        m.mps_daemons.set(self.mps.claims().len() as i64);
+        m.mps_daemons.set(self.mps.daemons().len() as i64);
 
         let counts = self.publisher.snapshot();
         catch_up(&m.slice_reconciles, self.publisher.reconciles());

@@ -23,6 +23,8 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 /// Name of the compute limit variable.
 pub const ACTIVE_THREAD_PERCENTAGE: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
 /// Name of the memory limit variable.
@@ -54,8 +56,10 @@ pub enum LimitError {
     BadDevice { device: String },
 }
 
-/// The limits of one client container on one MPS device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The limits of every client of one MPS daemon on its device: the daemon's
+/// defaults, and the same values in the clients' environment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ClientLimits {
     /// Device memory the client may pin, bytes.
     pub memory_bytes: u64,
@@ -118,6 +122,17 @@ pub fn client_limit_env(
         format!("{PINNED_DEVICE_MEM_LIMIT}=0={mib}M"),
         format!("{ACTIVE_THREAD_PERCENTAGE}={}", limits.thread_percent),
     ])
+}
+
+/// The control commands that make `limits` a daemon's defaults for every
+/// client it serves (the daemon serves one device, ordinal 0). The pinned
+/// limit is in whole MiB, rounded down like [`client_limit_env`].
+pub fn daemon_default_commands(limits: ClientLimits) -> String {
+    format!(
+        "set_default_active_thread_percentage {}\nset_default_device_pinned_mem_limit 0 {}M\n",
+        limits.thread_percent,
+        limits.memory_bytes / MIB
+    )
 }
 
 /// A GPU (`GPU-…`) or MIG (`MIG-…`) UUID in the form current drivers print:

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use tessera_api::config::{Limits, TimeSliceInterval};
 
+use super::daemon::DaemonKey;
+use super::limits::ClientLimits;
 use super::supervisor::MpsSupervisor;
 use crate::claim_uid::ClaimUid;
 use crate::prepare::sharing::{MpsClient, MpsTarget, SharingControl, SharingError};
@@ -34,36 +36,46 @@ impl<T> MpsSharing<T> {
     }
 }
 
-/// The device a daemon serves: the MIG device when there is one.
-fn device(target: &MpsTarget) -> &str {
-    target.mig_uuid.as_deref().unwrap_or(&target.gpu_uuid)
+/// The daemon of a claim's target: it serves the MIG device when there is
+/// one.
+fn key(claim: &ClaimUid, target: &MpsTarget) -> DaemonKey {
+    DaemonKey {
+        claim: claim.clone(),
+        request: target.request.clone(),
+        device: (target.mig_uuid.as_deref())
+            .unwrap_or(&target.gpu_uuid)
+            .to_owned(),
+    }
 }
 
 impl<T: SharingControl> SharingControl for MpsSharing<T> {
-    /// The daemon is shared by every claim on the device, so a claim's
-    /// limits are not daemon settings: prepare puts them in the claim's own
-    /// environment (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`,
-    /// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+    /// The daemon is the claim's own, so the limits are its defaults: they
+    /// hold whatever a client's environment says.
     fn mps_acquire(
         &self,
         claim: &ClaimUid,
         target: &MpsTarget,
-        _limits: &Limits,
+        limits: &Limits,
     ) -> Result<MpsClient, SharingError> {
+        let client_limits = ClientLimits {
+            memory_bytes: limits.memory_bytes,
+            thread_percent: limits.compute_percent,
+        };
         let daemon = self
             .supervisor
-            .ensure(device(target), claim)
+            .ensure(&key(claim, target), client_limits)
             .map_err(|e| SharingError(e.to_string()))?;
         // The pipe directory only: the daemon's logs and the supervisor's
         // record stay on the host.
         Ok(MpsClient {
             pipe_dir: daemon.pipe_dir,
+            limits: *limits,
         })
     }
 
     fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
         self.supervisor
-            .release(device(target), claim)
+            .release(&key(claim, target))
             .map_err(|e| SharingError(e.to_string()))
     }
 

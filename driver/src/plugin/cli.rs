@@ -493,17 +493,17 @@ fn supervise_mps(
 const MPS_WATCHDOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn log_supervision(report: &SupervisionReport) {
-    for uuid in &report.adopted {
-        info!(device = %uuid, "adopted a running MPS control daemon");
+    for key in &report.adopted {
+        info!(daemon = %key, "adopted a running MPS control daemon");
     }
-    for uuid in &report.restarted {
-        warn!(device = %uuid, "MPS control daemon was not running; restarted it");
+    for key in &report.restarted {
+        warn!(daemon = %key, "MPS control daemon was not running; restarted it in a fresh pipe directory (containers started from now on reach it)");
     }
-    for uuid in &report.stopped {
-        info!(device = %uuid, "stopped the MPS control daemon of a device without claims");
+    for key in &report.stopped {
+        info!(daemon = %key, "stopped the MPS control daemon of a claim no longer prepared");
     }
-    for (uuid, error) in &report.failed {
-        warn!(device = %uuid, "MPS control daemon needs attention: {error}");
+    for (daemon, error) in &report.failed {
+        warn!(daemon = %daemon, "MPS control daemon needs attention: {error}");
     }
 }
 

@@ -376,24 +376,14 @@ pub fn actions(device: &Resolved, config: &EffectiveConfig) -> Vec<Action> {
         // Nothing on the host: the library enforces inside the container.
         return actions;
     }
-    match config {
-        EffectiveConfig::Gpu {
-            sharing: ConfigSharing::Mps { .. },
-        }
-        | EffectiveConfig::Share {
-            limits: Some(_), ..
-        } => actions.push(Action::Mps {
-            gpu_uuid: device.gpu.uuid.clone(),
-            mig_uuid: None,
-        }),
-        EffectiveConfig::Mig {
-            sharing: ConfigSharing::Mps { .. },
-        } => actions.push(Action::Mps {
-            gpu_uuid: device.gpu.uuid.clone(),
-            // Filled in once the instance exists (dynamic MIG).
-            mig_uuid: mig_instance(device).map(|i| i.uuid.clone()),
-        }),
-        _ => {}
+    if config_limits(config).is_some() {
+        // A dynamic MIG device's UUID is filled in once it exists.
+        let target = mps_target(device);
+        actions.push(Action::Mps {
+            gpu_uuid: target.gpu_uuid,
+            mig_uuid: target.mig_uuid,
+            request: Some(target.request),
+        });
     }
     actions
 }
@@ -408,9 +398,29 @@ fn mig_instance(device: &Resolved) -> Option<&MigInstance> {
 /// The MPS target of a device, once its MIG instance (if any) exists.
 pub fn mps_target(device: &Resolved) -> MpsTarget {
     MpsTarget {
+        request: device.selected.request.clone(),
         gpu_uuid: device.gpu.uuid.clone(),
         mig_uuid: mig_instance(device).map(|i| i.uuid.clone()),
     }
+}
+
+/// The MPS daemons a claim needs: one per request and device, with the
+/// limits of the request's devices there added up (two shares of one GPU
+/// in a request are one client's), compute capped at 100%.
+pub fn mps_daemons(built: &[Built]) -> BTreeMap<MpsTarget, Limits> {
+    let mut daemons: BTreeMap<MpsTarget, Limits> = BTreeMap::new();
+    for b in built {
+        let Some(l) = mps_limits(&b.device, &b.config) else {
+            continue;
+        };
+        let at = daemons.entry(mps_target(&b.device)).or_insert(Limits {
+            memory_bytes: 0,
+            compute_percent: 0,
+        });
+        at.memory_bytes += l.memory_bytes;
+        at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
+    }
+    daemons
 }
 
 /// Per-process limits a device's config asks MPS to enforce (none for a
@@ -620,30 +630,16 @@ fn request_edits(
             "CUDA_MPS_PIPE_DIRECTORY={}",
             client.pipe_dir.display()
         ));
-        // Ordinals are positions in the request's visible devices.
-        let memory: Vec<String> = mps
-            .iter()
-            .enumerate()
-            .filter_map(|(i, m)| {
-                mps_limits(&m.device, &m.config)
-                    .map(|l| format!("{i}={}M", l.memory_bytes / (1 << 20)))
-            })
-            .collect();
-        if !memory.is_empty() {
-            edits.env.push(format!(
-                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}",
-                memory.join(",")
-            ));
-        }
-        if let Some(percent) = mps
-            .iter()
-            .filter_map(|m| mps_limits(&m.device, &m.config).map(|l| l.compute_percent))
-            .min()
-        {
-            edits
-                .env
-                .push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}"));
-        }
+        // The daemon's own limits, again where the client reads them (they
+        // can only lower the daemon's).
+        let limits = crate::mps::ClientLimits {
+            memory_bytes: client.limits.memory_bytes,
+            thread_percent: client.limits.compute_percent,
+        };
+        let env = crate::mps::client_limit_env(&visible[0], limits).map_err(|e| {
+            ClaimError::new(claim, e.to_string()).field(format!("spec.devices.requests[{request}]"))
+        })?;
+        edits.env.extend(env);
         // The pipe directory only: the daemon's logs stay on the host.
         let path = client.pipe_dir.to_string_lossy().into_owned();
         edits.mounts.push(Mount {
@@ -805,13 +801,7 @@ pub fn discover_driver_files(root: &Path) -> Vec<Mount> {
         "libnvidia-gpucomp.so",
     ];
     const BIN_DIRS: &[&str] = &["usr/bin", "bin"];
-    const TOOLS: &[&str] = &[
-        "nvidia-smi",
-        "nvidia-debugdump",
-        "nvidia-persistenced",
-        "nvidia-cuda-mps-control",
-        "nvidia-cuda-mps-server",
-    ];
+    const TOOLS: &[&str] = &["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"];
     let mut mounts: Vec<Mount> = Vec::new();
     let mut add = |host: &Path, container: String| {
         if mounts.iter().any(|m| m.container_path == container) {
@@ -985,8 +975,9 @@ mod tests {
                 compute_percent: cores,
             }),
         };
-        let mps = mps_limits(&device, &config).map(|_| MpsClient {
+        let mps = mps_limits(&device, &config).map(|limits| MpsClient {
             pipe_dir: PathBuf::from("/run/tessera/mps/pipe"),
+            limits,
         });
         Built {
             device,

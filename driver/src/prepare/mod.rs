@@ -500,8 +500,9 @@ impl Preparer {
             .zip(&configs)
             .flat_map(|(d, c)| enforcement::actions(d, c))
         {
-            // Two shares of one GPU in a claim hold its time slice once.
-            if !(matches!(action, Action::TimeSlice { .. }) && actions.contains(&action)) {
+            // Two shares of one GPU in a claim hold its time slice (and, in
+            // one request, its MPS daemon) once.
+            if !actions.contains(&action) {
                 actions.push(action);
             }
         }
@@ -585,25 +586,33 @@ impl Preparer {
                         ))
                     })?;
             }
-            let mps = match enforcement::mps_limits(&device, &config) {
-                Some(limits) => Some(
-                    self.deps
-                        .sharing
-                        .mps_acquire(uid, &enforcement::mps_target(&device), &limits)
-                        .map_err(|e| {
-                            fail(format!(
-                                "cannot start MPS for device {}: {e}",
-                                device.selected.device
-                            ))
-                        })?,
-                ),
-                None => None,
-            };
             built.push(Built {
                 device,
                 config,
-                mps,
+                mps: None,
             });
+        }
+        // One daemon per request and device, its limits those of the
+        // request's shares of the device together.
+        for (target, limits) in enforcement::mps_daemons(&built) {
+            let client = self
+                .deps
+                .sharing
+                .mps_acquire(uid, &target, &limits)
+                .map_err(|e| {
+                    let device = target.mig_uuid.as_ref().unwrap_or(&target.gpu_uuid);
+                    fail(format!(
+                        "cannot start MPS for request {} on {device}: {e}",
+                        target.request
+                    ))
+                })?;
+            for b in built.iter_mut() {
+                if enforcement::mps_limits(&b.device, &b.config).is_some()
+                    && enforcement::mps_target(&b.device) == target
+                {
+                    b.mps = Some(client.clone());
+                }
+            }
         }
 
         let (spec, devices, status) = enforcement::build(claim, uid, &self.config.layout, &built)?;
@@ -727,9 +736,9 @@ impl Preparer {
                         });
                     }
                     // MPS on this MIG device names it by its new UUID.
-                    Action::Mps { gpu_uuid, mig_uuid }
-                        if *gpu_uuid == gpu && mig_uuid.is_none() =>
-                    {
+                    Action::Mps {
+                        gpu_uuid, mig_uuid, ..
+                    } if *gpu_uuid == gpu && mig_uuid.is_none() => {
                         *mig_uuid = Some(created.uuid.clone());
                     }
                     _ => {}
@@ -879,13 +888,21 @@ impl Preparer {
         blocking(move || {
             for action in entry.actions.iter().rev() {
                 let done = match action {
-                    Action::Mps { gpu_uuid, mig_uuid } => self.deps.sharing.mps_release(
+                    Action::Mps {
+                        gpu_uuid,
+                        mig_uuid,
+                        request: Some(request),
+                    } => self.deps.sharing.mps_release(
                         &uid,
                         &sharing::MpsTarget {
+                            request: request.clone(),
                             gpu_uuid: gpu_uuid.clone(),
                             mig_uuid: mig_uuid.clone(),
                         },
                     ),
+                    // A shared daemon of an earlier version: retired by the
+                    // supervisor, nothing of this claim's own.
+                    Action::Mps { request: None, .. } => Ok(()),
                     // Reset with the GPU's last holder: another claim's
                     // recorded action keeps the slice (checked and reset
                     // under the hardware lock, as prepare sets it).

@@ -34,9 +34,11 @@ use crate::claim_uid::ClaimUid;
 #[error("{0}")]
 pub struct SharingError(pub String);
 
-/// Which device an MPS daemon serves.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Which daemon: the one of a request of a claim on a device.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct MpsTarget {
+    /// The request whose containers are the daemon's clients.
+    pub request: String,
     /// The physical GPU.
     pub gpu_uuid: String,
     /// The MIG device, when the daemon serves one (MigConfig MPS).
@@ -44,18 +46,19 @@ pub struct MpsTarget {
 }
 
 /// What a client container needs to reach its MPS daemon: its pipe
-/// directory, and nothing else of the daemon's (its logs stay on the host).
+/// directory, and nothing else of the daemon's (its logs stay on the host),
+/// and the limits the daemon holds its clients to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpsClient {
     /// `CUDA_MPS_PIPE_DIRECTORY` (host path, mounted at the same path).
     pub pipe_dir: PathBuf,
+    pub limits: Limits,
 }
 
 /// MPS daemons and time slices.
 pub trait SharingControl: Send + Sync {
-    /// Make sure an MPS control daemon serves `target` and holds a reference
-    /// for `claim`; `limits` are the claim's defaults (the daemon may use
-    /// them as its default per-client limits).
+    /// Make sure `claim`'s own MPS control daemon serves `target`, with
+    /// `limits` as its defaults for every client.
     fn mps_acquire(
         &self,
         claim: &ClaimUid,
@@ -63,7 +66,7 @@ pub trait SharingControl: Send + Sync {
         limits: &Limits,
     ) -> Result<MpsClient, SharingError>;
 
-    /// Drop `claim`'s reference; the daemon stops with its last reference.
+    /// Stop `claim`'s daemon of `target`; one that is not there is fine.
     fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError>;
 
     /// Set the compute time slice of a GPU held exclusively by `claim`.

@@ -54,11 +54,16 @@ pub struct ClaimEntry {
     deny_unknown_fields
 )]
 pub enum Action {
-    /// A reference on the MPS daemon of a GPU (or MIG device).
+    /// The claim's own MPS daemon for one request on a GPU (or MIG
+    /// device). Without a request: a reference on the per-device daemon an
+    /// earlier version shared between claims (retired at start; nothing of
+    /// the claim's own to stop).
     Mps {
         gpu_uuid: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         mig_uuid: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request: Option<String>,
     },
     /// The GPU's compute time slice was changed.
     TimeSlice { gpu_uuid: String },

@@ -61,6 +61,7 @@ impl SharingControl for Recorder {
         }
         Ok(MpsClient {
             pipe_dir: format!("/run/tessera/mps/{}/pipe", target.gpu_uuid).into(),
+            limits: *limits,
         })
     }
     fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
@@ -507,6 +508,7 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
                     actions: vec![Action::Mps {
                         gpu_uuid: GPU.into(),
                         mig_uuid: None,
+                        request: Some("gpu".into()),
                     }],
                     devices: Vec::new(),
                     spec: None,

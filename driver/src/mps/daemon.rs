@@ -1,0 +1,675 @@
+//! One MPS control daemon: the daemon of one request of one claim on one
+//! device, its host-only record and its pipe directory.
+//!
+//! Layout under the supervisor's state directory:
+//!
+//! ```text
+//! <state>/<claim uid>/<tag>/daemon.json   host-only: which claim, request and device, the limits, the daemon's identity
+//! <state>/<claim uid>/<tag>/log/          host-only: CUDA_MPS_LOG_DIRECTORY, launcher.log (the daemon's output)
+//! <state>/<claim uid>/<tag>/pipe/         CUDA_MPS_PIPE_DIRECTORY: mounted into that claim's containers only
+//! ```
+//!
+//! `<tag>` is a short hash of the request and device (Unix socket paths are
+//! short); the record says what it stands for.
+//!
+//! # What is trusted, and why
+//!
+//! The pipe directory is bind-mounted read-write into the containers of the
+//! claim's request, and such a container may run as root. So nothing found
+//! there is trusted:
+//!
+//! - The control daemon's pid file there ([`PID_FILE`]) is never read. The
+//!   daemon runs in the foreground (`nvidia-cuda-mps-control -f`) as the
+//!   driver's direct child, so the driver holds its [`Child`] handle; a
+//!   daemon that outlived a driver restart is the process recorded as PID +
+//!   start time + boot id in the host-only record, and is signalled and
+//!   waited for through a pidfd opened and then checked against that record,
+//!   so a recycled PID is never hit.
+//! - The driver opens nothing there. It looks at the control endpoint with
+//!   `lstat` (ready means a socket or fifo, never a symlink).
+//! - Every start gets a fresh, empty pipe directory: the old one is removed
+//!   whole (the standard library's `remove_dir_all` does not follow
+//!   symlinks) and made anew, so a daemon, which runs as root, never works
+//!   in a directory a tenant has prepared. Containers that mounted the old
+//!   directory keep it (a bind mount holds the directory, not its path):
+//!   only containers started after the restart reach the new daemon.
+//! - No content from there (or from any log) reaches an error: errors, which
+//!   end up in Pod events, name paths and conditions only.
+//!
+//! The limits are the daemon's own defaults, given in its environment at
+//! spawn and set again through its control endpoint before the pipe
+//! directory is handed to any container, so a client holds them whatever
+//! its own environment says (its environment can only lower them).
+//!
+//! The record is written atomically *before* a daemon is spawned, naming a
+//! fresh random launch id that the daemon gets in its environment, and again
+//! with the daemon's identity right after the spawn. A driver killed in
+//! between finds its daemon on restart by that id: a secret kept host-only,
+//! so no container can make another process carry it.
+
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::limits::{self, ClientLimits};
+use super::process::{self, Pidfd, ProcessId};
+use super::supervisor::{MpsConfig, MpsError};
+use crate::cdi;
+use crate::claim_uid::ClaimUid;
+
+/// File the control daemon writes its PID to, in its pipe directory. A
+/// container can write it: the driver never reads it.
+pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+/// The control endpoint the daemon creates in its pipe directory when ready.
+pub const CONTROL: &str = "control";
+/// Environment variable carrying a daemon's secret launch id (see the
+/// module documentation).
+pub const LAUNCH_ID_ENV: &str = "TESSERA_MPS_LAUNCH_ID";
+/// The daemon's standard output and error, in its (host-only) log directory;
+/// the previous run's is kept as `launcher.log.1`.
+pub const LAUNCHER_LOG: &str = "launcher.log";
+/// The host-only record of a daemon, in its directory.
+pub const RECORD: &str = "daemon.json";
+
+const POLL: Duration = Duration::from_millis(10);
+/// How long a daemon may take to die after SIGKILL.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Longest pipe directory accepted: Unix socket paths are limited to 107
+/// bytes, and MPS puts sockets with names of a dozen or so characters in it.
+pub const MAX_PIPE_DIR: usize = 90;
+
+/// Mount options for a pipe directory in a client container: clients
+/// connect to sockets (and open pipes) there, they never need to execute or
+/// open a device node from it.
+pub const PIPE_MOUNT_OPTIONS: [&str; 5] = ["rw", "nosuid", "nodev", "noexec", "bind"];
+
+/// Which daemon: the one of a request of a claim on a device (a GPU, or a
+/// MIG device). A CUDA process talks to one daemon, and a container gets
+/// the devices of the requests it references, so a request is the unit.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DaemonKey {
+    pub claim: ClaimUid,
+    pub request: String,
+    pub device: String,
+}
+
+impl DaemonKey {
+    /// The daemon's directory name below its claim's: 8 hex digits of a
+    /// hash of request and device (FNV-1a; a clash is caught by the record).
+    pub fn tag(&self) -> String {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self.request.bytes().chain([0]).chain(self.device.bytes()) {
+            hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("{:08x}", hash as u32)
+    }
+}
+
+impl std::fmt::Display for DaemonKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "claim {} request {} on {}",
+            self.claim, self.request, self.device
+        )
+    }
+}
+
+/// A running control daemon, as a client container needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsDaemon {
+    pub key: DaemonKey,
+    /// `CUDA_MPS_PIPE_DIRECTORY` on the host: what clients mount.
+    pub pipe_dir: PathBuf,
+    /// `CUDA_MPS_LOG_DIRECTORY` on the host: for the operator, never mounted
+    /// into a container.
+    pub log_dir: PathBuf,
+    /// The daemon's defaults for every client.
+    pub limits: ClientLimits,
+    pub pid: i32,
+}
+
+/// The state of one daemon, as recorded on disk (host-only).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct Record {
+    pub key: DaemonKey,
+    pub limits: ClientLimits,
+    /// The daemon this driver spawned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<ProcessId>,
+    /// The secret launch id of a daemon being spawned, until its identity
+    /// is recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<String>,
+}
+
+/// The driver's own hold on its daemon.
+enum Handle {
+    /// Spawned by this supervisor: its PID stays ours until we reap it.
+    Spawned(Child),
+    /// Recorded by an earlier run, held through a checked pidfd.
+    Adopted(Pidfd),
+}
+
+impl Handle {
+    fn pid(&self) -> i32 {
+        match self {
+            Handle::Spawned(c) => c.id() as i32,
+            Handle::Adopted(p) => p.id().pid,
+        }
+    }
+
+    /// `None` while the daemon runs, how it ended once it has exited
+    /// (reaping it).
+    fn exit(&mut self) -> Option<String> {
+        match self {
+            Handle::Spawned(c) => match c.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Err(e) => Some(format!("could not be waited for ({e})")),
+            },
+            Handle::Adopted(p) => p.wait(Duration::ZERO).then(|| "exited".to_owned()),
+        }
+    }
+
+    /// Whether the daemon exited within `timeout`.
+    fn wait(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        match self {
+            Handle::Spawned(_) => loop {
+                if self.exit().is_some() {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(POLL);
+            },
+            Handle::Adopted(p) => p.wait(timeout),
+        }
+    }
+
+    fn kill(&mut self) -> std::io::Result<()> {
+        match self {
+            Handle::Spawned(c) => match c.kill() {
+                // Already exited and reaped.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
+                other => other,
+            },
+            Handle::Adopted(p) => p.kill(),
+        }
+    }
+}
+
+/// Whether the recorded daemon runs, as this supervisor knows it.
+pub(super) enum Liveness {
+    /// Held by this supervisor already.
+    Running,
+    /// The recorded process runs and is now held (after a driver restart).
+    Adopted,
+    Dead,
+}
+
+/// What making sure a daemon runs did.
+pub(super) enum Outcome {
+    AlreadyRunning,
+    Adopted,
+    Started,
+}
+
+/// How waiting for a daemon's control endpoint ended.
+enum Readiness {
+    Ready,
+    Exited(String),
+    TimedOut,
+}
+
+/// One daemon: its directories, its record and the driver's hold on it.
+pub(super) struct Daemon {
+    pub record: Record,
+    root: PathBuf,
+    pipe_dir: PathBuf,
+    log_dir: PathBuf,
+    handle: Option<Handle>,
+}
+
+impl Daemon {
+    /// The daemon of `key` below `state_dir`, from its record if there is
+    /// one, else a new one with `limits` (`None` without either).
+    pub fn load(
+        state_dir: &Path,
+        key: &DaemonKey,
+        limits: Option<ClientLimits>,
+    ) -> Result<Option<Self>, MpsError> {
+        let root = state_dir.join(key.claim.as_str()).join(key.tag());
+        let pipe_dir = root.join("pipe");
+        let len = pipe_dir.as_os_str().len();
+        if len > MAX_PIPE_DIR {
+            return Err(MpsError::PathTooLong {
+                device: key.device.clone(),
+                pipe_dir,
+                len,
+                max: MAX_PIPE_DIR,
+            });
+        }
+        let record_path = root.join(RECORD);
+        let io = |what, source| MpsError::Io {
+            device: key.device.clone(),
+            what,
+            path: record_path.clone(),
+            source,
+        };
+        let record = match fs::read(&record_path) {
+            Ok(bytes) => serde_json::from_slice::<Record>(&bytes).map_err(|e| {
+                io(
+                    "reading the record",
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+                )
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match limits {
+                Some(limits) => Record {
+                    key: key.clone(),
+                    limits,
+                    daemon: None,
+                    launch: None,
+                },
+                None => return Ok(None),
+            },
+            Err(e) => return Err(io("reading the record", e)),
+        };
+        if record.key != *key {
+            return Err(io(
+                "reading the record",
+                std::io::Error::other(format!("its directory is also the hash of {}", record.key)),
+            ));
+        }
+        Ok(Some(Daemon {
+            record,
+            log_dir: root.join("log"),
+            pipe_dir,
+            root,
+            handle: None,
+        }))
+    }
+
+    pub fn info(&self) -> MpsDaemon {
+        MpsDaemon {
+            key: self.record.key.clone(),
+            pipe_dir: self.pipe_dir.clone(),
+            log_dir: self.log_dir.clone(),
+            limits: self.record.limits,
+            pid: self.record.daemon.as_ref().map_or(0, |d| d.pid),
+        }
+    }
+
+    fn io_err(&self, what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> MpsError {
+        let device = self.record.key.device.clone();
+        let path = path.to_owned();
+        move |source| MpsError::Io {
+            device,
+            what,
+            path,
+            source,
+        }
+    }
+
+    pub fn persist(&self) -> Result<(), MpsError> {
+        fs::create_dir_all(&self.root).map_err(self.io_err("creating", &self.root))?;
+        let path = self.root.join(RECORD);
+        let bytes = serde_json::to_vec_pretty(&self.record).expect("a record serializes");
+        cdi::write_atomically(&path, &bytes).map_err(self.io_err("writing the record", &path))
+    }
+
+    /// Whether the recorded daemon runs; takes hold of it if this supervisor
+    /// has no handle yet, and forgets it once it has exited. Only the record
+    /// and the kernel are consulted, never the pipe directory.
+    pub fn liveness(&mut self) -> Result<Liveness, MpsError> {
+        if let Some(handle) = self.handle.as_mut() {
+            if handle.exit().is_none() {
+                return Ok(Liveness::Running);
+            }
+            self.handle = None;
+            self.record.daemon = None;
+            self.persist()?;
+            return Ok(Liveness::Dead);
+        }
+        if let Some(launch) = self.record.launch.take() {
+            // An earlier run was killed between spawning a daemon and
+            // recording it: the daemon carries the secret launch id.
+            self.record.daemon = self
+                .record
+                .daemon
+                .take()
+                .or_else(|| process::find_by_env(&format!("{LAUNCH_ID_ENV}={launch}")));
+            self.persist()?;
+        }
+        let Some(id) = self.record.daemon.clone() else {
+            return Ok(Liveness::Dead);
+        };
+        let pidfd = Pidfd::open(&id).map_err(self.io_err(
+            "taking hold of the recorded daemon (pidfd_open, Linux 5.3 or later)",
+            Path::new(&format!("/proc/{}", id.pid)),
+        ))?;
+        match pidfd {
+            Some(pidfd) => {
+                self.handle = Some(Handle::Adopted(pidfd));
+                Ok(Liveness::Adopted)
+            }
+            None => {
+                self.record.daemon = None;
+                self.persist()?;
+                Ok(Liveness::Dead)
+            }
+        }
+    }
+
+    /// Adopt the recorded daemon or start one; a daemon alive without its
+    /// control endpoint gets a new daemon's grace, then is replaced.
+    pub fn ensure_running(&mut self, config: &MpsConfig) -> Result<Outcome, MpsError> {
+        let outcome = match self.liveness()? {
+            Liveness::Running => Outcome::AlreadyRunning,
+            Liveness::Adopted => Outcome::Adopted,
+            Liveness::Dead => {
+                self.start(config)?;
+                return Ok(Outcome::Started);
+            }
+        };
+        if endpoint_ready(&self.pipe_dir) {
+            return Ok(outcome);
+        }
+        let deadline = Instant::now() + config.ready_timeout;
+        match self.wait_ready(deadline) {
+            Readiness::Ready => return Ok(outcome),
+            Readiness::Exited(_) => {}
+            Readiness::TimedOut => self.kill()?,
+        }
+        self.start(config)?;
+        Ok(Outcome::Started)
+    }
+
+    fn command(&self, config: &MpsConfig) -> Command {
+        let mut cmd = Command::new(&config.control_binary);
+        cmd.env("CUDA_VISIBLE_DEVICES", &self.record.key.device)
+            .env(limits::PIPE_DIRECTORY, &self.pipe_dir)
+            .env(limits::LOG_DIRECTORY, &self.log_dir)
+            .envs(config.env.iter().map(|(k, v)| (k, v)));
+        cmd
+    }
+
+    /// A fresh, empty pipe directory (see the module documentation).
+    fn fresh_pipe_dir(&self) -> Result<(), MpsError> {
+        ignore_missing(fs::remove_dir_all(&self.pipe_dir))
+            .map_err(self.io_err("removing the previous", &self.pipe_dir))?;
+        fs::create_dir(&self.pipe_dir).map_err(self.io_err("creating", &self.pipe_dir))
+    }
+
+    /// Spawn `nvidia-cuda-mps-control -f` as our child with the limits as
+    /// its defaults, wait for its control endpoint and set the limits again
+    /// through it. Called only when no recorded daemon runs.
+    fn start(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
+        for dir in [&self.root, &self.log_dir] {
+            fs::create_dir_all(dir).map_err(self.io_err("creating", dir))?;
+        }
+        self.fresh_pipe_dir()?;
+        let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
+            .map_err(|e| MpsError::Limits {
+                device: self.record.key.device.clone(),
+                source: e,
+            })?;
+        let launch =
+            process::random_id().map_err(self.io_err("drawing a launch id for", &self.pipe_dir))?;
+        self.record.daemon = None;
+        self.record.launch = Some(launch.clone());
+        self.persist()?;
+
+        let log = self.log_dir.join(LAUNCHER_LOG);
+        let out = open_launcher_log(&log).map_err(self.io_err("creating", &log))?;
+        let err = out.try_clone().map_err(self.io_err("opening", &log))?;
+        let deadline = Instant::now() + config.ready_timeout;
+        let mut command = self.command(config);
+        for entry in &limit_env {
+            let (name, value) = entry.split_once('=').expect("NAME=value");
+            command.env(name, value);
+        }
+        let spawned = command
+            .arg("-f")
+            .env(LAUNCH_ID_ENV, &launch)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            // Its own process group: signals meant for the driver's group (a
+            // terminal's Ctrl-C) do not reach it; it outlives a driver restart
+            // and is adopted by the next run.
+            .process_group(0)
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(source) => {
+                self.record.launch = None;
+                // The launch error is the one to report.
+                let _ = self.persist();
+                return Err(MpsError::Launch {
+                    device: self.record.key.device.clone(),
+                    binary: config.control_binary.clone(),
+                    source,
+                });
+            }
+        };
+        // Our child: its PID cannot be reused before we reap it. `None` if it
+        // already exited (waiting below says how).
+        self.record.daemon = ProcessId::of(child.id() as i32);
+        self.record.launch = None;
+        self.handle = Some(Handle::Spawned(child));
+        if let Err(e) = self.persist() {
+            // Unrecorded, it could not be found again: do not leave it.
+            let _ = self.kill();
+            return Err(e);
+        }
+        match self.wait_ready(deadline) {
+            Readiness::Ready => self.set_defaults(config),
+            Readiness::Exited(outcome) => Err(MpsError::LaunchFailed {
+                device: self.record.key.device.clone(),
+                binary: config.control_binary.clone(),
+                outcome,
+                pipe_dir: self.pipe_dir.clone(),
+                log,
+            }),
+            Readiness::TimedOut => {
+                let pid = self.handle.as_ref().map_or(0, Handle::pid);
+                self.kill()?;
+                Err(MpsError::NotReady {
+                    device: self.record.key.device.clone(),
+                    pid,
+                    waited: config.ready_timeout,
+                    pipe_dir: self.pipe_dir.clone(),
+                    log_dir: self.log_dir.clone(),
+                })
+            }
+        }
+    }
+
+    /// The limits as the daemon's defaults, through its control endpoint,
+    /// while no container has the pipe directory yet. A daemon that does not
+    /// take them is stopped: it must not serve without them.
+    fn set_defaults(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
+        let commands = limits::daemon_default_commands(self.record.limits);
+        if self.send(config, &commands) {
+            return Ok(());
+        }
+        self.kill()?;
+        Err(MpsError::LimitsRefused {
+            device: self.record.key.device.clone(),
+            log_dir: self.log_dir.clone(),
+        })
+    }
+
+    /// Poll until the held daemon's control endpoint exists, the daemon
+    /// exits (then it is forgotten) or `deadline` passes.
+    fn wait_ready(&mut self, deadline: Instant) -> Readiness {
+        loop {
+            let Some(handle) = self.handle.as_mut() else {
+                return Readiness::Exited("is not running".into());
+            };
+            if let Some(outcome) = handle.exit() {
+                self.handle = None;
+                self.record.daemon = None;
+                // Best effort: the record is checked against the kernel
+                // before it is acted on anyway.
+                let _ = self.persist();
+                return Readiness::Exited(outcome);
+            }
+            if endpoint_ready(&self.pipe_dir) {
+                return Readiness::Ready;
+            }
+            if Instant::now() >= deadline {
+                return Readiness::TimedOut;
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// Stop the recorded daemon (if it runs) and remove its directory,
+    /// record included; the logs go with it.
+    pub fn stop(&mut self, config: &MpsConfig) -> Result<bool, MpsError> {
+        let was_running = !matches!(self.liveness()?, Liveness::Dead);
+        if was_running {
+            let asked = endpoint_ready(&self.pipe_dir) && self.send(config, "quit\n");
+            let quit = asked
+                && self
+                    .handle
+                    .as_mut()
+                    .is_none_or(|h| h.wait(config.quit_timeout));
+            if quit {
+                self.handle = None;
+            } else {
+                self.kill()?;
+            }
+            self.record.daemon = None;
+        }
+        // Containers may have left anything in the pipe directory; removal
+        // does not follow symlinks.
+        ignore_missing(fs::remove_dir_all(&self.root))
+            .map_err(self.io_err("removing", &self.root))?;
+        Ok(was_running)
+    }
+
+    /// `echo <commands> | nvidia-cuda-mps-control` with the daemon's pipe
+    /// directory; whether the client ran and succeeded. Its output is not
+    /// read. The endpoint is looked at (a socket, never a symlink) first.
+    fn send(&self, config: &MpsConfig, commands: &str) -> bool {
+        if !endpoint_ready(&self.pipe_dir) {
+            return false;
+        }
+        let Ok(mut client) = self
+            .command(config)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        else {
+            return false;
+        };
+        if let Some(mut stdin) = client.stdin.take() {
+            let _ = stdin.write_all(commands.as_bytes());
+        }
+        let deadline = Instant::now() + config.quit_timeout;
+        loop {
+            match client.try_wait() {
+                Ok(Some(status)) => return status.success(),
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
+                _ => {
+                    let _ = client.kill();
+                    let _ = client.wait();
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// SIGKILL the held daemon through its handle and wait until it is gone.
+    pub fn kill(&mut self) -> Result<(), MpsError> {
+        let Some(handle) = self.handle.as_mut() else {
+            return Ok(());
+        };
+        let pid = handle.pid();
+        handle.kill().map_err(|source| MpsError::Io {
+            device: self.record.key.device.clone(),
+            what: "killing the daemon",
+            path: PathBuf::from(format!("/proc/{pid}")),
+            source,
+        })?;
+        if !handle.wait(KILL_WAIT) {
+            return Err(MpsError::Unkillable {
+                device: self.record.key.device.clone(),
+                pid,
+                waited: KILL_WAIT,
+            });
+        }
+        self.handle = None;
+        self.record.daemon = None;
+        self.persist()
+    }
+}
+
+/// Whether the control endpoint is there: a socket (or fifo) itself, not a
+/// symlink or anything else a container may have put in its place.
+pub(super) fn endpoint_ready(pipe_dir: &Path) -> bool {
+    pipe_dir.join(CONTROL).symlink_metadata().is_ok_and(|m| {
+        let t = m.file_type();
+        t.is_socket() || t.is_fifo()
+    })
+}
+
+/// A fresh launcher log in the host-only log directory; the previous one is
+/// kept as `<name>.1`. Neither step follows a symlink.
+fn open_launcher_log(path: &Path) -> std::io::Result<File> {
+    let mut previous: OsString = path.as_os_str().to_owned();
+    previous.push(".1");
+    ignore_missing(fs::rename(path, &previous))?;
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
+pub(super) fn ignore_missing(result: std::io::Result<()>) -> std::io::Result<()> {
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(request: &str, device: &str) -> DaemonKey {
+        DaemonKey {
+            claim: ClaimUid::parse("00000000-0000-4000-8000-000000000001").unwrap(),
+            request: request.into(),
+            device: device.into(),
+        }
+    }
+
+    #[test]
+    fn tags_are_short_stable_and_keep_requests_and_devices_apart() {
+        let a = key("gpu", "GPU-a");
+        assert_eq!(a.tag().len(), 8);
+        assert_eq!(a.tag(), key("gpu", "GPU-a").tag());
+        assert_ne!(a.tag(), key("gpu", "GPU-b").tag());
+        assert_ne!(a.tag(), key("gpu2", "GPU-a").tag());
+        // The separator keeps "ab"+"c" apart from "a"+"bc".
+        assert_ne!(key("ab", "c").tag(), key("a", "bc").tag());
+    }
+}
