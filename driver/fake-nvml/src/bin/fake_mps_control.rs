@@ -18,9 +18,21 @@
 //!   daemon there it fails (exit 1).
 //! - Commands: `quit` (the daemon removes its files and exits),
 //!   `get_server_list` (empty: there are no CUDA clients here),
-//!   `get_default_active_thread_percentage`,
-//!   `set_default_active_thread_percentage <p>`; anything else is answered
-//!   with an error line.
+//!   `get_default_active_thread_percentage` (`100.0`),
+//!   `set_default_active_thread_percentage <p>` (echoes `<p>` as `25.0`),
+//!   `get_default_device_pinned_mem_limit <ordinal>` (`8192M`, or an empty
+//!   reply when none is set) and
+//!   `set_default_device_pinned_mem_limit <ordinal> <amount>` (`8G`, `8GB`,
+//!   `512M`, `512MB`; an empty reply). A bad value, an ordinal past the
+//!   devices the daemon serves or anything else is answered with an error
+//!   line (the client still exits 0).
+//! - The daemon's own environment at start sets its defaults, as NVIDIA's
+//!   does: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<p>` and
+//!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<amount>[,...]`, ordinals
+//!   counting the devices in its `CUDA_VISIBLE_DEVICES`. A value it cannot
+//!   use is logged and ignored. Defaults bind clients: a client's own
+//!   environment can only lower its limits (that rule is applied by the
+//!   simulated CUDA library, `driver/fake-cuda`).
 //!
 //! Only the GPU-side effects are absent. Test knobs, read when the daemon
 //! starts: `TESSERA_FAKE_MPS_READY_DELAY_MS` delays creating `control` (the
@@ -29,7 +41,19 @@
 //! keep running (a hung daemon).
 //!
 //! The wire protocol between this client and this daemon (a Unix stream
-//! socket, one connection per command) is private to the fake.
+//! socket, one connection per command: the client writes one command line
+//! and shuts down its side, the daemon writes the reply and closes) is
+//! private to the fake. So is one more command, for the simulated
+//! `libcuda.so.1` only: `tessera_fake_get_client_config`
+//! ([`protocol::CLIENT_CONFIG_COMMAND`]), answered with one JSON line,
+//! `{"devices":["GPU-..."],"activeThreadPercentage":25.0,"pinnedMemLimits":{"0":8589934592}}`:
+//! the entries of the daemon's `CUDA_VISIBLE_DEVICES` (`null` when it has
+//! none), its current default thread percentage and its default pinned
+//! limits in bytes by ordinal. `protocol.rs` holds that reply's type and the
+//! limit syntax; the CUDA library compiles the same file.
+
+#[path = "fake_mps_control/protocol.rs"]
+mod protocol;
 
 use std::fs::{self, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -190,11 +214,26 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     // Stale files of a daemon that died.
     let _ = fs::remove_file(&control);
     fs::write(&pid_file, format!("{pid}\n"))?;
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into());
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     log(
         log_dir,
-        &format!("Startup pid={pid} CUDA_VISIBLE_DEVICES={visible}"),
+        &format!(
+            "Startup pid={pid} CUDA_VISIBLE_DEVICES={}",
+            visible.as_deref().unwrap_or("<unset>")
+        ),
     );
+    let (mut defaults, problems) = Defaults::from_env(
+        visible.as_deref(),
+        std::env::var(protocol::THREAD_PERCENTAGE_ENV)
+            .ok()
+            .as_deref(),
+        std::env::var(protocol::PINNED_MEM_LIMIT_ENV)
+            .ok()
+            .as_deref(),
+    );
+    for p in problems {
+        log(log_dir, &format!("Ignoring environment: {p}"));
+    }
     let delay = std::env::var(READY_DELAY_ENV)
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
@@ -205,7 +244,6 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
     let listener = UnixListener::bind(&control)?;
     log(log_dir, "Control daemon ready");
-    let mut thread_percentage = 100.0_f64;
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
         let mut line = String::new();
@@ -214,40 +252,145 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         }
         let command = line.trim();
         log(log_dir, &format!("Command: {command}"));
-        let mut words = command.split_whitespace();
-        let reply = match (words.next(), words.next()) {
-            (Some("quit"), _) => {
-                if ignore_quit {
-                    log(log_dir, "quit ignored (test knob)");
-                    String::new()
-                } else {
-                    // Files first: when the client sees the reply end, the
-                    // pipe directory no longer advertises a daemon.
-                    let _ = fs::remove_file(&control);
-                    let _ = fs::remove_file(&pid_file);
-                    log(log_dir, "Exit");
-                    drop(stream);
-                    return Ok(());
-                }
+        let reply = match defaults.handle(command) {
+            Reply::Quit if ignore_quit => {
+                log(log_dir, "quit ignored (test knob)");
+                String::new()
             }
-            (Some("get_server_list"), _) => String::new(),
-            (Some("get_default_active_thread_percentage"), _) => {
-                format!("{thread_percentage:.1}\n")
+            Reply::Quit => {
+                // Files first: when the client sees the reply end, the
+                // pipe directory no longer advertises a daemon.
+                let _ = fs::remove_file(&control);
+                let _ = fs::remove_file(&pid_file);
+                log(log_dir, "Exit");
+                drop(stream);
+                return Ok(());
             }
-            (Some("set_default_active_thread_percentage"), Some(value)) => {
-                match value.parse::<f64>() {
-                    Ok(p) if p > 0.0 && p <= 100.0 => {
-                        thread_percentage = p;
-                        format!("{p:.1}\n")
-                    }
-                    _ => format!("Invalid percentage {value}\n"),
-                }
-            }
-            _ => format!("Unrecognized command: {command}\n"),
+            Reply::Text(text) => text,
         };
         let _ = stream.write_all(reply.as_bytes());
     }
     Ok(())
+}
+
+/// What the daemon imposes on its clients, and the devices it serves.
+#[derive(Debug, Clone, PartialEq)]
+struct Defaults {
+    config: protocol::ClientConfig,
+}
+
+#[derive(Debug, PartialEq)]
+enum Reply {
+    Quit,
+    Text(String),
+}
+
+impl Defaults {
+    /// The defaults a daemon starts with, from its `CUDA_VISIBLE_DEVICES`
+    /// and the two limit variables; values it cannot use are returned as
+    /// problems (and not applied).
+    fn from_env(
+        visible: Option<&str>,
+        percentage: Option<&str>,
+        pinned: Option<&str>,
+    ) -> (Defaults, Vec<String>) {
+        let devices = visible.map(|v| {
+            if v.trim().is_empty() {
+                Vec::new()
+            } else {
+                v.split(',').map(|e| e.trim().to_owned()).collect()
+            }
+        });
+        let mut defaults = Defaults {
+            config: protocol::ClientConfig {
+                devices,
+                active_thread_percentage: 100.0,
+                pinned_mem_limits: Default::default(),
+            },
+        };
+        let mut problems = Vec::new();
+        if let Some(p) = percentage.filter(|p| !p.is_empty()) {
+            match protocol::parse_percentage(p) {
+                Ok(p) => defaults.config.active_thread_percentage = p,
+                Err(e) => problems.push(format!("{}: {e}", protocol::THREAD_PERCENTAGE_ENV)),
+            }
+        }
+        if let Some(l) = pinned.filter(|l| !l.is_empty()) {
+            let limits = protocol::parse_pinned_limits(l).and_then(|limits| {
+                match limits.keys().find(|o| !defaults.serves(**o)) {
+                    Some(o) => Err(format!("no device of ordinal {o}")),
+                    None => Ok(limits),
+                }
+            });
+            match limits {
+                Ok(limits) => defaults.config.pinned_mem_limits = limits,
+                Err(e) => problems.push(format!("{}: {e}", protocol::PINNED_MEM_LIMIT_ENV)),
+            }
+        }
+        (defaults, problems)
+    }
+
+    /// Whether `ordinal` names one of the daemon's devices (any ordinal
+    /// when it was given no `CUDA_VISIBLE_DEVICES`: it cannot count them).
+    fn serves(&self, ordinal: u32) -> bool {
+        self.config
+            .devices
+            .as_ref()
+            .is_none_or(|d| (ordinal as usize) < d.len())
+    }
+
+    fn ordinal(&self, word: &str) -> Result<u32, String> {
+        match word.parse::<u32>() {
+            Ok(o) if self.serves(o) => Ok(o),
+            _ => Err(format!("Invalid device {word}\n")),
+        }
+    }
+
+    /// The reply to one control command.
+    fn handle(&mut self, command: &str) -> Reply {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let text = match words.as_slice() {
+            ["quit", ..] => return Reply::Quit,
+            ["get_server_list"] => String::new(),
+            ["get_default_active_thread_percentage"] => {
+                format!("{:.1}\n", self.config.active_thread_percentage)
+            }
+            ["set_default_active_thread_percentage", value] => {
+                match protocol::parse_percentage(value) {
+                    Ok(p) => {
+                        self.config.active_thread_percentage = p;
+                        format!("{p:.1}\n")
+                    }
+                    Err(_) => format!("Invalid percentage {value}\n"),
+                }
+            }
+            ["get_default_device_pinned_mem_limit", ordinal] => match self.ordinal(ordinal) {
+                Ok(o) => self
+                    .config
+                    .pinned_mem_limits
+                    .get(&o)
+                    .map_or_else(String::new, |b| {
+                        format!("{}\n", protocol::format_amount(*b))
+                    }),
+                Err(e) => e,
+            },
+            ["set_default_device_pinned_mem_limit", ordinal, amount] => {
+                match (self.ordinal(ordinal), protocol::parse_amount(amount)) {
+                    (Ok(o), Ok(bytes)) => {
+                        self.config.pinned_mem_limits.insert(o, bytes);
+                        String::new()
+                    }
+                    (Err(e), _) => e,
+                    (_, Err(_)) => format!("Invalid memory limit {amount}\n"),
+                }
+            }
+            [protocol::CLIENT_CONFIG_COMMAND] => {
+                serde_json::to_string(&self.config).unwrap_or_default() + "\n"
+            }
+            _ => format!("Unrecognized command: {command}\n"),
+        };
+        Reply::Text(text)
+    }
 }
 
 fn log(log_dir: &Path, message: &str) {
@@ -260,5 +403,125 @@ fn log(log_dir: &Path, message: &str) {
         .open(log_dir.join("control.log"))
     {
         let _ = writeln!(f, "[{secs}] {message}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn text(d: &mut Defaults, command: &str) -> String {
+        match d.handle(command) {
+            Reply::Text(t) => t,
+            Reply::Quit => panic!("{command} quit"),
+        }
+    }
+
+    #[test]
+    fn the_environment_sets_the_defaults() {
+        let (d, problems) = Defaults::from_env(Some("GPU-a, GPU-b"), Some("25"), Some("1=8G"));
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(
+            d.config,
+            protocol::ClientConfig {
+                devices: Some(vec!["GPU-a".into(), "GPU-b".into()]),
+                active_thread_percentage: 25.0,
+                pinned_mem_limits: [(1, 8 * GIB)].into(),
+            }
+        );
+        let (d, problems) = Defaults::from_env(None, None, Some("5=512MB"));
+        assert!(problems.is_empty());
+        assert_eq!(d.config.devices, None);
+        assert_eq!(d.config.active_thread_percentage, 100.0);
+        assert_eq!(d.config.pinned_mem_limits, [(5, 512 << 20)].into());
+        let (d, _) = Defaults::from_env(Some(""), Some(""), Some(""));
+        assert_eq!(d.config.devices, Some(vec![]));
+        assert!(d.config.pinned_mem_limits.is_empty());
+    }
+
+    #[test]
+    fn unusable_environment_values_are_reported_and_ignored() {
+        let (d, problems) = Defaults::from_env(Some("GPU-a"), Some("250"), Some("1=8G"));
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert_eq!(d.config.active_thread_percentage, 100.0);
+        assert!(d.config.pinned_mem_limits.is_empty());
+        let (_, problems) = Defaults::from_env(Some("GPU-a"), Some("x"), Some("0=8"));
+        assert_eq!(problems.len(), 2, "{problems:?}");
+    }
+
+    #[test]
+    fn commands_read_and_change_the_defaults() {
+        let (mut d, _) = Defaults::from_env(Some("GPU-a"), None, None);
+        assert_eq!(
+            text(&mut d, "get_default_active_thread_percentage"),
+            "100.0\n"
+        );
+        assert_eq!(
+            text(&mut d, "set_default_active_thread_percentage 30"),
+            "30.0\n"
+        );
+        assert_eq!(
+            text(&mut d, "get_default_active_thread_percentage"),
+            "30.0\n"
+        );
+        assert_eq!(text(&mut d, "get_default_device_pinned_mem_limit 0"), "");
+        assert_eq!(text(&mut d, "set_default_device_pinned_mem_limit 0 8G"), "");
+        assert_eq!(
+            text(&mut d, "get_default_device_pinned_mem_limit 0"),
+            "8192M\n"
+        );
+        assert_eq!(
+            text(&mut d, "set_default_device_pinned_mem_limit 0 512MB"),
+            ""
+        );
+        assert_eq!(
+            text(&mut d, "get_default_device_pinned_mem_limit 0"),
+            "512M\n"
+        );
+        assert_eq!(text(&mut d, "get_server_list"), "");
+        assert_eq!(d.handle("quit"), Reply::Quit);
+    }
+
+    #[test]
+    fn bad_commands_get_an_error_line_and_change_nothing() {
+        let (mut d, _) = Defaults::from_env(Some("GPU-a"), Some("50"), Some("0=1G"));
+        let before = d.clone();
+        for bad in [
+            "set_default_active_thread_percentage 0",
+            "set_default_active_thread_percentage 101",
+            "set_default_active_thread_percentage",
+            "set_default_device_pinned_mem_limit 0 8",
+            "set_default_device_pinned_mem_limit 0 0G",
+            "set_default_device_pinned_mem_limit 1 8G",
+            "set_default_device_pinned_mem_limit x 8G",
+            "set_default_device_pinned_mem_limit 0",
+            "get_default_device_pinned_mem_limit 1",
+            "get_default_device_pinned_mem_limit",
+            "frobnicate",
+        ] {
+            let reply = text(&mut d, bad);
+            assert!(
+                reply.ends_with('\n') && reply.len() > 1,
+                "{bad:?} answered {reply:?}"
+            );
+        }
+        assert_eq!(d, before);
+    }
+
+    #[test]
+    fn the_private_command_answers_one_json_line() {
+        let (mut d, _) = Defaults::from_env(Some("GPU-a"), Some("25"), Some("0=8G"));
+        let reply = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
+        assert_eq!(reply.lines().count(), 1);
+        let config: protocol::ClientConfig = serde_json::from_str(&reply).unwrap();
+        assert_eq!(config, d.config);
+        let (mut d, _) = Defaults::from_env(None, None, None);
+        let reply = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
+        assert_eq!(
+            reply,
+            "{\"devices\":null,\"activeThreadPercentage\":100.0,\"pinnedMemLimits\":{}}\n"
+        );
     }
 }
