@@ -753,7 +753,7 @@ node_nvml_env() {
 	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir
+# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_CUDA_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir
 # (profile TESSERA_PROFILE, default debug; the benchmark uses release); this
 # script builds none of them.
 node_binaries() {
@@ -761,10 +761,11 @@ node_binaries() {
 	case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
 	TESSERA_BIN_="$target/$profile/tessera"
 	FAKE_NVML_LIB_="$target/$profile/libtessera_fake_nvml.so"
+	FAKE_CUDA_LIB_="$target/$profile/libtessera_fake_cuda.so"
 	FAKE_MPS_="$target/$profile/fake-mps-control"
 	FAKE_SMI_="$target/$profile/nvidia-smi"
-	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_MPS_" "$FAKE_SMI_"; do
-		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml$([[ $profile == release ]] && echo ' --release') (with the same CARGO_TARGET_DIR)"
+	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_CUDA_LIB_" "$FAKE_MPS_" "$FAKE_SMI_"; do
+		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda$([[ $profile == release ]] && echo ' --release') (with the same CARGO_TARGET_DIR)"
 	done
 }
 
@@ -783,7 +784,7 @@ mknod_char() {
 
 # The driver root a real node has: character device nodes for every GPU NVML
 # reports, /dev/nvidiactl and nvidia-uvm (as nvidia-modprobe creates them),
-# nvidia-smi, the MPS control binary and the NVML library. The simulated
+# nvidia-smi, the MPS control binary, the NVML library and libcuda. The simulated
 # driver itself writes proc/devices and the MIG capability files below
 # proc/driver; the MIG capability device nodes are Tessera's to create (no
 # driver creates them), as on a real node. Sets NODE_GPUS_.
@@ -793,6 +794,7 @@ make_driver_root() {
 	root=$(node_driver_root)
 	mkdir -p "$root/dev" "$root/usr/bin" "$(node_nvml_dir)"
 	ln -sfn "$FAKE_NVML_LIB_" "$(node_nvml_dir)/libnvidia-ml.so.1"
+	ln -sfn "$FAKE_CUDA_LIB_" "$(node_nvml_dir)/libcuda.so.1"
 	ln -sfn "$FAKE_MPS_" "$root/usr/bin/nvidia-cuda-mps-control"
 	ln -sfn "$FAKE_SMI_" "$root/usr/bin/nvidia-smi"
 	mknod_char "$root/dev/nvidiactl" "$NVIDIA_MAJOR" 255

@@ -38,7 +38,7 @@ KEEP=0
 [[ "${1:-}" == --keep ]] && KEEP=1
 
 say "building Tessera and the simulated GPU library"
-cargo build -p tessera-driver -p tessera-fake-nvml
+cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda
 TESSERA="$TARGET_DIR/debug/tessera"
 
 say "starting a fresh local control plane in $TESSERA_CLUSTER_DIR"

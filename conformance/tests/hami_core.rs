@@ -16,7 +16,6 @@
 
 mod plugin_support;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
@@ -32,7 +31,8 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
+    cluster_env_vars, cluster_sh, container_runtime, env_file, log_with, node_running,
+    probe_image,
 };
 use plugin_support::repo_root;
 
@@ -121,15 +121,7 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
 
 /// `tessera status -o json` on the simulated node.
 fn status(env: &ClusterEnv, driver: &str, extra: &[&str]) -> Result<Value> {
-    let vars: BTreeMap<String, String> = cluster_sh(env, &["env"])?
-        .lines()
-        .filter_map(|l| l.strip_prefix("export "))
-        .filter_map(|l| l.split_once('='))
-        .filter_map(|(k, v)| {
-            let v = v.strip_prefix('\'')?;
-            Some((k.to_owned(), v[..v.find('\'')?].to_owned()))
-        })
-        .collect();
+    let vars = cluster_env_vars(env)?;
     let var = |k: &str| {
         vars.get(k)
             .with_context(|| format!("cluster.sh env has no {k}"))

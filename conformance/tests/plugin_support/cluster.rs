@@ -58,6 +58,20 @@ pub fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The variables `cluster.sh env` exports (the cluster's, and after
+/// `node-start` the simulated node's: `TESSERA_NODE_MPS_DIR`, ...).
+pub fn cluster_env_vars(env: &ClusterEnv) -> Result<BTreeMap<String, String>> {
+    Ok(cluster_sh(env, &["env"])?
+        .lines()
+        .filter_map(|l| l.strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .filter_map(|(k, v)| {
+            let v = v.strip_prefix('\'')?;
+            Some((k.to_owned(), v[..v.find('\'')?].to_owned()))
+        })
+        .collect())
+}
+
 /// The node process `cluster.sh node-start` started, while it runs (its
 /// pid file outlives it).
 pub fn node_pid(env: &ClusterEnv) -> Option<i32> {
