@@ -15,4 +15,5 @@ pub mod mps;
 pub mod node;
 pub mod plugin;
 pub mod prepare;
+pub mod probe;
 pub mod webhook;

@@ -66,6 +66,12 @@ enum Command {
     /// ResourceClaimTemplates whose opaque config for this driver does not
     /// decode, with the message prepare would give (HTTPS, POST /validate).
     Webhook(tessera_driver::webhook::WebhookArgs),
+
+    /// Print as JSON what a CUDA process gets here: the devices libcuda
+    /// enumerates with their SMs and free memory (under MPS: the client's
+    /// limits), optionally whether an allocation fits. Exits non-zero when
+    /// the library is missing or a CUDA call fails.
+    Probe(tessera_driver::probe::ProbeArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -92,6 +98,7 @@ fn main() -> ExitCode {
         }
         Command::Status(args) => status_cmd::status(&cli.nvml_library, args),
         Command::Webhook(args) => tessera_driver::webhook::main(args).map(|()| ExitCode::SUCCESS),
+        Command::Probe(args) => tessera_driver::probe::main(args),
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

@@ -1,0 +1,553 @@
+//! `tessera probe` against the simulated `libcuda.so.1`
+//! (`driver/fake-cuda`) on a simulated 8x H100 machine: what a CUDA process
+//! gets outside MPS, under a `fake-mps-control` daemon's limits (which its
+//! own environment cannot raise), after the daemon quits, in a container
+//! (device nodes), and how failures are reported.
+//!
+//! Every probe is a real `tessera` process loading the fake library as
+//! `libcuda.so.1`; daemons are real processes; tests wait on observable
+//! state with deadlines, never on fixed sleeps.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tessera_driver::probe::{ProbeAllocation, ProbeReport};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// An H100 80GB HBM3 as the topology (and `nvidia-smi`) has it.
+const H100_BYTES: u64 = 81559 * MIB;
+const H100_SMS: i32 = 132;
+
+/// File name of the built simulated CUDA library.
+const FAKE_CUDA: &str = "libtessera_fake_cuda.so";
+
+/// A directory holding `libcuda.so.1`, the simulated CUDA driver, for
+/// `LD_LIBRARY_PATH`.
+///
+/// `tessera-fake-cuda` is a dev-dependency of this crate, so `cargo test`
+/// builds its cdylib next to the test binaries; should it not be there, it
+/// is built with cargo here.
+fn fake_cuda_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let lib = built(FAKE_CUDA)
+            .unwrap_or_else(|| cargo_build("tessera-fake-cuda", "tessera_fake_cuda", "filenames"));
+        let dir = scratch_dir("fake-cuda");
+        // Replace atomically: other test binaries may be using the link now.
+        let tmp = dir.join(format!(".libcuda.so.1.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&lib, &tmp).expect("linking the fake CUDA library");
+        std::fs::rename(&tmp, dir.join("libcuda.so.1")).expect("placing the fake CUDA library");
+        dir
+    })
+}
+
+fn built(file: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    [deps.to_path_buf(), deps.parent()?.to_path_buf()]
+        .into_iter()
+        .map(|d| d.join(file))
+        .find(|p| p.is_file())
+}
+
+/// Builds `package` and returns its artifact for `target` (the first of
+/// the message's `field`: `filenames` for a library, `executable`).
+fn cargo_build(package: &str, target: &str, field: &str) -> PathBuf {
+    let mut args = vec!["build", "-p", package, "--message-format=json"];
+    if field == "executable" {
+        args.extend(["--bin", target]);
+    }
+    let out = Command::new(env!("CARGO"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("running cargo build");
+    assert!(out.status.success(), "cargo build -p {package} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == target)
+        .find_map(|m| {
+            let v = &m[field];
+            v.as_str().map(PathBuf::from).or_else(|| {
+                v.as_array()?
+                    .iter()
+                    .filter_map(|f| f.as_str().map(PathBuf::from))
+                    .find(|f| f.extension().is_some_and(|e| e == "so"))
+            })
+        })
+        .unwrap_or_else(|| panic!("cargo reported no {target} artifact"))
+}
+
+/// The built `fake-mps-control`.
+fn fake_mps_control() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| cargo_build("tessera-fake-nvml", "fake-mps-control", "executable"))
+}
+
+/// The UUIDs of the shipped 8x H100 topology, in order.
+fn h100_uuids() -> Vec<String> {
+    let text = std::fs::read_to_string(topology("h100x8.yaml")).unwrap();
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    doc["gpus"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|g| g["uuid"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// One simulated 8x H100 machine (its own state file) and a pipe
+/// directory no daemon serves unless a test starts one there.
+struct Machine {
+    dir: tempfile::TempDir,
+    state: PathBuf,
+}
+
+impl Machine {
+    fn new() -> Machine {
+        Machine {
+            dir: tempfile::Builder::new().prefix("probe").tempdir().unwrap(),
+            state: fresh_state("probe"),
+        }
+    }
+
+    fn quiet_pipe(&self) -> PathBuf {
+        self.dir.path().join("no-daemon")
+    }
+
+    /// `tessera probe <args>` with the fake `libcuda.so.1` on
+    /// `LD_LIBRARY_PATH` and `env` (CUDA variables; the pipe directory
+    /// defaults to one without a daemon).
+    fn probe(&self, args: &[&str], env: &[(&str, &str)]) -> (Output, ProbeReport) {
+        let mut cmd = clean(Command::new(env!("CARGO_BIN_EXE_tessera")));
+        cmd.arg("probe")
+            .args(args)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+            .env_remove("TESSERA_FAKE_NVML_DEV_ROOT")
+            .env("CUDA_MPS_PIPE_DIRECTORY", self.quiet_pipe())
+            .env("LD_LIBRARY_PATH", fake_cuda_dir())
+            .env(TOPOLOGY_ENV, topology("h100x8.yaml"))
+            .env(STATE_ENV, &self.state)
+            .envs(env.iter().copied());
+        let out = cmd.output().expect("running tessera probe");
+        let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "tessera probe printed no report ({e}):\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        (out, report)
+    }
+
+    /// A probe that must succeed.
+    fn probe_ok(&self, args: &[&str], env: &[(&str, &str)]) -> ProbeReport {
+        let (out, report) = self.probe(args, env);
+        assert!(
+            out.status.success(),
+            "tessera probe failed ({}): {report:#?}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        report
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        remove_state(&self.state);
+    }
+}
+
+/// (uuid, SMs, free bytes) per device.
+fn summary(report: &ProbeReport) -> Vec<(String, i32, Option<u64>)> {
+    report
+        .devices
+        .iter()
+        .map(|d| (d.uuid.clone(), d.multiprocessors, d.memory_free_bytes))
+        .collect()
+}
+
+fn allocations(report: &ProbeReport) -> Vec<Option<ProbeAllocation>> {
+    report
+        .devices
+        .iter()
+        .map(|d| d.allocation.clone())
+        .collect()
+}
+
+fn refused(bytes: u64) -> Option<ProbeAllocation> {
+    Some(ProbeAllocation {
+        bytes,
+        ok: false,
+        error: Some("CUDA_ERROR_OUT_OF_MEMORY".into()),
+    })
+}
+
+fn granted(bytes: u64) -> Option<ProbeAllocation> {
+    Some(ProbeAllocation {
+        bytes,
+        ok: true,
+        error: None,
+    })
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A control daemon in the foreground, killed if the test ends early.
+struct Daemon {
+    child: Child,
+    pipe: PathBuf,
+}
+
+impl Daemon {
+    fn start(machine: &Machine, name: &str, env: &[(&str, &str)]) -> Daemon {
+        let pipe = machine.dir.path().join(name).join("pipe");
+        let child = Command::new(fake_mps_control())
+            .arg("-f")
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .env(
+                "CUDA_MPS_LOG_DIRECTORY",
+                machine.dir.path().join(name).join("log"),
+            )
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("starting fake-mps-control -f");
+        let daemon = Daemon { child, pipe };
+        wait_until("the daemon's control socket is there", || {
+            daemon.pipe.join("control").exists()
+        });
+        daemon
+    }
+
+    fn pipe(&self) -> &str {
+        self.pipe.to_str().unwrap()
+    }
+
+    /// `echo <commands> | nvidia-cuda-mps-control`.
+    fn control(&self, commands: &str) -> String {
+        let mut child = Command::new(fake_mps_control())
+            .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(commands.as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{commands:?} failed");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn quit(&mut self) {
+        self.control("quit\n");
+        let child = &mut self.child;
+        wait_until("the daemon exits after quit", || {
+            child.try_wait().unwrap().is_some()
+        });
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+#[test]
+fn outside_mps_every_gpu_is_whole() {
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let report = m.probe_ok(&["--alloc", "8Gi"], &[]);
+    assert_eq!(report.cuda_driver_version, Some(12080));
+    assert_eq!(report.library, "libcuda.so.1");
+    assert_eq!(
+        summary(&report),
+        uuids
+            .iter()
+            .map(|u| (u.clone(), H100_SMS, Some(H100_BYTES)))
+            .collect::<Vec<_>>()
+    );
+    for (i, d) in report.devices.iter().enumerate() {
+        assert_eq!(d.ordinal, i as i32);
+        assert_eq!(d.name, "NVIDIA H100 80GB HBM3");
+        assert_eq!(d.memory_total_bytes, H100_BYTES);
+        assert_eq!(d.gpu_uuid, d.uuid);
+        assert_eq!(d.allocation, granted(8 * GIB));
+        assert_eq!(d.error, None);
+    }
+    assert_eq!(
+        report.environment.cuda_mps_pipe_directory.as_deref(),
+        m.quiet_pipe().to_str()
+    );
+    assert_eq!(report.environment.cuda_visible_devices, None);
+    // The client limit variables do nothing without a daemon.
+    let report = m.probe_ok(
+        &["--alloc", "79Gi"],
+        &[
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=8G"),
+        ],
+    );
+    assert_eq!(report.devices[0].multiprocessors, H100_SMS);
+    assert_eq!(report.devices[0].allocation, granted(79 * GIB));
+    assert_eq!(
+        report
+            .environment
+            .cuda_mps_active_thread_percentage
+            .as_deref(),
+        Some("25")
+    );
+}
+
+#[test]
+fn cuda_visible_devices_picks_and_orders_and_library_overrides_the_loader() {
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let prefix = &uuids[1][..12];
+    let report = m.probe_ok(
+        &[
+            "--library",
+            fake_cuda_dir().join("libcuda.so.1").to_str().unwrap(),
+        ],
+        &[
+            ("CUDA_VISIBLE_DEVICES", &format!("5,{prefix},99,0")),
+            ("LD_LIBRARY_PATH", "/nonexistent"),
+        ],
+    );
+    assert_eq!(
+        report
+            .devices
+            .iter()
+            .map(|d| d.uuid.as_str())
+            .collect::<Vec<_>>(),
+        [uuids[5].as_str(), uuids[1].as_str()],
+        "99 ends the list"
+    );
+    assert_eq!(
+        report.environment.cuda_visible_devices,
+        Some(format!("5,{prefix},99,0"))
+    );
+}
+
+/// Limits given to the daemon hold against a client that asks for more;
+/// lower ones in the client's environment win; after `quit` the next
+/// process has the whole GPU.
+#[test]
+fn an_mps_daemons_limits_bind_the_probe_until_it_quits() {
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let gpu = uuids[3].as_str();
+    let mut daemon = Daemon::start(
+        &m,
+        "limits",
+        &[
+            ("CUDA_VISIBLE_DEVICES", gpu),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=8G"),
+        ],
+    );
+    let pipe_dir = daemon.pipe().to_owned();
+    let pipe = [("CUDA_MPS_PIPE_DIRECTORY", pipe_dir.as_str())];
+
+    // Only the daemon's GPU, 25% of 132 SMs (rounded down to even: 32) and
+    // 8 GiB: more does not fit, less does.
+    let report = m.probe_ok(&["--alloc", "9Gi"], &pipe);
+    assert_eq!(summary(&report), [(gpu.to_owned(), 32, Some(8 * GIB))]);
+    assert_eq!(report.devices[0].memory_total_bytes, H100_BYTES);
+    assert_eq!(allocations(&report), [refused(9 * GIB)]);
+    let report = m.probe_ok(&["--alloc", "7Gi"], &pipe);
+    assert_eq!(allocations(&report), [granted(7 * GIB)]);
+
+    // Asking for more in the client's environment changes nothing.
+    let greedy = [
+        pipe[0],
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=64G"),
+    ];
+    let report = m.probe_ok(&["--alloc", "9Gi"], &greedy);
+    assert_eq!(summary(&report), [(gpu.to_owned(), 32, Some(8 * GIB))]);
+    assert_eq!(allocations(&report), [refused(9 * GIB)]);
+    assert_eq!(
+        report
+            .environment
+            .cuda_mps_active_thread_percentage
+            .as_deref(),
+        Some("100"),
+        "the probe shows what it asked for"
+    );
+
+    // Asking for less gets less.
+    let modest = [
+        pipe[0],
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=2G"),
+    ];
+    let report = m.probe_ok(&["--alloc", "3Gi"], &modest);
+    assert_eq!(summary(&report), [(gpu.to_owned(), 12, Some(2 * GIB))]);
+    assert_eq!(allocations(&report), [refused(3 * GIB)]);
+
+    // A GPU the daemon does not serve is no device for its clients.
+    let (out, report) = m.probe(&[], &[pipe[0], ("CUDA_VISIBLE_DEVICES", &uuids[0])]);
+    assert!(!out.status.success());
+    assert_eq!(
+        report.error.as_deref(),
+        Some("cuInit: CUDA_ERROR_NO_DEVICE")
+    );
+
+    daemon.quit();
+    let report = m.probe_ok(&["--alloc", "9Gi"], &greedy);
+    assert_eq!(report.devices.len(), 8, "outside MPS again: every GPU");
+    assert_eq!(
+        summary(&report)[3],
+        (gpu.to_owned(), H100_SMS, Some(H100_BYTES))
+    );
+    assert_eq!(allocations(&report)[3], granted(9 * GIB));
+}
+
+/// Defaults set through the control commands, as a supervisor sets them
+/// after start, bind clients the same way.
+#[test]
+fn limits_set_through_the_control_commands_bind_the_probe() {
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let gpu = uuids[6].as_str();
+    let mut daemon = Daemon::start(&m, "commands", &[("CUDA_VISIBLE_DEVICES", gpu)]);
+    assert_eq!(
+        daemon.control(
+            "set_default_active_thread_percentage 30\nset_default_device_pinned_mem_limit 0 4096M\n"
+        ),
+        "30.0\n"
+    );
+    assert_eq!(
+        daemon.control("get_default_device_pinned_mem_limit 0\n"),
+        "4096M\n"
+    );
+    let pipe = [
+        ("CUDA_MPS_PIPE_DIRECTORY", daemon.pipe()),
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"),
+    ];
+    let report = m.probe_ok(&["--alloc", "4Gi"], &pipe);
+    assert_eq!(summary(&report), [(gpu.to_owned(), 38, Some(4 * GIB))]);
+    assert_eq!(allocations(&report), [granted(4 * GIB)]);
+    let report = m.probe_ok(&["--alloc", "4097Mi"], &pipe);
+    assert_eq!(allocations(&report), [refused(4097 * MIB)]);
+    daemon.quit();
+}
+
+#[test]
+fn failures_are_a_report_with_an_error_and_exit_1() {
+    let m = Machine::new();
+    let (out, report) = m.probe(&["--library", "/nonexistent/libcuda.so.1"], &[]);
+    assert_eq!(out.status.code(), Some(1));
+    let error = report.error.unwrap();
+    assert!(
+        error.starts_with("loading /nonexistent/libcuda.so.1: "),
+        "{error}"
+    );
+    assert_eq!(report.cuda_driver_version, None);
+
+    let (out, report) = m.probe(&[], &[("CUDA_VISIBLE_DEVICES", "")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        report.error.as_deref(),
+        Some("cuInit: CUDA_ERROR_NO_DEVICE")
+    );
+    assert_eq!(report.cuda_driver_version, Some(12080));
+    assert!(report.devices.is_empty());
+    assert_eq!(report.environment.cuda_visible_devices.as_deref(), Some(""));
+
+    let bad = Command::new(env!("CARGO_BIN_EXE_tessera"))
+        .args(["probe", "--alloc", "8GB"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "a bad --alloc is a usage error");
+}
+
+/// In a container the process sees only the GPUs whose device nodes it has
+/// (the fake NVML's `TESSERA_FAKE_NVML_DEV_ROOT`), and so does CUDA.
+#[test]
+fn a_container_gets_only_the_gpus_of_its_device_nodes() {
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let dev = m.dir.path().join("dev");
+    std::fs::create_dir_all(&dev).unwrap();
+    let made = [(2, 195, 2), (6, 195, 6)].iter().all(|(n, major, minor)| {
+        tessera_fake_nvml::caps::mknod_char(&dev.join(format!("nvidia{n}")), *major, *minor)
+            .map_err(|e| println!("*** SKIPPED container probe test: mknod: {e}"))
+            .is_ok()
+    });
+    if !made {
+        return;
+    }
+    let dev_root = [("TESSERA_FAKE_NVML_DEV_ROOT", dev.to_str().unwrap())];
+    let report = m.probe_ok(&[], &dev_root);
+    assert_eq!(
+        summary(&report),
+        [
+            (uuids[2].clone(), H100_SMS, Some(H100_BYTES)),
+            (uuids[6].clone(), H100_SMS, Some(H100_BYTES)),
+        ]
+    );
+    // Indices count what the container sees.
+    let report = m.probe_ok(&[], &[dev_root[0], ("CUDA_VISIBLE_DEVICES", "1")]);
+    assert_eq!(summary(&report)[0].0, uuids[6]);
+}
+
+/// The fake `libcuda.so.1` exports CUDA's functions and not the fake NVML
+/// it links in, so it can never stand in for `libnvidia-ml.so.1`.
+#[test]
+fn the_fake_libcuda_exports_only_the_driver_api() {
+    let path = fake_cuda_dir().join("libcuda.so.1");
+    // SAFETY: the simulated library; its initializers do nothing.
+    let lib = unsafe { libloading::Library::new(&path) }.unwrap();
+    for symbol in [
+        "cuInit",
+        "cuDeviceGetCount",
+        "cuDeviceGetUuid_v2",
+        "cuMemAlloc_v2",
+        "cuGetErrorName",
+    ] {
+        // SAFETY: only looked up, never called.
+        let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) };
+        assert!(found.is_ok(), "{symbol} is not exported");
+    }
+    for symbol in [
+        "nvmlInit_v2",
+        "nvmlDeviceGetCount_v2",
+        "tesseraFakeDeviceGetTimeslice",
+    ] {
+        // SAFETY: only looked up, never called.
+        let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) };
+        assert!(found.is_err(), "{symbol} is exported");
+    }
+}
