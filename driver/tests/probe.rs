@@ -109,13 +109,20 @@ fn h100_uuids() -> Vec<String> {
 /// directory no daemon serves unless a test starts one there.
 struct Machine {
     dir: tempfile::TempDir,
+    topology: PathBuf,
     state: PathBuf,
 }
 
 impl Machine {
     fn new() -> Machine {
+        Machine::of("h100x8.yaml")
+    }
+
+    /// A machine of a shipped topology.
+    fn of(name: &str) -> Machine {
         Machine {
             dir: tempfile::Builder::new().prefix("probe").tempdir().unwrap(),
+            topology: topology(name),
             state: fresh_state("probe"),
         }
     }
@@ -137,7 +144,7 @@ impl Machine {
             .env_remove("TESSERA_FAKE_NVML_DEV_ROOT")
             .env("CUDA_MPS_PIPE_DIRECTORY", self.quiet_pipe())
             .env("LD_LIBRARY_PATH", fake_cuda_dir())
-            .env(TOPOLOGY_ENV, topology("h100x8.yaml"))
+            .env(TOPOLOGY_ENV, &self.topology)
             .env(STATE_ENV, &self.state)
             .envs(env.iter().copied());
         let out = cmd.output().expect("running tessera probe");
@@ -521,6 +528,56 @@ fn a_container_gets_only_the_gpus_of_its_device_nodes() {
     // Indices count what the container sees.
     let report = m.probe_ok(&[], &[dev_root[0], ("CUDA_VISIBLE_DEVICES", "1")]);
     assert_eq!(summary(&report)[0].0, uuids[6]);
+}
+
+/// MIG devices are CUDA devices of their own: the probe prints their MIG
+/// UUID beside their GPU's, the GPU instance's SMs and memory.
+#[test]
+fn mig_devices_are_devices_with_their_own_uuid() {
+    let m = Machine::of("h100x8-mig.yaml");
+    // The whole GPU as one 7g.80gb, and a 1g.10gb of the first GPU.
+    let report = m.probe_ok(
+        &["--alloc", "10Gi"],
+        &[(
+            "CUDA_VISIBLE_DEVICES",
+            "MIG-10d71306-14d1-45dc-8a44-75400dc0c3b5,MIG-4ed9be02",
+        )],
+    );
+    let got: Vec<_> = report
+        .devices
+        .iter()
+        .map(|d| {
+            (
+                d.uuid.as_str(),
+                d.gpu_uuid.as_str(),
+                d.name.as_str(),
+                d.multiprocessors,
+                d.memory_total_bytes,
+                d.allocation.as_ref().map(|a| a.ok),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (
+                "MIG-10d71306-14d1-45dc-8a44-75400dc0c3b5",
+                "GPU-3f2b46cc-1275-4ed1-bb07-2ee419bfd46c",
+                "NVIDIA H100 80GB HBM3 MIG 7g.80gb",
+                132,
+                81152 * MIB,
+                Some(true),
+            ),
+            (
+                "MIG-4ed9be02-ad66-4e46-883e-9be7143d655b",
+                "GPU-f5d76e8b-97cf-4197-87a8-b1330122d060",
+                "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+                16,
+                9984 * MIB,
+                Some(false),
+            ),
+        ]
+    );
 }
 
 /// The fake `libcuda.so.1` exports CUDA's functions and not the fake NVML
