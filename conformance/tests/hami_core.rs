@@ -31,8 +31,7 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, env_file, log_with, node_running,
-    probe_image,
+    cluster_env_vars, cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
 };
 use plugin_support::repo_root;
 

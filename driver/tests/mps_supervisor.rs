@@ -358,7 +358,7 @@ fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
 
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
-    assert_eq!(report.adopted, [k.clone()], "{report:?}");
+    assert_eq!(report.adopted, std::slice::from_ref(&k), "{report:?}");
     assert_eq!(after.ensure(&k, LIMITS).unwrap().pid, pid);
     assert_eq!(s.recorded_pid(&k), Some(pid));
     assert_eq!(s.log(&k).matches("Startup").count(), 1);
@@ -391,7 +391,7 @@ fn a_daemon_the_record_does_not_name_is_never_adopted_or_stopped() {
         report.adopted.is_empty() && report.stopped.is_empty() && report.failed.is_empty(),
         "{report:?}"
     );
-    assert_eq!(report.restarted, [k.clone()], "{report:?}");
+    assert_eq!(report.restarted, std::slice::from_ref(&k), "{report:?}");
     assert!(alive(pid), "a daemon the record does not name was stopped");
     let ours = after.ensure(&k, LIMITS).unwrap().pid;
     assert_ne!(ours, pid);
@@ -413,7 +413,7 @@ fn a_crashed_daemon_is_restarted_in_a_fresh_pipe_directory() {
     kill9(first.pid);
 
     let report = sup.supervise();
-    assert_eq!(report.restarted, [k.clone()], "{report:?}");
+    assert_eq!(report.restarted, std::slice::from_ref(&k), "{report:?}");
     let second = s.pid_file(&k).unwrap();
     assert_ne!(second, first.pid);
     assert!(alive(second));
@@ -459,7 +459,7 @@ fn the_watchdog_restarts_a_crashed_daemon_on_its_own() {
     let restarted = rx
         .recv_timeout(Duration::from_secs(20))
         .expect("the watchdog did not restart the daemon");
-    assert_eq!(restarted, [k.clone()]);
+    assert_eq!(restarted, std::slice::from_ref(&k));
     drop(watchdog);
     let second = s.pid_file(&k).unwrap();
     assert!(alive(second) && second != first);
