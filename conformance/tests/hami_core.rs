@@ -23,21 +23,21 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::PostParams;
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
-    ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
+    ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name,
 };
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
+    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running,
+    probe_image,
 };
 use plugin_support::repo_root;
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const POLICY: &str = "gpus:\n- select: {all: true}\n  isolationProvider: hami-core\n";
-const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Result<()> {
@@ -92,23 +92,8 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
 
     let result = run(&env, &cluster, &ns, &driver, &id).await;
 
-    let _ = ns
-        .api::<Pod>()
-        .delete("limited", &DeleteParams::default().grace_period(0))
-        .await;
     // Unprepared before the node process may stop.
-    let _ = wait_for("the test's pods gone", TIMEOUT, || {
-        let pods = ns.api::<Pod>();
-        async move {
-            Ok(pods
-                .list(&ListParams::default())
-                .await?
-                .items
-                .is_empty()
-                .then_some(()))
-        }
-    })
-    .await;
+    delete_pods(&ns).await;
     let _ = ns.delete().await;
     let _ = delete_ignore_missing(&classes, &format!("{id}-isolated")).await;
     if started_node {

@@ -35,7 +35,8 @@ use tessera_conformance::{
 use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
+    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running,
+    probe_image,
 };
 use plugin_support::repo_root;
 
@@ -83,24 +84,8 @@ async fn two_isolated_pods_get_their_own_daemons_and_a_hostile_one_gains_nothing
 
     let result = run(&env, &cluster, &ns, &driver, &id, trigger.path()).await;
 
-    for pod in ["small", "large"] {
-        let _ = ns
-            .api::<Pod>()
-            .delete(pod, &DeleteParams::default().grace_period(0))
-            .await;
-    }
-    let _ = wait_for("the test's pods gone", TIMEOUT, || {
-        let pods = ns.api::<Pod>();
-        async move {
-            Ok(pods
-                .list(&ListParams::default())
-                .await?
-                .items
-                .is_empty()
-                .then_some(()))
-        }
-    })
-    .await;
+    // Unprepared before the node process may stop.
+    delete_pods(&ns).await;
     let _ = ns.delete().await;
     let classes: Api<DeviceClass> = Api::all(cluster.client());
     let _ = delete_ignore_missing(&classes, &format!("{id}-isolated")).await;

@@ -18,14 +18,14 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
 use plugin_support::cluster::{
-    cluster_sh, container_runtime, env_file, log_with, node_running, probe_image,
+    cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running, probe_image,
 };
 use plugin_support::repo_root;
 
@@ -69,25 +69,8 @@ async fn an_admin_access_claim_monitors_a_gpu_a_workload_holds() -> Result<()> {
 
     let result = run(&cluster, &ns, &driver, &id).await;
 
-    for pod in ["workload", "monitor", "not-admin"] {
-        let _ = ns
-            .api::<Pod>()
-            .delete(pod, &DeleteParams::default().grace_period(0))
-            .await;
-    }
-    // Pods unprepared before the node process may stop.
-    let _ = wait_for("the test's pods gone", TIMEOUT, || {
-        let pods = ns.api::<Pod>();
-        async move {
-            Ok(pods
-                .list(&ListParams::default())
-                .await?
-                .items
-                .is_empty()
-                .then_some(()))
-        }
-    })
-    .await;
+    // Unprepared before the node process may stop.
+    delete_pods(&ns).await;
     let _ = ns.delete().await;
     for class in [format!("{id}-gpu"), format!("{id}-monitor")] {
         let _ = delete_ignore_missing(&classes, &class).await;

@@ -37,14 +37,16 @@ use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
+use kube::api::{DeleteParams, LogParams, PostParams};
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
-use plugin_support::cluster::{cluster_sh, container_runtime, env_file, node_pid, probe_image};
+use plugin_support::cluster::{
+    cluster_sh, container_runtime, delete_pods, env_file, node_pid, probe_image,
+};
 use plugin_support::repo_root;
 
 const TOPOLOGY: &str = "h100x8.yaml";
@@ -258,28 +260,8 @@ async fn shared_shares_and_time_slicing_configs_set_and_reset_the_gpus_time_slic
     }
     .await;
 
-    let pods = ns.api::<Pod>();
-    if let Ok(list) = pods.list(&ListParams::default()).await {
-        for p in list.items {
-            let name = p.metadata.name.unwrap_or_default();
-            let _ = pods
-                .delete(&name, &DeleteParams::default().grace_period(0))
-                .await;
-        }
-    }
     // Unprepared before the node process may stop.
-    let _ = wait_for("the test's pods gone", TIMEOUT, || {
-        let pods = pods.clone();
-        async move {
-            Ok(pods
-                .list(&ListParams::default())
-                .await?
-                .items
-                .is_empty()
-                .then_some(()))
-        }
-    })
-    .await;
+    delete_pods(&ns).await;
     let _ = ns.delete().await;
     for class in [format!("{id}-shared"), format!("{id}-gpu")] {
         let _ = delete_ignore_missing(&classes, &class).await;

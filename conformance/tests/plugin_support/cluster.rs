@@ -10,8 +10,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
-use kube::api::LogParams;
-use tessera_conformance::{ClusterEnv, wait_for};
+use kube::api::{DeleteParams, ListParams, LogParams};
+use tessera_conformance::{ClusterEnv, TestNamespace, wait_for};
 
 use super::repo_root;
 
@@ -111,4 +111,32 @@ pub async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> 
         },
     )
     .await
+}
+
+/// Deletes every Pod of the test's namespace (no grace period) and waits
+/// until none is left, so their claims are unprepared before the node
+/// process may stop. A cleanup step: failures are left to the test's own
+/// assertions.
+pub async fn delete_pods(ns: &TestNamespace) {
+    let pods = ns.api::<Pod>();
+    if let Ok(list) = pods.list(&ListParams::default()).await {
+        for p in list.items {
+            let name = p.metadata.name.unwrap_or_default();
+            let _ = pods
+                .delete(&name, &DeleteParams::default().grace_period(0))
+                .await;
+        }
+    }
+    let _ = wait_for("the test's pods gone", POD_TIMEOUT, || {
+        let pods = pods.clone();
+        async move {
+            Ok(pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .is_empty()
+                .then_some(()))
+        }
+    })
+    .await;
 }
