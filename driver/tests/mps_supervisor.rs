@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
-    CONTROL, ClientLimits, DaemonKey, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing,
+    CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing,
     MpsSupervisor, PID_FILE, ProcessId, RECORD,
 };
 
@@ -259,6 +259,108 @@ fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
     }
     assert!(sup.daemons().is_empty());
     assert!(!alive(b.pid) && !alive(c.pid) && !alive(mig.pid));
+}
+
+/// The fake daemon's shared memory segments in `dir` (named after its PID).
+fn segments(dir: &Path, pid: i32) -> Vec<String> {
+    let prefix = format!("tessera-fake-mps.{pid}.");
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect()
+}
+
+#[test]
+fn each_daemon_shares_memory_through_its_own_directory_only() {
+    let s = Scratch::new();
+    let sup = MpsSupervisor::new(s.config());
+    let (k1, k2) = (key(1, GPU0), key(2, GPU0));
+    let a = sup.ensure(&k1, LIMITS).unwrap();
+    let b = sup.ensure(&k2, LIMITS).unwrap();
+    for (k, d) in [(&k1, &a), (&k2, &b)] {
+        assert_eq!(d.shm_dir, s.root(k).join("shm"));
+        // The daemon's /dev/shm is its directory: its segment is there, and
+        // neither in the node's /dev/shm nor in the other claim's.
+        assert_eq!(segments(&d.shm_dir, d.pid).len(), 1, "{d:?}");
+        assert!(segments(Path::new("/dev/shm"), d.pid).is_empty());
+    }
+    assert!(segments(&a.shm_dir, b.pid).is_empty() && segments(&b.shm_dir, a.pid).is_empty());
+    // A restarted daemon gets a fresh directory: nothing a container left.
+    fs::write(a.shm_dir.join("planted"), "x").unwrap();
+    kill9(a.pid);
+    wait_until("claim 1's daemon died", || !alive(a.pid));
+    let again = sup.ensure(&k1, LIMITS).unwrap();
+    assert_ne!(again.pid, a.pid);
+    assert!(!again.shm_dir.join("planted").exists());
+    assert_eq!(segments(&again.shm_dir, again.pid).len(), 1);
+    for k in [&k1, &k2] {
+        sup.release(k).unwrap();
+    }
+    assert!(!a.shm_dir.exists() && !b.shm_dir.exists());
+}
+
+/// The cgroup paths of `pid`, one per hierarchy.
+fn cgroups(pid: i32) -> Vec<String> {
+    fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2).map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn daemons_in_a_host_cgroup_leave_the_node_process_cgroup() {
+    let fs_root = Path::new("/sys/fs/cgroup");
+    let writable = unsafe { libc::geteuid() } == 0
+        && fs::metadata(fs_root).is_ok_and(|m| !m.permissions().readonly());
+    let name = format!("tessera-test-{}", std::process::id());
+    let cgroup = match HostCgroup::open(fs_root, &name) {
+        Ok(c) => Arc::new(c),
+        Err(e) if !writable => {
+            eprintln!("SKIP: no writable cgroup filesystem here ({e})");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    struct Cleanup(Vec<PathBuf>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for d in &self.0 {
+                let _ = fs::remove_dir(d);
+            }
+        }
+    }
+    let _cleanup = Cleanup(cgroup.dirs().to_vec());
+    cgroup.check().unwrap();
+    let s = Scratch::new();
+    let mut config = s.config();
+    config.host_cgroup = Some(cgroup.clone());
+    let sup = MpsSupervisor::new(config);
+    let k = key(1, GPU0);
+    let d = sup.ensure(&k, LIMITS).unwrap();
+    // In that cgroup in every hierarchy; this process stays where it was.
+    let want = format!("/{name}");
+    let placed = cgroups(d.pid);
+    assert!(
+        !placed.is_empty() && placed.iter().all(|p| *p == want),
+        "daemon {} is in {placed:?}, want {want} everywhere",
+        d.pid
+    );
+    assert!(!cgroups(std::process::id() as i32).contains(&want));
+    for dir in cgroup.dirs() {
+        let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap();
+        assert!(procs.lines().any(|p| p == d.pid.to_string()), "{dir:?}");
+    }
+    // It still serves with its limits, and stops as before.
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_active_thread_percentage"),
+        (true, "25.0\n".to_owned())
+    );
+    sup.release(&k).unwrap();
+    assert!(!alive(d.pid));
 }
 
 #[test]
@@ -625,11 +727,14 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
         ..target(GPU0)
     };
     let a = sharing.mps_acquire(&claim(1), &whole, &limits).unwrap();
-    // A client gets the pipe directory and the limits, nothing else.
+    // A client gets the pipe and shared memory directories and the limits,
+    // nothing else.
+    let pipe_dir = s.pipe_dir(&key(1, GPU0));
     assert_eq!(
         a,
         tessera_driver::prepare::sharing::MpsClient {
-            pipe_dir: s.pipe_dir(&key(1, GPU0)),
+            shm_dir: pipe_dir.with_file_name("shm"),
+            pipe_dir,
             limits,
         }
     );
@@ -783,7 +888,7 @@ fn share_limits() -> tessera_api::config::Limits {
 }
 
 fn container_dirs(client: &MpsClient) -> Vec<PathBuf> {
-    vec![client.pipe_dir.clone()]
+    vec![client.pipe_dir.clone(), client.shm_dir.clone()]
 }
 
 fn errors(report: &tessera_driver::mps::SupervisionReport) -> Vec<String> {

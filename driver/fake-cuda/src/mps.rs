@@ -8,7 +8,10 @@
 //! is asked for its devices and defaults with the private command of
 //! `fake-mps-control` ([`protocol::CLIENT_CONFIG_COMMAND`]); a daemon that
 //! accepts but does not answer that properly fails `cuInit` with
-//! `CUDA_ERROR_MPS_CONNECTION_FAILED`.
+//! `CUDA_ERROR_MPS_CONNECTION_FAILED`. So does a client whose `/dev/shm` is
+//! not the daemon's (the daemon's segment is not there): the MPS server and
+//! its clients share memory through `/dev/shm`, so a container needs the
+//! daemon's mounted there.
 //!
 //! A client's limits are its daemon's defaults, lowered (never raised) by
 //! its own valid `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
@@ -73,9 +76,19 @@ pub fn ask_daemon(pipe_dir: &Path) -> Result<Option<ClientConfig>, CUresult> {
         return Err(MPS_CONNECTION_FAILED);
     }
     let line = reply.lines().next().unwrap_or_default();
-    serde_json::from_str(line)
-        .map(Some)
-        .map_err(|_| MPS_CONNECTION_FAILED)
+    let config: ClientConfig = serde_json::from_str(line).map_err(|_| MPS_CONNECTION_FAILED)?;
+    if !shares_memory_with(&config, Path::new(protocol::SHM_DIR)) {
+        return Err(MPS_CONNECTION_FAILED);
+    }
+    Ok(Some(config))
+}
+
+/// Whether `shm` (the client's `/dev/shm`) holds the daemon's segment: a
+/// client whose `/dev/shm` is not the server's cannot work with it.
+fn shares_memory_with(daemon: &ClientConfig, shm: &Path) -> bool {
+    let name = &daemon.shared_memory;
+    let plain = name.starts_with(protocol::SHM_PREFIX) && !name.contains('/');
+    plain && std::fs::read_to_string(shm.join(name)).is_ok_and(|content| content == *name)
 }
 
 /// A client's own limit variables, as given.
@@ -172,6 +185,7 @@ mod tests {
             devices: devices.map(|d| d.iter().map(|s| s.to_string()).collect()),
             active_thread_percentage: pct,
             pinned_mem_limits: pinned.iter().copied().collect(),
+            shared_memory: String::new(),
         }
     }
 
@@ -271,5 +285,29 @@ mod tests {
         assert_eq!(ask_daemon(&dir), Err(MPS_CONNECTION_FAILED));
         assert_eq!(server.join().unwrap(), "tessera_fake_get_client_config\n");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_client_needs_the_daemons_shared_memory() {
+        let shm = std::env::temp_dir().join(format!("fake-cuda-shm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&shm);
+        std::fs::create_dir_all(&shm).unwrap();
+        let mut config = daemon(None, 100.0, &[]);
+        config.shared_memory = "tessera-fake-mps.1.2".into();
+        // Another /dev/shm than the daemon's: the segment is not there.
+        assert!(!shares_memory_with(&config, &shm));
+        std::fs::write(shm.join("tessera-fake-mps.1.2"), "tessera-fake-mps.9.9").unwrap();
+        assert!(
+            !shares_memory_with(&config, &shm),
+            "another daemon's content"
+        );
+        std::fs::write(shm.join("tessera-fake-mps.1.2"), "tessera-fake-mps.1.2").unwrap();
+        assert!(shares_memory_with(&config, &shm));
+        // Names that would leave the directory are refused.
+        config.shared_memory = "../tessera-fake-mps.1.2".into();
+        assert!(!shares_memory_with(&config, &shm));
+        config.shared_memory = String::new();
+        assert!(!shares_memory_with(&config, &shm));
+        std::fs::remove_dir_all(&shm).unwrap();
     }
 }

@@ -7,6 +7,7 @@
 //! <state>/<claim uid>/<tag>/daemon.json   host-only: which claim, request and device, the limits, the daemon's identity
 //! <state>/<claim uid>/<tag>/log/          host-only: CUDA_MPS_LOG_DIRECTORY, launcher.log (the daemon's output)
 //! <state>/<claim uid>/<tag>/pipe/         CUDA_MPS_PIPE_DIRECTORY: mounted into that claim's containers only
+//! <state>/<claim uid>/<tag>/shm/          the daemon's /dev/shm, and that claim's containers' (see launch.rs)
 //! ```
 //!
 //! `<tag>` is a short hash of the request and device (Unix socket paths are
@@ -27,7 +28,8 @@
 //!   so a recycled PID is never hit.
 //! - The driver opens nothing there. It looks at the control endpoint with
 //!   `lstat` (ready means a socket or fifo, never a symlink).
-//! - Every start gets a fresh, empty pipe directory: the old one is removed
+//! - Every start gets a fresh, empty pipe directory (and shared memory
+//!   directory, which containers can write too): the old one is removed
 //!   whole (the standard library's `remove_dir_all` does not follow
 //!   symlinks) and made anew, so a daemon, which runs as root, never works
 //!   in a directory a tenant has prepared. Containers that mounted the old
@@ -58,6 +60,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::launch;
 use super::limits::{self, ClientLimits};
 use super::process::{self, Pidfd, ProcessId};
 use super::supervisor::{MpsConfig, MpsError};
@@ -85,9 +88,9 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 /// bytes, and MPS puts sockets with names of a dozen or so characters in it.
 pub const MAX_PIPE_DIR: usize = 90;
 
-/// Mount options for a pipe directory in a client container: clients
-/// connect to sockets (and open pipes) there, they never need to execute or
-/// open a device node from it.
+/// Mount options for a pipe or shared memory directory in a client
+/// container: clients connect to sockets, open pipes and map segments
+/// there, they never need to execute or open a device node from it.
 pub const PIPE_MOUNT_OPTIONS: [&str; 5] = ["rw", "nosuid", "nodev", "noexec", "bind"];
 
 /// Which daemon: the one of a request of a claim on a device (a GPU, or a
@@ -132,6 +135,8 @@ pub struct MpsDaemon {
     /// `CUDA_MPS_LOG_DIRECTORY` on the host: for the operator, never mounted
     /// into a container.
     pub log_dir: PathBuf,
+    /// The daemon's `/dev/shm` on the host: clients mount it at `/dev/shm`.
+    pub shm_dir: PathBuf,
     /// The daemon's defaults for every client.
     pub limits: ClientLimits,
     pub pid: i32,
@@ -239,6 +244,7 @@ pub(super) struct Daemon {
     root: PathBuf,
     pipe_dir: PathBuf,
     log_dir: PathBuf,
+    shm_dir: PathBuf,
     handle: Option<Handle>,
 }
 
@@ -295,6 +301,7 @@ impl Daemon {
         Ok(Some(Daemon {
             record,
             log_dir: root.join("log"),
+            shm_dir: root.join("shm"),
             pipe_dir,
             root,
             handle: None,
@@ -306,6 +313,7 @@ impl Daemon {
             key: self.record.key.clone(),
             pipe_dir: self.pipe_dir.clone(),
             log_dir: self.log_dir.clone(),
+            shm_dir: self.shm_dir.clone(),
             limits: self.record.limits,
             pid: self.record.daemon.as_ref().map_or(0, |d| d.pid),
         }
@@ -405,11 +413,15 @@ impl Daemon {
         cmd
     }
 
-    /// A fresh, empty pipe directory (see the module documentation).
-    fn fresh_pipe_dir(&self) -> Result<(), MpsError> {
-        ignore_missing(fs::remove_dir_all(&self.pipe_dir))
-            .map_err(self.io_err("removing the previous", &self.pipe_dir))?;
-        fs::create_dir(&self.pipe_dir).map_err(self.io_err("creating", &self.pipe_dir))
+    /// Fresh, empty pipe and shared memory directories (see the module
+    /// documentation).
+    fn fresh_client_dirs(&self) -> Result<(), MpsError> {
+        for dir in [&self.pipe_dir, &self.shm_dir] {
+            ignore_missing(fs::remove_dir_all(dir))
+                .map_err(self.io_err("removing the previous", dir))?;
+            fs::create_dir(dir).map_err(self.io_err("creating", dir))?;
+        }
+        Ok(())
     }
 
     /// Spawn `nvidia-cuda-mps-control -f` as our child with the limits as
@@ -419,7 +431,7 @@ impl Daemon {
         for dir in [&self.root, &self.log_dir] {
             fs::create_dir_all(dir).map_err(self.io_err("creating", dir))?;
         }
-        self.fresh_pipe_dir()?;
+        self.fresh_client_dirs()?;
         let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
             .map_err(|e| MpsError::Limits {
                 device: self.record.key.device.clone(),
@@ -436,6 +448,8 @@ impl Daemon {
         let err = out.try_clone().map_err(self.io_err("opening", &log))?;
         let deadline = Instant::now() + config.ready_timeout;
         let mut command = self.command(config);
+        launch::confine(&mut command, &self.shm_dir, config.host_cgroup.clone())
+            .map_err(self.io_err("naming", &self.shm_dir))?;
         for entry in &limit_env {
             let (name, value) = entry.split_once('=').expect("NAME=value");
             command.env(name, value);

@@ -8,6 +8,9 @@
 //!   container gets its own daemon's pipe directory and nothing else; since
 //!   containers can write there, nothing found in it is trusted (see the
 //!   `daemon` module for what is trusted and why).
+//! - [`HostCgroup`]: where daemons run (`launch` module): each in a mount
+//!   namespace whose `/dev/shm` is its claim's, and, for a node process in
+//!   a container, in a cgroup of the host, so that they outlive it.
 //! - [`client_limit_env`]: the same limits as the environment variables the
 //!   CUDA driver reads in the client (they can only lower the daemon's).
 //!
@@ -16,6 +19,7 @@
 //! modes.
 
 mod daemon;
+mod launch;
 mod limits;
 mod process;
 mod sharing;
@@ -25,6 +29,7 @@ pub use daemon::{
     CONTROL, DaemonKey, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, MpsDaemon, PID_FILE,
     PIPE_MOUNT_OPTIONS, RECORD,
 };
+pub use launch::{HostCgroup, HostCgroupError};
 pub use limits::{
     ACTIVE_THREAD_PERCENTAGE, ClientLimits, LOG_DIRECTORY, LimitError, PINNED_DEVICE_MEM_LIMIT,
     PIPE_DIRECTORY, client_limit_env, daemon_default_commands, is_device_uuid,

@@ -65,10 +65,11 @@ impl<T: SharingControl> SharingControl for MpsSharing<T> {
             .supervisor
             .ensure(&key(claim, target), client_limits)
             .map_err(|e| SharingError(e.to_string()))?;
-        // The pipe directory only: the daemon's logs and the supervisor's
-        // record stay on the host.
+        // The pipe and shared memory directories only: the daemon's logs
+        // and the supervisor's record stay on the host.
         Ok(MpsClient {
             pipe_dir: daemon.pipe_dir,
+            shm_dir: daemon.shm_dir,
             limits: *limits,
         })
     }

@@ -19,6 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::daemon::{CONTROL, Daemon, DaemonKey, MpsDaemon, Outcome, RECORD, ignore_missing};
+use super::launch::HostCgroup;
 use super::limits::{ClientLimits, LimitError, is_device_uuid};
 use super::process::{Pidfd, ProcessId};
 use crate::claim_uid::ClaimUid;
@@ -40,6 +41,9 @@ pub struct MpsConfig {
     /// Extra environment for the daemon and the client (e.g. the driver
     /// root's library path).
     pub env: Vec<(OsString, OsString)>,
+    /// The host cgroup daemons move into, so that they outlive the node
+    /// process's container; `None`: they stay in the node process's.
+    pub host_cgroup: Option<Arc<HostCgroup>>,
 }
 
 impl MpsConfig {
@@ -52,6 +56,7 @@ impl MpsConfig {
             ready_timeout: Duration::from_secs(30),
             quit_timeout: Duration::from_secs(10),
             env: Vec::new(),
+            host_cgroup: None,
         }
     }
 }

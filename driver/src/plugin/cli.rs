@@ -21,7 +21,7 @@ use crate::discovery;
 use crate::flags::CapabilityChoice;
 use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
-use crate::mps::{MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
+use crate::mps::{HostCgroup, MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
 use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
@@ -66,10 +66,24 @@ pub struct PluginArgs {
     #[arg(long, env = "TESSERA_STATE_DIR", default_value = "/var/lib/tessera")]
     pub state_dir: PathBuf,
 
-    /// Where the per-GPU MPS control daemons keep their pipes and logs. Unix
-    /// socket names are limited to 108 bytes, so this must be a short path.
+    /// Where the claims' MPS control daemons keep their pipes, shared
+    /// memory and logs. Unix socket names are limited to 108 bytes, so this
+    /// must be a short path.
     #[arg(long, env = "TESSERA_MPS_DIR", default_value = "/run/tessera/mps")]
     pub mps_dir: PathBuf,
+
+    /// The host's cgroup filesystem as this process sees it (the host's
+    /// /sys/fs/cgroup mounted into its container). With --mps-cgroup, MPS
+    /// daemons move into that cgroup of the host, so that a restart, crash
+    /// or rolling update of this process's container leaves the daemons of
+    /// running workloads alone. Needs the host's PID namespace (hostPID).
+    #[arg(long, env = "TESSERA_MPS_CGROUP_FS", requires = "mps_cgroup")]
+    pub mps_cgroup_fs: Option<PathBuf>,
+
+    /// The cgroup of the host MPS daemons move into (one path component,
+    /// created in every hierarchy below --mps-cgroup-fs).
+    #[arg(long, env = "TESSERA_MPS_CGROUP", requires = "mps_cgroup_fs")]
+    pub mps_cgroup: Option<String>,
 
     /// Where HAMi-core's `libvgpu.so` and the `ld.so.preload` file listing
     /// it (as `/usr/local/vgpu/libvgpu.so`) are: mounted into containers
@@ -336,10 +350,17 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             hami_core_dir: args.hami_core_dir.clone(),
         },
     };
-    let mps = Arc::new(MpsSupervisor::new(MpsConfig::new(
-        &args.driver_root,
-        args.mps_dir.clone(),
-    )));
+    let mut mps_config = MpsConfig::new(&args.driver_root, args.mps_dir.clone());
+    if let (Some(fs), Some(name)) = (&args.mps_cgroup_fs, &args.mps_cgroup) {
+        let cgroup = Arc::new(HostCgroup::open(fs, name).context("--mps-cgroup")?);
+        cgroup.check().context("--mps-cgroup")?;
+        info!(
+            "MPS daemons run in the host cgroup {} (they outlive this process)",
+            cgroup.dirs()[0].display()
+        );
+        mps_config.host_cgroup = Some(cgroup);
+    }
+    let mps = Arc::new(MpsSupervisor::new(mps_config));
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
     let (poke, pokes) = std::sync::mpsc::channel::<NodeChange>();
     // Health changes reach the slices (taints) through the observer, and

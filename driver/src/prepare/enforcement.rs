@@ -640,14 +640,18 @@ fn request_edits(
             ClaimError::new(claim, e.to_string()).field(format!("spec.devices.requests[{request}]"))
         })?;
         edits.env.extend(env);
-        // The pipe directory only: the daemon's logs stay on the host.
-        let path = client.pipe_dir.to_string_lossy().into_owned();
-        edits.mounts.push(Mount {
-            host_path: path.clone(),
-            container_path: path,
-            options: crate::mps::PIPE_MOUNT_OPTIONS.map(String::from).to_vec(),
-            mount_type: None,
-        });
+        // The pipe directory, and the daemon's /dev/shm where the server
+        // and its clients share memory; the daemon's logs stay on the host.
+        let pipe = client.pipe_dir.to_string_lossy().into_owned();
+        let shm = client.shm_dir.to_string_lossy().into_owned();
+        for (host_path, container_path) in [(pipe.clone(), pipe), (shm, "/dev/shm".to_owned())] {
+            edits.mounts.push(Mount {
+                host_path,
+                container_path,
+                options: crate::mps::PIPE_MOUNT_OPTIONS.map(String::from).to_vec(),
+                mount_type: None,
+            });
+        }
     }
     hami_core_edits(claim, uid, layout, request, members, &visible, &mut edits)?;
     Ok(edits)
@@ -977,6 +981,7 @@ mod tests {
         };
         let mps = mps_limits(&device, &config).map(|limits| MpsClient {
             pipe_dir: PathBuf::from("/run/tessera/mps/pipe"),
+            shm_dir: PathBuf::from("/run/tessera/mps/shm"),
             limits,
         });
         Built {

@@ -45,13 +45,16 @@ pub struct MpsTarget {
     pub mig_uuid: Option<String>,
 }
 
-/// What a client container needs to reach its MPS daemon: its pipe
-/// directory, and nothing else of the daemon's (its logs stay on the host),
+/// What a client container needs to reach its MPS daemon: its pipe and
+/// shared memory directories, and nothing else of the daemon's (its logs
+/// stay on the host),
 /// and the limits the daemon holds its clients to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpsClient {
     /// `CUDA_MPS_PIPE_DIRECTORY` (host path, mounted at the same path).
     pub pipe_dir: PathBuf,
+    /// The daemon's `/dev/shm` (host path, mounted at `/dev/shm`).
+    pub shm_dir: PathBuf,
     pub limits: Limits,
 }
 

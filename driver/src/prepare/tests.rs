@@ -61,6 +61,7 @@ impl SharingControl for Recorder {
         }
         Ok(MpsClient {
             pipe_dir: format!("/run/tessera/mps/{}/pipe", target.gpu_uuid).into(),
+            shm_dir: format!("/run/tessera/mps/{}/shm", target.gpu_uuid).into(),
             limits: *limits,
         })
     }

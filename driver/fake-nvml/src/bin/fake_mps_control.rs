@@ -10,6 +10,11 @@
 //!   then creates the `control` endpoint clients talk to. It logs to
 //!   `control.log` in `CUDA_MPS_LOG_DIRECTORY` (default
 //!   `/var/log/nvidia-mps`), including the `CUDA_VISIBLE_DEVICES` it serves.
+//! - The daemon shares memory with its clients through `/dev/shm`, as the
+//!   real server does: at start it creates a segment there
+//!   (`tessera-fake-mps.<pid>.<n>`, removed at `quit`) and names it to
+//!   clients, which fail unless their own `/dev/shm` holds it. A daemon
+//!   without a writable `/dev/shm` does not start.
 //! - A second daemon on a pipe directory whose daemon is alive refuses to
 //!   start (exit 1); stale files of a dead one are replaced.
 //! - Without `-d`/`-f` it is the client: it reads commands from standard
@@ -46,10 +51,10 @@
 //! private to the fake. So is one more command, for the simulated
 //! `libcuda.so.1` only: `tessera_fake_get_client_config`
 //! ([`protocol::CLIENT_CONFIG_COMMAND`]), answered with one JSON line,
-//! `{"devices":["GPU-..."],"activeThreadPercentage":25.0,"pinnedMemLimits":{"0":8589934592}}`:
+//! `{"devices":["GPU-..."],"activeThreadPercentage":25.0,"pinnedMemLimits":{"0":8589934592},"sharedMemory":"tessera-fake-mps.7.1"}`:
 //! the entries of the daemon's `CUDA_VISIBLE_DEVICES` (`null` when it has
-//! none), its current default thread percentage and its default pinned
-//! limits in bytes by ordinal. `protocol.rs` holds that reply's type and the
+//! none), its current default thread percentage, its default pinned
+//! limits in bytes by ordinal and its segment. `protocol.rs` holds that reply's type and the
 //! limit syntax; the CUDA library compiles the same file.
 
 #[path = "fake_mps_control/protocol.rs"]
@@ -242,6 +247,8 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         std::thread::sleep(Duration::from_millis(delay));
     }
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
+    let segment = shared_memory(pid)?;
+    defaults.config.shared_memory = segment.name.clone();
     let listener = UnixListener::bind(&control)?;
     log(log_dir, "Control daemon ready");
     for stream in listener.incoming() {
@@ -262,6 +269,7 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
                 // pipe directory no longer advertises a daemon.
                 let _ = fs::remove_file(&control);
                 let _ = fs::remove_file(&pid_file);
+                drop(segment);
                 log(log_dir, "Exit");
                 drop(stream);
                 return Ok(());
@@ -271,6 +279,32 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         let _ = stream.write_all(reply.as_bytes());
     }
     Ok(())
+}
+
+/// The daemon's segment in its `/dev/shm`, removed when the daemon quits.
+struct Segment {
+    name: String,
+    path: PathBuf,
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// Creates the segment clients must find in their own `/dev/shm`. No
+/// `/dev/shm` (or none writable) and the daemon cannot serve, like the real
+/// server.
+fn shared_memory(pid: u32) -> std::io::Result<Segment> {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let name = format!("{}{pid}.{nanos}", protocol::SHM_PREFIX);
+    let path = Path::new(protocol::SHM_DIR).join(&name);
+    fs::write(&path, &name)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("creating {}: {e}", path.display())))?;
+    Ok(Segment { name, path })
 }
 
 /// What the daemon imposes on its clients, and the devices it serves.
@@ -306,6 +340,7 @@ impl Defaults {
                 devices,
                 active_thread_percentage: 100.0,
                 pinned_mem_limits: Default::default(),
+                shared_memory: String::new(),
             },
         };
         let mut problems = Vec::new();
@@ -429,6 +464,7 @@ mod tests {
                 devices: Some(vec!["GPU-a".into(), "GPU-b".into()]),
                 active_thread_percentage: 25.0,
                 pinned_mem_limits: [(1, 8 * GIB)].into(),
+                shared_memory: String::new(),
             }
         );
         let (d, problems) = Defaults::from_env(None, None, Some("5=512MB"));
@@ -521,7 +557,7 @@ mod tests {
         let reply = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
         assert_eq!(
             reply,
-            "{\"devices\":null,\"activeThreadPercentage\":100.0,\"pinnedMemLimits\":{}}\n"
+            "{\"devices\":null,\"activeThreadPercentage\":100.0,\"pinnedMemLimits\":{},\"sharedMemory\":\"\"}\n"
         );
     }
 }

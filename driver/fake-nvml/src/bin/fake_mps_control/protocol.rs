@@ -22,6 +22,15 @@ use serde::{Deserialize, Serialize};
 /// The private command. Its reply is one line: [`ClientConfig`] as JSON.
 pub const CLIENT_CONFIG_COMMAND: &str = "tessera_fake_get_client_config";
 
+/// Where the MPS server and its clients share memory. A client whose
+/// `/dev/shm` is not the daemon's cannot work with it: NVIDIA documents
+/// that MPS clients and the server must share `/dev/shm` (containers need
+/// the daemon's mounted there).
+pub const SHM_DIR: &str = "/dev/shm";
+/// Prefix of the segment a daemon creates in [`SHM_DIR`] at start, named in
+/// [`ClientConfig::shared_memory`] and holding that same name.
+pub const SHM_PREFIX: &str = "tessera-fake-mps.";
+
 /// Environment variable of a client's (and the daemon's default) thread
 /// percentage.
 pub const THREAD_PERCENTAGE_ENV: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
@@ -45,6 +54,9 @@ pub struct ClientConfig {
     /// Default pinned device memory limits in bytes, by the ordinal of the
     /// device among the daemon's devices.
     pub pinned_mem_limits: BTreeMap<u32, u64>,
+    /// The daemon's segment in its `/dev/shm` ([`SHM_DIR`]): a client must
+    /// find it, with this name as its content, in its own.
+    pub shared_memory: String,
 }
 
 /// Parses a thread percentage.
@@ -167,12 +179,13 @@ mod tests {
             devices: Some(vec!["GPU-1".into()]),
             active_thread_percentage: 25.0,
             pinned_mem_limits: BTreeMap::from([(0, 8 * GIB)]),
+            shared_memory: "tessera-fake-mps.7".into(),
         };
         let line = serde_json::to_string(&c).unwrap();
         assert!(!line.contains('\n'));
         assert_eq!(
             line,
-            r#"{"devices":["GPU-1"],"activeThreadPercentage":25.0,"pinnedMemLimits":{"0":8589934592}}"#
+            r#"{"devices":["GPU-1"],"activeThreadPercentage":25.0,"pinnedMemLimits":{"0":8589934592},"sharedMemory":"tessera-fake-mps.7"}"#
         );
         assert_eq!(serde_json::from_str::<ClientConfig>(&line).unwrap(), c);
     }
