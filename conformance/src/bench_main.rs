@@ -34,6 +34,11 @@ enum Command {
         /// (`KEY=VALUE`); default: every device of the pool.
         #[arg(long)]
         device_attr: Option<String>,
+        /// Capacity each allocation consumes of a multi-allocatable device
+        /// (`NAME=QUANTITY`, e.g. `memory=1Gi`, repeated): written in the
+        /// allocation with a share id, as the scheduler does for shares.
+        #[arg(long = "consumed")]
+        consumed: Vec<String>,
         #[arg(long, value_delimiter = ',', default_values_t = [1usize, 8])]
         per_claim: Vec<usize>,
         #[arg(long, value_delimiter = ',', default_values_t = [1usize, 16, 64])]
@@ -95,11 +100,20 @@ async fn main() -> Result<()> {
             driver,
             pool,
             device_attr,
+            consumed,
             per_claim,
             concurrency,
             claims,
             pid,
         } => {
+            let consumed = consumed
+                .iter()
+                .map(|c| {
+                    c.split_once('=')
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .context("--consumed takes NAME=QUANTITY")
+                })
+                .collect::<Result<std::collections::BTreeMap<_, _>>>()?;
             let pool = pool.unwrap_or(node);
             let attr = device_attr
                 .as_deref()
@@ -132,6 +146,7 @@ async fn main() -> Result<()> {
                         per_claim: k,
                         claims,
                         concurrency: c,
+                        consumed: consumed.clone(),
                     };
                     let ns = cluster.create_namespace("bench").await?;
                     let refs = grpc::create_claims(&client, ns.name(), &run).await?;

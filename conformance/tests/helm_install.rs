@@ -35,6 +35,8 @@
 //! namespace, release and host directories are its own.
 
 mod plugin_support;
+#[path = "helm_install/survival.rs"]
+mod survival;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -187,6 +189,11 @@ impl Machine {
             bin_dir.join("fake-mps-control"),
             root.join("usr/bin/nvidia-cuda-mps-control"),
         )?;
+        // The simulated CUDA driver, which `tessera probe` in a pod loads.
+        std::fs::copy(
+            bin_dir.join("libtessera_fake_cuda.so"),
+            root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+        )?;
         use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR, mknod_char};
         mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
         mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
@@ -249,6 +256,7 @@ fn values(
     machine: &Machine,
     driver: &str,
     tag: &str,
+    mps_cgroup: &str,
 ) -> Result<Value> {
     let recorded = std::fs::read_to_string(cluster.state_dir().join("cluster.env"))?;
     let apiserver_port = recorded
@@ -269,6 +277,7 @@ fn values(
         "cdiDir": path(cluster.state_dir().join("node/cdi")),
         "stateDir": path(machine.dir.path().join("state")),
         "mpsDir": path(machine.dir.path().join("mps")),
+        "mpsHostCgroup": mps_cgroup,
         "driverRoot": path(machine.driver_root()),
         "nvmlLibrary": NVML_IN_ROOT,
         // "/" is a private mount on this machine (no systemd).
@@ -802,18 +811,37 @@ async fn failed_prepares(ns: &TestNamespace, pod: &str) -> Result<Vec<String>> {
 #[tokio::test]
 async fn the_chart_installs_runs_gpu_pods_admits_only_its_node_and_rolls() -> Result<()> {
     let _slot = NODE_SLOT.lock().await;
-    chart_case(false).await
+    chart_case(Case::Roll).await
 }
 
 #[tokio::test]
 async fn the_chart_installs_under_nvidia_compatible_names_and_runs_every_example() -> Result<()> {
     let _slot = NODE_SLOT.lock().await;
-    chart_case(true).await
+    chart_case(Case::Nvidia).await
 }
 
-/// Installs the chart on the node and runs one case: the roll (a driver
-/// name of its own), or NVIDIA-compatible names; cleans up either way.
-async fn chart_case(nvidia: bool) -> Result<()> {
+#[tokio::test]
+async fn an_isolated_workload_keeps_its_daemon_and_limits_through_sigkill_and_upgrade() -> Result<()>
+{
+    let _slot = NODE_SLOT.lock().await;
+    chart_case(Case::Survival).await
+}
+
+/// What one install of the chart checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Case {
+    /// Lint, install, admission, the roll (a driver name of its own).
+    Roll,
+    /// NVIDIA-compatible names and every example.
+    Nvidia,
+    /// An Isolated workload through SIGKILL of the node container and an
+    /// upgrade (`chart_survival.rs`).
+    Survival,
+}
+
+/// Installs the chart on the node and runs one case; cleans up either way.
+async fn chart_case(case: Case) -> Result<()> {
+    let nvidia = case == Case::Nvidia;
     let cluster = TestCluster::shared().await?;
     let Some(kubelet) = cluster.kubelet().cloned() else {
         eprintln!("cluster runs without a kubelet (TESSERA_KUBELET=0): nothing to install on");
@@ -843,7 +871,12 @@ async fn chart_case(nvidia: bool) -> Result<()> {
         blocking(move || image_script(&s, &["import", "--tag", &a, "--tag", &b])).await?;
     }
     eprintln!("helm and the image ready in {:?}", t0.elapsed());
-    let machine = Machine::new(&state_dir, if nvidia { NVIDIA_TOPOLOGY } else { TOPOLOGY })?;
+    let topology = if case == Case::Roll {
+        TOPOLOGY
+    } else {
+        NVIDIA_TOPOLOGY
+    };
+    let machine = Machine::new(&state_dir, topology)?;
     let helm = Helm {
         bin: PathBuf::from(helm_bin.trim()),
         home: machine.dir.path().join("helm"),
@@ -858,7 +891,9 @@ async fn chart_case(nvidia: bool) -> Result<()> {
     let ns = cluster.create_namespace("helm").await?;
     let release = id.clone();
     let values_file = machine.dir.path().join("values.json");
-    let mut values = values(&cluster, &kubelet, &machine, &driver, &tag1)?;
+    // A host cgroup of this test's own for the MPS daemons.
+    let mps_cgroup = format!("{id}-mps");
+    let mut values = values(&cluster, &kubelet, &machine, &driver, &tag1, &mps_cgroup)?;
     if nvidia {
         // The one value a user sets; driverName stays at its default.
         let v = values.as_object_mut().context("values")?;
@@ -867,21 +902,38 @@ async fn chart_case(nvidia: bool) -> Result<()> {
     }
     std::fs::write(&values_file, serde_json::to_vec_pretty(&values)?)?;
 
-    let result = if nvidia {
-        install_nvidia(&cluster, &helm, &ns, &release, &values_file, &tag1).await
-    } else {
-        install_and_roll(
-            &cluster,
-            &helm,
-            &ns,
-            &release,
-            &driver,
-            &domain,
-            &values_file,
-            &tag2,
-            &kubelet,
-        )
-        .await
+    let result = match case {
+        Case::Nvidia => install_nvidia(&cluster, &helm, &ns, &release, &values_file, &tag1).await,
+        Case::Roll => {
+            install_and_roll(
+                &cluster,
+                &helm,
+                &ns,
+                &release,
+                &driver,
+                &domain,
+                &values_file,
+                &tag2,
+                &kubelet,
+            )
+            .await
+        }
+        Case::Survival => {
+            let chart = chart();
+            let install = survival::Install {
+                helm: &helm,
+                ns: &ns,
+                release: &release,
+                driver: &driver,
+                domain: &domain,
+                chart: &chart,
+                values: &values_file,
+                tags: (&tag1, &tag2),
+                mps_dir: &machine.dir.path().join("mps"),
+                cgroup: &mps_cgroup,
+            };
+            survival::run(&install).await
+        }
     };
 
     // Cleanup whatever happened: workloads first (their claims are
@@ -965,6 +1017,7 @@ async fn chart_case(nvidia: bool) -> Result<()> {
         }
     }
     let _ = ns.delete().await;
+    survival::remove_cgroup(&mps_cgroup);
     machine.clear();
     for f in std::fs::read_dir(node_dir.join("cdi"))
         .into_iter()

@@ -114,6 +114,9 @@ pub struct Run {
     pub per_claim: usize,
     pub claims: usize,
     pub concurrency: usize,
+    /// Capacity each result consumes (name -> quantity); empty for devices
+    /// that are allocated whole.
+    pub consumed: std::collections::BTreeMap<String, String>,
 }
 
 /// Creates the run's claims with their allocation written in status.
@@ -151,7 +154,13 @@ async fn create_claim(
     let results: Vec<_> = (0..run.per_claim)
         .map(|k| {
             let device = &run.devices[(i * run.per_claim + k) % run.devices.len()];
-            json!({ "request": "gpu", "driver": run.driver, "pool": run.pool, "device": device })
+            let mut result =
+                json!({ "request": "gpu", "driver": run.driver, "pool": run.pool, "device": device });
+            if !run.consumed.is_empty() {
+                result["consumedCapacity"] = json!(run.consumed);
+                result["shareID"] = json!(share_id(i, k));
+            }
+            result
         })
         .collect();
     let status = json!({ "status": { "allocation": { "devices": { "results": results } } } });
@@ -163,6 +172,11 @@ async fn create_claim(
         uid: created.metadata.uid.unwrap_or_default(),
         name,
     })
+}
+
+/// A share id (a UUID, as the scheduler writes) unique per result.
+fn share_id(claim: usize, k: usize) -> String {
+    format!("00000000-0000-4000-8000-{:06x}{:06x}", claim, k)
 }
 
 /// Prepares every claim, `concurrency` calls in flight; checks each answer
