@@ -5,12 +5,14 @@
 //! variant and a match arm.
 
 use tessera_driver::discovery;
+use tessera_driver::mps::generation::{self, IsolationSupport};
 
 mod publish_cmd;
 mod status_cmd;
 
 use std::ffi::{OsStr, OsString};
 use std::io::{self, Write};
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
@@ -106,17 +108,29 @@ fn main() -> ExitCode {
     })
 }
 
+/// The host's cgroup filesystem, where the dmem controller would be.
+const CGROUP_FS: &str = "/sys/fs/cgroup";
+
 fn inventory(library: &OsStr, args: &InventoryArgs) -> anyhow::Result<ExitCode> {
     let nvml = discovery::init(Some(library))?;
     let found = discovery::discover(&nvml)?;
+    // The GPUs, and how this node can enforce Isolated shares.
+    #[derive(serde::Serialize)]
+    struct Report<'a> {
+        #[serde(flatten)]
+        inventory: &'a tessera_api::inventory::Inventory,
+        isolation: IsolationSupport,
+    }
+    let report = Report {
+        inventory: &found.inventory,
+        isolation: generation::detect(Path::new(CGROUP_FS), &found.inventory.driver_version),
+    };
     let text = match args.output {
         Format::Yaml => quote_base60_lookalikes(
-            &serde_yaml::to_string(&found.inventory).context("encoding the inventory as YAML")?,
+            &serde_yaml::to_string(&report).context("encoding the inventory as YAML")?,
         ),
         Format::Json => {
-            serde_json::to_string_pretty(&found.inventory)
-                .context("encoding the inventory as JSON")?
-                + "\n"
+            serde_json::to_string_pretty(&report).context("encoding the inventory as JSON")? + "\n"
         }
     };
     write_stdout(&text)?;

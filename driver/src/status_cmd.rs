@@ -27,6 +27,7 @@ use tessera_driver::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
 use tessera_driver::metrics::memory;
+use tessera_driver::mps::generation::{self, IsolationSupport};
 use tessera_driver::prepare::state::{ClaimEntry, EntryState, LimitsData};
 
 #[derive(Debug, clap::Args)]
@@ -79,6 +80,10 @@ pub struct Report {
     /// What could not be read (the rest is still reported).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub problems: Vec<String>,
+    /// How the node enforces Isolated shares, and whether it has the next
+    /// generation's pieces (MPS v3 driver, cgroup dmem controller).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<IsolationSupport>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -188,6 +193,10 @@ pub fn status(library: &OsStr, args: &StatusArgs) -> anyhow::Result<ExitCode> {
         Ok(view) => report.apply(&view),
         Err(why) => report.api_unavailable = Some(why),
     }
+    report.isolation = Some(generation::detect(
+        Path::new(crate::CGROUP_FS),
+        &inventory.driver_version,
+    ));
     let text = match args.output {
         Output::Json => serde_json::to_string_pretty(&report)? + "\n",
         Output::Text => text(&report),
@@ -431,6 +440,7 @@ pub fn build(
         gpus,
         api_unavailable: None,
         problems,
+        isolation: None,
     }
 }
 
@@ -445,6 +455,16 @@ fn text(report: &Report) -> String {
     }
     if let Some(why) = &report.api_unavailable {
         let _ = writeln!(out, "pods and health unknown: no API server read ({why})\n");
+    }
+    if let Some(i) = &report.isolation {
+        let _ = writeln!(
+            out,
+            "isolation: Isolated shares by {}; cgroup {}, dmem controller {}, MPS v3 driver {}\n",
+            i.enforced_by,
+            i.cgroup,
+            if i.dmem_controller { "yes" } else { "no" },
+            if i.mps_v3_driver { "yes" } else { "no" },
+        );
     }
     for gpu in &report.gpus {
         let _ = writeln!(

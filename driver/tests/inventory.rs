@@ -554,6 +554,16 @@ fn the_library_can_be_named_explicitly() {
     );
     let inv: Inventory = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(inv.gpus[0].product_name, "Tesla T4");
+    // Beside the GPUs: how Isolated shares are enforced, and whether the
+    // next generation's pieces are here (the fake driver is r580-like).
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let isolation = &report["isolation"];
+    assert_eq!(isolation["enforcedBy"], "mps-daemon-per-claim", "{report}");
+    assert!(matches!(
+        isolation["cgroup"].as_str(),
+        Some("v1" | "v2" | "hybrid")
+    ));
+    assert_eq!(isolation["mpsV3Driver"], false, "{report}");
 }
 
 /// `tessera` with a clean environment and no fake topology set.

@@ -19,6 +19,7 @@
 //! modes.
 
 mod daemon;
+pub mod generation;
 mod launch;
 mod limits;
 mod process;
