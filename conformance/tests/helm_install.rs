@@ -985,6 +985,13 @@ async fn chart_case(case: Case) -> Result<()> {
         Ok((left.is_empty() && monitors == 0).then_some(()))
     })
     .await;
+    // Pods gone from the API are not yet unprepared: wait until the node
+    // process has stopped their MPS daemons, which outlive it by design.
+    let mps_dir = machine.dir.path().join("mps");
+    let _ = wait_for("the workloads' MPS daemons stopped", TIMEOUT, || async {
+        Ok(survival::daemons_left(&mps_dir).is_empty().then_some(()))
+    })
+    .await;
     if nvidia {
         let namespaces: Api<Namespace> = Api::all(cluster.client());
         let _ = namespaces
@@ -1017,6 +1024,10 @@ async fn chart_case(case: Case) -> Result<()> {
         }
     }
     let _ = ns.delete().await;
+    let killed = survival::kill_daemons_left(&mps_dir);
+    if !killed.is_empty() {
+        eprintln!("killed MPS daemons no unprepare stopped: {killed:?}");
+    }
     survival::remove_cgroup(&mps_cgroup);
     machine.clear();
     for f in std::fs::read_dir(node_dir.join("cdi"))

@@ -344,6 +344,29 @@ async fn container_started(pods: &Api<Pod>) -> Result<String> {
         .context("the workload's container is not running")
 }
 
+/// The PIDs of the daemons recorded below `mps_dir` that still run.
+pub fn daemons_left(mps_dir: &Path) -> Vec<i32> {
+    let dirs = |d: &Path| std::fs::read_dir(d).into_iter().flatten().flatten();
+    dirs(mps_dir)
+        .flat_map(|claim| dirs(&claim.path()).collect::<Vec<_>>())
+        .filter_map(|d| std::fs::read(d.path().join("daemon.json")).ok())
+        .filter_map(|b| serde_json::from_slice::<Value>(&b).ok())
+        .filter_map(|r| r["daemon"]["pid"].as_i64().map(|p| p as i32))
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+/// Kills what the chart's node process left running (a daemon outlives
+/// it by design) when the test could not wait for its unprepare.
+pub fn kill_daemons_left(mps_dir: &Path) -> Vec<i32> {
+    let left = daemons_left(mps_dir);
+    for pid in &left {
+        // SAFETY: a daemon this test's node process recorded.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    left
+}
+
 /// Removes the test's host cgroup (in every hierarchy) once no daemon is in
 /// it; one still in use stays.
 pub fn remove_cgroup(cgroup: &str) {
