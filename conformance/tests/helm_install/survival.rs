@@ -22,6 +22,7 @@ use kube::api::{DeleteParams, PostParams};
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{TestNamespace, wait_for};
+use tessera_driver::mps::ProcessId;
 use tessera_driver::probe::ProbeReport;
 
 use super::plugin_support::cluster::probe_image;
@@ -259,31 +260,32 @@ fn check_limits(report: &ProbeReport, when: &str) -> Result<()> {
     Ok(())
 }
 
-/// The PID recorded for the claim's one daemon.
-fn daemon_pid(mps_dir: &Path, uid: &str) -> Result<i32> {
-    let records: Vec<Value> = std::fs::read_dir(mps_dir.join(uid))
-        .with_context(|| format!("no MPS daemon directory for claim {uid}"))?
+/// The daemon records (`daemon.json`) of one claim's directory.
+fn records(claim_dir: &Path) -> std::io::Result<Vec<Value>> {
+    Ok(std::fs::read_dir(claim_dir)?
         .flatten()
         .filter_map(|e| std::fs::read(e.path().join("daemon.json")).ok())
         .filter_map(|b| serde_json::from_slice(&b).ok())
-        .collect();
+        .collect())
+}
+
+/// The PID a record names.
+fn recorded_pid(record: &Value) -> Option<i32> {
+    record["daemon"]["pid"].as_i64().map(|p| p as i32)
+}
+
+/// The PID recorded for the claim's one daemon.
+fn daemon_pid(mps_dir: &Path, uid: &str) -> Result<i32> {
+    let records = records(&mps_dir.join(uid))
+        .with_context(|| format!("no MPS daemon directory for claim {uid}"))?;
     match records.as_slice() {
-        [r] => r["daemon"]["pid"]
-            .as_i64()
-            .map(|p| p as i32)
-            .with_context(|| format!("the record names no process: {r}")),
+        [r] => recorded_pid(r).with_context(|| format!("the record names no process: {r}")),
         _ => bail!("want one daemon for claim {uid}, found {records:?}"),
     }
 }
 
 fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .and_then(|(_, r)| r.split_whitespace().next().map(str::to_owned))
-        })
-        .is_some_and(|state| state != "Z" && state != "X")
+    ProcessId::of(pid).is_some()
 }
 
 /// The daemon is in the chart's host cgroup in every hierarchy, out of the
@@ -346,12 +348,12 @@ async fn container_started(pods: &Api<Pod>) -> Result<String> {
 
 /// The PIDs of the daemons recorded below `mps_dir` that still run.
 pub fn daemons_left(mps_dir: &Path) -> Vec<i32> {
-    let dirs = |d: &Path| std::fs::read_dir(d).into_iter().flatten().flatten();
-    dirs(mps_dir)
-        .flat_map(|claim| dirs(&claim.path()).collect::<Vec<_>>())
-        .filter_map(|d| std::fs::read(d.path().join("daemon.json")).ok())
-        .filter_map(|b| serde_json::from_slice::<Value>(&b).ok())
-        .filter_map(|r| r["daemon"]["pid"].as_i64().map(|p| p as i32))
+    std::fs::read_dir(mps_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|claim| records(&claim.path()).unwrap_or_default())
+        .filter_map(|r| recorded_pid(&r))
         .filter(|pid| alive(*pid))
         .collect()
 }
