@@ -41,11 +41,11 @@ use tessera_controller::model::{
 };
 use tessera_driver::cdi::Spec;
 use tessera_driver::claim_uid::ClaimUid;
-use tessera_driver::mps::{MpsConfig, MpsSharing, MpsSupervisor, PID_FILE, ProcessId};
+use tessera_driver::mps::{MpsConfig, MpsSupervisor, PID_FILE, ProcessId};
 use tessera_driver::prepare::catalog::{Catalog, DeviceCatalog};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use tessera_driver::prepare::enforcement::Layout;
-use tessera_driver::prepare::sharing::{SharingControl, Unsupported};
+use tessera_driver::prepare::host::{MpsControl, Unsupported};
+use tessera_driver::prepare::spec::Layout;
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 
 const NODE: &str = "podman-node";
@@ -129,13 +129,13 @@ impl Node {
         (name.clone(), gpu)
     }
 
-    /// Prepares `claim` as NodePrepareResources does, with `sharing` for
+    /// Prepares `claim` as NodePrepareResources does, with `mps` for
     /// MPS; returns the preparer, the claim's reference, its one CDI id and
     /// the spec file written.
     async fn prepare(
         &self,
         claim: ResourceClaim,
-        sharing: Arc<dyn SharingControl>,
+        mps: Arc<dyn MpsControl>,
     ) -> (Arc<Preparer>, ClaimRef, String, PathBuf) {
         let model = SliceModel::new(
             &self.inventory,
@@ -172,7 +172,8 @@ impl Node {
         let deps = Dependencies {
             claims: Arc::new(OneClaim(claim)),
             catalog: Arc::new(DeviceCatalog::fixed(catalog)),
-            sharing,
+            mps,
+            time_slice: Arc::new(Unsupported),
             mig: Arc::new(Unsupported),
             status: None,
             events: None,
@@ -300,7 +301,7 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     let mut mps = MpsConfig::new(Path::new("/nonexistent"), node.dir.path().join("mps"));
     mps.control_binary = fake_mps_control();
     let supervisor = Arc::new(MpsSupervisor::new(mps));
-    let sharing = Arc::new(MpsSharing::new(supervisor.clone(), Unsupported));
+    let mps: Arc<dyn MpsControl> = supervisor.clone();
 
     let uid = random_uid();
     let claim = claim_json(
@@ -309,7 +310,7 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
                "shareID": random_uid().as_str(),
                "consumedCapacity": {"memory": "8Gi", "cores": "25"}}),
     );
-    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, sharing).await;
+    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, mps).await;
     // The claim's own daemon for request `gpu` on the GPU.
     let daemons = supervisor.daemons();
     assert_eq!(daemons.len(), 1, "{daemons:?}");

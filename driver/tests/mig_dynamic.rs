@@ -460,7 +460,7 @@ fn the_prepare_trait_creates_and_destroys_through_nvml() {
 fn child_prepare_trait() {
     use std::sync::Arc;
     use tessera_driver::mig::NvmlMig;
-    use tessera_driver::prepare::sharing::MigManager;
+    use tessera_driver::prepare::host::MigManager;
     use tessera_driver::prepare::state::MigRecord;
 
     let Some(nvml) = child_nvml() else { return };

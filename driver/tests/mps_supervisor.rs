@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
-    CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSharing,
+    CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError,
     MpsSupervisor, PID_FILE, ProcessId, RECORD,
 };
 
@@ -712,11 +712,11 @@ fn a_shared_daemon_of_an_earlier_version_is_retired() {
 
 #[test]
 fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
-    use tessera_api::config::{Limits, TimeSliceInterval};
-    use tessera_driver::prepare::sharing::{MpsTarget, SharingControl, Unsupported};
+    use tessera_api::config::Limits;
+    use tessera_driver::prepare::host::{MpsControl, MpsTarget};
 
     let s = Scratch::new();
-    let sharing = MpsSharing::new(Arc::new(MpsSupervisor::new(s.config())), Unsupported);
+    let sharing: Arc<dyn MpsControl> = Arc::new(MpsSupervisor::new(s.config()));
     let limits = Limits {
         memory_bytes: 1 << 30,
         compute_percent: 50,
@@ -726,20 +726,20 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
         mig_uuid: Some(MIG0.into()),
         ..target(GPU0)
     };
-    let a = sharing.mps_acquire(&claim(1), &whole, &limits).unwrap();
+    let a = sharing.acquire(&claim(1), &whole, &limits).unwrap();
     // A client gets the pipe and shared memory directories and the limits,
     // nothing else.
     let pipe_dir = s.pipe_dir(&key(1, GPU0));
     assert_eq!(
         a,
-        tessera_driver::prepare::sharing::MpsClient {
+        tessera_driver::prepare::host::MpsClient {
             shm_dir: pipe_dir.with_file_name("shm"),
             pipe_dir,
             limits,
         }
     );
     // A MIG device gets its own daemon, serving only that MIG device.
-    let b = sharing.mps_acquire(&claim(2), &mig, &limits).unwrap();
+    let b = sharing.acquire(&claim(2), &mig, &limits).unwrap();
     assert_eq!(b.pipe_dir, s.pipe_dir(&key(2, MIG0)));
     assert!(
         s.log(&key(2, MIG0))
@@ -751,20 +751,14 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     );
     assert!(alive(pids.0) && alive(pids.1));
 
-    // Time slices are the inner implementation's business.
-    let err = sharing
-        .set_time_slice(&claim(1), GPU0, TimeSliceInterval::Short)
-        .unwrap_err();
-    assert!(err.0.contains("not implemented"), "{err}");
-
-    sharing.mps_release(&claim(1), &whole).unwrap();
-    sharing.mps_release(&claim(1), &whole).unwrap();
+    sharing.release(&claim(1), &whole).unwrap();
+    sharing.release(&claim(1), &whole).unwrap();
     assert!(!alive(pids.0) && alive(pids.1));
-    sharing.mps_release(&claim(2), &mig).unwrap();
+    sharing.release(&claim(2), &mig).unwrap();
     assert!(!alive(pids.1));
     // Errors reach prepare as text naming the device.
     let err = sharing
-        .mps_acquire(&claim(3), &target("GPU-../x"), &limits)
+        .acquire(&claim(3), &target("GPU-../x"), &limits)
         .unwrap_err();
     assert!(err.0.contains("GPU-../x"), "{err}");
 }
@@ -780,7 +774,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
 // driver must keep its hands off both decoys, keep file contents out of its
 // errors, and still recover.
 
-use tessera_driver::prepare::sharing::{MpsClient, MpsTarget, SharingControl, Unsupported};
+use tessera_driver::prepare::host::{MpsClient, MpsControl, MpsTarget};
 
 const SECRET: &str = "decoy-7f3a9c: the driver must never truncate, follow or show this";
 const LOG_NAMES: [&str; 3] = ["launcher.log", "control.log", "server.log"];
@@ -798,9 +792,9 @@ struct Hostile {
 impl Hostile {
     /// A container of `claim` on `device`: what it can write is exactly what
     /// the driver hands it through the prepare trait.
-    fn new(sharing: &MpsSharing<Unsupported>, device: &str, claim: &ClaimUid) -> Self {
+    fn new(sharing: &Arc<dyn MpsControl>, device: &str, claim: &ClaimUid) -> Self {
         let client = sharing
-            .mps_acquire(claim, &target(device), &share_limits())
+            .acquire(claim, &target(device), &share_limits())
             .unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let decoy_file = tmp.path().join("decoy");
@@ -896,11 +890,11 @@ fn errors(report: &tessera_driver::mps::SupervisionReport) -> Vec<String> {
 }
 
 /// A sharing stack as the plugin wires it, with a short readiness timeout.
-fn hostile_setup(s: &Scratch) -> (Arc<MpsSupervisor>, MpsSharing<Unsupported>) {
+fn hostile_setup(s: &Scratch) -> (Arc<MpsSupervisor>, Arc<dyn MpsControl>) {
     let mut config = s.config();
     config.ready_timeout = Duration::from_secs(3);
     let sup = Arc::new(MpsSupervisor::new(config));
-    (sup.clone(), MpsSharing::new(sup, Unsupported))
+    (sup.clone(), sup as Arc<dyn MpsControl>)
 }
 
 /// Our daemon, not the decoy: a live fake-mps-control answering on the pipe.
@@ -1013,7 +1007,7 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
         .push(("TESSERA_FAKE_MPS_READY_DELAY_MS".into(), "1000".into()));
     let (sup, sharing) = {
         let sup = Arc::new(MpsSupervisor::new(config));
-        (sup.clone(), MpsSharing::new(sup, Unsupported))
+        (sup.clone(), sup as Arc<dyn MpsControl>)
     };
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
     let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;

@@ -29,9 +29,9 @@ use tracing::debug;
 
 use crate::health::{Health, HealthMap, HealthTracker};
 use crate::mps::MpsSupervisor;
-use crate::prepare::Preparer;
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
 use crate::prepare::state::EntryState;
+use crate::prepare::{PrepareObserver, Preparer};
 
 /// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -219,23 +219,6 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// One claim prepared (`ok`) or failed.
-    pub fn prepared(&self, took: Duration, ok: bool) {
-        self.prepare_seconds.observe(took.as_secs_f64());
-        self.count("prepare", ok);
-    }
-
-    /// One claim read from the API server by prepare.
-    pub fn claim_read(&self, took: Duration) {
-        self.claim_read_seconds.observe(took.as_secs_f64());
-    }
-
-    /// One claim unprepared (`ok`) or failed.
-    pub fn unprepared(&self, took: Duration, ok: bool) {
-        self.unprepare_seconds.observe(took.as_secs_f64());
-        self.count("unprepare", ok);
-    }
-
     fn count(&self, operation: &'static str, ok: bool) {
         let result = if ok { "ok" } else { "error" };
         self.results
@@ -298,6 +281,24 @@ impl Metrics {
                 .get_or_create(&GpuLabels { gpu: gpu.clone() })
                 .set(i64::try_from(*bytes).unwrap_or(i64::MAX));
         }
+    }
+}
+
+/// Prepare reports each claim here; the metrics depend on prepare, never
+/// the other way round.
+impl PrepareObserver for Metrics {
+    fn prepared(&self, took: Duration, ok: bool) {
+        self.prepare_seconds.observe(took.as_secs_f64());
+        self.count("prepare", ok);
+    }
+
+    fn unprepared(&self, took: Duration, ok: bool) {
+        self.unprepare_seconds.observe(took.as_secs_f64());
+        self.count("unprepare", ok);
+    }
+
+    fn claim_read(&self, took: Duration) {
+        self.claim_read_seconds.observe(took.as_secs_f64());
     }
 }
 

@@ -160,7 +160,7 @@ mod tests {
             notes: Vec::new(),
         });
         assert!(get(address, "/healthz").await.starts_with("HTTP/1.1 200"));
-        metrics.prepared(Duration::from_millis(5), true);
+        crate::prepare::PrepareObserver::prepared(&*metrics, Duration::from_millis(5), true);
         let scrape = get(address, "/metrics").await;
         assert!(scrape.starts_with("HTTP/1.1 200"), "{scrape}");
         assert!(scrape.contains("tessera_prepare_duration_seconds_count 1"));

@@ -36,7 +36,6 @@ pub use limits::{
     PIPE_DIRECTORY, client_limit_env, daemon_default_commands, is_device_uuid,
 };
 pub use process::ProcessId;
-pub use sharing::MpsSharing;
 pub use supervisor::{
     DEFAULT_CONTROL_BINARY, MpsConfig, MpsError, MpsSupervisor, SupervisionReport, Watchdog,
 };

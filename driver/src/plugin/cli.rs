@@ -21,14 +21,14 @@ use crate::discovery;
 use crate::flags::CapabilityChoice;
 use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
-use crate::mps::{HostCgroup, MpsConfig, MpsSharing, MpsSupervisor, SupervisionReport};
+use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, SupervisionReport};
 use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
-use crate::prepare::enforcement::{Layout, discover_driver_files};
+use crate::prepare::provider::time_slice::NvidiaSmiTimeSlice;
+use crate::prepare::spec::{Layout, discover_driver_files};
 use crate::prepare::status::{NodeEvents, StatusWriter};
-use crate::prepare::time_slice::NvidiaSmiTimeSlice;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -89,7 +89,7 @@ pub struct PluginArgs {
     /// it (as `/usr/local/vgpu/libvgpu.so`) are: mounted into containers
     /// of Isolated shares on GPUs whose policy names `isolationProvider:
     /// hami-core`. Without them such a claim is refused, never weakened.
-    #[arg(long, env = "TESSERA_HAMI_CORE_DIR", default_value = crate::prepare::hami_core::DEFAULT_DIR)]
+    #[arg(long, env = "TESSERA_HAMI_CORE_DIR", default_value = crate::prepare::provider::hami_core::DEFAULT_DIR)]
     pub hami_core_dir: PathBuf,
 
     /// Root of the NVIDIA driver installation (libraries, tools,
@@ -385,10 +385,8 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     let deps = Dependencies {
         claims: Arc::new(ApiClaims::new(client.clone(), timeout)),
         catalog: catalog.clone(),
-        sharing: Arc::new(MpsSharing::new(
-            mps.clone(),
-            NvidiaSmiTimeSlice::new(&args.driver_root),
-        )),
+        mps: mps.clone(),
+        time_slice: Arc::new(NvidiaSmiTimeSlice::new(&args.driver_root)),
         mig: mig.clone(),
         status: args
             .device_status
@@ -411,7 +409,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         "start-up recovery done"
     );
     if let Some(metrics) = &metrics {
-        preparer.set_metrics(metrics.clone());
+        preparer.observe(metrics.clone());
     }
     supervise_mps(&mps, &preparer, metrics.clone());
 

@@ -13,6 +13,7 @@
 //!   leaving a `Completed` entry whose spec is gone.
 
 use serde::{Deserialize, Serialize};
+use tessera_api::config::{Limits, Quantity};
 use tessera_api::inventory::MigPlacement;
 
 use crate::cdi::Spec;
@@ -90,6 +91,13 @@ pub struct MigRecord {
     pub gpu_instance_id: u32,
     pub compute_instance_id: u32,
     pub mig_uuid: String,
+}
+
+impl Action {
+    /// Whether undoing it changes the GPUs themselves (a MIG device goes).
+    pub fn changes_gpus(&self) -> bool {
+        matches!(self, Action::MigCreate { .. })
+    }
 }
 
 impl ClaimEntry {
@@ -192,6 +200,16 @@ pub struct LimitsData {
     pub memory_bytes: u64,
     /// Compute per process, percent of the device.
     pub compute_percent: u32,
+}
+
+impl From<&Limits> for LimitsData {
+    fn from(l: &Limits) -> Self {
+        LimitsData {
+            memory: Quantity::from_bytes(l.memory_bytes).to_string(),
+            memory_bytes: l.memory_bytes,
+            compute_percent: l.compute_percent,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

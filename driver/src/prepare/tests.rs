@@ -14,8 +14,10 @@ use tessera_controller::model::{DeviceKind, DeviceRef};
 
 use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use super::sharing::{MpsClient, MpsTarget, SharingControl, SharingError, Unsupported};
-use super::time_slice::NvidiaSmiTimeSlice;
+use super::host::{
+    MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl, Unsupported,
+};
+use super::provider::time_slice::NvidiaSmiTimeSlice;
 use super::*;
 
 const NODE: &str = "node-a";
@@ -45,8 +47,8 @@ impl Recorder {
     }
 }
 
-impl SharingControl for Recorder {
-    fn mps_acquire(
+impl MpsControl for Recorder {
+    fn acquire(
         &self,
         claim: &ClaimUid,
         target: &MpsTarget,
@@ -65,35 +67,33 @@ impl SharingControl for Recorder {
             limits: *limits,
         })
     }
-    fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
+    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
         self.calls
             .lock()
             .unwrap()
             .push(format!("release {claim} {}", target.gpu_uuid));
         Ok(())
     }
-    fn set_time_slice(
-        &self,
-        claim: &ClaimUid,
-        gpu_uuid: &str,
-        interval: TimeSliceInterval,
-    ) -> Result<(), SharingError> {
+}
+
+impl TimeSliceControl for Recorder {
+    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError> {
         self.calls
             .lock()
             .unwrap()
-            .push(format!("timeslice {claim} {gpu_uuid} {interval:?}"));
+            .push(format!("timeslice {gpu_uuid} {interval:?}"));
         match &self.time_slicer {
-            Some(t) => t.set_time_slice(claim, gpu_uuid, interval),
+            Some(t) => t.set(gpu_uuid, interval),
             None => Ok(()),
         }
     }
-    fn reset_time_slice(&self, claim: &ClaimUid, gpu_uuid: &str) -> Result<(), SharingError> {
+    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError> {
         self.calls
             .lock()
             .unwrap()
-            .push(format!("reset timeslice {claim} {gpu_uuid}"));
+            .push(format!("reset timeslice {gpu_uuid}"));
         match &self.time_slicer {
-            Some(t) => t.reset_time_slice(claim, gpu_uuid),
+            Some(t) => t.reset(gpu_uuid),
             None => Ok(()),
         }
     }
@@ -206,7 +206,8 @@ impl Fixture {
         let deps = Dependencies {
             claims: Arc::new(Claims(claims)),
             catalog: Arc::new(DeviceCatalog::fixed(catalog)),
-            sharing: self.sharing.clone(),
+            mps: self.sharing.clone(),
+            time_slice: self.sharing.clone(),
             mig,
             status: None,
             events: None,
@@ -458,10 +459,11 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     mig.set_enabled(true);
     assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
     assert_eq!(took(&f), [NodeChange::Gpus]);
-    // Switched on under the hold; the last hold going switches it off.
+    // Switched on under the hold; the last hold going switches it off,
+    // told once.
     mig.set_enabled(true);
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
-    assert_eq!(took(&f), [NodeChange::Gpus, NodeChange::Records]);
+    assert_eq!(took(&f), [NodeChange::Gpus]);
 }
 
 #[tokio::test]
@@ -793,7 +795,7 @@ async fn shared_shares_set_the_policy_time_slice_until_the_last_one_goes() {
     assert!(
         f.sharing
             .calls()
-            .contains(&format!("reset timeslice {} {GPU}", uid(2)))
+            .contains(&format!("reset timeslice {GPU}"))
     );
 }
 
@@ -816,8 +818,8 @@ async fn time_slicing_config_sets_a_whole_gpus_slice_and_start_up_rolls_it_back(
     let mut started = entry.clone();
     started.state = EntryState::Started;
     preparer
-        .put(&ClaimUid::parse(&uid(3)).unwrap(), started)
-        .await
+        .checkpoint
+        .put(ClaimUid::parse(&uid(3)).unwrap(), started)
         .unwrap();
     drop(preparer);
     let (preparer, recovery) = f

@@ -25,11 +25,96 @@
 //! file and the fix, when they are not there: a share published as
 //! `hami-core` is never prepared with weaker isolation.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use tessera_api::config::Limits;
+use tessera_api::config::{EffectiveConfig, IsolationLevel, Limits};
+use tessera_controller::model::policy::IsolationProvider;
 
-use crate::cdi::Mount;
+use super::{Device, EnforceError, Provider, Request};
+use crate::cdi::{ContainerEdits, Mount};
+use crate::prepare::resolve::Kind;
+use crate::prepare::state::{DeviceData, LimitsData};
+
+/// The limits HAMi-core enforces for a device: an Isolated share on a GPU
+/// whose node policy names `isolationProvider: hami-core`.
+pub fn limits(device: &Device) -> Option<Limits> {
+    match (&device.resolved.kind, &device.config) {
+        (
+            Kind::Share {
+                provider: Some(IsolationProvider::HamiCore),
+                ..
+            },
+            EffectiveConfig::Share { limits },
+        ) => *limits,
+        _ => None,
+    }
+}
+
+/// HAMi-core as a provider: nothing on the host (the library enforces
+/// inside the container), everything in the container's edits.
+pub struct HamiCore;
+
+impl Provider for HamiCore {
+    /// The library and the preload file, both read-only, and per device
+    /// the limits at the CUDA index the container sees it under (its
+    /// position in `CUDA_VISIBLE_DEVICES`). Two shares of one GPU in a
+    /// request add up at that index.
+    fn edits(&self, request: &Request<'_>, edits: &mut ContainerEdits) -> Result<(), EnforceError> {
+        let mut at_index: BTreeMap<usize, Limits> = BTreeMap::new();
+        for device in &request.devices {
+            let Some(l) = limits(device) else {
+                continue;
+            };
+            let index = request
+                .visible
+                .iter()
+                .position(|u| *u == device.resolved.gpu.uuid)
+                .expect("every member's GPU is visible");
+            let at = at_index.entry(index).or_insert(Limits {
+                memory_bytes: 0,
+                compute_percent: 0,
+            });
+            at.memory_bytes += l.memory_bytes;
+            at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
+        }
+        if at_index.is_empty() {
+            return Ok(());
+        }
+        let refused = |problem: String, fix: String| EnforceError::Request {
+            request: request.name.to_owned(),
+            problem,
+            fix: Some(fix),
+        };
+        let files = check(&request.layout.hami_core_dir).map_err(|e| refused(e.what, e.fix))?;
+        for (index, l) in &at_index {
+            let vars = limit_env(*index, l).map_err(|e| {
+                refused(
+                    format!("request {}: {e}", request.name),
+                    "ask for at least 1Mi of memory and 1% of cores".into(),
+                )
+            })?;
+            edits.env.extend(vars);
+        }
+        edits.env.push(cache_env(request.cdi_name));
+        edits.mounts.extend(mounts(&files));
+        Ok(())
+    }
+
+    fn describe(&self, device: &Device, data: &mut DeviceData) {
+        if let Some(l) = limits(device) {
+            data.limits = Some(LimitsData::from(&l));
+        }
+        if let Kind::Share {
+            level: IsolationLevel::Isolated,
+            provider: Some(IsolationProvider::HamiCore),
+            ..
+        } = device.resolved.kind
+        {
+            data.isolation_provider = Some(IsolationProvider::HamiCore.as_str().to_owned());
+        }
+    }
+}
 
 /// The plugin's default `--hami-core-dir` (where HAMi installs the library).
 pub const DEFAULT_DIR: &str = "/usr/local/vgpu";

@@ -1,25 +1,23 @@
-//! Side effects on the GPU that prepare may need besides a CDI spec: an MPS
-//! control daemon per GPU (Isolated shares, `sharing.strategy: MPS`), the
-//! compute time slice (`TimeSlicing`), and MIG instances created for a
-//! claim (dynamic MIG).
-//!
-//! They sit behind two small traits so prepare's bookkeeping (checkpoint,
-//! rollback, CDI) does not depend on how they are done. Contract for
-//! implementers:
+//! What the providers change on the node, behind one small trait each so
+//! that prepare's bookkeeping (checkpoint, rollback, CDI) does not depend on
+//! how it is done: a claim's own MPS control daemons ([`MpsControl`],
+//! Isolated shares and `sharing.strategy: MPS`), the compute time slice
+//! ([`TimeSliceControl`]), and the MIG layout ([`MigManager`]: MIG mode and
+//! devices created for a claim). Contract for implementers:
 //!
 //! * Every method is **idempotent**: prepare records what it is about to do
 //!   in the checkpoint *before* calling, so after a crash the same call (or
 //!   its undo) is repeated for work that may or may not have happened.
 //!   `release`/`destroy` of something that does not exist succeeds.
-//! * Calls are keyed by claim: a daemon shared by several claims of one GPU
-//!   is reference-counted per claim UID, so releasing claim A twice never
-//!   drops claim B's reference.
+//! * MPS calls are keyed by claim: each claim has daemons of its own, so
+//!   releasing claim A twice never touches claim B's.
 //! * Methods block (process spawns, NVML); prepare calls them from a
 //!   blocking thread.
 //!
-//! [`Unsupported`] is what the node has until the real implementations
-//! land: every call fails with a message that says so, which prepare passes
-//! to the claim's error, and undo calls succeed (nothing was ever done).
+//! [`Unsupported`] stands in where a node has no such backend (tests that
+//! are about something else): every call fails with a message that says so,
+//! which prepare passes to the claim's error, and undo calls succeed
+//! (nothing was ever done).
 
 use std::path::PathBuf;
 
@@ -58,11 +56,11 @@ pub struct MpsClient {
     pub limits: Limits,
 }
 
-/// MPS daemons and time slices.
-pub trait SharingControl: Send + Sync {
+/// The claims' own MPS control daemons.
+pub trait MpsControl: Send + Sync {
     /// Make sure `claim`'s own MPS control daemon serves `target`, with
     /// `limits` as its defaults for every client.
-    fn mps_acquire(
+    fn acquire(
         &self,
         claim: &ClaimUid,
         target: &MpsTarget,
@@ -70,18 +68,17 @@ pub trait SharingControl: Send + Sync {
     ) -> Result<MpsClient, SharingError>;
 
     /// Stop `claim`'s daemon of `target`; one that is not there is fine.
-    fn mps_release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError>;
+    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError>;
+}
 
-    /// Set the compute time slice of a GPU held exclusively by `claim`.
-    fn set_time_slice(
-        &self,
-        claim: &ClaimUid,
-        gpu_uuid: &str,
-        interval: TimeSliceInterval,
-    ) -> Result<(), SharingError>;
+/// The GPU's compute time slice.
+pub trait TimeSliceControl: Send + Sync {
+    /// Set the compute time slice of a GPU.
+    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError>;
 
-    /// Restore the node's time slice after `claim` let go of the GPU.
-    fn reset_time_slice(&self, claim: &ClaimUid, gpu_uuid: &str) -> Result<(), SharingError>;
+    /// Restore the driver's default slice after the last claim let go of
+    /// the GPU.
+    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError>;
 }
 
 /// MIG mode and dynamic MIG: what prepare changes on a GPU's MIG layout.
@@ -136,7 +133,7 @@ pub trait MigManager: Send + Sync {
     ) -> Result<(), SharingError>;
 }
 
-/// No MPS supervision, time-slice control or MIG creation on this node yet.
+/// No MPS supervision, time-slice control or MIG creation on this node.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Unsupported;
 
@@ -150,8 +147,8 @@ impl Unsupported {
     }
 }
 
-impl SharingControl for Unsupported {
-    fn mps_acquire(
+impl MpsControl for Unsupported {
+    fn acquire(
         &self,
         _claim: &ClaimUid,
         _target: &MpsTarget,
@@ -160,20 +157,17 @@ impl SharingControl for Unsupported {
         Err(Self::refuse("MPS control daemon supervision"))
     }
 
-    fn mps_release(&self, _claim: &ClaimUid, _target: &MpsTarget) -> Result<(), SharingError> {
+    fn release(&self, _claim: &ClaimUid, _target: &MpsTarget) -> Result<(), SharingError> {
         Ok(())
     }
+}
 
-    fn set_time_slice(
-        &self,
-        _claim: &ClaimUid,
-        _gpu_uuid: &str,
-        _interval: TimeSliceInterval,
-    ) -> Result<(), SharingError> {
+impl TimeSliceControl for Unsupported {
+    fn set(&self, _gpu_uuid: &str, _interval: TimeSliceInterval) -> Result<(), SharingError> {
         Err(Self::refuse("setting the compute time slice"))
     }
 
-    fn reset_time_slice(&self, _claim: &ClaimUid, _gpu_uuid: &str) -> Result<(), SharingError> {
+    fn reset(&self, _gpu_uuid: &str) -> Result<(), SharingError> {
         Ok(())
     }
 }

@@ -1,0 +1,313 @@
+//! Isolation providers: each way of enforcing a device is one module behind
+//! [`Provider`], with its host effects (planned and recorded, made, undone,
+//! checked at start) and its CDI edits.
+//!
+//! | Provider | Devices | Host effects | Container edits |
+//! | --- | --- | --- | --- |
+//! | [`whole::WholeGpu`] | every device | none | the GPU's device node |
+//! | [`mig::Mig`] | MIG devices, GPUs whose MIG mode the driver manages | MIG mode holds, MIG devices created for the claim | capability nodes |
+//! | [`time_slice::TimeSlice`] | `TimeSlicing` configs, Shared shares under a policy slice | the GPU's compute time slice | none |
+//! | [`mps::Mps`] | Isolated shares (provider `mps`), `sharing.strategy: MPS` | the claim's own MPS control daemon per request and device | pipe directory, `/dev/shm`, limits |
+//! | [`hami_core::HamiCore`] | Isolated shares (provider `hami-core`) | none | the library, the preload file, limits |
+//!
+//! Each provider decides for itself which devices are its own (by their kind
+//! and effective config), so adding one is adding a module and a line in
+//! [`Providers::new`]. Prepare runs them in that order: MIG first (an MPS
+//! daemon of a dynamic MIG device needs the device), edits in the same order.
+
+pub mod hami_core;
+pub mod mig;
+pub mod mig_caps;
+pub mod mps;
+pub mod time_slice;
+pub mod whole;
+
+use std::sync::{Arc, RwLock, RwLockWriteGuard};
+
+use tessera_api::config::EffectiveConfig;
+
+use super::claims::{ClaimError, ClaimRef};
+use super::host::{MigManager, MpsClient, MpsControl, SharingError, TimeSliceControl};
+use super::resolve::Resolved;
+use super::spec::Layout;
+use super::state::{Action, ClaimEntry, DeviceData};
+use crate::cdi::ContainerEdits;
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::claim_uid::ClaimUid;
+
+/// One allocated device with its effective config, and what the providers
+/// made for it.
+#[derive(Debug, Clone)]
+pub struct Device {
+    pub resolved: Resolved,
+    pub config: EffectiveConfig,
+    /// The claim's MPS daemon serving this device, once started.
+    pub mps: Option<MpsClient>,
+}
+
+/// One request of a claim, as its containers will see it.
+pub struct Request<'a> {
+    pub claim: &'a ClaimRef,
+    pub name: &'a str,
+    /// Its CDI device name (`<request>_<claim uid>`).
+    pub cdi_name: &'a str,
+    pub devices: Vec<&'a Device>,
+    /// The GPU or MIG UUIDs the container sees, in CUDA index order.
+    pub visible: Vec<String>,
+    pub layout: &'a Layout,
+}
+
+/// One way of enforcing devices. Every method has a default that does
+/// nothing, so a provider implements what it has.
+pub trait Provider: Send + Sync {
+    /// Side effects to record before any is made. Providers that record
+    /// as they go (under the hardware lock) return none here.
+    fn plan(&self, _devices: &[Device]) -> Vec<Action> {
+        Vec::new()
+    }
+
+    /// Makes this provider's effects for the claim (on a blocking thread).
+    /// Returns whether the GPUs themselves changed (MIG mode or devices).
+    fn apply(&self, _cx: &mut Effects<'_>, _devices: &mut [Device]) -> Result<bool, EnforceError> {
+        Ok(false)
+    }
+
+    /// Undoes `action` if it is this provider's; `None` if it is not.
+    /// Idempotent: the action may have been undone already, or never made.
+    fn undo(&self, _cx: &Undo<'_>, _action: &Action) -> Option<Result<(), EnforceError>> {
+        None
+    }
+
+    /// After a claim's record is gone: settle what no claim holds any more.
+    /// Returns whether the GPUs changed.
+    fn released(&self, _cx: &Undo<'_>, _entry: &ClaimEntry) -> bool {
+        false
+    }
+
+    /// Problems with what a prepared claim holds (checked at start-up).
+    fn check(&self, _uid: &ClaimUid, _entry: &ClaimEntry) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Adds this provider's container edits for one request.
+    fn edits(
+        &self,
+        _request: &Request<'_>,
+        _edits: &mut ContainerEdits,
+    ) -> Result<(), EnforceError> {
+        Ok(())
+    }
+
+    /// Fills in what this provider enforces on a device in the claim's
+    /// `status.devices` data.
+    fn describe(&self, _device: &Device, _data: &mut DeviceData) {}
+}
+
+/// The node's providers, in the order prepare runs them.
+pub struct Providers {
+    all: Vec<Arc<dyn Provider>>,
+    mig: Arc<mig::Mig>,
+}
+
+/// The host backends the providers drive.
+pub struct Hosts {
+    pub mps: Arc<dyn MpsControl>,
+    pub time_slice: Arc<dyn TimeSliceControl>,
+    pub mig: Arc<dyn MigManager>,
+}
+
+impl Providers {
+    pub fn new(hosts: Hosts) -> Self {
+        let mig = Arc::new(mig::Mig::new(hosts.mig));
+        let all: Vec<Arc<dyn Provider>> = vec![
+            Arc::new(whole::WholeGpu),
+            mig.clone(),
+            Arc::new(time_slice::TimeSlice::new(hosts.time_slice)),
+            Arc::new(mps::Mps::new(hosts.mps)),
+            Arc::new(hami_core::HamiCore),
+        ];
+        Providers { all, mig }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &dyn Provider> {
+        self.all.iter().map(|p| p.as_ref())
+    }
+
+    /// The MIG provider (MIG modes are also settled outside a claim).
+    pub fn mig(&self) -> &mig::Mig {
+        &self.mig
+    }
+
+    /// Every provider's actions for the claim, each once (two shares of
+    /// one GPU in a claim hold its time slice, and in one request its MPS
+    /// daemon, once).
+    pub fn plan(&self, devices: &[Device]) -> Vec<Action> {
+        let mut actions: Vec<Action> = Vec::new();
+        for action in self.iter().flat_map(|p| p.plan(devices)) {
+            if !actions.contains(&action) {
+                actions.push(action);
+            }
+        }
+        actions
+    }
+
+    /// Undoes one recorded action through the provider that owns it.
+    pub fn undo(&self, cx: &Undo<'_>, action: &Action) -> Result<(), EnforceError> {
+        self.iter()
+            .find_map(|p| p.undo(cx, action))
+            .unwrap_or(Ok(()))
+    }
+}
+
+/// What a provider's [`Provider::apply`] works with: the claim, its
+/// checkpoint entry (to record each effect before it is made) and the
+/// node's hardware lock.
+pub struct Effects<'a> {
+    pub claim: &'a ClaimRef,
+    pub uid: &'a ClaimUid,
+    pub entry: &'a mut ClaimEntry,
+    records: &'a Checkpoint<ClaimEntry>,
+    hardware: &'a RwLock<()>,
+}
+
+impl<'a> Effects<'a> {
+    pub fn new(
+        claim: &'a ClaimRef,
+        uid: &'a ClaimUid,
+        entry: &'a mut ClaimEntry,
+        records: &'a Checkpoint<ClaimEntry>,
+        hardware: &'a RwLock<()>,
+    ) -> Self {
+        Effects {
+            claim,
+            uid,
+            entry,
+            records,
+            hardware,
+        }
+    }
+
+    /// Writes the entry as it is now, durably.
+    pub fn record(&self) -> Result<(), EnforceError> {
+        Ok(self.records.put(self.uid.clone(), self.entry.clone())?)
+    }
+
+    /// Makes the entry as it is now visible to other claims, without a
+    /// write (its loss in a crash is harmless).
+    pub fn stage(&self) {
+        self.records.stage(self.uid.clone(), self.entry.clone());
+    }
+
+    /// Held while changing what several claims share on a GPU.
+    pub fn hardware(&self) -> RwLockWriteGuard<'a, ()> {
+        write(self.hardware)
+    }
+}
+
+/// What [`Provider::undo`] and [`Provider::released`] work with.
+pub struct Undo<'a> {
+    pub uid: &'a ClaimUid,
+    records: &'a Checkpoint<ClaimEntry>,
+    hardware: &'a RwLock<()>,
+}
+
+impl<'a> Undo<'a> {
+    pub fn new(
+        uid: &'a ClaimUid,
+        records: &'a Checkpoint<ClaimEntry>,
+        hardware: &'a RwLock<()>,
+    ) -> Self {
+        Undo {
+            uid,
+            records,
+            hardware,
+        }
+    }
+
+    /// Whether a claim other than this one has an action matching `f`.
+    pub fn held_by_other(&self, f: impl Fn(&Action) -> bool) -> bool {
+        self.records
+            .lock()
+            .iter()
+            .any(|(id, e)| id != self.uid && e.actions.iter().any(&f))
+    }
+
+    /// Every claim's entry (what is held after this claim let go).
+    pub fn entries(&self) -> Vec<ClaimEntry> {
+        self.records.lock().values().cloned().collect()
+    }
+
+    pub fn hardware(&self) -> RwLockWriteGuard<'a, ()> {
+        write(self.hardware)
+    }
+}
+
+fn write(lock: &RwLock<()>) -> RwLockWriteGuard<'_, ()> {
+    lock.write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why a provider could not enforce a claim's devices. Each kind says
+/// which part of the claim is at fault, so the user sees the field.
+#[derive(Debug, thiserror::Error)]
+pub enum EnforceError {
+    /// A host operation failed (an MPS daemon, a time slice, MIG).
+    #[error("cannot {what}: {source}")]
+    Host {
+        what: String,
+        #[source]
+        source: SharingError,
+    },
+    /// A request cannot be served as written.
+    #[error("{problem}")]
+    Request {
+        request: String,
+        problem: String,
+        fix: Option<String>,
+    },
+    /// One allocated device cannot be handed out.
+    #[error("{problem}")]
+    Device {
+        index: usize,
+        problem: String,
+        fix: Option<String>,
+    },
+    /// Something the node lacks.
+    #[error("{problem}")]
+    Node { problem: String, fix: String },
+    /// Recording an effect before it is made failed.
+    #[error("cannot update its checkpoint entry: {0}")]
+    Checkpoint(#[from] CheckpointError),
+}
+
+impl EnforceError {
+    pub fn host(what: impl Into<String>) -> impl FnOnce(SharingError) -> EnforceError {
+        let what = what.into();
+        move |source| EnforceError::Host { what, source }
+    }
+
+    /// The claim's error, naming the field at fault.
+    pub fn for_claim(self, claim: &ClaimRef) -> ClaimError {
+        let problem = self.to_string();
+        match self {
+            EnforceError::Host { .. } | EnforceError::Checkpoint(_) => {
+                ClaimError::new(claim, problem)
+            }
+            EnforceError::Request { request, fix, .. } => {
+                with_fix(ClaimError::new(claim, problem), fix)
+                    .field(format!("spec.devices.requests[{request}]"))
+            }
+            EnforceError::Device { index, fix, .. } => {
+                with_fix(ClaimError::new(claim, problem), fix)
+                    .field(format!("status.allocation.devices.results[{index}]"))
+            }
+            EnforceError::Node { fix, .. } => ClaimError::new(claim, problem).fix(fix),
+        }
+    }
+}
+
+fn with_fix(error: ClaimError, fix: Option<String>) -> ClaimError {
+    match fix {
+        Some(fix) => error.fix(fix),
+        None => error,
+    }
+}

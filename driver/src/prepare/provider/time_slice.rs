@@ -1,0 +1,157 @@
+//! The GPU's compute time slice: a whole GPU's `TimeSlicing` config, or the
+//! node policy's slice for Shared shares. Set under the node's hardware lock,
+//! recorded (a `TimeSlice` action) before it is set, and reset with the
+//! GPU's last holder: another claim's recorded action keeps the slice.
+//!
+//! The slice is set with the driver root's `nvidia-smi`
+//! (`compute-policy -i <GPU UUID> --set-timeslice=<0..3>`), as on a real
+//! node: NVML has no call for it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing, TimeSliceInterval};
+
+use super::{Device, Effects, EnforceError, Provider, Undo};
+use crate::prepare::host::{SharingError, TimeSliceControl};
+use crate::prepare::resolve::{Kind, Resolved};
+use crate::prepare::state::{Action, DeviceData};
+
+/// The time slice a device sets on its GPU: its config's `TimeSlicing`
+/// interval (whole GPUs), or the node policy's for a Shared share.
+pub fn interval(device: &Resolved, config: &EffectiveConfig) -> Option<TimeSliceInterval> {
+    match (config, &device.kind) {
+        (
+            EffectiveConfig::Gpu {
+                sharing: ConfigSharing::TimeSlicing { interval },
+            },
+            _,
+        ) => Some(*interval),
+        (EffectiveConfig::Share { .. }, Kind::Share { time_slice, .. }) => *time_slice,
+        _ => None,
+    }
+}
+
+pub struct TimeSlice {
+    host: Arc<dyn TimeSliceControl>,
+}
+
+impl TimeSlice {
+    pub fn new(host: Arc<dyn TimeSliceControl>) -> Self {
+        TimeSlice { host }
+    }
+}
+
+impl Provider for TimeSlice {
+    fn plan(&self, devices: &[Device]) -> Vec<Action> {
+        devices
+            .iter()
+            .filter(|d| interval(&d.resolved, &d.config).is_some())
+            .map(|d| Action::TimeSlice {
+                gpu_uuid: d.resolved.gpu.uuid.clone(),
+            })
+            .collect()
+    }
+
+    fn apply(&self, cx: &mut Effects<'_>, devices: &mut [Device]) -> Result<bool, EnforceError> {
+        for device in devices.iter() {
+            let Some(interval) = interval(&device.resolved, &device.config) else {
+                continue;
+            };
+            // Under the hardware lock, so it cannot cross another claim's
+            // reset.
+            let gpu = &device.resolved.gpu.uuid;
+            let _hardware = cx.hardware();
+            self.host
+                .set(gpu, interval)
+                .map_err(EnforceError::host(format!(
+                    "set the time slice of GPU {gpu}"
+                )))?;
+        }
+        Ok(false)
+    }
+
+    fn undo(&self, cx: &Undo<'_>, action: &Action) -> Option<Result<(), EnforceError>> {
+        let Action::TimeSlice { gpu_uuid } = action else {
+            return None;
+        };
+        let _hardware = cx.hardware();
+        let held =
+            cx.held_by_other(|a| matches!(a, Action::TimeSlice { gpu_uuid: g } if g == gpu_uuid));
+        Some(if held {
+            Ok(())
+        } else {
+            self.host
+                .reset(gpu_uuid)
+                .map_err(EnforceError::host(format!(
+                    "reset the time slice of GPU {gpu_uuid}"
+                )))
+        })
+    }
+
+    fn describe(&self, device: &Device, data: &mut DeviceData) {
+        data.time_slice = interval(&device.resolved, &device.config).map(|i| format!("{i:?}"));
+    }
+}
+
+/// Runs `<driver root>/usr/bin/nvidia-smi compute-policy`.
+#[derive(Debug, Clone)]
+pub struct NvidiaSmiTimeSlice {
+    tool: PathBuf,
+}
+
+impl NvidiaSmiTimeSlice {
+    pub fn new(driver_root: &Path) -> Self {
+        NvidiaSmiTimeSlice {
+            tool: driver_root.join("usr/bin/nvidia-smi"),
+        }
+    }
+
+    fn run(&self, gpu_uuid: &str, level: u32) -> Result<(), SharingError> {
+        let tool = self.tool.display();
+        if !self.tool.is_file() {
+            return Err(SharingError(format!(
+                "{tool} does not exist; fix: install the NVIDIA driver's tools at the driver \
+                 root (--driver-root), or use a config without a time slice (node policy \
+                 timeSlice: Default, sharing strategy None)"
+            )));
+        }
+        let out = Command::new(&self.tool)
+            .args(["compute-policy", "-i", gpu_uuid])
+            .arg(format!("--set-timeslice={level}"))
+            .output()
+            .map_err(|e| {
+                SharingError(format!(
+                    "cannot run {tool}: {e}; fix: check that it is executable"
+                ))
+            })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned()
+            + " "
+            + String::from_utf8_lossy(&out.stderr).trim();
+        Err(SharingError(format!(
+            "`{tool} compute-policy -i {gpu_uuid} --set-timeslice={level}` failed ({}): {}; \
+             fix: run it by hand on the node to see why (the driver must run privileged)",
+            out.status,
+            said.trim()
+        )))
+    }
+}
+
+impl TimeSliceControl for NvidiaSmiTimeSlice {
+    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError> {
+        self.run(gpu_uuid, interval.level())
+    }
+
+    /// Back to the driver's default slice. Nothing to undo where the tool
+    /// is gone (it never set anything then).
+    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError> {
+        if !self.tool.is_file() {
+            return Ok(());
+        }
+        self.run(gpu_uuid, TimeSliceInterval::Default.level())
+    }
+}

@@ -1,0 +1,190 @@
+//! Start-up recovery: whatever the last run left is rolled back, finished
+//! or restored before the first kubelet call is served.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tracing::{error, info, warn};
+
+use super::state::{ClaimEntry, EntryState};
+use super::{Preparer, blocking};
+use crate::checkpoint::{CheckpointError, LoadOutcome};
+use crate::claim_uid::ClaimUid;
+
+/// What start-up recovery found and did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovery {
+    pub outcome: LoadOutcome,
+    /// Claims left `Started` and rolled back.
+    pub rolled_back: Vec<ClaimUid>,
+    /// Claims left `Unpreparing` and finished.
+    pub unprepared: Vec<ClaimUid>,
+    /// `Completed` claims whose CDI spec was missing or altered and was written again.
+    pub specs_restored: Vec<ClaimUid>,
+    /// CDI specs no checkpoint entry accounts for, deleted.
+    pub orphans_removed: Vec<ClaimUid>,
+    /// Problems that did not stop start-up.
+    pub problems: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("cannot list CDI specs in {dir}: {source}")]
+    CdiDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl Preparer {
+    pub(super) async fn recover(
+        self: Arc<Self>,
+        outcome: LoadOutcome,
+    ) -> Result<Recovery, SetupError> {
+        let mut recovery = Recovery {
+            outcome: outcome.clone(),
+            rolled_back: Vec::new(),
+            unprepared: Vec::new(),
+            specs_restored: Vec::new(),
+            orphans_removed: Vec::new(),
+            problems: Vec::new(),
+        };
+        match &outcome {
+            LoadOutcome::Quarantined {
+                reason,
+                moved_to,
+                restored,
+            } => {
+                let moved: Vec<String> = moved_to.iter().map(|p| p.display().to_string()).collect();
+                let message = format!(
+                    "{} prepared-claim record(s) were unreadable ({reason}) and were moved to {}; \
+                     {restored} other claim(s) restored. CDI specs of running Pods are kept; \
+                     the claims of the unreadable records will be prepared again when their Pods restart",
+                    moved.len(),
+                    moved.join(", ")
+                );
+                error!("{message}");
+                if let Some(events) = &self.deps.events {
+                    events.warning("CheckpointQuarantined", &message).await;
+                }
+            }
+            LoadOutcome::PreviousBoot { claims } => {
+                info!("checkpoint records of a previous boot ({claims} claims) removed");
+            }
+            LoadOutcome::Restored { claims } => info!("checkpoint restored: {claims} claims"),
+            LoadOutcome::Fresh => info!("no checkpoint yet"),
+        }
+
+        // Temp files of writes a kill interrupted (specs, checkpoint).
+        let this = self.clone();
+        let stale = blocking(move || {
+            let mut stale = this.specs.remove_stale_temp_files()?;
+            stale.extend(crate::cdi::remove_stale_temp_files(
+                this.checkpoint.dir(),
+                "",
+            )?);
+            Ok::<_, std::io::Error>(stale)
+        })
+        .await;
+        match stale {
+            Ok(stale) if !stale.is_empty() => {
+                info!(
+                    count = stale.len(),
+                    "removed temp files of interrupted writes"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => recovery
+                .problems
+                .push(format!("removing temp files of interrupted writes: {e}")),
+        }
+
+        for (uid, entry) in self.entries() {
+            match entry.state {
+                EntryState::Started => match self.clone().undo(uid.clone(), entry).await {
+                    Ok(()) => recovery.rolled_back.push(uid),
+                    Err(e) => recovery
+                        .problems
+                        .push(format!("rolling back claim {uid}: {e}")),
+                },
+                EntryState::Unpreparing => match self.clone().undo(uid.clone(), entry).await {
+                    Ok(()) => recovery.unprepared.push(uid),
+                    Err(e) => recovery
+                        .problems
+                        .push(format!("finishing unprepare of claim {uid}: {e}")),
+                },
+                EntryState::Completed => {
+                    // What the claim was prepared with is the driver's (the
+                    // model publishes it as such); a device that vanished
+                    // (a GPU reset, a hand-made change) is reported.
+                    for provider in self.providers.iter() {
+                        recovery.problems.extend(provider.check(&uid, &entry));
+                    }
+                    // The status write runs in the background after prepare;
+                    // a kill may have lost it. Applying it again is
+                    // idempotent (server-side apply of the same content).
+                    if let Some(writer) = &self.deps.status
+                        && !entry.status.is_empty()
+                    {
+                        writer.spawn(
+                            &entry.namespace,
+                            &entry.name,
+                            uid.as_str(),
+                            entry.status.clone(),
+                        );
+                    }
+                    let this = self.clone();
+                    let id = uid.clone();
+                    match blocking(move || this.restore_spec(&id, &entry)).await {
+                        Ok(true) => recovery.specs_restored.push(uid),
+                        Ok(false) => {}
+                        Err(e) => recovery
+                            .problems
+                            .push(format!("restoring the CDI spec of claim {uid}: {e}")),
+                    }
+                }
+            }
+        }
+
+        if outcome.knows_all_prepared_claims() {
+            let this = self.clone();
+            let removed = blocking(move || {
+                let known: BTreeSet<ClaimUid> = this.checkpoint.lock().keys().cloned().collect();
+                this.specs.remove_orphans(|c| known.contains(c))
+            })
+            .await
+            .map_err(|source| SetupError::CdiDir {
+                dir: self.config.cdi_dir.clone(),
+                source,
+            })?;
+            if !removed.is_empty() {
+                info!(count = removed.len(), "removed orphaned CDI specs");
+            }
+            recovery.orphans_removed = removed;
+        } else {
+            warn!("checkpoint was quarantined: orphaned CDI specs are left in place");
+        }
+        for p in &recovery.problems {
+            error!("start-up recovery: {p}");
+        }
+        Ok(recovery)
+    }
+
+    /// Rewrites the spec of a completed claim if it is missing or differs.
+    pub(super) fn restore_spec(&self, uid: &ClaimUid, entry: &ClaimEntry) -> std::io::Result<bool> {
+        let Some(spec) = &entry.spec else {
+            return Ok(false);
+        };
+        let current = std::fs::read(self.specs.spec_path(uid))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<crate::cdi::Spec>(&b).ok());
+        if current.as_ref() == Some(spec) {
+            return Ok(false);
+        }
+        self.specs.write(uid, spec)?;
+        Ok(true)
+    }
+}
