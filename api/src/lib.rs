@@ -10,3 +10,4 @@ pub mod config;
 pub mod inventory;
 pub mod kubelet;
 pub mod names;
+pub mod probe;

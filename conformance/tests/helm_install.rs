@@ -1276,10 +1276,21 @@ async fn install_nvidia(
     let t0 = Instant::now();
     let out_dir = values_file.parent().context("values dir")?.to_owned();
     let env = cluster.env().clone();
-    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir)).await?;
+    // The CUDA probe runs from Tessera's own image (`isolated-limits`).
+    let image = format!("tessera.local/tessera:{tag}");
+    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir, &image)).await?;
     ensure!(
         junit.contains("testcase") && !junit.contains("<failure"),
         "tessera-conformance --driver {DRIVER}: failures in its JUnit report:\n{junit}"
+    );
+    // The CUDA probe ran: what an Isolated share really gets was checked.
+    let isolated = junit
+        .split("<testcase ")
+        .find(|c| c.contains("name=\"isolated-limits\""))
+        .context("no isolated-limits in the JUnit report")?;
+    ensure!(
+        !isolated.contains("<skipped"),
+        "isolated-limits was skipped:\n{isolated}"
     );
     eprintln!(
         "tessera-conformance --driver {DRIVER} passed in {:?}",
@@ -1369,7 +1380,12 @@ async fn install_nvidia(
 
 /// `tessera-conformance --driver <driver>` on the node; returns its JUnit
 /// report.
-fn run_suite(env: &tessera_conformance::ClusterEnv, driver: &str, out: &Path) -> Result<String> {
+fn run_suite(
+    env: &tessera_conformance::ClusterEnv,
+    driver: &str,
+    out: &Path,
+    cuda_probe_image: &str,
+) -> Result<String> {
     let junit = out.join("junit.xml");
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera-conformance"));
     c.arg("--kubeconfig")
@@ -1385,7 +1401,8 @@ fn run_suite(env: &tessera_conformance::ClusterEnv, driver: &str, out: &Path) ->
         .arg("--junit")
         .arg(&junit)
         .arg("--report")
-        .arg(out.join("report.md"));
+        .arg(out.join("report.md"))
+        .args(["--cuda-probe-image", cuda_probe_image]);
     if let Some(image) = std::env::var("TESSERA_PROBE_IMAGE")
         .ok()
         .filter(|i| !i.is_empty())

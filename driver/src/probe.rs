@@ -23,17 +23,12 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use serde::{Deserialize, Serialize};
 
 /// The library loaded by default: the dynamic loader finds it as it would
 /// for any CUDA program.
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
 
-/// The environment variables that decide what a CUDA process gets.
-pub const VISIBLE_DEVICES: &str = "CUDA_VISIBLE_DEVICES";
-pub const MPS_PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
-pub const MPS_ACTIVE_THREAD_PERCENTAGE: &str = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE";
-pub const MPS_PINNED_DEVICE_MEM_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
+pub use tessera_api::probe::*;
 
 /// `tessera probe`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -47,6 +42,24 @@ pub struct ProbeArgs {
     /// bytes or a Kubernetes quantity such as 8Gi or 500M.
     #[arg(long, value_parser = parse_bytes)]
     pub alloc: Option<u64>,
+
+    /// Set NAME=VALUE in this process's environment before the library is
+    /// loaded, as any process can: how a tenant tries to raise its MPS
+    /// limits (repeatable). A container's runtime may put its own value of
+    /// a variable after the Pod's, so this is the sure way.
+    #[arg(long = "set-env", value_name = "NAME=VALUE", value_parser = parse_env)]
+    pub set_env: Vec<(String, String)>,
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, value))
+            if !name.is_empty() && !name.contains('\0') && !value.contains('\0') =>
+        {
+            Ok((name.to_owned(), value.to_owned()))
+        }
+        _ => Err(format!("{s:?} is not NAME=VALUE")),
+    }
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -56,104 +69,13 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     }
 }
 
-/// What the probe found: the JSON it prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ProbeReport {
-    /// The library as given (`--library`).
-    pub library: String,
-    /// `cuDriverGetVersion`: `1000 * major + 10 * minor` (12080 is 12.8).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cuda_driver_version: Option<i32>,
-    /// The MPS-relevant environment the probe ran with.
-    pub environment: ProbeEnvironment,
-    /// The devices it enumerated, in CUDA ordinal order.
-    #[serde(default)]
-    pub devices: Vec<ProbeDevice>,
-    /// Why it could not probe at all: `<call or library>: <reason>`, e.g.
-    /// `cuInit: CUDA_ERROR_NO_DEVICE`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// The environment variables a CUDA process reads for device selection and
-/// MPS, by their names; `null` when unset.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ProbeEnvironment {
-    #[serde(rename = "CUDA_VISIBLE_DEVICES", default)]
-    pub cuda_visible_devices: Option<String>,
-    #[serde(rename = "CUDA_MPS_PIPE_DIRECTORY", default)]
-    pub cuda_mps_pipe_directory: Option<String>,
-    #[serde(rename = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", default)]
-    pub cuda_mps_active_thread_percentage: Option<String>,
-    #[serde(rename = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", default)]
-    pub cuda_mps_pinned_device_mem_limit: Option<String>,
-}
-
-impl ProbeEnvironment {
-    /// This process's.
-    pub fn current() -> ProbeEnvironment {
-        let var = |name| std::env::var_os(name).map(|v: OsString| v.to_string_lossy().into_owned());
-        ProbeEnvironment {
-            cuda_visible_devices: var(VISIBLE_DEVICES),
-            cuda_mps_pipe_directory: var(MPS_PIPE_DIRECTORY),
-            cuda_mps_active_thread_percentage: var(MPS_ACTIVE_THREAD_PERCENTAGE),
-            cuda_mps_pinned_device_mem_limit: var(MPS_PINNED_DEVICE_MEM_LIMIT),
-        }
-    }
-}
-
-/// One device as this process gets it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ProbeDevice {
-    /// The CUDA ordinal.
-    pub ordinal: i32,
-    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` as `nvidia-smi` prints it
-    /// (`cuDeviceGetUuid_v2`); `MIG-...` for a MIG device (when its UUID
-    /// differs from its GPU's).
-    pub uuid: String,
-    /// The physical GPU's UUID (`cuDeviceGetUuid`); the same as `uuid` for
-    /// a whole GPU.
-    pub gpu_uuid: String,
-    pub name: String,
-    /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`: the SMs this process may
-    /// use (an MPS client's share).
-    pub multiprocessors: i32,
-    /// `cuDeviceTotalMem_v2`.
-    pub memory_total_bytes: u64,
-    /// `cuMemGetInfo_v2`'s free memory under this process's context.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub memory_free_bytes: Option<u64>,
-    /// The `--alloc` attempt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub allocation: Option<ProbeAllocation>,
-    /// A call on this device that failed: `<call>: <CUDA error name>`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-/// Whether allocating `bytes` on a device succeeded.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ProbeAllocation {
-    pub bytes: u64,
-    pub ok: bool,
-    /// The CUDA error name when it did not (`CUDA_ERROR_OUT_OF_MEMORY`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-impl ProbeReport {
-    /// Whether everything the probe asked worked (a refused allocation is
-    /// an answer, not a failure).
-    pub fn succeeded(&self) -> bool {
-        self.error.is_none() && self.devices.iter().all(|d| d.error.is_none())
-    }
-}
-
 /// `tessera probe`: prints the report as JSON; exit 1 unless it succeeded.
 pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
+    for (name, value) in &args.set_env {
+        // SAFETY: `tessera probe` runs on the main thread only and has not
+        // started any other; nothing reads the environment concurrently.
+        unsafe { std::env::set_var(name, value) };
+    }
     let report = probe(&args.library, args.alloc);
     let text = serde_json::to_string_pretty(&report).context("encoding the probe report")? + "\n";
     let mut out = io::stdout().lock();

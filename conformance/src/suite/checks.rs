@@ -37,13 +37,13 @@ impl Outcome {
             details,
         }
     }
-    fn pass(message: impl Into<String>, details: Vec<String>) -> Self {
+    pub(super) fn pass(message: impl Into<String>, details: Vec<String>) -> Self {
         Self::new(Status::Pass, message, details)
     }
-    fn fail(message: impl Into<String>, details: Vec<String>) -> Self {
+    pub(super) fn fail(message: impl Into<String>, details: Vec<String>) -> Self {
         Self::new(Status::Fail, message, details)
     }
-    fn skip(message: impl Into<String>) -> Self {
+    pub(super) fn skip(message: impl Into<String>) -> Self {
         Self::new(Status::Skip, message, Vec::new())
     }
 }
@@ -69,6 +69,7 @@ pub async fn run(ctx: &Ctx, id: &str) -> Result<Outcome> {
         "secure-no-claim" => secure_no_claim(ctx).await,
         "secure-two-containers" => secure_two_containers(ctx).await,
         "health-script" => health_script(ctx).await,
+        "isolated-limits" => super::isolation::isolated_limits(ctx).await,
         other => bail!("unknown check {other}"),
     }
 }

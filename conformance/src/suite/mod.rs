@@ -8,6 +8,7 @@
 
 pub mod checks;
 pub mod facts;
+pub mod isolation;
 pub mod ops;
 pub mod probe;
 pub mod report;
@@ -66,6 +67,10 @@ pub const CHECKS: &[(&str, &str)] = &[
         "health-script",
         "every pod's accelerator health script reports no error",
     ),
+    (
+        "isolated-limits",
+        "an Isolated share gets its SMs and memory, also with its environment raised",
+    ),
 ];
 
 #[derive(Parser, Debug, Clone)]
@@ -91,12 +96,22 @@ pub struct Args {
     /// (default gpu-shared.<domain>).
     #[arg(long)]
     pub shared_class: Option<String>,
+    /// DeviceClass of Isolated shares (default gpu-isolated.<domain>).
+    #[arg(long)]
+    pub isolated_class: Option<String>,
     /// Node to run on (default: the first node with ResourceSlices of the driver).
     #[arg(long)]
     pub node: Option<String>,
     /// Probe image; needs /bin/sh (nvidia-smi comes from the driver's CDI spec).
     #[arg(long, default_value = "tessera.local/probe:1")]
     pub image: String,
+    /// Image with the CUDA probe, for `isolated-limits` (Tessera's own
+    /// image has it); without it that check is skipped.
+    #[arg(long)]
+    pub cuda_probe_image: Option<String>,
+    /// The probe's command in that image.
+    #[arg(long, default_value = "/bin/tessera probe", value_delimiter = ' ')]
+    pub cuda_probe_command: Vec<String>,
     /// Deadline for each wait of a check, e.g. 180s, 5m.
     #[arg(long, default_value = "180s", value_parser = parse_duration)]
     pub timeout: Duration,
@@ -138,6 +153,7 @@ pub struct Classes {
     pub gpu: String,
     pub mig: String,
     pub shared: String,
+    pub isolated: String,
 }
 
 impl Classes {
@@ -156,6 +172,10 @@ impl Classes {
                 .shared_class
                 .clone()
                 .unwrap_or_else(|| format!("gpu-shared.{domain}")),
+            isolated: args
+                .isolated_class
+                .clone()
+                .unwrap_or_else(|| format!("gpu-isolated.{domain}")),
         }
     }
 }
@@ -235,6 +255,15 @@ pub struct Ctx {
     pub class_match: [Vec<(String, String)>; 3],
     /// Every probe container's output so far (for `health-script`).
     pub probes: std::sync::Mutex<Vec<checks::ProbeRecord>>,
+    /// Where the CUDA probe is, if given.
+    pub cuda_probe: Option<CudaProbe>,
+}
+
+/// An image with the CUDA probe and its command there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaProbe {
+    pub image: String,
+    pub command: Vec<String>,
 }
 
 impl Ctx {
@@ -304,8 +333,8 @@ pub async fn run(args: Args) -> Result<bool> {
         devices.len()
     ));
     log(&format!(
-        "classes: gpu {}, mig {}, shared {}; image {}; timeout {:?}",
-        classes.gpu, classes.mig, classes.shared, args.image, args.timeout
+        "classes: gpu {}, mig {}, shared {}, isolated {}; image {}; timeout {:?}",
+        classes.gpu, classes.mig, classes.shared, classes.isolated, args.image, args.timeout
     ));
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let ns_obj: Namespace = serde_json::from_value(json!({
@@ -331,6 +360,15 @@ pub async fn run(args: Args) -> Result<bool> {
         devices,
         class_match,
         probes: std::sync::Mutex::new(Vec::new()),
+        cuda_probe: args.cuda_probe_image.clone().map(|image| CudaProbe {
+            image,
+            command: args
+                .cuda_probe_command
+                .iter()
+                .filter(|w| !w.is_empty())
+                .cloned()
+                .collect(),
+        }),
     };
     let mut report = Report {
         started: report::utc_timestamp(
@@ -347,6 +385,7 @@ pub async fn run(args: Args) -> Result<bool> {
             ("gpu".into(), classes.gpu.clone()),
             ("mig".into(), classes.mig.clone()),
             ("shared".into(), classes.shared.clone()),
+            ("isolated".into(), classes.isolated.clone()),
         ],
         results: Vec::new(),
     };

@@ -167,7 +167,7 @@ pub fn device_request(
     json!({ "name": name, "exactly": exactly })
 }
 
-fn labels(check: &str) -> Value {
+pub(super) fn labels(check: &str) -> Value {
     json!({ CHECK_LABEL: check, MANAGED_BY.0: MANAGED_BY.1 })
 }
 

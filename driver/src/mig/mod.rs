@@ -31,17 +31,20 @@
 
 mod manager;
 pub mod raw;
+mod state;
 
 pub use manager::NvmlMig;
+
+use state::{
+    Profile, compute_instances, compute_profiles, gpu, gpu_instances, mig_devices, mig_uuid,
+    overlaps, profiles, require_mig,
+};
 
 use std::sync::Mutex;
 
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
-use nvml_wrapper_sys::bindings::{
-    NVML_COMPUTE_INSTANCE_PROFILE_COUNT, NVML_GPU_INSTANCE_PROFILE_COUNT,
-    nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES as INSUFFICIENT_RESOURCES,
-};
+use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES as INSUFFICIENT_RESOURCES;
 use serde::{Deserialize, Serialize};
 pub use tessera_api::inventory::MigPlacement;
 
@@ -177,206 +180,6 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
     MUTATIONS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn gpu<'n>(nvml: &'n Nvml, gpu_uuid: &str) -> Result<Device<'n>, MigError> {
-    match nvml.device_by_uuid(gpu_uuid) {
-        Ok(d) => Ok(d),
-        Err(NvmlError::NotFound | NvmlError::InvalidArg) => Err(MigError::GpuNotFound {
-            gpu: gpu_uuid.to_owned(),
-        }),
-        Err(e) => Err(nvml_err(gpu_uuid, "looking the GPU up")(e)),
-    }
-}
-
-fn require_mig(device: &Device, gpu_uuid: &str) -> Result<(), MigError> {
-    match device.mig_mode() {
-        Ok(mode) if mode.current == 1 => Ok(()),
-        Ok(_) | Err(NvmlError::NotSupported) => Err(MigError::MigDisabled {
-            gpu: gpu_uuid.to_owned(),
-        }),
-        Err(e) => Err(nvml_err(gpu_uuid, "reading the MIG mode")(e)),
-    }
-}
-
-/// A GPU or compute instance profile of NVML's.
-#[derive(Debug, Clone, Copy)]
-struct Profile {
-    id: u32,
-    /// Compute slices.
-    slices: u32,
-    /// How many can exist (bounds NVML's list arrays).
-    capacity: u32,
-    multiprocessors: u32,
-}
-
-/// A GPU instance that exists.
-struct GpuInstanceRow<'n> {
-    handle: raw::GpuInstance<'n>,
-    id: u32,
-    profile_id: u32,
-    placement: MigPlacement,
-}
-
-/// A compute instance that exists.
-struct ComputeInstanceRow<'n> {
-    handle: raw::ComputeInstance<'n>,
-    id: u32,
-    profile_id: u32,
-    slices: u32,
-}
-
-/// A MIG device NVML lists on the GPU.
-struct MigDevice {
-    gpu_instance_id: u32,
-    compute_instance_id: u32,
-    uuid: String,
-}
-
-/// GPU instance profiles of the GPU.
-fn profiles(nvml: &Nvml, device: &Device, gpu_uuid: &str) -> Result<Vec<Profile>, MigError> {
-    distinct_profiles(NVML_GPU_INSTANCE_PROFILE_COUNT, |index| {
-        let info = raw::gpu_instance_profile(nvml, device, index)
-            .map_err(nvml_err(gpu_uuid, "reading GPU instance profiles"))?;
-        Ok(info.map(|info| Profile {
-            id: info.id,
-            slices: info.sliceCount,
-            capacity: info.instanceCount,
-            multiprocessors: info.multiprocessorCount,
-        }))
-    })
-}
-
-/// The profiles `read` finds at indices `0..count`, each id once (the first).
-fn distinct_profiles(
-    count: u32,
-    mut read: impl FnMut(u32) -> Result<Option<Profile>, MigError>,
-) -> Result<Vec<Profile>, MigError> {
-    let mut out: Vec<Profile> = Vec::new();
-    for index in 0..count {
-        if let Some(p) = read(index)?
-            && !out.iter().any(|o| o.id == p.id)
-        {
-            out.push(p);
-        }
-    }
-    Ok(out)
-}
-
-/// Every GPU instance, by id.
-fn gpu_instances<'n>(
-    nvml: &'n Nvml,
-    device: &Device<'n>,
-    gpu_uuid: &str,
-) -> Result<Vec<GpuInstanceRow<'n>>, MigError> {
-    let mut out = Vec::new();
-    for profile in profiles(nvml, device, gpu_uuid)? {
-        let handles = raw::gpu_instances(nvml, device, profile.id, profile.capacity)
-            .map_err(nvml_err(gpu_uuid, "listing GPU instances"))?;
-        for handle in handles {
-            let info = raw::gpu_instance_info(nvml, handle)
-                .map_err(nvml_err(gpu_uuid, "reading a GPU instance"))?;
-            out.push(GpuInstanceRow {
-                handle,
-                id: info.id,
-                profile_id: info.profileId,
-                placement: MigPlacement {
-                    start: info.placement.start,
-                    size: info.placement.size,
-                },
-            });
-        }
-    }
-    out.sort_by_key(|g| g.id);
-    Ok(out)
-}
-
-/// Compute instance profiles of a GPU instance.
-fn compute_profiles(
-    nvml: &Nvml,
-    instance: raw::GpuInstance<'_>,
-    gpu_uuid: &str,
-) -> Result<Vec<Profile>, MigError> {
-    distinct_profiles(NVML_COMPUTE_INSTANCE_PROFILE_COUNT, |index| {
-        let info = raw::compute_instance_profile(nvml, instance, index)
-            .map_err(nvml_err(gpu_uuid, "reading compute instance profiles"))?;
-        Ok(info.map(|info| Profile {
-            id: info.id,
-            slices: info.sliceCount,
-            capacity: info.instanceCount,
-            multiprocessors: info.multiprocessorCount,
-        }))
-    })
-}
-
-/// Compute instances of a GPU instance, by id.
-fn compute_instances<'n>(
-    nvml: &'n Nvml,
-    instance: raw::GpuInstance<'n>,
-    gpu_uuid: &str,
-) -> Result<Vec<ComputeInstanceRow<'n>>, MigError> {
-    let mut out = Vec::new();
-    for profile in compute_profiles(nvml, instance, gpu_uuid)? {
-        let handles = raw::compute_instances(nvml, instance, profile.id, profile.capacity)
-            .map_err(nvml_err(gpu_uuid, "listing compute instances"))?;
-        for handle in handles {
-            let info = raw::compute_instance_info(nvml, handle)
-                .map_err(nvml_err(gpu_uuid, "reading a compute instance"))?;
-            out.push(ComputeInstanceRow {
-                handle,
-                id: info.id,
-                profile_id: info.profileId,
-                slices: profile.slices,
-            });
-        }
-    }
-    out.sort_by_key(|c| c.id);
-    Ok(out)
-}
-
-/// The GPU's MIG devices as NVML lists them.
-fn mig_devices(nvml: &Nvml, device: &Device, gpu_uuid: &str) -> Result<Vec<MigDevice>, MigError> {
-    // nvmlDeviceGetMaxMigDeviceCount: the bound on MIG device indices.
-    let max = device
-        .mig_device_count()
-        .map_err(nvml_err(gpu_uuid, "reading the MIG device count"))?;
-    let mut out = Vec::new();
-    for index in 0..max {
-        let mig = match device.mig_device_by_index(index) {
-            Ok(m) => m,
-            // Indices past the last device.
-            Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
-            Err(e) => return Err(nvml_err(gpu_uuid, "listing MIG devices")(e)),
-        };
-        let (gpu_instance_id, compute_instance_id) = raw::mig_device_ids(nvml, &mig)
-            .map_err(nvml_err(gpu_uuid, "reading a MIG device's instance ids"))?;
-        let uuid = mig
-            .uuid()
-            .map_err(nvml_err(gpu_uuid, "reading a MIG device's UUID"))?;
-        out.push(MigDevice {
-            gpu_instance_id,
-            compute_instance_id,
-            uuid,
-        });
-    }
-    Ok(out)
-}
-
-fn mig_uuid(
-    devices: &[MigDevice],
-    gpu_instance_id: u32,
-    compute_instance_id: u32,
-) -> Option<String> {
-    devices
-        .iter()
-        .find(|d| {
-            d.gpu_instance_id == gpu_instance_id && d.compute_instance_id == compute_instance_id
-        })
-        .map(|d| d.uuid.clone())
-}
-
-fn overlaps(a: MigPlacement, b: MigPlacement) -> bool {
-    a.start < b.start + b.size && b.start < a.start + a.size
 }
 
 /// Create a GPU instance of `profile_id` at `placement` on `gpu_uuid` with
