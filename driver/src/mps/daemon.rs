@@ -49,20 +49,19 @@
 //! between finds its daemon on restart by that id: a secret kept host-only,
 //! so no container can make another process carry it.
 
-use std::ffi::OsString;
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::io::Write;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::launch;
 use super::limits::{self, ClientLimits};
-use super::process::{self, Pidfd, ProcessId};
+use super::process::{self, Handle, Pidfd, ProcessId};
 use super::supervisor::{MpsConfig, MpsError};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
@@ -155,64 +154,6 @@ pub(super) struct Record {
     /// is recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<String>,
-}
-
-/// The driver's own hold on its daemon.
-enum Handle {
-    /// Spawned by this supervisor: its PID stays ours until we reap it.
-    Spawned(Child),
-    /// Recorded by an earlier run, held through a checked pidfd.
-    Adopted(Pidfd),
-}
-
-impl Handle {
-    fn pid(&self) -> i32 {
-        match self {
-            Handle::Spawned(c) => c.id() as i32,
-            Handle::Adopted(p) => p.id().pid,
-        }
-    }
-
-    /// `None` while the daemon runs, how it ended once it has exited
-    /// (reaping it).
-    fn exit(&mut self) -> Option<String> {
-        match self {
-            Handle::Spawned(c) => match c.try_wait() {
-                Ok(None) => None,
-                Ok(Some(status)) => Some(format!("exited ({status})")),
-                Err(e) => Some(format!("could not be waited for ({e})")),
-            },
-            Handle::Adopted(p) => p.wait(Duration::ZERO).then(|| "exited".to_owned()),
-        }
-    }
-
-    /// Whether the daemon exited within `timeout`.
-    fn wait(&mut self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        match self {
-            Handle::Spawned(_) => loop {
-                if self.exit().is_some() {
-                    return true;
-                }
-                if Instant::now() >= deadline {
-                    return false;
-                }
-                std::thread::sleep(POLL);
-            },
-            Handle::Adopted(p) => p.wait(timeout),
-        }
-    }
-
-    fn kill(&mut self) -> std::io::Result<()> {
-        match self {
-            Handle::Spawned(c) => match c.kill() {
-                // Already exited and reaped.
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
-                other => other,
-            },
-            Handle::Adopted(p) => p.kill(),
-        }
-    }
 }
 
 /// Whether the recorded daemon runs, as this supervisor knows it.
@@ -444,7 +385,7 @@ impl Daemon {
         self.persist()?;
 
         let log = self.log_dir.join(LAUNCHER_LOG);
-        let out = open_launcher_log(&log).map_err(self.io_err("creating", &log))?;
+        let out = launch::open_log(&log).map_err(self.io_err("creating", &log))?;
         let err = out.try_clone().map_err(self.io_err("opening", &log))?;
         let deadline = Instant::now() + config.ready_timeout;
         let mut command = self.command(config);
@@ -643,20 +584,6 @@ pub(super) fn endpoint_ready(pipe_dir: &Path) -> bool {
     })
 }
 
-/// A fresh launcher log in the host-only log directory; the previous one is
-/// kept as `<name>.1`. Neither step follows a symlink.
-fn open_launcher_log(path: &Path) -> std::io::Result<File> {
-    let mut previous: OsString = path.as_os_str().to_owned();
-    previous.push(".1");
-    ignore_missing(fs::rename(path, &previous))?;
-    OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o640)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-}
-
 pub(super) fn ignore_missing(result: std::io::Result<()>) -> std::io::Result<()> {
     match result {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -665,25 +592,4 @@ pub(super) fn ignore_missing(result: std::io::Result<()>) -> std::io::Result<()>
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn key(request: &str, device: &str) -> DaemonKey {
-        DaemonKey {
-            claim: ClaimUid::parse("00000000-0000-4000-8000-000000000001").unwrap(),
-            request: request.into(),
-            device: device.into(),
-        }
-    }
-
-    #[test]
-    fn tags_are_short_stable_and_keep_requests_and_devices_apart() {
-        let a = key("gpu", "GPU-a");
-        assert_eq!(a.tag().len(), 8);
-        assert_eq!(a.tag(), key("gpu", "GPU-a").tag());
-        assert_ne!(a.tag(), key("gpu", "GPU-b").tag());
-        assert_ne!(a.tag(), key("gpu2", "GPU-a").tag());
-        // The separator keeps "ab"+"c" apart from "a"+"bc".
-        assert_ne!(key("ab", "c").tag(), key("a", "bc").tag());
-    }
-}
+mod tests;

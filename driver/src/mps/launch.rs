@@ -300,6 +300,21 @@ fn own_dev_shm(shm: &CString) -> io::Result<()> {
     }
 }
 
+/// A fresh launcher log in the host-only log directory; the previous one is
+/// kept as `<name>.1`. Neither step follows a symlink.
+pub(super) fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut previous: std::ffi::OsString = path.as_os_str().to_owned();
+    previous.push(".1");
+    super::daemon::ignore_missing(std::fs::rename(path, &previous))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o640)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

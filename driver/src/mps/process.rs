@@ -12,6 +12,7 @@
 use std::fs;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -222,6 +223,67 @@ impl Stat {
 
     fn alive(&self) -> bool {
         !matches!(self.state, 'Z' | 'X' | 'x')
+    }
+}
+
+/// How often a spawned daemon is checked while waiting for it to exit.
+const HANDLE_POLL: Duration = Duration::from_millis(10);
+
+/// The driver's own hold on its daemon.
+pub(super) enum Handle {
+    /// Spawned by this supervisor: its PID stays ours until we reap it.
+    Spawned(Child),
+    /// Recorded by an earlier run, held through a checked pidfd.
+    Adopted(Pidfd),
+}
+
+impl Handle {
+    pub(super) fn pid(&self) -> i32 {
+        match self {
+            Handle::Spawned(c) => c.id() as i32,
+            Handle::Adopted(p) => p.id().pid,
+        }
+    }
+
+    /// `None` while the daemon runs, how it ended once it has exited
+    /// (reaping it).
+    pub(super) fn exit(&mut self) -> Option<String> {
+        match self {
+            Handle::Spawned(c) => match c.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Err(e) => Some(format!("could not be waited for ({e})")),
+            },
+            Handle::Adopted(p) => p.wait(Duration::ZERO).then(|| "exited".to_owned()),
+        }
+    }
+
+    /// Whether the daemon exited within `timeout`.
+    pub(super) fn wait(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        match self {
+            Handle::Spawned(_) => loop {
+                if self.exit().is_some() {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(HANDLE_POLL);
+            },
+            Handle::Adopted(p) => p.wait(timeout),
+        }
+    }
+
+    pub(super) fn kill(&mut self) -> std::io::Result<()> {
+        match self {
+            Handle::Spawned(c) => match c.kill() {
+                // Already exited and reaped.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
+                other => other,
+            },
+            Handle::Adopted(p) => p.kill(),
+        }
     }
 }
 
