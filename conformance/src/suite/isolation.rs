@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use serde_json::{Value, json};
 use tessera_api::probe::ProbeReport;
 
@@ -79,6 +79,17 @@ pub async fn isolated_limits(ctx: &Ctx) -> Result<Outcome> {
             ctx.node
         )));
     };
+    let classes: kube::Api<DeviceClass> = kube::Api::all(ctx.kube.client.clone());
+    if classes.get_opt(&ctx.classes.isolated).await?.is_none() {
+        return Ok(Outcome::fail(
+            format!(
+                "DeviceClass {} does not exist: install the driver's classes \
+                 (deploy/deviceclasses.yaml) or name yours with --isolated-class",
+                ctx.classes.isolated
+            ),
+            Vec::new(),
+        ));
+    }
     let gpu = share.physical_gpu().unwrap_or_default().to_owned();
     let (Some(sms), Some(gpu_memory)) = (
         whole.capacity.get("multiprocessors"),
@@ -188,7 +199,13 @@ fn pod(
             "terminationGracePeriodSeconds": 5,
             "automountServiceAccountToken": false,
             "dnsPolicy": "Default",
-            "nodeName": ctx.node,
+            // Through the scheduler, which allocates the claim and reserves
+            // it for the pod (a pod given a nodeName is refused the claim).
+            "affinity": { "nodeAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{ "matchFields": [{
+                    "key": "metadata.name", "operator": "In", "values": [ctx.node]
+                }] }]
+            } } },
             "tolerations": [{ "operator": "Exists" }],
             "resourceClaims": [{ "name": probe::POD_CLAIM, "resourceClaimName": CHECK }],
             "containers": containers,
