@@ -23,10 +23,10 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use serde_json::{Value, json};
 use tessera_api::probe::ProbeReport;
 
-use super::Ctx;
 use super::checks::Outcome;
 use super::facts::{self, SliceDevice};
 use super::probe;
+use super::{Ctx, CudaProbe};
 
 const CHECK: &str = "isolated-limits";
 const GIB: u128 = 1 << 30;
@@ -49,8 +49,25 @@ impl Limits {
     }
 }
 
+/// One probe container of the pod.
+struct Run {
+    name: &'static str,
+    /// Bytes it tries to allocate.
+    alloc: u64,
+    /// What it sets in its own environment first (`NAME=VALUE`).
+    env: Vec<String>,
+    /// Whether that allocation must fit.
+    fits: bool,
+}
+
 /// The containers, what each asks and whether its allocation must fit.
-fn containers(limits: &Limits, gpu_memory: u64) -> [(&'static str, u64, Vec<String>, bool); 3] {
+fn runs(limits: &Limits, gpu_memory: u64) -> [Run; 3] {
+    let run = |name, alloc, env, fits| Run {
+        name,
+        alloc,
+        env,
+        fits,
+    };
     let over = limits.memory_bytes + limits.memory_bytes / 2;
     let raise = vec![
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100".to_owned(),
@@ -60,9 +77,9 @@ fn containers(limits: &Limits, gpu_memory: u64) -> [(&'static str, u64, Vec<Stri
         ),
     ];
     [
-        ("limits", over, Vec::new(), false),
-        ("raised", over, raise, false),
-        ("within", limits.memory_bytes / 2, Vec::new(), true),
+        run("limits", over, Vec::new(), false),
+        run("raised", over, raise, false),
+        run("within", limits.memory_bytes / 2, Vec::new(), true),
     ]
 }
 
@@ -133,20 +150,28 @@ pub async fn isolated_limits(ctx: &Ctx) -> Result<Outcome> {
     ctx.kube
         .create::<ResourceClaim>(probe::claim(CHECK, CHECK, request))
         .await?;
-    let runs = containers(&limits, gpu_memory);
+    let runs = runs(&limits, gpu_memory);
+    let containers = runs.iter().map(|r| container(cuda, r)).collect();
+    let claim = probe::ClaimSource::Claim(CHECK.to_owned());
     ctx.kube
-        .create::<Pod>(pod(ctx, &cuda.image, &cuda.command, &runs))
+        .create::<Pod>(probe::pod(
+            CHECK,
+            CHECK,
+            &ctx.node,
+            Some(&claim),
+            containers,
+        ))
         .await?;
     ctx.kube.wait_finished(&[CHECK.to_owned()]).await?;
 
     let mut reports = Vec::new();
-    for (name, ..) in &runs {
+    for Run { name, .. } in &runs {
         let log = ctx.kube.logs(CHECK, name).await?;
         let report: ProbeReport = serde_json::from_str(&log)
             .with_context(|| format!("container {name} printed no probe report:\n{log}"))?;
         reports.push(report);
     }
-    let expected: Vec<(&str, bool)> = runs.iter().map(|(n, .., fits)| (*n, *fits)).collect();
+    let expected: Vec<(&str, bool)> = runs.iter().map(|r| (r.name, r.fits)).collect();
     Ok(verdict(&gpu, &limits, &expected, &reports))
 }
 
@@ -168,48 +193,19 @@ fn isolated_share(devices: &[SliceDevice]) -> Option<(&SliceDevice, &SliceDevice
         })
 }
 
-fn pod(
-    ctx: &Ctx,
-    image: &str,
-    command: &[String],
-    runs: &[(&str, u64, Vec<String>, bool)],
-) -> Value {
-    let containers: Vec<Value> = runs
-        .iter()
-        .map(|(name, alloc, env, _)| {
-            let mut args: Vec<String> = command.to_vec();
-            args.extend(["--alloc".to_owned(), alloc.to_string()]);
-            for e in env {
-                args.extend(["--set-env".to_owned(), e.clone()]);
-            }
-            json!({
-                "name": name,
-                "image": image,
-                "imagePullPolicy": "IfNotPresent",
-                "command": args,
-                "resources": { "claims": [{ "name": probe::POD_CLAIM }] },
-            })
-        })
-        .collect();
+/// A container running the probe on the pod's claim.
+fn container(cuda: &CudaProbe, run: &Run) -> Value {
+    let mut args = cuda.command.clone();
+    args.extend(["--alloc".to_owned(), run.alloc.to_string()]);
+    for e in &run.env {
+        args.extend(["--set-env".to_owned(), e.clone()]);
+    }
     json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": { "name": CHECK, "labels": probe::labels(CHECK) },
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 5,
-            "automountServiceAccountToken": false,
-            "dnsPolicy": "Default",
-            // Through the scheduler, which allocates the claim and reserves
-            // it for the pod (a pod given a nodeName is refused the claim).
-            "affinity": { "nodeAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{ "matchFields": [{
-                    "key": "metadata.name", "operator": "In", "values": [ctx.node]
-                }] }]
-            } } },
-            "tolerations": [{ "operator": "Exists" }],
-            "resourceClaims": [{ "name": probe::POD_CLAIM, "resourceClaimName": CHECK }],
-            "containers": containers,
-        }
+        "name": run.name,
+        "image": cuda.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": args,
+        "resources": { "claims": [{ "name": probe::POD_CLAIM }] },
     })
 }
 

@@ -167,7 +167,7 @@ pub fn device_request(
     json!({ "name": name, "exactly": exactly })
 }
 
-pub(super) fn labels(check: &str) -> Value {
+fn labels(check: &str) -> Value {
     json!({ CHECK_LABEL: check, MANAGED_BY.0: MANAGED_BY.1 })
 }
 
@@ -270,35 +270,55 @@ impl ProbePod {
                 container
             })
             .collect();
-        let mut spec = json!({
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 5,
-            "automountServiceAccountToken": false,
-            // The probe needs no DNS (and a test cluster may have none).
-            "dnsPolicy": "Default",
-            "affinity": { "nodeAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{ "matchFields": [{
-                    "key": "metadata.name", "operator": "In", "values": [self.node]
-                }] }]
-            } } },
-            "tolerations": [{ "operator": "Exists" }],
-            "containers": containers,
-        });
-        if let Some(source) = &self.claim {
-            let entry = match source {
-                ClaimSource::Template(t) => {
-                    json!({ "name": POD_CLAIM, "resourceClaimTemplateName": t })
-                }
-                ClaimSource::Claim(c) => json!({ "name": POD_CLAIM, "resourceClaimName": c }),
-            };
-            spec["resourceClaims"] = json!([entry]);
-        }
-        json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": { "name": self.name, "labels": labels(&self.check) },
-            "spec": spec,
-        })
+        pod(
+            &self.name,
+            &self.check,
+            &self.node,
+            self.claim.as_ref(),
+            containers,
+        )
     }
+}
+
+/// A probe pod: never restarted, no service account token, no DNS (the
+/// probe needs none and a test cluster may have none), pinned to `node`
+/// through the scheduler (which allocates its claim and reserves it for the
+/// pod; a pod given a `nodeName` is refused the claim), tolerating every
+/// taint, with `claim` as its pod claim [`POD_CLAIM`].
+pub(super) fn pod(
+    name: &str,
+    check: &str,
+    node: &str,
+    claim: Option<&ClaimSource>,
+    containers: Vec<Value>,
+) -> Value {
+    let mut spec = json!({
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 5,
+        "automountServiceAccountToken": false,
+        "dnsPolicy": "Default",
+        "affinity": { "nodeAffinity": { "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{ "matchFields": [{
+                "key": "metadata.name", "operator": "In", "values": [node]
+            }] }]
+        } } },
+        "tolerations": [{ "operator": "Exists" }],
+        "containers": containers,
+    });
+    if let Some(source) = claim {
+        let entry = match source {
+            ClaimSource::Template(t) => {
+                json!({ "name": POD_CLAIM, "resourceClaimTemplateName": t })
+            }
+            ClaimSource::Claim(c) => json!({ "name": POD_CLAIM, "resourceClaimName": c }),
+        };
+        spec["resourceClaims"] = json!([entry]);
+    }
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": name, "labels": labels(check) },
+        "spec": spec,
+    })
 }
 
 #[cfg(test)]

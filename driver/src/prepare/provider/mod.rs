@@ -232,11 +232,6 @@ impl<'a> Undo<'a> {
             .any(|(id, e)| id != self.uid && e.actions.iter().any(&f))
     }
 
-    /// Every claim's entry (what is held after this claim let go).
-    pub fn entries(&self) -> Vec<ClaimEntry> {
-        self.records.lock().values().cloned().collect()
-    }
-
     pub fn hardware(&self) -> RwLockWriteGuard<'a, ()> {
         write(self.hardware)
     }

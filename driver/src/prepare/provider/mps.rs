@@ -22,7 +22,7 @@ use crate::prepare::resolve::{Kind, Resolved};
 use crate::prepare::state::{Action, DeviceData, LimitsData};
 
 /// The limits a device's config asks for, whoever enforces them.
-pub fn config_limits(config: &EffectiveConfig) -> Option<Limits> {
+fn config_limits(config: &EffectiveConfig) -> Option<Limits> {
     match config {
         EffectiveConfig::Gpu {
             sharing: ConfigSharing::Mps { limits },
@@ -45,7 +45,7 @@ pub fn limits(device: &Device) -> Option<Limits> {
 }
 
 /// The daemon of a device, once its MIG instance (if any) exists.
-pub fn target(device: &Resolved) -> MpsTarget {
+fn target(device: &Resolved) -> MpsTarget {
     MpsTarget {
         request: device.selected.request.clone(),
         gpu_uuid: device.gpu.uuid.clone(),
@@ -56,7 +56,7 @@ pub fn target(device: &Resolved) -> MpsTarget {
 /// The daemons a claim needs: one per request and device, with the limits
 /// of the request's devices there added up (two shares of one GPU in a
 /// request are one client's), compute capped at 100%.
-pub fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Limits> {
+fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Limits> {
     let mut daemons: BTreeMap<MpsTarget, Limits> = BTreeMap::new();
     for device in devices {
         let Some(l) = limits(device) else {
