@@ -24,6 +24,10 @@ pub struct ProbeReport {
     pub cuda_driver_version: Option<i32>,
     /// The MPS-relevant environment the probe ran with.
     pub environment: ProbeEnvironment,
+    /// With `--cdi-device`: the container the probe made for itself from
+    /// that device's CDI edits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ProbeContainer>,
     /// The devices it enumerated, in CUDA ordinal order.
     #[serde(default)]
     pub devices: Vec<ProbeDevice>,
@@ -58,6 +62,27 @@ impl ProbeEnvironment {
             cuda_mps_pinned_device_mem_limit: var(MPS_PINNED_DEVICE_MEM_LIMIT),
         }
     }
+}
+
+/// What `--cdi-device` applied: the edits that decide what a CUDA process
+/// gets (environment, device nodes, mounts under `/dev`), and the mounts it
+/// left to the host's own files (the driver's libraries and tools).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProbeContainer {
+    /// The qualified CDI device name (`vendor/class=name`).
+    pub cdi_device: String,
+    /// Names of the variables the edits set.
+    pub env: Vec<String>,
+    /// Device nodes in the probe's own `/dev` (beside null, zero, full,
+    /// random, urandom and tty).
+    pub device_nodes: Vec<String>,
+    /// Mounts made (container paths).
+    pub mounts: Vec<String>,
+    /// Mounts not made: their container path is not under `/dev`, and the
+    /// host's file at that path (or, for `libcuda.so.1`, the one the spec
+    /// names) is used instead.
+    pub from_host: Vec<String>,
 }
 
 /// One device as this process gets it.

@@ -530,6 +530,91 @@ fn a_container_gets_only_the_gpus_of_its_device_nodes() {
     assert_eq!(summary(&report)[0].0, uuids[6]);
 }
 
+/// `--cdi-device`: the probe makes itself the container a CDI device
+/// describes: only that device's GPU, its MPS daemon reached through the
+/// spec's environment (limits bound) and the daemon's shared memory at
+/// `/dev/shm` (mounted into the probe's fresh `/dev`), and the spec's
+/// `libcuda.so.1`.
+#[test]
+fn cdi_device_probes_as_that_devices_container() {
+    // SAFETY: a plain syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("*** SKIPPED cdi-device probe test: a mount namespace needs root");
+        return;
+    }
+    let m = Machine::new();
+    let uuids = h100_uuids();
+    let host_dev = m.dir.path().join("driver/dev");
+    std::fs::create_dir_all(&host_dev).unwrap();
+    if let Err(e) = tessera_fake_nvml::caps::mknod_char(&host_dev.join("nvidia3"), 195, 3) {
+        println!("*** SKIPPED cdi-device probe test: mknod: {e}");
+        return;
+    }
+    let daemon = Daemon::start(
+        &m,
+        "claim",
+        &[
+            ("CUDA_VISIBLE_DEVICES", uuids[3].as_str()),
+            ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"),
+            ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=4G"),
+        ],
+    );
+    // The daemon's shared memory is the host's /dev/shm (it has no
+    // private one here); a client without it there cannot connect.
+    let shm = "/dev/shm";
+    let cdi = m.dir.path().join("cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    let spec = serde_json::json!({
+        "cdiVersion": "0.5.0",
+        "kind": "gpu.tessera.dev/claim",
+        "devices": [{ "name": "c-0", "containerEdits": {
+            "env": [format!("CUDA_MPS_PIPE_DIRECTORY={}", daemon.pipe()), "TESSERA_FAKE_NVML_DEV_ROOT=/dev"],
+            "deviceNodes": [{ "path": "/dev/nvidia3", "hostPath": host_dev.join("nvidia3") }],
+            "mounts": [
+                { "hostPath": shm, "containerPath": "/dev/shm", "options": ["rbind", "rw"] },
+                { "hostPath": fake_cuda_dir().join("libcuda.so.1"),
+                  "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "options": ["ro", "bind"] },
+            ],
+        }}],
+    });
+    std::fs::write(cdi.join("gpu.tessera.dev-claim_c.json"), spec.to_string()).unwrap();
+    let cdi_args = [
+        "--cdi-dir",
+        cdi.to_str().unwrap(),
+        "--cdi-device",
+        "gpu.tessera.dev/claim=c-0",
+    ];
+    let mut args = cdi_args.to_vec();
+    args.extend(["--alloc", "6Gi"]);
+    // No LD_LIBRARY_PATH: the library is the one the spec mounts.
+    let report = m.probe_ok(&args, &[("LD_LIBRARY_PATH", "/nonexistent")]);
+    assert_eq!(
+        report.library,
+        fake_cuda_dir().join("libcuda.so.1").to_str().unwrap()
+    );
+    assert_eq!(
+        summary(&report),
+        [(uuids[3].clone(), 32, Some(4 * GIB))],
+        "the device's GPU alone, under its daemon's limits"
+    );
+    assert_eq!(allocations(&report), [refused(6 * GIB)]);
+    let container = report.container.expect("the report says what it applied");
+    assert_eq!(container.cdi_device, "gpu.tessera.dev/claim=c-0");
+    assert_eq!(container.device_nodes, ["/dev/nvidia3"]);
+    assert_eq!(container.mounts, ["/dev/shm"]);
+    assert_eq!(
+        container.from_host,
+        ["/usr/lib/x86_64-linux-gnu/libcuda.so.1"]
+    );
+    assert_eq!(
+        container.env,
+        ["CUDA_MPS_PIPE_DIRECTORY", "TESSERA_FAKE_NVML_DEV_ROOT"]
+    );
+    // Without the device, the same process sees no GPU at all in /dev.
+    let (_, bare) = m.probe(&[], &[("TESSERA_FAKE_NVML_DEV_ROOT", "/nonexistent-dev")]);
+    assert!(bare.devices.is_empty(), "{bare:#?}");
+}
+
 /// MIG devices are CUDA devices of their own: the probe prints their MIG
 /// UUID beside their GPU's, the GPU instance's SMs and memory.
 #[test]

@@ -325,6 +325,7 @@ mod tests {
             library: "libcuda.so.1".into(),
             cuda_driver_version: Some(13000),
             environment: ProbeEnvironment::default(),
+            container: None,
             devices: vec![ProbeDevice {
                 ordinal: 0,
                 uuid: GPU.into(),

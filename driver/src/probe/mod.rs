@@ -13,6 +13,10 @@
 //! uses), makes it current, reads free memory, allocates and frees, and
 //! releases the context again.
 //!
+//! With `--cdi-device` it first makes itself the container that CDI device
+//! describes (see [`container`]): how the GPU self-test probes a claim
+//! prepared on a node without a kubelet.
+//!
 //! Exit status: 0 when every call worked (a refused `--alloc` is a result,
 //! not a failure), 1 otherwise; a library that does not load, lacks a
 //! function or fails `cuInit` gives a report with only `error` (naming the
@@ -24,6 +28,8 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 
+pub mod container;
+
 /// The library loaded by default: the dynamic loader finds it as it would
 /// for any CUDA program.
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
@@ -34,9 +40,10 @@ pub use tessera_api::probe::*;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ProbeArgs {
     /// CUDA driver library to load: a path, or a file name the dynamic
-    /// loader resolves.
-    #[arg(long, default_value = DEFAULT_LIBRARY)]
-    pub library: OsString,
+    /// loader resolves [default: the `libcuda.so.1` a --cdi-device's spec
+    /// mounts, else libcuda.so.1].
+    #[arg(long)]
+    pub library: Option<OsString>,
 
     /// Also allocate this much device memory on every device (and free it):
     /// bytes or a Kubernetes quantity such as 8Gi or 500M.
@@ -49,6 +56,17 @@ pub struct ProbeArgs {
     /// a variable after the Pod's, so this is the sure way.
     #[arg(long = "set-env", value_name = "NAME=VALUE", value_parser = parse_env)]
     pub set_env: Vec<(String, String)>,
+
+    /// Probe as a container holding this CDI device (`VENDOR/CLASS=NAME`,
+    /// as prepare answers it) would: its environment, device nodes and
+    /// `/dev` mounts, in a mount namespace of the probe's own (needs root).
+    /// --set-env applies after the device's environment.
+    #[arg(long, value_name = "VENDOR/CLASS=NAME")]
+    pub cdi_device: Option<String>,
+
+    /// Where --cdi-device's spec is.
+    #[arg(long, default_value = container::DEFAULT_CDI_DIR)]
+    pub cdi_dir: std::path::PathBuf,
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -71,12 +89,22 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// `tessera probe`: prints the report as JSON; exit 1 unless it succeeded.
 pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
+    let mut entered = None;
+    if let Some(device) = &args.cdi_device {
+        let edits = container::find(&args.cdi_dir, device)?;
+        entered = Some(container::enter(&edits)?);
+    }
     for (name, value) in &args.set_env {
         // SAFETY: `tessera probe` runs on the main thread only and has not
         // started any other; nothing reads the environment concurrently.
         unsafe { std::env::set_var(name, value) };
     }
-    let report = probe(&args.library, args.alloc);
+    let (container, spec_library) = entered.unzip();
+    let library = (args.library.clone())
+        .or(spec_library.flatten().map(Into::into))
+        .unwrap_or_else(|| DEFAULT_LIBRARY.into());
+    let mut report = probe(&library, args.alloc);
+    report.container = container;
     let text = serde_json::to_string_pretty(&report).context("encoding the probe report")? + "\n";
     let mut out = io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
@@ -98,6 +126,7 @@ pub fn probe(library: &OsStr, alloc: Option<u64>) -> ProbeReport {
         library: library.to_string_lossy().into_owned(),
         cuda_driver_version: None,
         environment: ProbeEnvironment::current(),
+        container: None,
         devices: Vec::new(),
         error: None,
     };
@@ -408,6 +437,7 @@ mod tests {
                 cuda_visible_devices: Some("0".into()),
                 ..ProbeEnvironment::default()
             },
+            container: None,
             devices: vec![ProbeDevice {
                 ordinal: 0,
                 uuid: "GPU-3d2a07e5-04b3-4312-87c3-c23be8aaee0f".into(),
