@@ -177,6 +177,14 @@ for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" stop || tests_rc=1
 	TESSERA_CLUSTER_DIR="$vdir-degraded" "$CLUSTER" stop || tests_rc=1
 done
+
+# --- 4c. the GPU self-test, on the simulated machine -------------------------
+# What a user runs on a real GPU node (docs/isolation.md): its own control
+# plane without a kubelet, the node process, two Isolated claims, the probe
+# under each claim's CDI edits, the hostile steps, nothing left behind.
+say "running the GPU self-test on simulated H100s"
+TESSERA_PROFILE=dev conformance/gpu-selftest.sh --simulated driver/fake-nvml/topologies/h100x8.yaml ||
+	tests_rc=1
 ((tests_rc == 0)) || exit "$tests_rc"
 
 # --- 5. bounded fuzzing of the untrusted-input decoders --------------------

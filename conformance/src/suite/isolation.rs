@@ -49,19 +49,21 @@ impl Limits {
     }
 }
 
-/// One probe container of the pod.
-struct Run {
-    name: &'static str,
+/// One probe of a claim (a container of the check's pod, a step of the
+/// GPU self-test).
+pub struct Run {
+    pub name: &'static str,
     /// Bytes it tries to allocate.
-    alloc: u64,
+    pub alloc: u64,
     /// What it sets in its own environment first (`NAME=VALUE`).
-    env: Vec<String>,
+    pub env: Vec<String>,
     /// Whether that allocation must fit.
-    fits: bool,
+    pub fits: bool,
 }
 
-/// The containers, what each asks and whether its allocation must fit.
-fn runs(limits: &Limits, gpu_memory: u64) -> [Run; 3] {
+/// The probes of a claim, what each asks and whether its allocation must
+/// fit: over the limit, over it with the environment raised, within it.
+pub fn runs(limits: &Limits, gpu_memory: u64) -> [Run; 3] {
     let run = |name, alloc, env, fits| Run {
         name,
         alloc,
@@ -176,7 +178,7 @@ pub async fn isolated_limits(ctx: &Ctx) -> Result<Outcome> {
 }
 
 /// An Isolated share enforced by MPS and its GPU's whole device.
-fn isolated_share(devices: &[SliceDevice]) -> Option<(&SliceDevice, &SliceDevice)> {
+pub fn isolated_share(devices: &[SliceDevice]) -> Option<(&SliceDevice, &SliceDevice)> {
     devices
         .iter()
         .filter(|d| {
@@ -221,68 +223,12 @@ pub fn verdict(
     let mut problems = Vec::new();
     let mut details = Vec::new();
     for ((name, fits), report) in expected.iter().zip(reports) {
-        let Some(device) = report.devices.first() else {
-            problems.push(format!(
-                "{name}: no CUDA device ({})",
-                report.error.as_deref().unwrap_or("none enumerated")
-            ));
-            continue;
-        };
-        let allocation = device.allocation.as_ref();
-        details.push(format!(
-            "{name}: {} SMs, {} free of {}, allocating {} {}; environment {:?} / {:?}",
-            device.multiprocessors,
-            device
-                .memory_free_bytes
-                .map_or("?".into(), |b| facts::format_quantity(b.into())),
-            facts::format_quantity(device.memory_total_bytes.into()),
-            allocation.map_or("?".into(), |a| facts::format_quantity(a.bytes.into())),
-            match allocation {
-                Some(a) if a.ok => "fitted".to_owned(),
-                Some(a) => format!("was refused ({})", a.error.as_deref().unwrap_or("?")),
-                None => "was not tried".to_owned(),
-            },
-            report.environment.cuda_mps_active_thread_percentage,
-            report.environment.cuda_mps_pinned_device_mem_limit,
-        ));
-        if report.devices.len() != 1 || device.gpu_uuid != gpu {
-            problems.push(format!(
-                "{name}: sees {:?}, not GPU {gpu} alone",
-                report.devices.iter().map(|d| &d.uuid).collect::<Vec<_>>()
-            ));
-        }
-        if device.multiprocessors <= 0 || device.multiprocessors as u32 > limits.max_sms() {
-            problems.push(format!(
-                "{name}: {} SMs, want 1..={} ({}% of {})",
-                device.multiprocessors,
-                limits.max_sms(),
-                limits.cores_percent,
-                limits.gpu_sms
-            ));
-        }
-        if device
-            .memory_free_bytes
-            .is_some_and(|free| free > limits.memory_bytes)
-        {
-            problems.push(format!(
-                "{name}: {} bytes free, more than the claim's {}",
-                device.memory_free_bytes.unwrap_or_default(),
-                limits.memory_bytes
-            ));
-        }
-        match allocation {
-            Some(a) if a.ok != *fits => problems.push(format!(
-                "{name}: allocating {} bytes {}",
-                a.bytes,
-                if a.ok {
-                    "fitted, beyond the claim's memory"
-                } else {
-                    "was refused within the claim's memory"
-                }
-            )),
-            None => problems.push(format!("{name}: no allocation was tried")),
-            _ => {}
-        }
+        details.push(format!("{name}: {}", describe(report)));
+        problems.extend(
+            check_report(gpu, limits, *fits, report)
+                .into_iter()
+                .map(|p| format!("{name}: {p}")),
+        );
     }
     if reports.len() != expected.len() {
         problems.push(format!(
@@ -305,6 +251,84 @@ pub fn verdict(
     } else {
         Outcome::fail(problems.join("; "), details)
     }
+}
+
+/// What one probe saw, in a line: SMs, free and total memory, the
+/// allocation and the MPS environment it ran with.
+pub fn describe(report: &ProbeReport) -> String {
+    let Some(device) = report.devices.first() else {
+        return format!(
+            "no CUDA device ({})",
+            report.error.as_deref().unwrap_or("none enumerated")
+        );
+    };
+    let allocation = device.allocation.as_ref();
+    format!(
+        "{} SMs, {} free of {}, allocating {} {}; environment {:?} / {:?}",
+        device.multiprocessors,
+        device
+            .memory_free_bytes
+            .map_or("?".into(), |b| facts::format_quantity(b.into())),
+        facts::format_quantity(device.memory_total_bytes.into()),
+        allocation.map_or("?".into(), |a| facts::format_quantity(a.bytes.into())),
+        match allocation {
+            Some(a) if a.ok => "fitted".to_owned(),
+            Some(a) => format!("was refused ({})", a.error.as_deref().unwrap_or("?")),
+            None => "was not tried".to_owned(),
+        },
+        report.environment.cuda_mps_active_thread_percentage,
+        report.environment.cuda_mps_pinned_device_mem_limit,
+    )
+}
+
+/// Where one probe got more than `limits` allow on GPU `gpu` (or could
+/// not allocate what fits: `fits`, whether its allocation must fit).
+pub fn check_report(gpu: &str, limits: &Limits, fits: bool, report: &ProbeReport) -> Vec<String> {
+    let Some(device) = report.devices.first() else {
+        return vec![format!(
+            "no CUDA device ({})",
+            report.error.as_deref().unwrap_or("none enumerated")
+        )];
+    };
+    let mut problems = Vec::new();
+    if report.devices.len() != 1 || device.gpu_uuid != gpu {
+        problems.push(format!(
+            "sees {:?}, not GPU {gpu} alone",
+            report.devices.iter().map(|d| &d.uuid).collect::<Vec<_>>()
+        ));
+    }
+    if device.multiprocessors <= 0 || device.multiprocessors as u32 > limits.max_sms() {
+        problems.push(format!(
+            "{} SMs, want 1..={} ({}% of {})",
+            device.multiprocessors,
+            limits.max_sms(),
+            limits.cores_percent,
+            limits.gpu_sms
+        ));
+    }
+    if let Some(free) = device
+        .memory_free_bytes
+        .filter(|free| *free > limits.memory_bytes)
+    {
+        problems.push(format!(
+            "{free} bytes free, more than the claim's {}",
+            limits.memory_bytes
+        ));
+    }
+    match device.allocation.as_ref() {
+        Some(a) if a.ok != fits => problems.push(format!(
+            "allocating {} bytes {}",
+            a.bytes,
+            if a.ok {
+                "fitted, beyond the claim's memory"
+            } else {
+                "was refused within the claim's memory"
+            }
+        )),
+        None => problems.push("no allocation was tried".to_owned()),
+        _ => {}
+    }
+    problems
 }
 
 #[cfg(test)]

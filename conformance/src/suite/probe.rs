@@ -285,7 +285,7 @@ impl ProbePod {
 /// through the scheduler (which allocates its claim and reserves it for the
 /// pod; a pod given a `nodeName` is refused the claim), tolerating every
 /// taint, with `claim` as its pod claim [`POD_CLAIM`].
-pub(super) fn pod(
+pub fn pod(
     name: &str,
     check: &str,
     node: &str,
