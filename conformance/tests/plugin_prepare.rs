@@ -691,10 +691,22 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
         again.claims[&uid] == first.claims[&uid],
         "different answer after quarantine"
     );
+    // Its status entries land in the background; a marker says so.
+    let claims: Api<ResourceClaim> = Api::namespaced(w.cluster.client(), w.ns());
+    wait_for("status.devices written", TIMEOUT, || async {
+        Ok((status_devices(&claims, "kept").await?.len() == 1).then_some(()))
+    })
+    .await?;
+    let marker = w.dirs.state().join("claim-status").join(&uid);
+    wait_for("the claim's status marker", TIMEOUT, || async {
+        Ok(marker.exists().then_some(()))
+    })
+    .await?;
     drop(k);
     ensure!(plugin.terminate().await?.success());
 
-    // A reboot (new boot id): nothing of the old boot survives.
+    // A reboot (new boot id): nothing of the old boot survives, and the
+    // claim's status entries (it is no longer prepared here) are removed.
     std::fs::write(w.dirs.boot_id(), "boot-2\n")?;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let _k = register(&w.dirs, &mut plugin, &w.driver).await?;
@@ -703,5 +715,20 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
         "previous boot's entries kept"
     );
     ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
+    wait_for(
+        "status.devices of the claim no longer prepared removed",
+        TIMEOUT,
+        || async {
+            Ok(status_devices(&claims, "kept")
+                .await?
+                .is_empty()
+                .then_some(()))
+        },
+    )
+    .await?;
+    wait_for("its marker removed", TIMEOUT, || async {
+        Ok((!marker.exists()).then_some(()))
+    })
+    .await?;
     w.namespace.delete().await
 }

@@ -388,9 +388,18 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         mps: mps.clone(),
         time_slice: Arc::new(NvidiaSmiTimeSlice::new(&args.driver_root)),
         mig: mig.clone(),
-        status: args
-            .device_status
-            .then(|| StatusWriter::new(client.clone(), args.driver_name.clone())),
+        status: args.device_status.then(|| {
+            StatusWriter::new(
+                client.clone(),
+                args.driver_name.clone(),
+                &args.state_dir,
+                Some(NodeEvents::new(
+                    client.clone(),
+                    args.node_name.clone(),
+                    format!("{}-plugin", args.driver_name),
+                )),
+            )
+        }),
         events: Some(NodeEvents::new(
             client.clone(),
             args.node_name.clone(),

@@ -324,7 +324,7 @@ impl Preparer {
             .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
         self.changed(change);
         if let Some(writer) = &self.deps.status {
-            writer.spawn(&claim.namespace, &claim.name, &claim.uid, entry.status);
+            writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
         }
         Ok(entry.devices)
     }
@@ -513,7 +513,7 @@ impl Preparer {
             ClaimError::new(claim, e.to_string()).fix("see the driver's log; the kubelet retries")
         })?;
         if written_status && let Some(writer) = &self.deps.status {
-            writer.spawn(&namespace, &name, uid.as_str(), Vec::new());
+            writer.remove(&namespace, &name, uid.as_str());
         }
         Ok(())
     }

@@ -102,6 +102,7 @@ impl Preparer {
                 .push(format!("removing temp files of interrupted writes: {e}")),
         }
 
+        let mut prepared_status = Vec::new();
         for (uid, entry) in self.entries() {
             match entry.state {
                 EntryState::Started => match self.clone().undo(uid.clone(), entry).await {
@@ -123,19 +124,14 @@ impl Preparer {
                     for provider in self.providers.iter() {
                         recovery.problems.extend(provider.check(&uid, &entry));
                     }
-                    // The status write runs in the background after prepare;
-                    // a kill may have lost it. Applying it again is
-                    // idempotent (server-side apply of the same content).
-                    if let Some(writer) = &self.deps.status
-                        && !entry.status.is_empty()
-                    {
-                        writer.spawn(
-                            &entry.namespace,
-                            &entry.name,
-                            uid.as_str(),
-                            entry.status.clone(),
-                        );
-                    }
+                    // The status write runs in the background after
+                    // prepare; a kill may have cut it short.
+                    prepared_status.push((
+                        uid.to_string(),
+                        entry.namespace.clone(),
+                        entry.name.clone(),
+                        entry.status.clone(),
+                    ));
                     let this = self.clone();
                     let id = uid.clone();
                     match blocking(move || this.restore_spec(&id, &entry)).await {
@@ -147,6 +143,11 @@ impl Preparer {
                     }
                 }
             }
+        }
+        if let Some(writer) = &self.deps.status {
+            // Markers of claims not in the records are removals still to
+            // make, unless records were lost (then they may be prepared).
+            writer.resume(prepared_status, outcome.knows_all_prepared_claims());
         }
 
         if outcome.knows_all_prepared_claims() {

@@ -7,87 +7,339 @@
 //! entries this manager owns. The apply carries the claim's UID, so a claim
 //! deleted and re-created under the same name is never written to.
 //!
-//! Writing status is best effort: it runs in the background with retries
-//! and never fails or delays prepare (the container does not need it). A
-//! newer write for the same claim supersedes older ones still retrying.
+//! Off the critical path: prepare and unprepare only queue what the claim's
+//! entries should be and return; [`WORKERS`] tasks apply the queue in
+//! order. A claim queued again before its turn is written once, with the
+//! newest content; one unprepared before its entries were ever written is
+//! not written at all. A write that fails is retried with backoff, without
+//! end (a Warning Node Event says when one lags), until the claim is gone.
+//!
+//! Nothing is lost across a restart: a claim whose entries are on the API
+//! server has a marker, `<state dir>/claim-status/<uid>` (namespace and
+//! name), written after the apply and removed after the removal. At start
+//! ([`StatusWriter::resume`]) a prepared claim with entries to write and no
+//! marker is queued again, and a marker of a claim no longer prepared is a
+//! removal still to make.
 //!
 //! [`DeviceData`]: super::state::DeviceData
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::state::DeviceStatus;
 
-/// How often and how long a status write is retried.
-const ATTEMPTS: u32 = 8;
+/// Applies in flight at once: enough to keep up with prepares, few enough
+/// that they do not compete with the claim reads prepares wait on.
+pub const WORKERS: usize = 2;
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Failed attempts before a Node Event says a claim's status lags.
+const ATTEMPTS_BEFORE_EVENT: u32 = 5;
+/// The markers' directory under the state directory.
+pub const MARKER_DIR: &str = "claim-status";
+
+/// What a claim's entries should be, and how the writes went.
+#[derive(Debug, Clone)]
+struct Want {
+    namespace: String,
+    name: String,
+    /// Empty: remove ours.
+    devices: Vec<DeviceStatus>,
+    attempts: u32,
+    not_before: Instant,
+    reported: bool,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    /// Claim UIDs in the order their writes are due; a UID no longer in
+    /// `wants` (superseded, cancelled, taken) is skipped.
+    order: VecDeque<String>,
+    wants: HashMap<String, Want>,
+    /// Being applied now: a newer want waits for the next turn.
+    busy: HashSet<String>,
+}
+
+impl Queue {
+    /// Queues `want`; one queued earlier and not yet taken is replaced
+    /// (keeping its place).
+    fn put(&mut self, uid: &str, want: Want) {
+        if self.wants.insert(uid.to_owned(), want).is_none() {
+            self.order.push_back(uid.to_owned());
+        }
+    }
+
+    /// Puts back a failed want, unless a newer one came meanwhile.
+    fn retry(&mut self, uid: &str, want: Want) {
+        if !self.wants.contains_key(uid) {
+            self.put(uid, want);
+        }
+    }
+
+    /// Drops a queued write of a claim whose entries were never written
+    /// (`written`: its marker exists) and that has none in flight.
+    fn cancel_unwritten(&mut self, uid: &str, written: bool) -> bool {
+        if self.busy.contains(uid) || written {
+            return false;
+        }
+        self.wants.remove(uid);
+        true
+    }
+
+    /// The first due claim not in flight, taken (marked busy); else when
+    /// the first one waiting for its backoff is due.
+    fn take(&mut self, now: Instant) -> Result<(String, Want), Option<Instant>> {
+        let mut next = None::<Instant>;
+        let mut i = 0;
+        while i < self.order.len() {
+            let uid = &self.order[i];
+            let Some(want) = self.wants.get(uid) else {
+                self.order.remove(i);
+                continue;
+            };
+            if self.busy.contains(uid) {
+                i += 1;
+                continue;
+            }
+            if want.not_before > now {
+                next = Some(next.map_or(want.not_before, |n| n.min(want.not_before)));
+                i += 1;
+                continue;
+            }
+            let uid = self.order.remove(i).unwrap_or_default();
+            if let Some(want) = self.wants.remove(&uid) {
+                self.busy.insert(uid.clone());
+                return Ok((uid, want));
+            }
+        }
+        Err(next)
+    }
+}
+
+/// A marker's content: which claim's entries are on the API server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Marker {
+    namespace: String,
+    name: String,
+}
 
 /// Background writer of our `status.devices` entries.
 pub struct StatusWriter {
     client: Client,
     driver: String,
-    latest: Mutex<HashMap<String, u64>>,
-    next: std::sync::atomic::AtomicU64,
+    markers: PathBuf,
+    queue: Mutex<Queue>,
+    wake: Notify,
+    events: Option<NodeEvents>,
 }
 
 impl StatusWriter {
-    pub fn new(client: Client, driver: impl Into<String>) -> Arc<Self> {
+    /// A writer keeping its markers under `state_dir`, with its workers
+    /// started; `events` hears of claims whose status lags.
+    pub fn new(
+        client: Client,
+        driver: impl Into<String>,
+        state_dir: &std::path::Path,
+        events: Option<NodeEvents>,
+    ) -> Arc<Self> {
+        let writer = Self::unstarted(client, driver, state_dir, events);
+        for _ in 0..WORKERS {
+            tokio::spawn(writer.clone().work());
+        }
+        writer
+    }
+
+    fn unstarted(
+        client: Client,
+        driver: impl Into<String>,
+        state_dir: &std::path::Path,
+        events: Option<NodeEvents>,
+    ) -> Arc<Self> {
         Arc::new(StatusWriter {
             client,
             driver: driver.into(),
-            latest: Mutex::new(HashMap::new()),
-            next: std::sync::atomic::AtomicU64::new(1),
+            markers: state_dir.join(MARKER_DIR),
+            queue: Mutex::new(Queue::default()),
+            wake: Notify::new(),
+            events,
         })
     }
 
-    /// Apply `devices` as this driver's entries of the claim's status
-    /// (empty: remove ours), in the background.
-    pub fn spawn(
-        self: &Arc<Self>,
-        namespace: &str,
-        name: &str,
-        uid: &str,
-        devices: Vec<DeviceStatus>,
-    ) {
-        let seq = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.latest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(uid.to_owned(), seq);
-        let this = self.clone();
-        let (namespace, name, uid) = (namespace.to_owned(), name.to_owned(), uid.to_owned());
-        tokio::spawn(async move {
-            this.write(&namespace, &name, &uid, &devices, seq).await;
-        });
+    /// Queue `devices` as this driver's entries of the claim's status.
+    pub fn write(&self, namespace: &str, name: &str, uid: &str, devices: Vec<DeviceStatus>) {
+        self.want(namespace, name, uid, devices);
     }
 
-    fn current(&self, uid: &str, seq: u64) -> bool {
-        self.latest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(uid)
-            .is_none_or(|s| *s == seq)
+    /// Queue the removal of this driver's entries of the claim's status;
+    /// nothing, if none were ever written and no write is in flight.
+    pub fn remove(&self, namespace: &str, name: &str, uid: &str) {
+        let written = self.marker(uid).exists();
+        if self.lock().cancel_unwritten(uid, written) {
+            return;
+        }
+        self.want(namespace, name, uid, Vec::new());
     }
 
-    async fn write(
+    /// Claims whose entries are queued or being applied.
+    pub fn lagging(&self) -> usize {
+        let q = self.lock();
+        q.wants.len() + q.busy.iter().filter(|u| !q.wants.contains_key(*u)).count()
+    }
+
+    /// At start: `prepared` (UID, namespace, name, entries) are the
+    /// prepared claims; what the markers say is on the API server is
+    /// brought in line with them (markers of other claims are removals
+    /// still to make, when `complete`: `prepared` is every prepared claim).
+    pub fn resume(
         &self,
-        namespace: &str,
-        name: &str,
-        uid: &str,
-        devices: &[DeviceStatus],
-        seq: u64,
+        prepared: Vec<(String, String, String, Vec<DeviceStatus>)>,
+        complete: bool,
     ) {
+        let mut with_entries = HashSet::new();
+        for (uid, namespace, name, devices) in prepared {
+            if devices.is_empty() {
+                continue;
+            }
+            if !self.marker(&uid).exists() {
+                self.write(&namespace, &name, &uid, devices);
+            }
+            with_entries.insert(uid);
+        }
+        if !complete {
+            return;
+        }
+        let Ok(dir) = std::fs::read_dir(&self.markers) else {
+            return;
+        };
+        for file in dir.filter_map(Result::ok) {
+            let uid = file.file_name().to_string_lossy().into_owned();
+            if uid.starts_with('.') || with_entries.contains(&uid) {
+                continue;
+            }
+            match std::fs::read(file.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Marker>(&b).ok())
+            {
+                Some(m) => self.want(&m.namespace, &m.name, &uid, Vec::new()),
+                None => {
+                    warn!(claim_uid = %uid, "unreadable claim status marker; removed");
+                    let _ = std::fs::remove_file(file.path());
+                }
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn marker(&self, uid: &str) -> PathBuf {
+        self.markers.join(uid)
+    }
+
+    fn want(&self, namespace: &str, name: &str, uid: &str, devices: Vec<DeviceStatus>) {
+        let want = Want {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            devices,
+            attempts: 0,
+            not_before: Instant::now(),
+            reported: false,
+        };
+        self.lock().put(uid, want);
+        self.wake.notify_one();
+    }
+
+    async fn work(self: Arc<Self>) {
+        loop {
+            let taken = self.lock().take(Instant::now());
+            match taken {
+                Ok((uid, want)) => {
+                    let outcome = self.apply(&uid, &want).await;
+                    self.settle(&uid, want, outcome).await;
+                }
+                Err(Some(at)) => {
+                    let _ = tokio::time::timeout_at(at, self.wake.notified()).await;
+                }
+                Err(None) => self.wake.notified().await,
+            }
+        }
+    }
+
+    /// After an apply: the marker follows what the API server has; a
+    /// failure goes back in the queue (unless a newer want came).
+    async fn settle(&self, uid: &str, mut want: Want, outcome: Result<Applied, kube::Error>) {
+        let claim = format!("{}/{}", want.namespace, want.name);
+        match outcome {
+            Ok(Applied::Written) if !want.devices.is_empty() => {
+                let marker = Marker {
+                    namespace: want.namespace.clone(),
+                    name: want.name.clone(),
+                };
+                let stored = std::fs::create_dir_all(&self.markers).and_then(|()| {
+                    crate::cdi::write_for_this_boot(
+                        &self.marker(uid),
+                        &serde_json::to_vec(&marker).unwrap_or_default(),
+                    )
+                });
+                if let Err(e) = stored {
+                    warn!(claim = %claim, "cannot record that the claim's status is written: {e}");
+                }
+            }
+            Ok(_) => {
+                if let Err(e) = std::fs::remove_file(self.marker(uid))
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    warn!(claim = %claim, "cannot remove the claim's status marker: {e}");
+                }
+            }
+            Err(e) => {
+                want.attempts += 1;
+                let backoff = FIRST_BACKOFF
+                    .saturating_mul(1 << want.attempts.min(8).saturating_sub(1))
+                    .min(MAX_BACKOFF);
+                warn!(claim = %claim, attempt = want.attempts,
+                    "cannot write the claim's status.devices (retrying in {backoff:?}; prepare is not affected): {e}");
+                if want.attempts >= ATTEMPTS_BEFORE_EVENT && !want.reported {
+                    want.reported = true;
+                    if let Some(events) = &self.events {
+                        events
+                            .warning(
+                                "ClaimStatusLagging",
+                                &format!(
+                                    "status.devices of claim {claim} not written after {} attempts \
+                                     (still retrying): {e}",
+                                    want.attempts
+                                ),
+                            )
+                            .await;
+                    }
+                }
+                want.not_before = Instant::now() + backoff;
+                self.lock().retry(uid, want);
+            }
+        }
+        self.lock().busy.remove(uid);
+        self.wake.notify_one();
+    }
+
+    async fn apply(&self, uid: &str, want: &Want) -> Result<Applied, kube::Error> {
+        let (namespace, name) = (&want.namespace, &want.name);
         let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), namespace);
-        let entries: Vec<serde_json::Value> = devices
+        let entries: Vec<serde_json::Value> = want
+            .devices
             .iter()
             .map(|d| {
                 let mut e = json!({
@@ -109,45 +361,26 @@ impl StatusWriter {
             "status": { "devices": entries },
         });
         let params = PatchParams::apply(&self.driver).force();
-        let mut backoff = FIRST_BACKOFF;
-        for attempt in 1..=ATTEMPTS {
-            if !self.current(uid, seq) {
-                debug!(claim = %format!("{namespace}/{name}"), "status write superseded");
-                return;
+        match api.patch_status(name, &params, &Patch::Apply(&body)).await {
+            Ok(_) => {
+                debug!(claim = %format!("{namespace}/{name}"), devices = want.devices.len(), "claim status written");
+                Ok(Applied::Written)
             }
-            match api.patch_status(name, &params, &Patch::Apply(&body)).await {
-                Ok(_) => {
-                    debug!(claim = %format!("{namespace}/{name}"), devices = devices.len(), "claim status written");
-                    self.forget(uid, seq);
-                    return;
-                }
-                // Gone, or re-created (UID precondition): nothing to write.
-                Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {
-                    info!(claim = %format!("{namespace}/{name}"), "claim gone or re-created; status not written: {}", s.message);
-                    self.forget(uid, seq);
-                    return;
-                }
-                Err(e) => {
-                    warn!(
-                        claim = %format!("{namespace}/{name}"),
-                        attempt,
-                        "cannot write the claim's status.devices (retrying in {backoff:?}; prepare is not affected): {e}"
-                    );
-                }
+            // Gone, or re-created (UID precondition): nothing to write.
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {
+                info!(claim = %format!("{namespace}/{name}"), "claim gone or re-created; status not written: {}", s.message);
+                Ok(Applied::Gone)
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
+            Err(e) => Err(e),
         }
-        warn!(claim = %format!("{namespace}/{name}"), "giving up writing the claim's status.devices after {ATTEMPTS} attempts");
-        self.forget(uid, seq);
     }
+}
 
-    fn forget(&self, uid: &str, seq: u64) {
-        let mut latest = self.latest.lock().unwrap_or_else(|p| p.into_inner());
-        if latest.get(uid) == Some(&seq) {
-            latest.remove(uid);
-        }
-    }
+/// How an apply ended.
+enum Applied {
+    Written,
+    /// The claim is gone (or another of that name): nothing of ours there.
+    Gone,
 }
 
 /// Events on this node's Node object (things an operator must see).
@@ -201,5 +434,156 @@ impl NodeEvents {
         if let Err(e) = api.create(&PostParams::default(), &event).await {
             warn!("cannot record Node event {reason} ({message}): {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prepare::state::DeviceData;
+
+    fn entry(device: &str) -> DeviceStatus {
+        DeviceStatus {
+            pool: "node".into(),
+            device: device.into(),
+            share_id: None,
+            data: DeviceData {
+                device_type: "gpu".into(),
+                gpu_uuid: format!("GPU-{device}"),
+                mig_uuid: None,
+                profile: None,
+                isolation_level: None,
+                isolation_provider: None,
+                sharing: None,
+                time_slice: None,
+                limits: None,
+                consumed: None,
+            },
+        }
+    }
+
+    fn want(devices: &[&str], not_before: Instant) -> Want {
+        Want {
+            namespace: "ns".into(),
+            name: "c".into(),
+            devices: devices.iter().map(|d| entry(d)).collect(),
+            attempts: 0,
+            not_before,
+            reported: false,
+        }
+    }
+
+    fn devices(w: &Want) -> Vec<&str> {
+        w.devices.iter().map(|d| d.device.as_str()).collect()
+    }
+
+    #[test]
+    fn a_claim_queued_again_before_its_turn_is_written_once_with_the_newest() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        q.put("a", want(&["gpu-0"], now));
+        q.put("b", want(&["gpu-1"], now));
+        q.put("a", want(&["gpu-2"], now));
+        let (uid, w) = q.take(now).unwrap();
+        assert_eq!((uid.as_str(), devices(&w)), ("a", vec!["gpu-2"]));
+        let (uid, _) = q.take(now).unwrap();
+        assert_eq!(uid, "b");
+        assert_eq!(q.take(now).unwrap_err(), None, "nothing more");
+    }
+
+    #[test]
+    fn a_claim_in_flight_waits_and_a_newer_want_wins_over_a_retry() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        q.put("a", want(&["gpu-0"], now));
+        let (_, first) = q.take(now).unwrap();
+        // Unprepared while its write is in flight: the removal waits.
+        q.put("a", want(&[], now));
+        assert!(!q.cancel_unwritten("a", false), "in flight: it may land");
+        assert_eq!(q.take(now).unwrap_err(), None);
+        // The write failed; its retry does not replace the removal.
+        q.retry("a", first);
+        q.busy.remove("a");
+        let (_, w) = q.take(now).unwrap();
+        assert!(w.devices.is_empty(), "the removal, not the stale write");
+    }
+
+    #[test]
+    fn an_unwritten_claim_unprepared_is_never_written() {
+        let now = Instant::now();
+        let mut q = Queue::default();
+        q.put("a", want(&["gpu-0"], now));
+        assert!(q.cancel_unwritten("a", false));
+        assert_eq!(q.take(now).unwrap_err(), None);
+        q.put("b", want(&["gpu-0"], now));
+        assert!(
+            !q.cancel_unwritten("b", true),
+            "written: its entries must go"
+        );
+    }
+
+    #[test]
+    fn a_retry_waits_for_its_backoff() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(3);
+        let mut q = Queue::default();
+        q.put("a", want(&["gpu-0"], later));
+        q.put("b", want(&["gpu-1"], now));
+        assert_eq!(q.take(now).unwrap().0, "b", "a is not due yet");
+        assert_eq!(q.take(now).unwrap_err(), Some(later));
+        assert_eq!(q.take(later).unwrap().0, "a");
+    }
+
+    /// At start: a prepared claim without a marker is written, one with a
+    /// marker is not; a marker of a claim no longer prepared is removed,
+    /// unless the records may be incomplete.
+    #[tokio::test]
+    async fn resume_follows_the_markers() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let markers = dir.path().join(MARKER_DIR);
+        std::fs::create_dir_all(&markers).unwrap();
+        let marker = |ns: &str, name: &str| {
+            serde_json::to_vec(&Marker {
+                namespace: ns.into(),
+                name: name.into(),
+            })
+            .unwrap()
+        };
+        std::fs::write(markers.join("written"), marker("ns", "written")).unwrap();
+        std::fs::write(markers.join("gone"), marker("ns2", "gone")).unwrap();
+        let prepared = vec![
+            (
+                "new".into(),
+                "ns".into(),
+                "new".into(),
+                vec![entry("gpu-0")],
+            ),
+            (
+                "written".into(),
+                "ns".into(),
+                "written".into(),
+                vec![entry("gpu-1")],
+            ),
+        ];
+
+        let writer = StatusWriter::unstarted(client.clone(), "d", dir.path(), None);
+        writer.resume(prepared.clone(), true);
+        let q = writer.lock();
+        let mut got: Vec<(&str, &str, usize)> = q
+            .wants
+            .iter()
+            .map(|(uid, w)| (uid.as_str(), w.name.as_str(), w.devices.len()))
+            .collect();
+        got.sort();
+        assert_eq!(got, [("gone", "gone", 0), ("new", "new", 1)]);
+        drop(q);
+        assert_eq!(writer.lagging(), 2);
+
+        let writer = StatusWriter::unstarted(client, "d", dir.path(), None);
+        writer.resume(prepared, false);
+        let uids: Vec<String> = writer.lock().wants.keys().cloned().collect();
+        assert_eq!(uids, ["new"], "records may be lost: no removal");
     }
 }
