@@ -4,6 +4,7 @@
 pub mod artifacts;
 pub mod bench;
 pub mod cluster;
+pub mod procs;
 pub mod selftest;
 pub mod suite;
 

@@ -39,12 +39,14 @@ use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
-use serde_json::{Value, json};
+use serde_json::json;
+use tessera_api::inventory::Mig;
 use tessera_api::kubelet::dra_v1;
 use tessera_api::probe::{MPS_PIPE_DIRECTORY, ProbeReport};
 
 use crate::bench::grpc;
 use crate::cluster::wait_for;
+use crate::procs;
 use crate::suite::isolation::{self, Limits};
 use crate::suite::{facts, parse_duration, probe};
 use node::{Gpus, Node, daemons_of};
@@ -172,16 +174,17 @@ async fn client(kubeconfig: &Path) -> Result<Client> {
 }
 
 /// Each GPU's MIG mode (by UUID), as `tessera inventory` reports it.
-fn mig_modes(node: &Node) -> Result<BTreeMap<String, String>> {
+fn mig_modes(node: &Node) -> Result<BTreeMap<String, &'static str>> {
     Ok(node
         .inventory()?
         .gpus
         .into_iter()
         .map(|g| {
-            let mode = serde_json::to_value(&g.mig)
-                .ok()
-                .and_then(|v| v.get("mode").and_then(Value::as_str).map(str::to_owned))
-                .unwrap_or_else(|| format!("{:?}", std::mem::discriminant(&g.mig)));
+            let mode = match g.mig {
+                Mig::NotSupported => "not supported",
+                Mig::Disabled { .. } => "disabled",
+                Mig::Enabled { .. } => "enabled",
+            };
             (g.uuid, mode)
         })
         .collect())
@@ -262,15 +265,43 @@ async fn steps(
         );
         ensure!(ok, "prepare of claim {} failed", t.name);
         t.cdi_device = cdi?;
-        let (pipe, mounts) = mps_edits(&node.cdi_dir(), &t.cdi_device)?;
-        t.pipe = pipe;
-        t.mounts = mounts;
-        t.daemon = daemons_of(&t.pipe).first().copied();
     }
-    own_daemons(&tenants, table);
-    for t in &tenants {
+    // The probes also say what each claim's container gets: the pipe
+    // directory CUDA is pointed at and the mounts (as the probe applied
+    // the claim's CDI edits).
+    let mut probes = Vec::new();
+    for t in &mut tenants {
+        let mut rows = Vec::new();
         for run in isolation::runs(&t.limits, ctx.gpu_memory) {
             let report = ctx.probe(node, t, run.alloc, &run.env)?;
+            rows.push((run, report));
+        }
+        let plain = rows
+            .iter()
+            .find(|(run, _)| run.env.is_empty())
+            .map(|(_, report)| report)
+            .context("no probe ran with the claim's own environment")?;
+        t.pipe = plain
+            .environment
+            .cuda_mps_pipe_directory
+            .clone()
+            .map(PathBuf::from)
+            .with_context(|| {
+                format!(
+                    "{} sets no {MPS_PIPE_DIRECTORY}: not enforced by MPS",
+                    t.cdi_device
+                )
+            })?;
+        t.mounts = (plain.container.iter())
+            .flat_map(|c| c.mounts.iter().chain(&c.from_host))
+            .cloned()
+            .collect();
+        t.daemon = daemons_of(&t.pipe).first().copied();
+        probes.push(rows);
+    }
+    own_daemons(&tenants, table);
+    for (t, rows) in tenants.iter().zip(probes) {
+        for (run, report) in rows {
             table.push(
                 format!("probe: {}", run.name),
                 t.name,
@@ -487,47 +518,6 @@ impl Ctx<'_> {
     }
 }
 
-/// The pipe directory a CDI device's edits point CUDA at, and the
-/// container paths of its mounts.
-fn mps_edits(cdi_dir: &Path, qualified: &str) -> Result<(PathBuf, Vec<String>)> {
-    let name = qualified.split_once('=').map_or(qualified, |(_, n)| n);
-    for entry in std::fs::read_dir(cdi_dir)? {
-        let path = entry?.path();
-        let Ok(spec) = serde_json::from_slice::<Value>(&std::fs::read(&path)?) else {
-            continue;
-        };
-        let Some(device) = spec["devices"]
-            .as_array()
-            .and_then(|ds| ds.iter().find(|d| d["name"] == name))
-        else {
-            continue;
-        };
-        let edits = [&spec["containerEdits"], &device["containerEdits"]];
-        let list = |field: &str| -> Vec<Value> {
-            edits
-                .iter()
-                .filter_map(|e| e[field].as_array())
-                .flatten()
-                .cloned()
-                .collect()
-        };
-        let prefix = format!("{MPS_PIPE_DIRECTORY}=");
-        let pipe = list("env")
-            .iter()
-            .filter_map(Value::as_str)
-            .find_map(|v| v.strip_prefix(&prefix).map(PathBuf::from))
-            .with_context(|| {
-                format!("{qualified} sets no {MPS_PIPE_DIRECTORY}: not enforced by MPS")
-            })?;
-        let mounts = list("mounts")
-            .iter()
-            .filter_map(|m| m["containerPath"].as_str().map(str::to_owned))
-            .collect();
-        return Ok((pipe, mounts));
-    }
-    bail!("no CDI spec in {} has {qualified}", cdi_dir.display())
-}
-
 /// Step 1: a daemon and pipe directory of each claim's own; neither the
 /// other's directory nor the control tool in its containers.
 fn own_daemons(tenants: &[Tenant], table: &mut Table) {
@@ -574,11 +564,6 @@ fn own_daemons(tenants: &[Tenant], table: &mut Table) {
     );
 }
 
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|s| !s.rsplit(") ").next().is_some_and(|r| r.starts_with('Z')))
-}
-
 /// Steps 3 and 4: `a` quits its daemon; `b` keeps its own and its limits;
 /// what a process of `a` outside MPS gets.
 async fn hostile(ctx: &Ctx<'_>, node: &Node, tenants: &[Tenant], table: &mut Table) -> Result<()> {
@@ -602,7 +587,7 @@ async fn hostile(ctx: &Ctx<'_>, node: &Node, tenants: &[Tenant], table: &mut Tab
         Some(pid) => wait_for(
             "a's daemon to exit after quit",
             ctx.args.timeout,
-            || async move { Ok((!alive(pid)).then_some(())) },
+            || async move { Ok((!procs::running(pid)).then_some(())) },
         )
         .await
         .map(|()| format!("daemon {pid} exited (quit: {quit})")),

@@ -14,6 +14,7 @@ use tessera_api::inventory::Inventory;
 
 use crate::bench::grpc;
 use crate::cluster::wait_for;
+use crate::procs;
 
 /// The GPUs the node process drives.
 #[derive(Debug, Clone)]
@@ -323,23 +324,17 @@ pub fn daemons_of(pipe: &Path) -> Vec<i32> {
         pipe.as_os_str().as_encoded_bytes(),
     ]
     .concat();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    procs
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+    procs::pids()
+        .into_iter()
         .filter(|pid| {
-            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            let Some(args) = procs::args(*pid) else {
                 return false;
             };
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
             let is_control = args.first().is_some_and(|a| a.ends_with(b"mps-control"));
-            let daemon_mode = args.iter().any(|a| *a == b"-d" || *a == b"-f");
-            let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|r| r.starts_with('Z')));
+            let daemon_mode = args.iter().any(|a| a == b"-d" || a == b"-f");
             is_control
                 && daemon_mode
-                && !zombie
+                && procs::running(*pid)
                 && std::fs::read(format!("/proc/{pid}/environ"))
                     .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == want.as_slice()))
         })

@@ -34,7 +34,7 @@ use kube::{Api, Client};
 use serde_json::{Value, json};
 use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::{dra_v1, registration};
-use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_conformance::{TestCluster, delete_ignore_missing, procs, unique_name, wait_for};
 use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
 use tonic::transport::Channel;
 
@@ -227,21 +227,13 @@ impl PluginDirs {
     /// Running MPS control daemons started from this driver root.
     pub fn mps_daemons(&self) -> Vec<i32> {
         let control = self.mps_control();
-        let Ok(procs) = std::fs::read_dir("/proc") else {
-            return Vec::new();
-        };
-        procs
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        let control = control.as_os_str().as_encoded_bytes();
+        procs::pids()
+            .into_iter()
             .filter(|pid| {
-                let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                    return false;
-                };
-                let mut args = cmdline.split(|b| *b == 0);
-                let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .is_ok_and(|s| s.rsplit(") ").next().is_some_and(|r| r.starts_with('Z')));
-                args.next() == Some(control.as_os_str().as_encoded_bytes())
-                    && args.any(|a| a == b"-f")
-                    && !zombie
+                procs::args(*pid).is_some_and(|args| {
+                    args.first().is_some_and(|a| a == control) && args.iter().any(|a| a == b"-f")
+                }) && procs::running(*pid)
             })
             .collect()
     }

@@ -177,11 +177,6 @@ impl StatusWriter {
         })
     }
 
-    /// Queue `devices` as this driver's entries of the claim's status.
-    pub fn write(&self, namespace: &str, name: &str, uid: &str, devices: Vec<DeviceStatus>) {
-        self.want(namespace, name, uid, devices);
-    }
-
     /// Queue the removal of this driver's entries of the claim's status;
     /// nothing, if none were ever written and no write is in flight.
     pub fn remove(&self, namespace: &str, name: &str, uid: &str) {
@@ -189,13 +184,7 @@ impl StatusWriter {
         if self.lock().cancel_unwritten(uid, written) {
             return;
         }
-        self.want(namespace, name, uid, Vec::new());
-    }
-
-    /// Claims whose entries are queued or being applied.
-    pub fn lagging(&self) -> usize {
-        let q = self.lock();
-        q.wants.len() + q.busy.iter().filter(|u| !q.wants.contains_key(*u)).count()
+        self.write(namespace, name, uid, Vec::new());
     }
 
     /// At start: `prepared` (UID, namespace, name, entries) are the
@@ -232,7 +221,7 @@ impl StatusWriter {
                 .ok()
                 .and_then(|b| serde_json::from_slice::<Marker>(&b).ok())
             {
-                Some(m) => self.want(&m.namespace, &m.name, &uid, Vec::new()),
+                Some(m) => self.write(&m.namespace, &m.name, &uid, Vec::new()),
                 None => {
                     warn!(claim_uid = %uid, "unreadable claim status marker; removed");
                     let _ = std::fs::remove_file(file.path());
@@ -249,7 +238,9 @@ impl StatusWriter {
         self.markers.join(uid)
     }
 
-    fn want(&self, namespace: &str, name: &str, uid: &str, devices: Vec<DeviceStatus>) {
+    /// Queue `devices` as this driver's entries of the claim's status
+    /// (empty: remove ours).
+    pub fn write(&self, namespace: &str, name: &str, uid: &str, devices: Vec<DeviceStatus>) {
         let want = Want {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
@@ -578,8 +569,8 @@ mod tests {
             .collect();
         got.sort();
         assert_eq!(got, [("gone", "gone", 0), ("new", "new", 1)]);
+        assert!(q.busy.is_empty());
         drop(q);
-        assert_eq!(writer.lagging(), 2);
 
         let writer = StatusWriter::unstarted(client, "d", dir.path(), None);
         writer.resume(prepared, false);
