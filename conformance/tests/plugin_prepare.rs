@@ -732,3 +732,98 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
     .await?;
     w.namespace.delete().await
 }
+
+/// An unreadable record does not cost a running workload its isolation: the
+/// Isolated claim's MPS daemon (and spec) outlive the quarantine and later
+/// restarts, until the kubelet unprepares the claim; then they go.
+#[tokio::test]
+async fn a_lost_record_keeps_what_its_claim_uses_until_unprepare() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event;
+    let w = World::new("plugin-lost").await?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let isolated = share(&w.node, &w.driver, false);
+    let mut r = result("share", &w.driver, &w.node, &isolated);
+    r["shareID"] = json!("00000000-0000-4000-8000-000000000001");
+    r["consumedCapacity"] = json!({"memory": "1Gi", "cores": "10"});
+    let claim = create_allocated(
+        &w.cluster.client(),
+        w.ns(),
+        &ClaimSpec {
+            name: "lost".into(),
+            requests: vec![("share".into(), CLASS.into())],
+            results: vec![r],
+            config: vec![],
+            spec_config: vec![],
+        },
+    )
+    .await?;
+    let uid = claim.metadata.uid.clone().unwrap();
+    let first = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        first.claims[&uid].error.is_empty(),
+        "{}",
+        first.claims[&uid].error
+    );
+    let daemons = w.dirs.mps_daemons();
+    ensure!(daemons.len() == 1, "one daemon for the claim: {daemons:?}");
+    drop(k);
+    ensure!(plugin.terminate().await?.success());
+
+    // Its record becomes unreadable (valid JSON, bad checksum).
+    let path = w.dirs.records().join(format!("{uid}.json"));
+    let text = std::fs::read_to_string(&path)?;
+    std::fs::write(&path, text.replacen("Completed", "Completes", 1))?;
+    // Two starts: the one that moves the record aside, and a later one
+    // that only finds it moved aside.
+    for start in 0..2 {
+        let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+        let _k = register(&w.dirs, &mut plugin, &w.driver).await?;
+        ensure!(
+            w.dirs.mps_daemons() == daemons,
+            "start {start}: the lost claim's daemon {daemons:?} was stopped ({:?} now)",
+            w.dirs.mps_daemons()
+        );
+        ensure!(
+            w.dirs.spec(&uid).is_some(),
+            "start {start}: the lost claim's spec was deleted"
+        );
+        drop(_k);
+        ensure!(plugin.terminate().await?.success());
+    }
+    let events: Api<Event> = Api::namespaced(w.cluster.client(), "default");
+    let node = w.node.clone();
+    let event = wait_for("CheckpointQuarantined event on the Node", TIMEOUT, || {
+        let (events, node) = (events.clone(), node.clone());
+        async move {
+            let list = events.list(&Default::default()).await?;
+            Ok(list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some("CheckpointQuarantined")
+                    && e.involved_object.name.as_deref() == Some(node.as_str())
+            }))
+        }
+    })
+    .await?;
+    let message = event.message.unwrap_or_default();
+    ensure!(
+        message.contains("MPS daemons") && message.contains("until the kubelet unprepares"),
+        "{message}"
+    );
+
+    // The kubelet unprepares it: its daemon and spec go.
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let answer = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
+    ensure!(
+        answer.claims[&uid].error.is_empty(),
+        "{}",
+        answer.claims[&uid].error
+    );
+    wait_for("the lost claim's daemon to stop", TIMEOUT, || async {
+        Ok(w.dirs.mps_daemons().is_empty().then_some(()))
+    })
+    .await?;
+    ensure!(w.dirs.spec(&uid).is_none(), "its spec is left");
+    plugin.check_running()?;
+    w.namespace.delete().await
+}

@@ -118,6 +118,42 @@ pub enum CheckpointError {
     },
 }
 
+/// How many moved-aside records are kept for inspection; the oldest go
+/// first. Each also marks its claim as lost (below), so the bound is well
+/// above the claims a node holds at once.
+pub const QUARANTINE_KEPT: usize = 64;
+const QUARANTINE_MARK: &str = ".corrupt-";
+
+/// Claims whose records were moved aside (now or at an earlier start of
+/// this boot): their Pods may still run, so what they may use stays until
+/// the kubelet unprepares them.
+#[derive(Debug, Clone)]
+pub struct Lost<T> {
+    /// Each lost claim, with its entry as far as the moved-aside bytes
+    /// still decode (checksum not verified): a hint of what to release,
+    /// never a record to answer from.
+    pub claims: BTreeMap<ClaimUid, Option<T>>,
+    /// A moved-aside file names no claim (a version 1 file, a misnamed
+    /// record): any claim the records do not know may be a lost one.
+    pub unnamed: bool,
+}
+
+impl<T> Default for Lost<T> {
+    fn default() -> Self {
+        Lost {
+            claims: BTreeMap::new(),
+            unnamed: false,
+        }
+    }
+}
+
+impl<T> Lost<T> {
+    /// Whether `claim` may be one whose record was lost.
+    pub fn may_hold(&self, claim: &ClaimUid) -> bool {
+        self.unnamed || self.claims.contains_key(claim)
+    }
+}
+
 /// Persistent map of claim UID -> entry `T` (defined by the prepare logic),
 /// shared by claims prepared concurrently. Callers serialize changes of
 /// one claim (the per-claim lock); changes of different claims write
@@ -127,6 +163,7 @@ pub struct Checkpoint<T> {
     dir: PathBuf,
     boot_id: String,
     claims: Mutex<BTreeMap<ClaimUid, T>>,
+    lost: Mutex<Lost<T>>,
 }
 
 /// What start-up found, before it becomes a [`LoadOutcome`].
@@ -155,10 +192,14 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             dir: state_dir.join(RECORDS_DIR),
             boot_id,
             claims: Mutex::new(BTreeMap::new()),
+            lost: Mutex::new(Lost::default()),
         };
         let mut found = Found::default();
         checkpoint.migrate(&state_dir.join(LEGACY_FILE), &mut found)?;
         checkpoint.load(&mut found)?;
+        prune_quarantined(&checkpoint.dir, QUARANTINE_KEPT);
+        *checkpoint.lost.lock().unwrap_or_else(|p| p.into_inner()) =
+            find_lost(&checkpoint.dir, state_dir, &checkpoint.boot_id);
         let outcome = match found {
             Found { quarantined, .. } if !quarantined.is_empty() => LoadOutcome::Quarantined {
                 reason: (quarantined.iter())
@@ -252,6 +293,26 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
         &self.dir
     }
 
+    /// Claims whose records were moved aside and not yet released.
+    pub fn lost(&self) -> Lost<T> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Whether a moved-aside record names `claim`.
+    pub fn is_lost(&self, claim: &ClaimUid) -> bool {
+        (self.lost.lock().unwrap_or_else(|p| p.into_inner()))
+            .claims
+            .contains_key(claim)
+    }
+
+    /// Takes `claim` out of the lost ones (the kubelet unprepared it) and
+    /// returns what was salvaged of its entry; `None` if it was not lost.
+    pub fn release_lost(&self, claim: &ClaimUid) -> Option<Option<T>> {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        let salvaged = lost.claims.remove(claim);
+        salvaged.or_else(|| lost.unnamed.then_some(None))
+    }
+
     /// Records `entry` for `claim` and returns once it is on disk. Other
     /// claims see it at once; on a failed write the previous entry is put
     /// back, so memory never claims more than the disk does.
@@ -311,6 +372,89 @@ fn remove_if_present(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// The claims of the moved-aside files in `dir` (and a moved-aside
+/// version 1 file in `state_dir`), except those whose bytes still say they
+/// are of another boot.
+fn find_lost<T: DeserializeOwned>(dir: &Path, state_dir: &Path, boot_id: &str) -> Lost<T> {
+    let mut lost = Lost::default();
+    for (name, _) in quarantined_files(state_dir) {
+        lost.unnamed |= name.starts_with(LEGACY_FILE);
+    }
+    for (name, path) in quarantined_files(dir) {
+        let stem = name.split(QUARANTINE_MARK).next().unwrap_or_default();
+        let Some(claim) = stem
+            .strip_suffix(RECORD_SUFFIX)
+            .and_then(|uid| ClaimUid::parse(uid).ok())
+        else {
+            lost.unnamed = true;
+            continue;
+        };
+        match salvage::<T>(&fs::read(&path).unwrap_or_default(), boot_id) {
+            Salvage::OtherBoot => {}
+            Salvage::Entry(entry) => {
+                lost.claims.insert(claim, Some(entry));
+            }
+            Salvage::Nothing => {
+                lost.claims.entry(claim).or_insert(None);
+            }
+        }
+    }
+    lost
+}
+
+/// What can still be read from a moved-aside record.
+enum Salvage<T> {
+    /// Its own bytes say it is of another boot: nothing it names exists.
+    OtherBoot,
+    /// The entry decodes (its checksum is not trusted).
+    Entry(T),
+    Nothing,
+}
+
+fn salvage<T: DeserializeOwned>(bytes: &[u8], boot_id: &str) -> Salvage<T> {
+    let Ok(record) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+        return Salvage::Nothing;
+    };
+    if record["bootId"].as_str().is_some_and(|b| b != boot_id) {
+        return Salvage::OtherBoot;
+    }
+    match record["entry"].as_str().map(serde_json::from_str::<T>) {
+        Some(Ok(entry)) => Salvage::Entry(entry),
+        _ => Salvage::Nothing,
+    }
+}
+
+/// Moved-aside files in `dir`, oldest first: name and path.
+fn quarantined_files(dir: &Path) -> Vec<(String, PathBuf)> {
+    let Ok(listing) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut files: Vec<(u64, String, PathBuf)> = listing
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_owned();
+            let stamp = name.split(QUARANTINE_MARK).nth(1)?.parse().ok()?;
+            Some((stamp, name, e.path()))
+        })
+        .collect();
+    files.sort();
+    files.into_iter().map(|(_, n, p)| (n, p)).collect()
+}
+
+/// Removes all but the newest `keep` moved-aside records.
+fn prune_quarantined(dir: &Path, keep: usize) {
+    let files = quarantined_files(dir);
+    let excess = files.len().saturating_sub(keep);
+    for (_, path) in files.into_iter().take(excess) {
+        if let Err(e) = remove_if_present(&path) {
+            tracing::warn!(
+                "cannot remove the old moved-aside record {}: {e}",
+                path.display()
+            );
+        }
+    }
+}
+
 /// Moves an unreadable file aside for inspection; where it went.
 fn quarantine(path: &Path) -> Result<PathBuf, CheckpointError> {
     let stamp = std::time::SystemTime::now()
@@ -318,7 +462,7 @@ fn quarantine(path: &Path) -> Result<PathBuf, CheckpointError> {
         .map(|d| d.as_secs())
         .unwrap_or_default();
     let mut moved_to = path.as_os_str().to_owned();
-    moved_to.push(format!(".corrupt-{stamp}"));
+    moved_to.push(format!("{QUARANTINE_MARK}{stamp}"));
     let moved_to = PathBuf::from(moved_to);
     fs::rename(path, &moved_to).map_err(|source| CheckpointError::Quarantine {
         path: path.to_owned(),
@@ -656,6 +800,75 @@ mod tests {
         assert!(!outcome.knows_all_prepared_claims());
         // Moved aside for good: the next start finds only the intact one.
         assert_eq!(f.open().1, LoadOutcome::Restored { claims: 1 });
+    }
+
+    #[test]
+    fn a_lost_claim_stays_lost_across_restarts_until_released() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        cp.put(uid(2), entry("gpu-1")).unwrap();
+        let path = f.record(&uid(1));
+        let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
+        fs::write(&path, text).unwrap();
+        let (cp, _) = f.open();
+        let lost = cp.lost();
+        assert!(!lost.unnamed);
+        // Salvaged as the bytes say, checksum or not: a hint of what to
+        // release, never a record.
+        assert_eq!(lost.claims[&uid(1)], Some(entry("gpu-9")));
+        assert!(lost.may_hold(&uid(1)) && !lost.may_hold(&uid(2)));
+        assert!(!cp.lock().contains_key(&uid(1)));
+
+        // The next start (same boot) still knows it is lost.
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
+        assert!(cp.lost().may_hold(&uid(1)));
+        assert_eq!(cp.release_lost(&uid(1)), Some(Some(entry("gpu-9"))));
+        assert!(!cp.lost().may_hold(&uid(1)));
+        assert_eq!(cp.release_lost(&uid(1)), None);
+    }
+
+    #[test]
+    fn lost_records_of_another_boot_or_without_a_name_are_told_apart() {
+        let f = Fixture::new();
+        let records = f.state().join(RECORDS_DIR);
+        fs::create_dir_all(&records).unwrap();
+        let foreign = r#"{"version":2,"bootId":"boot-z","crc32":1,"entry":"{}"}"#;
+        fs::write(records.join(format!("{}.json", uid(1).as_str())), foreign).unwrap();
+        fs::write(
+            records.join(format!("{}.json", uid(2).as_str())),
+            b"{\"vers",
+        )
+        .unwrap();
+        let (cp, _) = f.open();
+        let lost = cp.lost();
+        // Its own bytes say it is of another boot: nothing it named exists.
+        assert!(!lost.may_hold(&uid(1)));
+        // Unreadable: lost, with nothing salvaged.
+        assert_eq!(lost.claims.get(&uid(2)), Some(&None));
+        assert!(!lost.unnamed);
+        fs::write(records.join("not-a-uid.json"), b"{}").unwrap();
+        assert!(f.open().0.lost().unnamed);
+    }
+
+    #[test]
+    fn only_the_newest_moved_aside_records_are_kept() {
+        let f = Fixture::new();
+        let records = f.state().join(RECORDS_DIR);
+        fs::create_dir_all(&records).unwrap();
+        let total = QUARANTINE_KEPT + 5;
+        for n in 0..total {
+            let name = format!("{}.json{QUARANTINE_MARK}{}", uid(1).as_str(), 1000 + n);
+            fs::write(records.join(name), b"x").unwrap();
+        }
+        f.open();
+        let left = quarantined_files(&records);
+        assert_eq!(left.len(), QUARANTINE_KEPT);
+        assert!(
+            left[0].0.ends_with(&format!("{QUARANTINE_MARK}{}", 1005)),
+            "{left:?}"
+        );
     }
 
     #[test]

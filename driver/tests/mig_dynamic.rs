@@ -77,11 +77,17 @@ fn child_nvml() -> Option<Nvml> {
 
 /// What prepare records for a created device.
 fn recorded(m: &CreatedMig) -> Recorded<'_> {
-    Recorded::Instance {
+    Recorded {
         gpu_instance_id: m.gpu_instance_id,
         mig_uuid: &m.mig_uuid,
     }
 }
+
+/// A record of a device that is not on the GPU (any more).
+const GONE: Recorded<'static> = Recorded {
+    gpu_instance_id: 7,
+    mig_uuid: "MIG-00000000-0000-4000-8000-0000000000aa",
+};
 
 fn is_mig_uuid(s: &str) -> bool {
     s.len() == 40 && s.starts_with("MIG-") && tessera_driver::mps::is_device_uuid(s)
@@ -164,7 +170,7 @@ fn child_create_repeat_destroy() {
     assert!(err.to_string().contains("GPU instance 1"), "{err}");
 
     // A record that names another device is not this instance's: left alone.
-    let other = Recorded::Instance {
+    let other = Recorded {
         gpu_instance_id: one.gpu_instance_id,
         mig_uuid: "MIG-00000000-0000-4000-8000-000000000000",
     };
@@ -199,12 +205,12 @@ fn child_create_repeat_destroy() {
 }
 
 #[test]
-fn a_half_made_instance_is_not_adopted_and_an_intent_destroys_it() {
+fn a_half_made_instance_is_neither_adopted_nor_destroyed() {
     run_child("half_made", "a100-40gb-x2-mig.yaml");
 }
 
 #[test]
-#[ignore = "run in a child process by a_half_made_instance_is_not_adopted_and_an_intent_destroys_it"]
+#[ignore = "run in a child process by a_half_made_instance_is_neither_adopted_nor_destroyed"]
 fn child_half_made() {
     let Some(nvml) = child_nvml() else { return };
     // What a crash between NVML's two creations leaves: the GPU instance
@@ -219,21 +225,23 @@ fn child_half_made() {
     assert!(half.compute_instances.is_empty());
 
     // Not adopted: prepare's retry happens after a rollback, never over it.
+    // The failure made nothing, so prepare drops its intent.
     let err = mig::create(&nvml, A100_MIXED, P_1G, at(3, 1)).unwrap_err();
     assert!(matches!(err, MigError::Occupied { .. }), "{err}");
+    assert!(err.made_nothing(), "{err}");
     assert!(err.to_string().contains("GPU instance 14"), "{err}");
     assert_eq!(mig::list(&nvml, A100_MIXED).unwrap(), before);
 
-    // The rollback of a recorded intent (no instance recorded) destroys the
-    // instance of that profile at exactly that placement, and nothing else.
+    // Nothing recorded names it, so no destroy of the driver's takes it,
+    // whoever made it: a record of another device at the placement leaves
+    // it alone.
     assert_eq!(
-        mig::destroy(&nvml, A100_MIXED, P_2G, at(3, 1), Recorded::Intent).unwrap(),
+        mig::destroy(&nvml, A100_MIXED, P_1G, at(3, 1), GONE).unwrap(),
         Destroyed::AlreadyGone
     );
-    assert_eq!(
-        mig::destroy(&nvml, A100_MIXED, P_1G, at(3, 1), Recorded::Intent).unwrap(),
-        Destroyed::Destroyed
-    );
+    assert_eq!(mig::list(&nvml, A100_MIXED).unwrap(), before);
+    // The operator removes it (nvidia-smi mig -dgi).
+    raw::destroy_gpu_instance(&nvml, gi).unwrap();
     let summary: Vec<_> = mig::list(&nvml, A100_MIXED)
         .unwrap()
         .iter()
@@ -290,12 +298,12 @@ fn child_not_ours() {
     // Destroying "our" 1g at 4:4 where a 3g.20gb sits: ours is gone, the
     // 3g.20gb is left alone.
     assert_eq!(
-        mig::destroy(&nvml, A100_MIXED, P_1G, at(4, 4), Recorded::Intent).unwrap(),
+        mig::destroy(&nvml, A100_MIXED, P_1G, at(4, 4), GONE).unwrap(),
         Destroyed::AlreadyGone
     );
     // A record of the static 3g.20gb's GPU instance id with another UUID
     // (a device of ours that was replaced by someone else's) is not it.
-    let stale = Recorded::Instance {
+    let stale = Recorded {
         gpu_instance_id: 1,
         mig_uuid: "MIG-00000000-0000-4000-8000-000000000001",
     };
@@ -322,11 +330,11 @@ fn child_not_ours() {
     assert!(matches!(err, MigError::GpuNotFound { .. }), "{err}");
     // Unprepare after the GPU (or MIG mode) went away has nothing to undo.
     assert_eq!(
-        mig::destroy(&nvml, missing, P_1G, at(0, 1), Recorded::Intent).unwrap(),
+        mig::destroy(&nvml, missing, P_1G, at(0, 1), GONE).unwrap(),
         Destroyed::AlreadyGone
     );
     assert_eq!(
-        mig::destroy(&nvml, A100_OFF, P_1G, at(0, 1), Recorded::Intent).unwrap(),
+        mig::destroy(&nvml, A100_OFF, P_1G, at(0, 1), GONE).unwrap(),
         Destroyed::AlreadyGone
     );
     assert!(mig::list(&nvml, A100_OFF).unwrap().is_empty());
@@ -360,7 +368,7 @@ fn child_split() {
             .all(|c| c.slices == 1 && c.mig_uuid.as_deref().is_some_and(is_mig_uuid))
     );
     // A record of a device of ours at that placement does not match it.
-    let ours = Recorded::Instance {
+    let ours = Recorded {
         gpu_instance_id: before[0].gpu_instance_id,
         mig_uuid: "MIG-00000000-0000-4000-8000-000000000002",
     };
@@ -460,6 +468,7 @@ fn the_prepare_trait_creates_and_destroys_through_nvml() {
 fn child_prepare_trait() {
     use std::sync::Arc;
     use tessera_driver::mig::NvmlMig;
+    use tessera_driver::prepare::host::CreateError;
     use tessera_driver::prepare::host::MigManager;
     use tessera_driver::prepare::state::MigRecord;
 
@@ -481,13 +490,18 @@ fn child_prepare_trait() {
     assert_eq!(made.multiprocessors, 32);
     assert!(is_mig_uuid(&made.uuid));
     assert!(manager.has_instances(H100_EMPTY).unwrap());
-    // Repeated: refused, nothing adopted.
+    // Repeated: refused, nothing adopted, and nothing made (so prepare
+    // drops its intent and no rollback touches what is there).
     let err = manager.check_free(H100_EMPTY, P_2G, at(2, 2)).unwrap_err();
     assert!(err.0.contains("GPU instance 6"), "{err}");
-    assert!(manager.create(H100_EMPTY, P_2G, at(2, 2)).is_err());
+    let err = manager.create(H100_EMPTY, P_2G, at(2, 2)).unwrap_err();
+    assert!(matches!(err, CreateError::NothingMade(_)), "{err}");
     // Unknown profile: a clear error, nothing created.
     let err = manager.create(H100_EMPTY, 77, at(0, 1)).unwrap_err();
-    assert!(err.0.contains("77"), "{err}");
+    assert!(
+        matches!(&err, CreateError::NothingMade(e) if e.0.contains("77")),
+        "{err}"
+    );
     // MIG mode cannot go off under an instance.
     assert!(manager.set_mig_mode(H100_EMPTY, false).is_err());
     assert!(manager.mig_enabled(H100_EMPTY).unwrap());
@@ -498,17 +512,17 @@ fn child_prepare_trait() {
         mig_uuid: made.uuid.clone(),
     };
     manager
-        .destroy(H100_EMPTY, P_2G, at(2, 2), Some(&record))
+        .destroy(H100_EMPTY, P_2G, at(2, 2), &record)
         .unwrap();
     manager
-        .destroy(H100_EMPTY, P_2G, at(2, 2), Some(&record))
+        .destroy(H100_EMPTY, P_2G, at(2, 2), &record)
         .unwrap();
     manager
         .destroy(
             "GPU-00000000-0000-4000-8000-000000000000",
             P_2G,
             at(2, 2),
-            Some(&record),
+            &record,
         )
         .unwrap();
     assert!(mig::list(&nvml, H100_EMPTY).unwrap().is_empty());

@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use nvml_wrapper::Nvml;
 use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
-use crate::prepare::host::{MigManager, SharingError};
+use crate::prepare::host::{CreateError, MigManager, SharingError};
 use crate::prepare::state::MigRecord;
 
 /// Dynamic MIG through NVML; profile names, memory and engines come from
@@ -93,13 +93,19 @@ impl MigManager for NvmlMig {
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-    ) -> Result<MigInstance, SharingError> {
+    ) -> Result<MigInstance, CreateError> {
         let Some(profile) = self.profile(gpu_uuid, profile_id) else {
-            return Err(SharingError(format!(
+            return Err(CreateError::NothingMade(SharingError(format!(
                 "MIG on {gpu_uuid}: discovery found no profile with id {profile_id} on this GPU"
-            )));
+            ))));
         };
-        let made = super::create(&self.nvml, gpu_uuid, profile_id, placement).map_err(shown)?;
+        let made = super::create(&self.nvml, gpu_uuid, profile_id, placement).map_err(|e| {
+            if e.made_nothing() {
+                CreateError::NothingMade(shown(e))
+            } else {
+                CreateError::LeftBehind(shown(e))
+            }
+        })?;
         Ok(MigInstance {
             uuid: made.mig_uuid,
             profile: profile.name,
@@ -127,14 +133,11 @@ impl MigManager for NvmlMig {
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-        recorded: Option<&MigRecord>,
+        recorded: &MigRecord,
     ) -> Result<(), SharingError> {
-        let recorded = match recorded {
-            Some(r) => super::Recorded::Instance {
-                gpu_instance_id: r.gpu_instance_id,
-                mig_uuid: &r.mig_uuid,
-            },
-            None => super::Recorded::Intent,
+        let recorded = super::Recorded {
+            gpu_instance_id: recorded.gpu_instance_id,
+            mig_uuid: &recorded.mig_uuid,
         };
         super::destroy(&self.nvml, gpu_uuid, profile_id, placement, recorded)
             .map(|_| ())

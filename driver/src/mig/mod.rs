@@ -11,10 +11,10 @@
 //!   (`nvmlDeviceCreateGpuInstanceWithPlacement`), then one compute instance
 //!   spanning it (the GPU instance's largest compute profile,
 //!   `nvmlGpuInstanceCreateComputeInstance`), then the MIG device's UUID.
-//! - [`destroy`]: the GPU instance a claim created, identified by what was
-//!   recorded, with its compute instances (or left without them by an
-//!   interrupted destroy). Something already gone is success; something
-//!   else at the placement is left alone.
+//! - [`destroy`]: the GPU instance a claim created, identified by the ids
+//!   and MIG UUID recorded after [`create`], with its compute instances (or
+//!   left without them by an interrupted destroy). Something already gone
+//!   is success; something else at the placement is left alone.
 //! - [`list`]: every GPU instance with its compute instances and MIG UUIDs.
 //! - [`mig_enabled`] / [`set_mig_mode`].
 //!
@@ -22,12 +22,13 @@
 //! overlapping the placement, even one of the same profile: NVML cannot say
 //! who made an instance, so the caller records (checkpoint) the placement
 //! after [`check_free`] and before [`create`], and the instance ids and MIG
-//! UUID right after. Undo destroys the recorded instance only; with no
-//! record (a crash between the two writes) the instance of that profile at
-//! exactly that placement, which the free check just before makes the
-//! driver's. A [`create`] that fails after creating the GPU instance
-//! destroys that GPU instance again, so a failure leaves nothing behind, and
-//! a failure because something else is there destroys nothing.
+//! UUID right after. Undo destroys the recorded instance only. With only
+//! the placement recorded (a crash between the two writes) nothing is
+//! destroyed: another actor may have made an instance there after the free
+//! check, and NVML cannot tell the two apart. A [`create`] that fails after
+//! creating the GPU instance destroys that GPU instance again, so a failure
+//! leaves nothing behind ([`MigError::LeftBehind`] where even that fails),
+//! and a failure because something else is there destroys nothing.
 
 mod manager;
 pub mod raw;
@@ -158,6 +159,17 @@ pub enum MigError {
          show up in NVML's device list"
     )]
     DeviceMissing { gpu: String, gpu_instance_id: u32 },
+    #[error(
+        "MIG on {gpu}: {cause}; destroying the half-made {instance} failed too ({cleanup}), so it \
+         is still there. Fix: once nothing uses it, destroy it (nvidia-smi mig -lgi lists it; \
+         -dci then -dgi with its -gi id)"
+    )]
+    LeftBehind {
+        gpu: String,
+        instance: String,
+        cause: Box<MigError>,
+        cleanup: Box<MigError>,
+    },
     #[error("MIG on {gpu}: {what} failed: {error}")]
     Nvml {
         gpu: String,
@@ -224,8 +236,12 @@ pub fn create(
     let gpu_instance_id = match raw::gpu_instance_info(nvml, instance) {
         Ok(info) => info.id,
         Err(e) => {
-            let _ = destroy_instance(nvml, gpu_uuid, instance);
-            return Err(nvml_err(gpu_uuid, "reading the new GPU instance")(e));
+            let cause = nvml_err(gpu_uuid, "reading the new GPU instance")(e);
+            let what = format!(
+                "GPU instance of profile {profile_id} at {}:{}",
+                placement.start, placement.size
+            );
+            return Err(undo_partial(nvml, gpu_uuid, instance, what, cause));
         }
     };
 
@@ -248,10 +264,37 @@ pub fn create(
             multiprocessors: c.profile.multiprocessors,
         }),
         Err(e) => {
-            // Leave nothing this call made behind.
-            let _ = destroy_instance(nvml, gpu_uuid, instance);
-            Err(e)
+            let what = format!("GPU instance {gpu_instance_id}");
+            Err(undo_partial(nvml, gpu_uuid, instance, what, e))
         }
+    }
+}
+
+/// Destroys the GPU instance a failed [`create`] made, so that the failure
+/// leaves nothing behind; where that fails too, the error says what is left.
+fn undo_partial(
+    nvml: &Nvml,
+    gpu_uuid: &str,
+    instance: raw::GpuInstance<'_>,
+    what: String,
+    cause: MigError,
+) -> MigError {
+    match destroy_instance(nvml, gpu_uuid, instance) {
+        Ok(()) => cause,
+        Err(cleanup) => MigError::LeftBehind {
+            gpu: gpu_uuid.to_owned(),
+            instance: what,
+            cause: Box::new(cause),
+            cleanup: Box::new(cleanup),
+        },
+    }
+}
+
+impl MigError {
+    /// Whether the failed call left the GPU as it was. Only a [`create`]
+    /// whose own cleanup failed leaves something.
+    pub fn made_nothing(&self) -> bool {
+        !matches!(self, MigError::LeftBehind { .. })
     }
 }
 
@@ -359,18 +402,13 @@ fn destroy_instance(
     }
 }
 
-/// Which GPU instance [`destroy`] may remove.
+/// The GPU instance [`destroy`] may remove: as recorded after [`create`]
+/// made it. Its GPU instance id and the MIG UUID of its compute instance
+/// must both match, which no instance made by someone else does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Recorded<'a> {
-    /// The instance as recorded after creation: GPU instance id and the MIG
-    /// UUID of its compute instance must both match.
-    Instance {
-        gpu_instance_id: u32,
-        mig_uuid: &'a str,
-    },
-    /// Only the intent was recorded: the GPU instance of the profile at
-    /// exactly the placement.
-    Intent,
+pub struct Recorded<'a> {
+    pub gpu_instance_id: u32,
+    pub mig_uuid: &'a str,
 }
 
 /// Destroy the GPU instance of `profile_id` at `placement` on `gpu_uuid`
@@ -401,22 +439,14 @@ pub fn destroy(
     let Some(g) = found else {
         return Ok(Destroyed::AlreadyGone);
     };
-    let ours = match recorded {
-        Recorded::Intent => true,
-        Recorded::Instance {
-            gpu_instance_id,
-            mig_uuid,
-        } => {
-            // Ours: the recorded GPU instance holding the recorded MIG
-            // device, or holding nothing any more (a destroy interrupted
-            // between the compute instance and the GPU instance).
-            g.id == gpu_instance_id
-                && (compute_instances(nvml, g.handle, gpu_uuid)?.is_empty()
-                    || mig_devices(nvml, &device, gpu_uuid)?
-                        .iter()
-                        .any(|d| d.gpu_instance_id == g.id && d.uuid == mig_uuid))
-        }
-    };
+    // Ours: the recorded GPU instance holding the recorded MIG device, or
+    // holding nothing any more (a destroy interrupted between the compute
+    // instance and the GPU instance).
+    let ours = g.id == recorded.gpu_instance_id
+        && (compute_instances(nvml, g.handle, gpu_uuid)?.is_empty()
+            || mig_devices(nvml, &device, gpu_uuid)?
+                .iter()
+                .any(|d| d.gpu_instance_id == g.id && d.uuid == recorded.mig_uuid));
     if !ours {
         return Ok(Destroyed::AlreadyGone);
     }

@@ -49,4 +49,12 @@ impl MpsControl for MpsSupervisor {
     fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
         MpsSupervisor::release(self, &key(claim, target)).map_err(|e| SharingError(e.to_string()))
     }
+
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError> {
+        let report = self.retain_claims(|c| c != claim);
+        match report.failed.into_iter().next() {
+            Some((daemon, e)) => Err(SharingError(format!("stopping {daemon}: {e}"))),
+            None => Ok(()),
+        }
+    }
 }

@@ -502,7 +502,9 @@ fn supervise_mps(
 ) {
     let prepared: std::collections::BTreeSet<_> =
         preparer.entries().into_iter().map(|(uid, _)| uid).collect();
-    log_supervision(&mps.retain_claims(|uid| prepared.contains(uid)));
+    // A claim whose record was lost keeps its daemons: its Pod may run.
+    let lost = preparer.lost_claims();
+    log_supervision(&mps.retain_claims(|uid| prepared.contains(uid) || lost.may_hold(uid)));
     log_supervision(&mps.supervise());
     let watchdog = mps.spawn_watchdog(MPS_WATCHDOG_PERIOD, move |report| {
         if let Some(metrics) = &metrics {

@@ -69,6 +69,10 @@ pub trait MpsControl: Send + Sync {
 
     /// Stop `claim`'s daemon of `target`; one that is not there is fine.
     fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError>;
+
+    /// Stop every daemon of `claim`, whatever it serves (a claim whose
+    /// record was lost); none is fine.
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError>;
 }
 
 /// The GPU's compute time slice.
@@ -107,30 +111,40 @@ pub trait MigManager: Send + Sync {
     /// Create a GPU instance of `profile_id` at `placement` with one compute
     /// instance spanning it, and return it as the inventory describes MIG
     /// devices (with its instance ids). Adopts nothing: anything at the
-    /// placement is an error; a failure leaves nothing this call made.
+    /// placement is an error; a failure says whether it left anything.
     fn create(
         &self,
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-    ) -> Result<MigInstance, SharingError>;
+    ) -> Result<MigInstance, CreateError>;
 
     /// Whether the MIG device `recorded` names still exists (matched by GPU
     /// instance id and MIG UUID).
     fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError>;
 
-    /// Destroy what a claim created: the GPU instance `recorded` names
-    /// (matched by id and MIG UUID), or with no record (a crash between
-    /// asking NVML and recording the answer) the GPU instance of
-    /// `profile_id` at exactly `placement`. Anything else there is left
-    /// alone; nothing there is success.
+    /// Destroy what a claim created: the GPU instance of `profile_id` at
+    /// `placement` that `recorded` names (matched by id and MIG UUID).
+    /// Anything else there is left alone; nothing there is success.
     fn destroy(
         &self,
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-        recorded: Option<&MigRecord>,
+        recorded: &MigRecord,
     ) -> Result<(), SharingError>;
+}
+
+/// Why [`MigManager::create`] failed, and whether the GPU is as it was.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CreateError {
+    /// Nothing was made (the placement was taken, NVML refused, or what
+    /// was made was destroyed again).
+    #[error("{0}")]
+    NothingMade(SharingError),
+    /// Part of an instance is still there: the error names it.
+    #[error("{0}")]
+    LeftBehind(SharingError),
 }
 
 /// No MPS supervision, time-slice control or MIG creation on this node.
@@ -158,6 +172,10 @@ impl MpsControl for Unsupported {
     }
 
     fn release(&self, _claim: &ClaimUid, _target: &MpsTarget) -> Result<(), SharingError> {
+        Ok(())
+    }
+
+    fn release_claim(&self, _claim: &ClaimUid) -> Result<(), SharingError> {
         Ok(())
     }
 }
@@ -201,10 +219,10 @@ impl MigManager for Unsupported {
         _gpu_uuid: &str,
         _profile_id: u32,
         _placement: MigPlacement,
-    ) -> Result<MigInstance, SharingError> {
-        Err(Self::refuse(
+    ) -> Result<MigInstance, CreateError> {
+        Err(CreateError::NothingMade(Self::refuse(
             "creating MIG devices at prepare (dynamic MIG)",
-        ))
+        )))
     }
 
     fn exists(&self, _gpu_uuid: &str, _recorded: &MigRecord) -> Result<bool, SharingError> {
@@ -216,7 +234,7 @@ impl MigManager for Unsupported {
         _gpu_uuid: &str,
         _profile_id: u32,
         _placement: MigPlacement,
-        _recorded: Option<&MigRecord>,
+        _recorded: &MigRecord,
     ) -> Result<(), SharingError> {
         Ok(())
     }

@@ -154,6 +154,8 @@ pub enum UndoError {
     Spec(#[source] std::io::Error),
     #[error("removing its checkpoint entry: {0}")]
     Record(#[source] CheckpointError),
+    #[error("stopping the MPS daemons of a claim whose record was lost: {0}")]
+    LostDaemons(#[source] host::SharingError),
 }
 
 /// The prepare/unprepare engine.
@@ -238,21 +240,31 @@ impl Preparer {
             .collect()
     }
 
-    /// MIG devices the driver created (recorded in the checkpoint).
-    pub fn created_mig(&self) -> std::collections::BTreeSet<String> {
-        self.checkpoint
-            .lock()
-            .values()
-            .flat_map(|e| e.created_mig().map(str::to_owned))
-            .collect()
+    /// Claims whose records were lost (moved aside as unreadable) and not
+    /// yet unprepared: what they may use is kept.
+    pub fn lost_claims(&self) -> crate::checkpoint::Lost<ClaimEntry> {
+        self.checkpoint.lost()
     }
 
-    /// Names of the devices of prepared claims.
+    /// MIG devices the driver created (recorded in the checkpoint, or
+    /// named by a lost record).
+    pub fn created_mig(&self) -> std::collections::BTreeSet<String> {
+        self.held(|e| e.created_mig().map(str::to_owned).collect())
+    }
+
+    /// Names of the devices of prepared claims (and of lost records).
     pub fn prepared_devices(&self) -> std::collections::BTreeSet<String> {
-        self.checkpoint
-            .lock()
-            .values()
-            .flat_map(|e| e.device_names().map(str::to_owned))
+        self.held(|e| e.device_names().map(str::to_owned).collect())
+    }
+
+    /// What `f` finds in the entries of prepared claims and in what was
+    /// salvaged of lost records (their Pods may still run).
+    fn held(&self, f: impl Fn(&ClaimEntry) -> Vec<String>) -> std::collections::BTreeSet<String> {
+        let lost = self.checkpoint.lost();
+        let records = self.checkpoint.lock();
+        (records.values())
+            .chain(lost.claims.values().flatten())
+            .flat_map(f)
             .collect()
     }
 
@@ -487,12 +499,13 @@ impl Preparer {
         let uid = validate(claim)?;
         let _guard = self.locks.lock(&uid).await;
         let Some(mut entry) = self.entry(&uid) else {
-            // Unknown: nothing of ours, except maybe a stray spec.
+            // Unknown: nothing of ours, except maybe a stray spec, or what
+            // a claim whose record was lost may still hold.
             let this = self.clone();
             let id = uid.clone();
-            return blocking(move || this.specs.remove(&id))
+            return blocking(move || this.release_lost(&id))
                 .await
-                .map_err(|e| ClaimError::new(claim, format!("cannot remove its CDI spec: {e}")));
+                .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED));
         };
         let written_status = !entry.status.is_empty();
         // Only side effects need the mark: without one, a crash between
@@ -509,12 +522,45 @@ impl Preparer {
                 })?;
         }
         let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
-        self.clone().undo(uid.clone(), entry).await.map_err(|e| {
-            ClaimError::new(claim, e.to_string()).fix("see the driver's log; the kubelet retries")
-        })?;
+        self.clone()
+            .undo(uid.clone(), entry)
+            .await
+            .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
         if written_status && let Some(writer) = &self.deps.status {
             writer.remove(&namespace, &name, uid.as_str());
         }
+        if self.checkpoint.is_lost(&uid) {
+            // Prepared again after its record was lost: the lost record
+            // may name more (a MIG device of the first prepare).
+            let this = self.clone();
+            let id = uid.clone();
+            blocking(move || this.release_lost(&id))
+                .await
+                .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
+        }
+        Ok(())
+    }
+
+    /// Unprepare of a claim the records do not know. If its record was
+    /// lost, what it may still hold goes now: every MPS daemon of the claim,
+    /// what the salvaged entry names (undone as a record would be: a MIG
+    /// device only where its GPU instance id and UUID both match), its CDI
+    /// spec and its status entries. Otherwise only a stray spec.
+    fn release_lost(&self, uid: &ClaimUid) -> Result<(), UndoError> {
+        let lost = self.checkpoint.lost();
+        if !lost.may_hold(uid) {
+            return self.specs.remove(uid).map_err(UndoError::Spec);
+        }
+        (self.deps.mps.release_claim(uid)).map_err(UndoError::LostDaemons)?;
+        match lost.claims.get(uid) {
+            Some(Some(salvaged)) => self.undo_now(uid, salvaged)?,
+            _ => self.specs.remove(uid).map_err(UndoError::Spec)?,
+        }
+        if let Some(writer) = &self.deps.status {
+            writer.remove_marked(uid.as_str());
+        }
+        self.checkpoint.release_lost(uid);
+        info!(claim = %uid, "released what a claim whose record was lost held");
         Ok(())
     }
 
@@ -544,7 +590,22 @@ impl Preparer {
             gpus_changed |= provider.released(&cx, entry);
         }
         self.changed(NodeChange::gpus_if(gpus_changed));
+        self.tell_operator(cx.into_reports());
         Ok(())
+    }
+
+    /// Logs each report and records it as a Node Event (in the background:
+    /// this runs on a blocking thread of the runtime).
+    fn tell_operator(&self, reports: Vec<(&'static str, String)>) {
+        for (reason, message) in reports {
+            warn!(reason, "{message}");
+            if let (Some(events), Ok(runtime)) = (
+                self.deps.events.clone(),
+                tokio::runtime::Handle::try_current(),
+            ) {
+                runtime.spawn(async move { events.warning(reason, &message).await });
+            }
+        }
     }
 }
 
@@ -555,6 +616,9 @@ pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
     let _ = crate::checkpoint::decode_legacy::<ClaimEntry>(bytes);
     let _ = crate::checkpoint::decode_record::<ClaimEntry>(bytes);
 }
+
+/// The fix of an unprepare that failed part way.
+const RETRIED: &str = "see the driver's log; the kubelet retries";
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     match tokio::task::spawn_blocking(f).await {

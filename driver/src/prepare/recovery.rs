@@ -9,7 +9,7 @@ use tracing::{error, info, warn};
 
 use super::state::{ClaimEntry, EntryState};
 use super::{Preparer, blocking};
-use crate::checkpoint::{CheckpointError, LoadOutcome};
+use crate::checkpoint::{CheckpointError, LoadOutcome, QUARANTINE_KEPT};
 use crate::claim_uid::ClaimUid;
 
 /// What start-up recovery found and did.
@@ -61,8 +61,10 @@ impl Preparer {
                 let moved: Vec<String> = moved_to.iter().map(|p| p.display().to_string()).collect();
                 let message = format!(
                     "{} prepared-claim record(s) were unreadable ({reason}) and were moved to {}; \
-                     {restored} other claim(s) restored. CDI specs of running Pods are kept; \
-                     the claims of the unreadable records will be prepared again when their Pods restart",
+                     {restored} other claim(s) restored. What the claims of the unreadable \
+                     records may still use (CDI specs, MPS daemons, MIG devices, status \
+                     entries) is kept until the kubelet unprepares them; the most recent \
+                     {QUARANTINE_KEPT} moved-aside records are kept for inspection",
                     moved.len(),
                     moved.join(", ")
                 );
@@ -144,17 +146,23 @@ impl Preparer {
                 }
             }
         }
+        // Claims whose records were lost (now or earlier in this boot) may
+        // still run: their specs, daemons and status entries stay.
+        let lost = self.checkpoint.lost();
         if let Some(writer) = &self.deps.status {
             // Markers of claims not in the records are removals still to
-            // make, unless records were lost (then they may be prepared).
-            writer.resume(prepared_status, outcome.knows_all_prepared_claims());
+            // make, unless their records were lost.
+            writer.resume(prepared_status, !lost.unnamed, |uid| {
+                ClaimUid::parse(uid).is_ok_and(|c| lost.may_hold(&c))
+            });
         }
 
-        if outcome.knows_all_prepared_claims() {
+        if !lost.unnamed {
             let this = self.clone();
             let removed = blocking(move || {
                 let known: BTreeSet<ClaimUid> = this.checkpoint.lock().keys().cloned().collect();
-                this.specs.remove_orphans(|c| known.contains(c))
+                this.specs
+                    .remove_orphans(|c| known.contains(c) || lost.claims.contains_key(c))
             })
             .await
             .map_err(|source| SetupError::CdiDir {
@@ -166,7 +174,7 @@ impl Preparer {
             }
             recovery.orphans_removed = removed;
         } else {
-            warn!("checkpoint was quarantined: orphaned CDI specs are left in place");
+            warn!("a moved-aside record names no claim: orphaned CDI specs are left in place");
         }
         for p in &recovery.problems {
             error!("start-up recovery: {p}");

@@ -187,14 +187,27 @@ impl StatusWriter {
         self.write(namespace, name, uid, Vec::new());
     }
 
+    /// Removes the entries of a claim known only by its marker (one whose
+    /// record was lost); nothing without a marker.
+    pub fn remove_marked(&self, uid: &str) {
+        let marked = std::fs::read(self.marker(uid))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Marker>(&b).ok());
+        if let Some(m) = marked {
+            self.remove(&m.namespace, &m.name, uid);
+        }
+    }
+
     /// At start: `prepared` (UID, namespace, name, entries) are the
     /// prepared claims; what the markers say is on the API server is
     /// brought in line with them (markers of other claims are removals
-    /// still to make, when `complete`: `prepared` is every prepared claim).
+    /// still to make, when `complete`: `prepared` is every prepared claim,
+    /// except those `kept`, which may be prepared without a record).
     pub fn resume(
         &self,
         prepared: Vec<(String, String, String, Vec<DeviceStatus>)>,
         complete: bool,
+        kept: impl Fn(&str) -> bool,
     ) {
         let mut with_entries = HashSet::new();
         for (uid, namespace, name, devices) in prepared {
@@ -214,7 +227,7 @@ impl StatusWriter {
         };
         for file in dir.filter_map(Result::ok) {
             let uid = file.file_name().to_string_lossy().into_owned();
-            if uid.starts_with('.') || with_entries.contains(&uid) {
+            if uid.starts_with('.') || with_entries.contains(&uid) || kept(&uid) {
                 continue;
             }
             match std::fs::read(file.path())
@@ -375,6 +388,7 @@ enum Applied {
 }
 
 /// Events on this node's Node object (things an operator must see).
+#[derive(Clone)]
 pub struct NodeEvents {
     client: Client,
     node: String,
@@ -560,7 +574,7 @@ mod tests {
         ];
 
         let writer = StatusWriter::unstarted(client.clone(), "d", dir.path(), None);
-        writer.resume(prepared.clone(), true);
+        writer.resume(prepared.clone(), true, |_| false);
         let q = writer.lock();
         let mut got: Vec<(&str, &str, usize)> = q
             .wants
@@ -573,7 +587,7 @@ mod tests {
         drop(q);
 
         let writer = StatusWriter::unstarted(client, "d", dir.path(), None);
-        writer.resume(prepared, false);
+        writer.resume(prepared, false, |_| false);
         let uids: Vec<String> = writer.lock().wants.keys().cloned().collect();
         assert_eq!(uids, ["new"], "records may be lost: no removal");
     }

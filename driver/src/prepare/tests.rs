@@ -15,7 +15,8 @@ use tessera_controller::model::{DeviceKind, DeviceRef};
 use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use super::host::{
-    MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl, Unsupported,
+    CreateError, MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl,
+    Unsupported,
 };
 use super::provider::time_slice::NvidiaSmiTimeSlice;
 use super::*;
@@ -72,6 +73,13 @@ impl MpsControl for Recorder {
             .lock()
             .unwrap()
             .push(format!("release {claim} {}", target.gpu_uuid));
+        Ok(())
+    }
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("release every daemon of {claim}"));
         Ok(())
     }
 }
@@ -380,19 +388,26 @@ impl MigManager for MigRecorder {
         _: &str,
         _: u32,
         _: MigPlacement,
-    ) -> Result<tessera_api::inventory::MigInstance, SharingError> {
-        Err(SharingError("no MIG devices in this test".into()))
+    ) -> Result<tessera_api::inventory::MigInstance, CreateError> {
+        Err(CreateError::NothingMade(SharingError(
+            "no MIG devices in this test".into(),
+        )))
     }
     fn exists(&self, _: &str, _: &state::MigRecord) -> Result<bool, SharingError> {
         Ok(false)
     }
     fn destroy(
         &self,
-        _: &str,
+        gpu: &str,
         _: u32,
-        _: MigPlacement,
-        _: Option<&state::MigRecord>,
+        placement: MigPlacement,
+        _: &state::MigRecord,
     ) -> Result<(), SharingError> {
+        self.0
+            .lock()
+            .unwrap()
+            .2
+            .push(format!("{gpu} destroy {placement:?}"));
         Ok(())
     }
 }
@@ -552,6 +567,105 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
         calls.contains(&format!("release {} {GPU}", uid(6))),
         "{calls:?}"
     );
+}
+
+/// A prepare interrupted between recording that it would create a MIG
+/// device and recording what NVML made: whatever sits at the placement now
+/// may be another actor's, so start-up destroys nothing there.
+#[tokio::test]
+async fn an_unproven_mig_device_is_left_alone_at_start_up() {
+    let f = Fixture::new(false);
+    let at = MigPlacement { start: 3, size: 1 };
+    {
+        let (cp, _) =
+            Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
+                .unwrap();
+        let entry = ClaimEntry {
+            namespace: "ns".into(),
+            name: "c5".into(),
+            state: EntryState::Started,
+            actions: vec![Action::MigCreate {
+                gpu_uuid: GPU.into(),
+                profile_id: 19,
+                placement: at,
+                instance: None,
+            }],
+            devices: Vec::new(),
+            spec: None,
+            status: Vec::new(),
+        };
+        cp.put(ClaimUid::parse(&uid(5)).unwrap(), entry).unwrap();
+    }
+    // MigRecorder's check_free always finds the placement taken.
+    let mig = MigRecorder::new(true, 1);
+    let (preparer, recovery) = f.open_with(Vec::new(), catalog(), mig.clone()).await;
+    assert_eq!(
+        recovery.rolled_back,
+        vec![ClaimUid::parse(&uid(5)).unwrap()]
+    );
+    assert!(preparer.entry(&ClaimUid::parse(&uid(5)).unwrap()).is_none());
+    let destroyed: Vec<_> = (mig.switches().into_iter())
+        .filter(|c| c.contains("destroy"))
+        .collect();
+    assert!(destroyed.is_empty(), "destroyed {destroyed:?}");
+}
+
+/// A claim whose record became unreadable is not forgotten: its unprepare
+/// stops every daemon of the claim and undoes what the salvaged entry
+/// names, then removes its spec.
+#[tokio::test]
+async fn unprepare_of_a_claim_whose_record_was_lost_releases_what_it_held() {
+    let f = Fixture::new(false);
+    let lost = ClaimUid::parse(&uid(5)).unwrap();
+    {
+        let (cp, _) =
+            Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
+                .unwrap();
+        let entry = ClaimEntry {
+            namespace: "ns".into(),
+            name: "c5".into(),
+            state: EntryState::Completed,
+            actions: vec![Action::Mps {
+                gpu_uuid: GPU.into(),
+                mig_uuid: None,
+                request: Some("gpu".into()),
+            }],
+            devices: Vec::new(),
+            spec: None,
+            status: Vec::new(),
+        };
+        cp.put(lost.clone(), entry).unwrap();
+        let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+        SpecDir::new(f.config().cdi_dir)
+            .write(&lost, &spec)
+            .unwrap();
+        // A flipped byte that leaves the entry decodable: its checksum
+        // fails, and what it names is still a hint of what to release.
+        let path = cp.dir().join(format!("{}.json", lost.as_str()));
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(&path, text.replacen("c5", "c6", 1)).unwrap();
+    }
+    let (preparer, recovery) = f.open(Vec::new()).await;
+    assert!(preparer.entry(&lost).is_none());
+    assert!(preparer.lost_claims().may_hold(&lost));
+    // Not an orphan: its Pod may run.
+    assert!(recovery.orphans_removed.is_empty());
+    assert_eq!(f.cdi_files(), 1);
+    assert!(f.sharing.calls().is_empty(), "{:?}", f.sharing.calls());
+
+    let results = preparer.unprepare(vec![claim_ref(5)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    let calls = f.sharing.calls();
+    assert!(
+        calls.contains(&format!("release every daemon of {lost}")),
+        "{calls:?}"
+    );
+    assert!(
+        calls.contains(&format!("release {lost} {GPU}")),
+        "{calls:?}"
+    );
+    assert_eq!(f.cdi_files(), 0);
+    assert!(!preparer.lost_claims().may_hold(&lost));
 }
 
 #[test]

@@ -11,6 +11,8 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 
+use tessera_api::inventory::MigPlacement;
+
 use tracing::{info, warn};
 
 use super::mig_caps;
@@ -19,7 +21,7 @@ use super::{Device, Effects, EnforceError, Provider, Request, Undo};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
-use crate::prepare::host::{MigManager, SharingError};
+use crate::prepare::host::{CreateError, MigManager, SharingError};
 use crate::prepare::resolve::Kind;
 use crate::prepare::state::{Action, ClaimEntry, MigRecord};
 
@@ -103,10 +105,20 @@ impl Mig {
                 instance: None,
             });
             cx.record()?;
-            let created = self
-                .host
-                .create(&gpu, *profile_id, *placement)
-                .map_err(cannot)?;
+            let created = match self.host.create(&gpu, *profile_id, *placement) {
+                Ok(created) => created,
+                Err(CreateError::NothingMade(e)) => {
+                    // Nothing of ours is there: the intent goes, so that no
+                    // rollback takes what another actor made at the
+                    // placement meanwhile (NVML refused ours) for ours.
+                    cx.entry.actions.retain(|a| !is_intent(a, &gpu, *placement));
+                    cx.record()?;
+                    return Err(cannot(e));
+                }
+                // The intent stays; its undo leaves the remains alone and
+                // the error names them.
+                Err(CreateError::LeftBehind(e)) => return Err(cannot(e)),
+            };
             for action in cx.entry.actions.iter_mut() {
                 if let Action::MigCreate {
                     gpu_uuid,
@@ -131,6 +143,27 @@ impl Mig {
         Ok(changed)
     }
 
+    /// Only the intent to create was recorded: the node process stopped
+    /// between asking NVML and recording its answer, or a failed create
+    /// could not remove what it made. NVML cannot say who made an instance,
+    /// and another actor may have made one at the placement since the free
+    /// check, so whatever is there is left alone and reported.
+    fn leave_unproven(&self, cx: &Undo<'_>, gpu: &str, profile_id: u32, placement: MigPlacement) {
+        let _hardware = cx.hardware();
+        if let Err(SharingError(there)) = self.host.check_free(gpu, profile_id, placement) {
+            cx.report(
+                "MigDeviceLeftAlone",
+                format!(
+                    "claim {}: it was creating a MIG device (profile {profile_id}) at {}:{} on GPU \
+                     {gpu} when it was interrupted, and cannot tell whether what is there now is \
+                     its own: {there}. Left alone. Fix: if no workload uses it, destroy it \
+                     (nvidia-smi mig -lgi lists it; nvidia-smi mig -dci then -dgi with its -gi id)",
+                    cx.uid, placement.start, placement.size
+                ),
+            );
+        }
+    }
+
     /// GPUs whose MIG mode the driver manages go back to MIG off once no
     /// claim holds them and no MIG device is on them. Returns the problems
     /// and whether a GPU was switched.
@@ -145,9 +178,10 @@ impl Mig {
             return (Vec::new(), false);
         }
         let _hardware = hardware.write().unwrap_or_else(|p| p.into_inner());
-        let held: BTreeSet<String> = records
-            .lock()
-            .values()
+        // Lost records' holds count too: their Pods may still run.
+        let lost = records.lost();
+        let held: BTreeSet<String> = (records.lock().values())
+            .chain(lost.claims.values().flatten())
             .flat_map(|e| e.mig_mode_holds().map(str::to_owned))
             .collect();
         let mut problems = Vec::new();
@@ -205,16 +239,25 @@ impl Provider for Mig {
                 gpu_uuid,
                 profile_id,
                 placement,
-                instance,
+                instance: Some(recorded),
             } => {
                 let _hardware = cx.hardware();
                 Some(
                     self.host
-                        .destroy(gpu_uuid, *profile_id, *placement, instance.as_ref())
+                        .destroy(gpu_uuid, *profile_id, *placement, recorded)
                         .map_err(EnforceError::host(format!(
                             "destroy the MIG device at {placement:?} on GPU {gpu_uuid}"
                         ))),
                 )
+            }
+            Action::MigCreate {
+                gpu_uuid,
+                profile_id,
+                placement,
+                instance: None,
+            } => {
+                self.leave_unproven(cx, gpu_uuid, *profile_id, *placement);
+                Some(Ok(()))
             }
             _ => None,
         }
@@ -287,4 +330,11 @@ impl Provider for Mig {
         }
         Ok(())
     }
+}
+
+/// The recorded intent to create a MIG device at `placement` on `gpu`, not
+/// yet followed by what NVML made.
+fn is_intent(action: &Action, gpu: &str, placement: MigPlacement) -> bool {
+    matches!(action, Action::MigCreate { gpu_uuid, placement: at, instance: None, .. }
+        if gpu_uuid == gpu && *at == placement)
 }

@@ -22,7 +22,7 @@ pub mod mps;
 pub mod time_slice;
 pub mod whole;
 
-use std::sync::{Arc, RwLock, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard};
 
 use tessera_api::config::EffectiveConfig;
 
@@ -209,6 +209,9 @@ pub struct Undo<'a> {
     pub uid: &'a ClaimUid,
     records: &'a Checkpoint<ClaimEntry>,
     hardware: &'a RwLock<()>,
+    /// What an operator must hear of (Event reason, message): things undo
+    /// deliberately left in place.
+    reports: Mutex<Vec<(&'static str, String)>>,
 }
 
 impl<'a> Undo<'a> {
@@ -221,7 +224,21 @@ impl<'a> Undo<'a> {
             uid,
             records,
             hardware,
+            reports: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Tells the operator (a Node Event) of something left in place.
+    pub fn report(&self, reason: &'static str, message: String) {
+        self.reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((reason, message));
+    }
+
+    /// What was reported, in order.
+    pub fn into_reports(self) -> Vec<(&'static str, String)> {
+        self.reports.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether a claim other than this one has an action matching `f`.
