@@ -738,8 +738,20 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
 /// restarts, until the kubelet unprepares the claim; then they go.
 #[tokio::test]
 async fn a_lost_record_keeps_what_its_claim_uses_until_unprepare() -> Result<()> {
-    use k8s_openapi::api::core::v1::Event;
     let w = World::new("plugin-lost").await?;
+    let outcome = lost_record_keeps(&w).await;
+    if outcome.is_err() {
+        eprintln!(
+            "plugin log:\n{}",
+            std::fs::read_to_string(w.dirs.path("plugin.log")).unwrap_or_default()
+        );
+    }
+    outcome?;
+    w.namespace.delete().await
+}
+
+async fn lost_record_keeps(w: &World) -> Result<()> {
+    use k8s_openapi::api::core::v1::Event;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
     let isolated = share(&w.node, &w.driver, false);
@@ -824,6 +836,5 @@ async fn a_lost_record_keeps_what_its_claim_uses_until_unprepare() -> Result<()>
     })
     .await?;
     ensure!(w.dirs.spec(&uid).is_none(), "its spec is left");
-    plugin.check_running()?;
-    w.namespace.delete().await
+    plugin.check_running()
 }
