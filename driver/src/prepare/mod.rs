@@ -55,13 +55,14 @@ use crate::cdi::SpecDir;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 
+use crate::node::events::NodeEvents;
 use catalog::DeviceCatalog;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use host::{MigManager, MpsControl, TimeSliceControl};
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
 use spec::Layout;
 use state::{Action, ClaimEntry, EntryState, PreparedDevice};
-use status::{NodeEvents, StatusWriter};
+use status::StatusWriter;
 use validate::validate;
 
 pub use recovery::{Recovery, SetupError};
