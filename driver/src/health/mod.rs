@@ -50,8 +50,8 @@ use tracing::{info, warn};
 
 use tessera_controller::model::Unhealthy;
 
+use crate::node::events::NodeEvents;
 use crate::prepare::catalog::{Catalog, DeviceCatalog};
-use crate::prepare::status::NodeEvents;
 
 mod kubelet;
 pub use kubelet::{HealthService, report};
@@ -352,17 +352,28 @@ fn gpu_label(catalog: Option<&Catalog>, uuid: &str) -> String {
         )
 }
 
-/// The Node event (`type`, reason, message) of a transition.
+/// The Node event of a transition.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HealthEvent {
+    pub warning: bool,
+    pub reason: &'static str,
+    /// What was done to which GPU: repeats of it count as one Event.
+    pub action: String,
+    pub note: String,
+}
+
+/// The Node event of a transition.
 pub fn event(
     transition: &Transition,
     catalog: Option<&Catalog>,
     taint_key: &str,
     recovery: Option<Duration>,
-) -> (bool, &'static str, String) {
-    match transition {
+) -> HealthEvent {
+    let (warning, reason, action, note) = match transition {
         Transition::Unhealthy { gpu, xid } => (
             true,
             "GpuUnhealthy",
+            format!("Taint {gpu} XID {xid}"),
             format!(
                 "GPU {}: XID {xid} ({}): its devices are reported Unhealthy to the kubelet and \
                  tainted {taint_key}=xid-{xid}:NoSchedule where the API server serves device \
@@ -383,6 +394,7 @@ pub fn event(
         Transition::Recovered { gpu } => (
             false,
             "GpuHealthy",
+            format!("Untaint {gpu}"),
             format!(
                 "GPU {} is Healthy again: no fatal XID for {}s; its taint {taint_key} is removed",
                 gpu_label(catalog, gpu),
@@ -392,12 +404,19 @@ pub fn event(
         Transition::NotWatched { gpu, reason } => (
             true,
             "GpuHealthUnknown",
+            format!("WatchHealth {gpu}"),
             format!(
                 "GPU {}: health not watched ({reason}); its devices are reported Unknown and \
                  never tainted",
                 gpu_label(catalog, gpu)
             ),
         ),
+    };
+    HealthEvent {
+        warning,
+        reason,
+        action,
+        note,
     }
 }
 
@@ -432,11 +451,11 @@ pub fn spawn_follower(
             if let Some(events) = &events {
                 let cat = catalog.subscribe().borrow().clone();
                 for t in &transitions {
-                    let (warning, reason, message) = event(t, cat.as_deref(), &taint_key, recovery);
-                    if warning {
-                        events.warning(reason, &message).await;
+                    let e = event(t, cat.as_deref(), &taint_key, recovery);
+                    if e.warning {
+                        events.warning(e.reason, &e.action, &e.note).await;
                     } else {
-                        events.normal(reason, &message).await;
+                        events.normal(e.reason, &e.action, &e.note).await;
                     }
                 }
             }

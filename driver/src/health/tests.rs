@@ -71,7 +71,12 @@ fn transitions_and_taints_follow_the_health() {
         [Transition::Recovered { gpu: GPU0.into() }]
     );
     assert!(unhealthy_gpus(&healthy).is_empty());
-    let (warning, reason, message) = event(
+    let HealthEvent {
+        warning,
+        reason,
+        action,
+        note: message,
+    } = event(
         &Transition::Unhealthy {
             gpu: GPU0.into(),
             xid: 79,
@@ -82,6 +87,7 @@ fn transitions_and_taints_follow_the_health() {
     );
     assert!(warning);
     assert_eq!(reason, "GpuUnhealthy");
+    assert_eq!(action, "Taint GPU-0 XID 79");
     assert!(
         message.starts_with("GPU gpu-0 (GPU-0): XID 79 (GPU has fallen off the bus)")
             && message.contains("gpu.tessera.dev/unhealthy=xid-79:NoSchedule"),

@@ -19,6 +19,7 @@
 //! * [`state_lock::StateLock`] keeps a second process (a rolling update)
 //!   from touching the node's state until the first is gone.
 
+pub mod events;
 pub mod state_lock;
 
 use std::collections::BTreeSet;

@@ -3,14 +3,14 @@
 //! The checkpoint, the CDI specs, the MPS records and the MIG layout are
 //! changed by one process only. During a rolling update the new DaemonSet
 //! pod starts while the old one still serves; the new one waits here, on an
-//! exclusive `flock` of `<state dir>/lock`, before it reads the checkpoint,
+//! exclusive lock of `<state dir>/lock` ([`File::try_lock`], `flock` on
+//! Linux), before it reads the checkpoint,
 //! sweeps orphaned specs or touches a GPU. The kernel drops the lock when
 //! the holder exits, however it exits, so a killed process never leaves the
 //! node locked.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -37,16 +37,10 @@ impl StateLock {
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)?;
-        // SAFETY: flock on a file descriptor this function owns.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc == 0 {
-            return Ok(Some(StateLock { _file: file, path }));
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            Ok(None)
-        } else {
-            Err(e)
+        match file.try_lock() {
+            Ok(()) => Ok(Some(StateLock { _file: file, path })),
+            Err(TryLockError::WouldBlock) => Ok(None),
+            Err(TryLockError::Error(e)) => Err(e),
         }
     }
 
@@ -62,8 +56,8 @@ impl StateLock {
                 waiting(&state_dir.join(LOCK_FILE));
                 told = true;
             }
-            // flock has no timeout and a blocking flock cannot be
-            // interrupted by the runtime's shutdown; poll instead.
+            // A blocking lock has no timeout and cannot be interrupted by
+            // the runtime's shutdown; poll instead.
             std::thread::sleep(Duration::from_millis(200));
         }
     }
@@ -81,8 +75,8 @@ mod tests {
     fn a_second_holder_is_refused_until_the_first_lets_go() {
         let dir = tempfile::tempdir().unwrap();
         let first = StateLock::try_acquire(dir.path()).unwrap().expect("free");
-        // flock locks belong to the open file description: a second open in
-        // the same process conflicts like another process would.
+        // The lock belongs to the open file description (flock): a second
+        // open in the same process conflicts like another process would.
         assert!(StateLock::try_acquire(dir.path()).unwrap().is_none());
         drop(first);
         assert!(StateLock::try_acquire(dir.path()).unwrap().is_some());

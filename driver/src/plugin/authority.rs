@@ -15,6 +15,13 @@
 //! bytes pass through untouched. Anything that does not parse as HTTP/2 is
 //! passed through unchanged, so the server reports the real error.
 //!
+//! Nothing is buffered beyond what the server itself would accept: a frame
+//! longer than the server's SETTINGS_MAX_FRAME_SIZE, or a header block
+//! (HEADERS and its CONTINUATION frames) longer than [`MAX_HEADER_BLOCK`],
+//! fails the connection before its bytes are collected, so a peer cannot make
+//! us hold 16 MiB frames or an endless CONTINUATION sequence in memory ahead
+//! of the HTTP/2 server's own limits.
+//!
 //! HPACK dynamic-table consistency: a rewritten field keeps its representation
 //! (incremental indexing stays incremental indexing), so client and server
 //! add an entry at the same position; later indexed references resolve to
@@ -31,6 +38,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_stream::{Stream, StreamExt as _};
 use tonic::transport::server::Connected;
+use tracing::warn;
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const FRAME_HEADER_LEN: usize = 9;
@@ -39,9 +47,14 @@ const TYPE_CONTINUATION: u8 = 0x9;
 const FLAG_END_HEADERS: u8 = 0x4;
 const FLAG_PADDED: u8 = 0x8;
 const FLAG_PRIORITY: u8 = 0x20;
-/// The smallest SETTINGS_MAX_FRAME_SIZE a peer may use; re-emitted header
-/// blocks are split to fit it whatever the server advertised.
+/// The smallest SETTINGS_MAX_FRAME_SIZE a peer may use, and the one our
+/// server advertises (hyper's default, which tonic keeps): a longer frame is
+/// refused. Re-emitted header blocks are split to fit it.
 const MAX_FRAME: usize = 16_384;
+/// The longest header block (HPACK-coded, across CONTINUATION frames) let
+/// through. The server decodes at most 16 KiB of header list; a kubelet's
+/// blocks are a few hundred bytes.
+const MAX_HEADER_BLOCK: usize = 64 * 1024;
 /// Static-table index of `:authority` (RFC 7541, appendix A).
 const AUTHORITY_INDEX: u64 = 1;
 const REPLACEMENT: &[u8] = b"localhost";
@@ -61,6 +74,8 @@ pub struct AuthorityRewrite<S> {
     ready: Vec<u8>,
     ready_pos: usize,
     eof: bool,
+    /// Why the connection was failed; every later read fails with it.
+    refused: Option<Refused>,
 }
 
 impl<S> AuthorityRewrite<S> {
@@ -71,6 +86,7 @@ impl<S> AuthorityRewrite<S> {
             ready: Vec::new(),
             ready_pos: 0,
             eof: false,
+            refused: None,
         }
     }
 }
@@ -101,6 +117,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityRewrite<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            if let Some(refused) = &this.refused {
+                return Poll::Ready(Err(refused.to_io()));
+            }
             if this.eof {
                 return Poll::Ready(Ok(()));
             }
@@ -116,7 +135,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityRewrite<S> {
                     this.eof = true;
                 }
                 Poll::Ready(Ok(())) => {
-                    this.rewriter.push(read.filled(), &mut this.ready);
+                    if let Err(refused) = this.rewriter.push(read.filled(), &mut this.ready) {
+                        warn!("closing a plugin socket connection: {refused}");
+                        // What was rewritten before stays unread: the
+                        // connection is over.
+                        this.ready.clear();
+                        this.ready_pos = 0;
+                        this.refused = Some(refused);
+                    }
                 }
             }
         }
@@ -153,6 +179,37 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityRewrite<S> {
     }
 }
 
+/// Why a connection's input was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Refused {
+    /// A frame announced longer than [`MAX_FRAME`].
+    FrameTooLong(usize),
+    /// A header block growing past [`MAX_HEADER_BLOCK`].
+    HeaderBlockTooLong(usize),
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::FrameTooLong(len) => write!(
+                f,
+                "HTTP/2 frame of {len} bytes, longer than the {MAX_FRAME} bytes the server accepts"
+            ),
+            Refused::HeaderBlockTooLong(len) => write!(
+                f,
+                "HTTP/2 header block of {len} bytes or more (HEADERS and CONTINUATION frames), \
+                 longer than the {MAX_HEADER_BLOCK} bytes let through"
+            ),
+        }
+    }
+}
+
+impl Refused {
+    fn to_io(&self) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, self.to_string())
+    }
+}
+
 /// The byte-stream transformer, independent of any I/O.
 #[derive(Default)]
 struct Rewriter {
@@ -182,10 +239,12 @@ struct PendingBlock {
 }
 
 impl Rewriter {
-    fn push(&mut self, input: &[u8], out: &mut Vec<u8>) {
+    /// Transforms `input` into `out`; refuses a frame or header block too
+    /// long to hold (the connection must then end).
+    fn push(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(), Refused> {
         if self.state == State::Passthrough {
             out.extend_from_slice(input);
-            return;
+            return Ok(());
         }
         self.pending.extend_from_slice(input);
         let mut pos = 0;
@@ -218,17 +277,21 @@ impl Rewriter {
                     let len = (usize::from(have[0]) << 16)
                         | (usize::from(have[1]) << 8)
                         | usize::from(have[2]);
+                    if len > MAX_FRAME {
+                        return Err(Refused::FrameTooLong(len));
+                    }
                     let total = FRAME_HEADER_LEN + len;
                     if have.len() < total {
                         break;
                     }
                     let frame = have[..total].to_vec();
                     pos += total;
-                    self.frame(&frame, out);
+                    self.frame(&frame, out)?;
                 }
             }
         }
         self.pending.drain(..pos);
+        Ok(())
     }
 
     /// Bytes held back at end of stream, unchanged.
@@ -238,12 +301,16 @@ impl Rewriter {
         rest
     }
 
-    fn frame(&mut self, frame: &[u8], out: &mut Vec<u8>) {
+    fn frame(&mut self, frame: &[u8], out: &mut Vec<u8>) -> Result<(), Refused> {
         let kind = frame[3];
         let flags = frame[4];
         let payload = &frame[FRAME_HEADER_LEN..];
         match (kind, self.block.as_mut()) {
             (TYPE_CONTINUATION, Some(block)) => {
+                let collected = block.original.len() + frame.len();
+                if collected > MAX_HEADER_BLOCK {
+                    return Err(Refused::HeaderBlockTooLong(collected));
+                }
                 block.fragment.extend_from_slice(payload);
                 block.original.extend_from_slice(frame);
                 if flags & FLAG_END_HEADERS != 0 {
@@ -273,6 +340,7 @@ impl Rewriter {
             (_, Some(_)) => self.give_up(frame, out),
             (_, None) => out.extend_from_slice(frame),
         }
+        Ok(())
     }
 
     fn give_up(&mut self, frame: &[u8], out: &mut Vec<u8>) {
@@ -520,7 +588,7 @@ mod tests {
         let mut rewriter = Rewriter::default();
         let mut out = Vec::new();
         for chunk in input.chunks(5) {
-            rewriter.push(chunk, &mut out);
+            rewriter.push(chunk, &mut out).unwrap();
         }
         assert!(rewriter.finish().is_empty());
 
@@ -537,7 +605,7 @@ mod tests {
     fn non_http2_input_passes_through() {
         let mut rewriter = Rewriter::default();
         let mut out = Vec::new();
-        rewriter.push(b"GET / HTTP/1.1\r\n\r\n", &mut out);
+        rewriter.push(b"GET / HTTP/1.1\r\n\r\n", &mut out).unwrap();
         assert_eq!(out, b"GET / HTTP/1.1\r\n\r\n");
     }
 
@@ -573,5 +641,107 @@ mod tests {
             &grpc_go_block(b"localhost"),
         ));
         assert_eq!(out, expected);
+    }
+    /// The bytes of a frame header announcing `len` bytes of payload.
+    fn frame_header(len: usize, kind: u8, flags: u8, stream: u32) -> Vec<u8> {
+        let mut h = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+        h.extend_from_slice(&stream.to_be_bytes());
+        h
+    }
+
+    /// Reads `wrapped` to its end or first error; a stalled read (input
+    /// held back waiting for more) fails the test.
+    async fn read_until_failure(
+        wrapped: &mut AuthorityRewrite<tokio::io::DuplexStream>,
+    ) -> io::Error {
+        use tokio::io::AsyncReadExt;
+        let mut sink = vec![0u8; 4096];
+        let reading = async {
+            loop {
+                match wrapped.read(&mut sink).await {
+                    Ok(0) => panic!("the connection ended without being refused"),
+                    Ok(_) => {}
+                    Err(e) => return e,
+                }
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), reading)
+            .await
+            .expect("the input was held back instead of refused")
+    }
+
+    #[tokio::test]
+    async fn a_frame_longer_than_the_server_accepts_fails_the_connection_unread() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let mut input = PREFACE.to_vec();
+        // A DATA frame announcing 16 MiB - 1, of which a few bytes come.
+        input.extend(frame_header((1 << 24) - 1, 0x0, 0, 1));
+        input.extend_from_slice(&[0; 100]);
+        client.write_all(&input).await.unwrap();
+        let mut wrapped = AuthorityRewrite::new(server);
+        let e = read_until_failure(&mut wrapped).await;
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("frame of 16777215 bytes"), "{e}");
+        // The client is still connected: the refusal did not wait for it.
+        drop(client);
+    }
+
+    #[tokio::test]
+    async fn an_endless_continuation_sequence_fails_the_connection() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let writer = tokio::spawn(async move {
+            let mut start = PREFACE.to_vec();
+            start.extend(headers_frame(0, 1, &grpc_go_block(b"x%2Fy")));
+            client.write_all(&start).await?;
+            // 64 MiB of CONTINUATION frames, none ending the block; the
+            // write fails once the reader is gone.
+            let mut continuation = frame_header(MAX_FRAME, TYPE_CONTINUATION, 0, 1);
+            continuation.resize(FRAME_HEADER_LEN + MAX_FRAME, 0x82);
+            for _ in 0..(1 << 12) {
+                client.write_all(&continuation).await?;
+            }
+            io::Result::Ok(client)
+        });
+        let mut wrapped = AuthorityRewrite::new(server);
+        let e = read_until_failure(&mut wrapped).await;
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("header block of"), "{e}");
+        // Read again: still refused, nothing more is taken in.
+        assert_eq!(
+            read_until_failure(&mut wrapped).await.kind(),
+            io::ErrorKind::InvalidData
+        );
+        drop(wrapped);
+        assert!(writer.await.unwrap().is_err(), "the writer was cut off");
+    }
+
+    #[test]
+    fn a_header_block_is_refused_as_it_passes_the_limit() {
+        let mut rewriter = Rewriter::default();
+        let mut out = Vec::new();
+        let mut input = PREFACE.to_vec();
+        input.extend(headers_frame(0, 1, &grpc_go_block(b"x%2Fy")));
+        rewriter.push(&input, &mut out).unwrap();
+        let mut continuation = frame_header(MAX_FRAME, TYPE_CONTINUATION, 0, 1);
+        continuation.resize(FRAME_HEADER_LEN + MAX_FRAME, 0x82);
+        let mut refused = None;
+        for sent in 1..100 {
+            if let Err(e) = rewriter.push(&continuation, &mut out) {
+                refused = Some((sent, e));
+                break;
+            }
+            let held = rewriter.block.as_ref().map_or(0, |b| b.original.len());
+            assert!(held <= MAX_HEADER_BLOCK, "{held} bytes held");
+        }
+        let (sent, e) = refused.expect("refused");
+        assert_eq!(
+            sent,
+            MAX_HEADER_BLOCK / MAX_FRAME,
+            "refused at the frame passing the limit"
+        );
+        assert!(matches!(e, Refused::HeaderBlockTooLong(n) if n > MAX_HEADER_BLOCK));
+        assert_eq!(out, PREFACE, "nothing of the block was passed on");
     }
 }

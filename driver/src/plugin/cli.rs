@@ -22,13 +22,14 @@ use crate::flags::CapabilityChoice;
 use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
 use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, SupervisionReport};
+use crate::node::events::NodeEvents;
 use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::provider::time_slice::NvidiaSmiTimeSlice;
 use crate::prepare::spec::{Layout, discover_driver_files};
-use crate::prepare::status::{NodeEvents, StatusWriter};
+use crate::prepare::status::StatusWriter;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -365,14 +366,16 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     let (poke, pokes) = std::sync::mpsc::channel::<NodeChange>();
     // Health changes reach the slices (taints) through the observer, and
     // the Node's events.
+    // One recorder: repeats count together whoever reports them.
+    let node_events = NodeEvents::new(
+        client.clone(),
+        args.node_name.clone(),
+        format!("{}-plugin", args.driver_name),
+    );
     let health_poke = poke.clone();
     health::spawn_follower(
         health.clone(),
-        Some(NodeEvents::new(
-            client.clone(),
-            args.node_name.clone(),
-            format!("{}-plugin", args.driver_name),
-        )),
+        Some(node_events.clone()),
         catalog.clone(),
         tessera_controller::model::taints::unhealthy_key(&driver),
         move || {
@@ -393,18 +396,10 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
                 client.clone(),
                 args.driver_name.clone(),
                 &args.state_dir,
-                Some(NodeEvents::new(
-                    client.clone(),
-                    args.node_name.clone(),
-                    format!("{}-plugin", args.driver_name),
-                )),
+                Some(node_events.clone()),
             )
         }),
-        events: Some(NodeEvents::new(
-            client.clone(),
-            args.node_name.clone(),
-            format!("{}-plugin", args.driver_name),
-        )),
+        events: Some(node_events),
         on_change: Some(Arc::new(move |change| {
             let _ = poke.send(change);
         })),

@@ -55,13 +55,14 @@ use crate::cdi::SpecDir;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 
+use crate::node::events::NodeEvents;
 use catalog::DeviceCatalog;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use host::{MigManager, MpsControl, TimeSliceControl};
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
 use spec::Layout;
 use state::{Action, ClaimEntry, EntryState, PreparedDevice};
-use status::{NodeEvents, StatusWriter};
+use status::StatusWriter;
 use validate::validate;
 
 pub use recovery::{Recovery, SetupError};
@@ -596,14 +597,16 @@ impl Preparer {
 
     /// Logs each report and records it as a Node Event (in the background:
     /// this runs on a blocking thread of the runtime).
-    fn tell_operator(&self, reports: Vec<(&'static str, String)>) {
-        for (reason, message) in reports {
-            warn!(reason, "{message}");
+    fn tell_operator(&self, reports: Vec<provider::Report>) {
+        for report in reports {
+            warn!(reason = report.reason, "{}", report.message);
             if let (Some(events), Ok(runtime)) = (
                 self.deps.events.clone(),
                 tokio::runtime::Handle::try_current(),
             ) {
-                runtime.spawn(async move { events.warning(reason, &message).await });
+                runtime.spawn(async move {
+                    (events.warning(report.reason, &report.action, &report.message)).await
+                });
             }
         }
     }

@@ -70,7 +70,9 @@ impl Preparer {
                 );
                 error!("{message}");
                 if let Some(events) = &self.deps.events {
-                    events.warning("CheckpointQuarantined", &message).await;
+                    events
+                        .warning("CheckpointQuarantined", "LoadCheckpoint", &message)
+                        .await;
                 }
             }
             LoadOutcome::PreviousBoot { claims } => {

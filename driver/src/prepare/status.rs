@@ -1,4 +1,4 @@
-//! Writing `status.devices[]` of prepared claims, and Node Events.
+//! Writing `status.devices[]` of prepared claims.
 //!
 //! After a successful prepare the claim's status gets one entry per device
 //! of ours (driver, pool, device, shareID, `data` = [`DeviceData`]) by
@@ -28,9 +28,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Event;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
+use kube::runtime::events::EventType;
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -39,6 +40,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::state::DeviceStatus;
+use crate::node::events::NodeEvents;
 
 /// Applies in flight at once: enough to keep up with prepares, few enough
 /// that they do not compete with the claim reads prepares wait on.
@@ -319,14 +321,26 @@ impl StatusWriter {
                 if want.attempts >= ATTEMPTS_BEFORE_EVENT && !want.reported {
                     want.reported = true;
                     if let Some(events) = &self.events {
+                        let note = format!(
+                            "status.devices of claim {claim} not written after {} attempts \
+                             (still retrying): {e}",
+                            want.attempts
+                        );
+                        let related = ObjectReference {
+                            api_version: Some("resource.k8s.io/v1".into()),
+                            kind: Some("ResourceClaim".into()),
+                            namespace: Some(want.namespace.clone()),
+                            name: Some(want.name.clone()),
+                            uid: Some(uid.into()),
+                            ..Default::default()
+                        };
                         events
-                            .warning(
+                            .publish(
+                                EventType::Warning,
                                 "ClaimStatusLagging",
-                                &format!(
-                                    "status.devices of claim {claim} not written after {} attempts \
-                                     (still retrying): {e}",
-                                    want.attempts
-                                ),
+                                "WriteClaimStatus",
+                                &note,
+                                Some(related),
                             )
                             .await;
                     }
@@ -385,61 +399,6 @@ enum Applied {
     Written,
     /// The claim is gone (or another of that name): nothing of ours there.
     Gone,
-}
-
-/// Events on this node's Node object (things an operator must see).
-#[derive(Clone)]
-pub struct NodeEvents {
-    client: Client,
-    node: String,
-    component: String,
-}
-
-impl NodeEvents {
-    pub fn new(client: Client, node: impl Into<String>, component: impl Into<String>) -> Self {
-        NodeEvents {
-            client,
-            node: node.into(),
-            component: component.into(),
-        }
-    }
-
-    /// Records a Warning event; failures are logged, never fatal.
-    pub async fn warning(&self, reason: &str, message: &str) {
-        self.record("Warning", reason, message).await
-    }
-
-    /// Records a Normal event; failures are logged, never fatal.
-    pub async fn normal(&self, reason: &str, message: &str) {
-        self.record("Normal", reason, message).await
-    }
-
-    async fn record(&self, kind: &str, reason: &str, message: &str) {
-        let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            k8s_openapi::jiff::Timestamp::now(),
-        );
-        let event: Result<Event, _> = serde_json::from_value(json!({
-            "metadata": { "generateName": format!("{}.", self.node), "namespace": "default" },
-            "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": self.node, "uid": self.node },
-            "reason": reason,
-            "message": message,
-            "type": kind,
-            "source": { "component": self.component, "host": self.node },
-            "reportingComponent": self.component,
-            "reportingInstance": self.node,
-            "count": 1,
-        }));
-        let Ok(mut event) = event else {
-            warn!("cannot build the Node event {reason}");
-            return;
-        };
-        event.first_timestamp = Some(now.clone());
-        event.last_timestamp = Some(now);
-        let api: Api<Event> = Api::namespaced(self.client.clone(), "default");
-        if let Err(e) = api.create(&PostParams::default(), &event).await {
-            warn!("cannot record Node event {reason} ({message}): {e}");
-        }
-    }
 }
 
 #[cfg(test)]

@@ -49,14 +49,20 @@ pub struct WebhookArgs {
     pub listen: SocketAddr,
 
     /// PEM file with the serving certificate (and any intermediates). Read
-    /// once at start: restart the webhook to serve a renewed certificate.
+    /// at start and again when it (or the key) changes: a renewed
+    /// certificate is served from the next connection on.
     #[arg(long, env = "TESSERA_WEBHOOK_TLS_CERT_FILE")]
     pub tls_cert_file: PathBuf,
 
     /// PEM file with the serving certificate's private key (PKCS#8, PKCS#1
-    /// or SEC1). Read once at start.
+    /// or SEC1). Re-read with the certificate.
     #[arg(long, env = "TESSERA_WEBHOOK_TLS_PRIVATE_KEY_FILE")]
     pub tls_private_key_file: PathBuf,
+
+    /// Connections served at once; more wait until one ends.
+    #[arg(long, env = "TESSERA_WEBHOOK_MAX_CONNECTIONS", default_value_t = 64,
+          value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_connections: u16,
 }
 
 /// `tessera webhook`.
@@ -83,6 +89,7 @@ pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
             listener,
             tls,
             args.driver_name.clone(),
+            usize::from(args.max_connections),
             crate::plugin::cli::termination(),
         )
         .await

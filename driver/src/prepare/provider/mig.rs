@@ -17,7 +17,7 @@ use tracing::{info, warn};
 
 use super::mig_caps;
 use super::whole::push_node;
-use super::{Device, Effects, EnforceError, Provider, Request, Undo};
+use super::{Device, Effects, EnforceError, Provider, Report, Request, Undo};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
@@ -151,16 +151,20 @@ impl Mig {
     fn leave_unproven(&self, cx: &Undo<'_>, gpu: &str, profile_id: u32, placement: MigPlacement) {
         let _hardware = cx.hardware();
         if let Err(SharingError(there)) = self.host.check_free(gpu, profile_id, placement) {
-            cx.report(
-                "MigDeviceLeftAlone",
-                format!(
+            cx.report(Report {
+                reason: "MigDeviceLeftAlone",
+                action: format!(
+                    "LeaveMigDevice {gpu} {}:{}",
+                    placement.start, placement.size
+                ),
+                message: format!(
                     "claim {}: it was creating a MIG device (profile {profile_id}) at {}:{} on GPU \
                      {gpu} when it was interrupted, and cannot tell whether what is there now is \
                      its own: {there}. Left alone. Fix: if no workload uses it, destroy it \
                      (nvidia-smi mig -lgi lists it; nvidia-smi mig -dci then -dgi with its -gi id)",
                     cx.uid, placement.start, placement.size
                 ),
-            );
+            });
         }
     }
 

@@ -204,14 +204,24 @@ impl<'a> Effects<'a> {
     }
 }
 
+/// Something an operator must hear of, as a Node Event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub reason: &'static str,
+    /// What was done, naming its subject (Events repeat per reason and
+    /// action).
+    pub action: String,
+    pub message: String,
+}
+
 /// What [`Provider::undo`] and [`Provider::released`] work with.
 pub struct Undo<'a> {
     pub uid: &'a ClaimUid,
     records: &'a Checkpoint<ClaimEntry>,
     hardware: &'a RwLock<()>,
-    /// What an operator must hear of (Event reason, message): things undo
-    /// deliberately left in place.
-    reports: Mutex<Vec<(&'static str, String)>>,
+    /// What an operator must hear of: things undo deliberately left in
+    /// place.
+    reports: Mutex<Vec<Report>>,
 }
 
 impl<'a> Undo<'a> {
@@ -229,15 +239,15 @@ impl<'a> Undo<'a> {
     }
 
     /// Tells the operator (a Node Event) of something left in place.
-    pub fn report(&self, reason: &'static str, message: String) {
+    pub fn report(&self, report: Report) {
         self.reports
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((reason, message));
+            .push(report);
     }
 
     /// What was reported, in order.
-    pub fn into_reports(self) -> Vec<(&'static str, String)> {
+    pub fn into_reports(self) -> Vec<Report> {
         self.reports.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
