@@ -107,7 +107,7 @@ async fn answer(request: Request<Incoming>, metrics: Arc<Metrics>) -> Response<F
     }
 }
 
-fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
+pub(crate) fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(text.to_owned())));
     *response.status_mut() = status;
     response.headers_mut().insert(
