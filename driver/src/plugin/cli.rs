@@ -162,10 +162,10 @@ pub struct PluginArgs {
     #[arg(long, env = "TESSERA_XID_RECOVERY_SECONDS", default_value_t = 0)]
     pub xid_recovery_seconds: u64,
 
-    /// Where to serve Prometheus metrics (`/metrics`) and readiness
-    /// (`/healthz`): host:port (port 0 picks a free one, logged), or `off`.
-    /// Unauthenticated: keep it on loopback unless a firewall or
-    /// NetworkPolicy guards the address.
+    /// Where to serve Prometheus metrics (`/metrics`, and `/healthz`:
+    /// probes use --health-socket): host:port (port 0 picks a free one,
+    /// logged), or `off`. Unauthenticated: keep it on loopback unless a
+    /// firewall or NetworkPolicy guards the address.
     #[arg(
         long,
         env = "TESSERA_METRICS_ADDRESS",
