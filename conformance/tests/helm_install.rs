@@ -85,6 +85,34 @@ fn chart() -> PathBuf {
     repo_root().join("deploy/helm/tessera")
 }
 
+/// The default chart serves metrics on the node's loopback only, and its
+/// probes ask the pod's own process over a socket in an emptyDir (never the
+/// node's port, which the old pod of a rolling update holds).
+fn check_endpoints(rendered: &str) -> Result<()> {
+    ensure!(
+        rendered.contains("--metrics-address=127.0.0.1:9400"),
+        "metrics must default to loopback:\n{rendered}"
+    );
+    let socket = "--socket=/run/tessera-health/health.sock";
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        let (_, after) = rendered
+            .split_once(&format!("{probe}:"))
+            .with_context(|| format!("no {probe}"))?;
+        let command = after.lines().take(3).collect::<Vec<_>>().join("\n");
+        ensure!(
+            command.contains("exec:") && command.contains("health") && command.contains(socket),
+            "{probe} must be an exec probe on the pod's socket:\n{command}"
+        );
+    }
+    ensure!(
+        rendered.contains("--health-socket=/run/tessera-health/health.sock")
+            && rendered.contains("mountPath: /run/tessera-health")
+            && rendered.contains("emptyDir:"),
+        "the probe socket must be in an emptyDir:\n{rendered}"
+    );
+    Ok(())
+}
+
 /// Runs a command, returning stdout; the error carries stderr.
 fn run(command: &mut Command) -> Result<String> {
     let shown = format!("{command:?}");
@@ -1068,11 +1096,30 @@ async fn install_and_roll(
     helm.run(&["lint", "--strict", chart, "-f", values]).await?;
     let plain = helm.run(&["template", "t", chart]).await?;
     let monitored = helm
-        .run(&["template", "t", chart, "--set", "podMonitor.enabled=true"])
+        .run(&[
+            "template",
+            "t",
+            chart,
+            "--set",
+            "podMonitor.enabled=true",
+            "--set",
+            "metrics.bindAddress=0.0.0.0",
+        ])
         .await?;
     ensure!(
         !plain.contains("kind: PodMonitor") && monitored.contains("kind: PodMonitor"),
         "the PodMonitor must be rendered exactly when podMonitor.enabled"
+    );
+    check_endpoints(&plain)?;
+    // Prometheus cannot scrape the default loopback address.
+    let refused = helm
+        .run(&["template", "t", chart, "--set", "podMonitor.enabled=true"])
+        .await;
+    ensure!(
+        refused
+            .as_ref()
+            .is_err_and(|e| format!("{e:#}").contains("metrics.bindAddress")),
+        "a PodMonitor over a loopback endpoint must be refused: {refused:?}"
     );
 
     // Install: the pod runs, registers, publishes.

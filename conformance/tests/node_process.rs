@@ -23,11 +23,16 @@
 //! * One writer: a second node process on the same state directory (a
 //!   rolling update) waits until the first exits, and then keeps what the
 //!   first prepared.
+//! * Each instance answers its own probes (`--health-socket`, `tessera
+//!   health`): the waiting one is on standby, ready to take over; one that
+//!   could not take over (its NVML library missing) is alive but never
+//!   ready, while the node's one metrics port still says 200 (the serving
+//!   instance's, which the chart's probes used to ask).
 
 mod plugin_support;
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
@@ -630,6 +635,116 @@ async fn a_second_node_process_waits_for_the_first_and_keeps_what_it_prepared() 
         un.claims[&uid].error
     );
     ensure!(w.dirs.spec(&uid).is_none());
+    new.terminate().await?;
+    w.namespace.delete().await
+}
+
+/// `tessera health --probe <probe>` on `socket`: whether it passed, and
+/// what it printed.
+fn health(socket: &Path, probe: &str) -> Result<(bool, String)> {
+    let out = std::process::Command::new(&binaries().tessera)
+        .arg("health")
+        .arg("--socket")
+        .arg(socket)
+        .args(["--probe", probe])
+        .output()?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    Ok((out.status.success(), text))
+}
+
+/// Waits until `probe` on `socket` passes (or not, `want`) with an answer
+/// that contains `says`.
+async fn probe_says(socket: &Path, probe: &str, want: bool, says: &str) -> Result<String> {
+    wait_for(
+        &format!("{probe} on {} {want}: {says:?}", socket.display()),
+        TIMEOUT,
+        || async {
+            let (ok, text) = health(socket, probe)?;
+            Ok((ok == want && text.contains(says)).then_some(text))
+        },
+    )
+    .await
+}
+
+/// `GET path` on a TCP address; the status code.
+fn http_status(address: std::net::SocketAddr, path: &str) -> Result<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address)?;
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: tessera\r\n\r\n")?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .with_context(|| format!("no status in {answer:?}"))
+}
+
+#[tokio::test]
+async fn each_instance_answers_its_own_probes_during_a_roll() -> Result<()> {
+    let w = World::new("standby").await?;
+    let socket = |instance: &str| w.dirs.path(instance).join("health.sock");
+    let instance = |name: &str, extra: &[&str]| {
+        let mut options = w.options();
+        options.log = format!("plugin-{name}.log");
+        options.args = vec!["--health-socket".into(), socket(name).display().to_string()];
+        options.args.extend(extra.iter().map(|a| a.to_string()));
+        options
+    };
+    let mut old = PluginProcess::start(&w.dirs, &instance("old", &[]))?;
+    register(&w.dirs, &mut old, &w.driver).await?;
+    let old_port = old.metrics_address().await?;
+    probe_says(&socket("old"), "readiness", true, "serving").await?;
+
+    // The new pod's instance waits for the state lock, ready to take over.
+    let mut new = PluginProcess::start(&w.dirs, &instance("new", &[]))?;
+    let text = probe_says(
+        &socket("new"),
+        "readiness",
+        true,
+        "standby: ready to take over",
+    )
+    .await?;
+    ensure!(text.contains("lists 2 GPUs"), "{text}");
+    ensure!(
+        health(&socket("new"), "liveness")?.0,
+        "a standby must be live"
+    );
+
+    // A new version that could not take over: its NVML library is missing.
+    let mut broken = PluginProcess::start(
+        &w.dirs,
+        &instance(
+            "broken",
+            &["--nvml-library", "/nonexistent/libnvidia-ml.so.1"],
+        ),
+    )?;
+    let text = probe_says(
+        &socket("broken"),
+        "readiness",
+        false,
+        "standby: cannot take over",
+    )
+    .await?;
+    ensure!(text.contains("cannot load the NVML library"), "{text}");
+    let (live, text) = health(&socket("broken"), "liveness")?;
+    ensure!(
+        live,
+        "a standby that cannot take over is still live: {text}"
+    );
+    broken.check_running()?;
+    // What the chart's HTTP probes asked: the node's one port, the old
+    // instance's, which is Ready.
+    ensure!(http_status(old_port, "/healthz")? == 200);
+    ensure!(health(&socket("old"), "readiness")?.0);
+    broken.terminate().await?;
+
+    // The old instance exits; the new one takes over and serves.
+    old.terminate().await?;
+    register(&w.dirs, &mut new, &w.driver).await?;
+    probe_says(&socket("new"), "readiness", true, "serving").await?;
     new.terminate().await?;
     w.namespace.delete().await
 }

@@ -108,7 +108,8 @@ fn clear_unproven(w: &World, gpu: &str, log_before: usize, cycle: usize) -> Resu
         .env("TESSERA_FAKE_NVML_LIB", &b.fake_nvml)
         .env("TESSERA_FAKE_NVML_TOPOLOGY", topology_path())
         .env("TESSERA_FAKE_NVML_STATE", w.dirs.nvml_state())
-        .env_remove("TESSERA_FAKE_NVML_DRIVER_ROOT")
+        // The simulated driver keeps the MIG capability files in step.
+        .env("TESSERA_FAKE_NVML_DRIVER_ROOT", w.dirs.driver_root())
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
     ensure!(

@@ -74,6 +74,12 @@ enum Command {
     /// limits), optionally whether an allocation fits. Exits non-zero when
     /// the library is missing or a CUDA call fails.
     Probe(tessera_driver::probe::ProbeArgs),
+
+    /// Ask a running node process over its `--health-socket` whether it is
+    /// ready (serving, or on standby ready to take over) or alive; prints
+    /// its answer and exits 0 if so, 1 if not. For the kubelet's exec
+    /// probes: the image has no shell.
+    Health(tessera_driver::node::readiness::ProbeArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -101,6 +107,7 @@ fn main() -> ExitCode {
         Command::Status(args) => status_cmd::status(&cli.nvml_library, args),
         Command::Webhook(args) => tessera_driver::webhook::main(args).map(|()| ExitCode::SUCCESS),
         Command::Probe(args) => tessera_driver::probe::main(args),
+        Command::Health(args) => tessera_driver::node::readiness::probe_main(args),
     };
     result.unwrap_or_else(|e| {
         eprintln!("tessera: error: {e:#}");

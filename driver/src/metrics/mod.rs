@@ -3,12 +3,14 @@
 //!
 //! Most values are events counted where they happen (prepare and
 //! unprepare latency and results, the devices of every model built); the
-//! rest is read at each scrape by a [`Sampler`] (prepared claims from the
+//! rest is read for each render by a [`Sampler`] (prepared claims from the
 //! checkpoint, MPS daemons, the publisher's write counters, per-GPU memory
-//! allocated to claims vs used according to NVML). Every name starts with
-//! `tessera_`; docs/kubelet-plugin.md lists them.
+//! allocated to claims vs used according to NVML). Scrapes share renders,
+//! one at a time on a thread of their own ([`renders`]). Every name starts
+//! with `tessera_`; docs/kubelet-plugin.md lists them.
 
 pub mod memory;
+pub mod renders;
 pub mod server;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,7 +98,8 @@ pub struct Metrics {
     gpu_health: Family<GpuHealthLabels, Gauge>,
     xid_errors: Family<XidLabels, Counter>,
     ready: AtomicBool,
-    sampler: OnceLock<Sampler>,
+    sampler: OnceLock<Box<dyn Sample>>,
+    renders: renders::Handle,
 }
 
 impl Default for Metrics {
@@ -128,6 +131,7 @@ impl Metrics {
             xid_errors: Family::default(),
             ready: AtomicBool::new(false),
             sampler: OnceLock::new(),
+            renders: renders::Handle::default(),
             registry: Registry::default(),
         };
         registry.register_with_unit(
@@ -258,12 +262,28 @@ impl Metrics {
         self.ready.load(Ordering::SeqCst)
     }
 
-    /// What is read at every scrape; set once.
-    pub fn set_sampler(&self, sampler: Sampler) {
-        let _ = self.sampler.set(sampler);
+    /// What is read for every render; set once.
+    pub fn set_sampler(&self, sampler: impl Sample + 'static) {
+        let _ = self.sampler.set(Box::new(sampler));
     }
 
-    /// Samples (blocking: NVML) and encodes every metric as OpenMetrics text.
+    /// The text for a scrape: the first render that starts after this call,
+    /// shared with the scrapes waiting beside it; `None` if it did not
+    /// finish within `limit`. Never blocks the runtime or its blocking pool.
+    pub async fn scrape(
+        self: &Arc<Self>,
+        limit: Duration,
+    ) -> Option<Result<hyper::body::Bytes, String>> {
+        self.renders.0.clone().scrape(self, limit).await
+    }
+
+    /// Scrapes waiting for a render now.
+    pub fn scrapes_waiting(&self) -> usize {
+        self.renders.0.waiting()
+    }
+
+    /// Samples (blocking: NVML) and encodes every metric as OpenMetrics
+    /// text. Scrapes go through [`Metrics::scrape`].
     pub fn render(&self) -> String {
         if let Some(sampler) = self.sampler.get() {
             sampler.sample(self);
@@ -302,7 +322,13 @@ impl PrepareObserver for Metrics {
     }
 }
 
-/// What a scrape reads from the running node process.
+/// What a render reads besides the counted events (blocking: it runs on
+/// the render thread).
+pub trait Sample: Send + Sync {
+    fn sample(&self, metrics: &Metrics);
+}
+
+/// What a render reads from the running node process.
 pub struct Sampler {
     pub preparer: Arc<Preparer>,
     /// The node's latest view (its inventory names the GPUs).
@@ -315,7 +341,7 @@ pub struct Sampler {
     pub catalog: Arc<DeviceCatalog>,
 }
 
-impl Sampler {
+impl Sample for Sampler {
     fn sample(&self, m: &Metrics) {
         let entries = self.preparer.entries();
         let completed = entries
@@ -323,7 +349,9 @@ impl Sampler {
             .filter(|(_, e)| e.state == EntryState::Completed)
             .count();
         m.prepared_claims.set(completed as i64);
-        m.mps_daemons.set(self.mps.daemons().len() as i64);
+        // Counted without any daemon's lock, which a prepare starting that
+        // daemon holds for seconds.
+        m.mps_daemons.set(self.mps.supervised() as i64);
 
         let counts = self.publisher.snapshot();
         catch_up(&m.slice_reconciles, self.publisher.reconciles());

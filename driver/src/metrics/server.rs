@@ -1,7 +1,8 @@
 //! A minimal HTTP/1 server for the metrics (hyper, already in the build
 //! through tonic and kube):
 //!
-//! * `GET /metrics`: every metric, OpenMetrics text;
+//! * `GET /metrics`: every metric, OpenMetrics text (renders shared by
+//!   concurrent scrapes, see [`super::renders`]);
 //! * `GET /healthz`: 200 once the node's first slice model is built
 //!   (prepare can resolve device names), 503 before;
 //! * anything else: 404.
@@ -24,6 +25,9 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 
 /// How long one connection may take (slow or idle scrapers are dropped).
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a scrape waits for its render (NVML can hang on a failing GPU).
+const RENDER_WAIT: Duration = Duration::from_secs(10);
 
 /// Parses `--metrics-address`: `off` or empty disables the endpoint.
 pub fn parse_address(flag: &str) -> anyhow::Result<Option<SocketAddr>> {
@@ -80,19 +84,17 @@ async fn answer(request: Request<Incoming>, metrics: Arc<Metrics>) -> Response<F
         return plain(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
     }
     match request.uri().path() {
-        "/metrics" => {
-            // Sampling reads NVML and the checkpoint: not on the runtime.
-            match tokio::task::spawn_blocking(move || metrics.render()).await {
-                Ok(text) => Response::builder()
-                    .header(hyper::header::CONTENT_TYPE, OPENMETRICS)
-                    .body(Full::new(Bytes::from(text)))
-                    .unwrap_or_else(|_| plain(StatusCode::INTERNAL_SERVER_ERROR, "")),
-                Err(e) => plain(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    &format!("sampling failed: {e}\n"),
-                ),
-            }
-        }
+        "/metrics" => match metrics.scrape(RENDER_WAIT).await {
+            Some(Ok(text)) => Response::builder()
+                .header(hyper::header::CONTENT_TYPE, OPENMETRICS)
+                .body(Full::new(text))
+                .unwrap_or_else(|_| plain(StatusCode::INTERNAL_SERVER_ERROR, "")),
+            Some(Err(e)) => plain(StatusCode::INTERNAL_SERVER_ERROR, &format!("{e}\n")),
+            None => plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("sampling the metrics took longer than {RENDER_WAIT:?}\n"),
+            ),
+        },
         "/healthz" if metrics.ready() => plain(StatusCode::OK, "ok\n"),
         "/healthz" => plain(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -105,7 +107,7 @@ async fn answer(request: Request<Incoming>, metrics: Arc<Metrics>) -> Response<F
     }
 }
 
-fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
+pub(crate) fn plain(status: StatusCode, text: &str) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(text.to_owned())));
     *response.status_mut() = status;
     response.headers_mut().insert(
@@ -166,5 +168,136 @@ mod tests {
         assert!(scrape.contains("tessera_prepare_duration_seconds_count 1"));
         assert!(scrape.contains("tessera_published_devices{kind=\"gpu\"} 0"));
         assert!(get(address, "/nope").await.starts_with("HTTP/1.1 404"));
+    }
+
+    /// A sampler that blocks until its gate opens, counting samples.
+    #[derive(Default)]
+    struct Gate {
+        open: std::sync::Mutex<bool>,
+        opened: std::sync::Condvar,
+        in_flight: std::sync::atomic::AtomicUsize,
+        most_in_flight: std::sync::atomic::AtomicUsize,
+        samples: std::sync::atomic::AtomicUsize,
+        /// Samples begun, for the test to wait on.
+        entered: tokio::sync::watch::Sender<usize>,
+    }
+
+    impl Gate {
+        fn open(&self) {
+            *self.open.lock().unwrap() = true;
+            self.opened.notify_all();
+        }
+    }
+
+    struct Blocking(Arc<Gate>);
+
+    impl super::super::Sample for Blocking {
+        fn sample(&self, _: &Metrics) {
+            use std::sync::atomic::Ordering::SeqCst;
+            let g = &self.0;
+            let now = g.in_flight.fetch_add(1, SeqCst) + 1;
+            g.most_in_flight.fetch_max(now, SeqCst);
+            g.samples.fetch_add(1, SeqCst);
+            g.entered.send_modify(|n| *n += 1);
+            let open = g.open.lock().unwrap();
+            drop(g.opened.wait_while(open, |open| !*open).unwrap());
+            g.in_flight.fetch_sub(1, SeqCst);
+        }
+    }
+
+    /// `GET path` without the blocking pool; the status line.
+    async fn get_async(address: SocketAddr, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer.lines().next().unwrap_or_default().to_owned()
+    }
+
+    /// Scrapes during a prepare burst: however many scrapes wait on a slow
+    /// sample (NVML on a busy GPU), one sample runs at a time and the
+    /// blocking pool stays free for prepare's work.
+    #[test]
+    fn a_scrape_flood_samples_once_at_a_time_and_leaves_the_blocking_pool_to_prepare() {
+        const BLOCKING_THREADS: usize = 4;
+        const SCRAPES: usize = 3 * BLOCKING_THREADS;
+        const DEADLINE: Duration = Duration::from_secs(10);
+        use std::sync::atomic::Ordering::SeqCst;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .max_blocking_threads(BLOCKING_THREADS)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let gate = Arc::new(Gate::default());
+            let metrics = Arc::new(Metrics::new());
+            metrics.set_sampler(Blocking(gate.clone()));
+            let address = serve("127.0.0.1:0".parse().unwrap(), metrics.clone())
+                .await
+                .unwrap();
+            let scrapes: Vec<_> = (0..SCRAPES)
+                .map(|_| tokio::spawn(get_async(address, "/metrics")))
+                .collect();
+            let mut entered = gate.entered.subscribe();
+            tokio::time::timeout(DEADLINE, entered.wait_for(|n| *n >= 1))
+                .await
+                .expect("a scrape started a sample")
+                .unwrap();
+            tokio::time::timeout(DEADLINE, async {
+                while metrics.scrapes_waiting() < SCRAPES {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .expect("every scrape waits for the blocked sample");
+
+            // Prepare's blocking work (files, NVML, MIG, MPS) while every
+            // scrape waits.
+            let prepare = tokio::time::timeout(
+                DEADLINE,
+                tokio::task::spawn_blocking(|| std::thread::current().id()),
+            )
+            .await;
+            gate.open();
+            for scrape in scrapes {
+                let status = scrape.await.unwrap();
+                assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+            }
+            assert!(
+                prepare.is_ok(),
+                "prepare's blocking work waited behind {SCRAPES} scrapes"
+            );
+            assert_eq!(gate.most_in_flight.load(SeqCst), 1, "samples at once");
+            // The first scrape's, and one shared by those that came during it.
+            let samples = gate.samples.load(SeqCst);
+            assert!(samples <= 2, "{SCRAPES} scrapes took {samples} samples");
+        });
+    }
+
+    /// A gauge the test sets, sampled into `tessera_prepared_claims`.
+    struct Counting(Arc<std::sync::atomic::AtomicI64>);
+
+    impl super::super::Sample for Counting {
+        fn sample(&self, m: &Metrics) {
+            m.prepared_claims
+                .set(self.0.load(std::sync::atomic::Ordering::SeqCst));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_scrape_never_answers_with_a_sample_older_than_itself() {
+        let value = Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let metrics = Arc::new(Metrics::new());
+        metrics.set_sampler(Counting(value.clone()));
+        for n in 1..=3 {
+            value.store(n, std::sync::atomic::Ordering::SeqCst);
+            let text = metrics.scrape(RENDER_WAIT).await.unwrap().unwrap();
+            let text = String::from_utf8_lossy(&text).into_owned();
+            let line = format!("tessera_prepared_claims {n}");
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
     }
 }

@@ -311,6 +311,13 @@ impl MpsSupervisor {
             .collect()
     }
 
+    /// How many daemons are supervised, without waiting on any of them
+    /// (a daemon's own lock is held while it starts or stops; the map's
+    /// only for lookups). For the metrics.
+    pub fn supervised(&self) -> usize {
+        lock(&self.daemons).len()
+    }
+
     // -- internals -----------------------------------------------------------
 
     /// The daemon of `key`: held, recorded, or (given `limits`) new.

@@ -17,9 +17,12 @@
 //!   numbering recorded in the state directory, and every model it builds,
 //!   which becomes the catalog prepare resolves names through.
 //! * [`state_lock::StateLock`] keeps a second process (a rolling update)
-//!   from touching the node's state until the first is gone.
+//!   from touching the node's state until the first is gone; meanwhile it
+//!   answers its own probes ([`readiness`]): standby, ready to take over
+//!   when its pre-flight checks pass.
 
 pub mod events;
+pub mod readiness;
 pub mod state_lock;
 
 use std::collections::BTreeSet;

@@ -23,6 +23,7 @@ use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
 use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, SupervisionReport};
 use crate::node::events::NodeEvents;
+use crate::node::readiness::{self, Phase, Readiness};
 use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
@@ -162,14 +163,22 @@ pub struct PluginArgs {
     #[arg(long, env = "TESSERA_XID_RECOVERY_SECONDS", default_value_t = 0)]
     pub xid_recovery_seconds: u64,
 
-    /// Where to serve Prometheus metrics (`/metrics`) and readiness
-    /// (`/healthz`): host:port (port 0 picks a free one, logged), or `off`.
+    /// Where to serve Prometheus metrics (`/metrics`, and `/healthz`:
+    /// probes use --health-socket): host:port (port 0 picks a free one,
+    /// logged), or `off`. Unauthenticated: keep it on loopback unless a
+    /// firewall or NetworkPolicy guards the address.
     #[arg(
         long,
         env = "TESSERA_METRICS_ADDRESS",
         default_value = "127.0.0.1:9400"
     )]
     pub metrics_address: String,
+
+    /// Unix socket this process answers its probes on (`tessera health
+    /// --socket`), bound before waiting for the state lock: in a directory
+    /// of this pod alone (an emptyDir), never one another instance shares.
+    #[arg(long, env = "TESSERA_HEALTH_SOCKET")]
+    pub health_socket: Option<PathBuf>,
 }
 
 /// Builds a client from `--kubeconfig` or the usual places (see
@@ -285,20 +294,17 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         None => NodePolicy::default(),
     };
 
+    // Probes ask this process alone, from now on (standby included).
+    let readiness = Arc::new(Readiness::default());
+    if let Some(socket) = &args.health_socket {
+        readiness::serve(socket, readiness.clone()).await?;
+    }
+
     // Nothing of the node's state is read or touched before this.
-    let state_lock = {
-        let dir = args.state_dir.clone();
-        tokio::task::spawn_blocking(move || {
-            StateLock::acquire(&dir, |path| {
-                info!(
-                    "another Tessera process holds {}; waiting for it to exit (rolling update)",
-                    path.display()
-                )
-            })
-        })
-        .await?
-        .with_context(|| format!("locking the state directory {}", args.state_dir.display()))?
-    };
+    let (state_lock, checked_nvml) =
+        take_state_lock(nvml_library, args, &client, timeout, &readiness).await?;
+    let catalog = Arc::new(DeviceCatalog::awaiting_model());
+    readiness.set(Phase::Active(catalog.clone()));
 
     // After the lock: during a rolling update the old instance holds the
     // port until it exits. A port that cannot be bound costs the metrics,
@@ -317,7 +323,10 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         None => None,
     };
 
-    let nvml = Arc::new(discovery::init(Some(nvml_library))?);
+    let nvml = match checked_nvml {
+        Some(nvml) => nvml,
+        None => Arc::new(discovery::init(Some(nvml_library))?),
+    };
 
     // Device health: XID events of every GPU, from now on.
     let health = Arc::new(HealthTracker::new(
@@ -362,7 +371,6 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         mps_config.host_cgroup = Some(cgroup);
     }
     let mps = Arc::new(MpsSupervisor::new(mps_config));
-    let catalog = Arc::new(DeviceCatalog::awaiting_model());
     let (poke, pokes) = std::sync::mpsc::channel::<NodeChange>();
     // Health changes reach the slices (taints) through the observer, and
     // the Node's events.
@@ -485,6 +493,56 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         stop_publisher,
         _state_lock: state_lock,
     })
+}
+
+/// How often a standby runs its pre-flight checks again, and how often it
+/// tries the state lock.
+const PREFLIGHT_PERIOD: Duration = Duration::from_secs(10);
+const LOCK_POLL: Duration = Duration::from_millis(200);
+
+/// Takes the state lock. While another process holds it (a rolling
+/// update), this one is on standby: pre-flight checks say whether it could
+/// take over (its probes answer so) while it tries the lock until the other
+/// exits. Returns the NVML handle the checks loaded, if they did.
+async fn take_state_lock(
+    nvml_library: &OsStr,
+    args: &PluginArgs,
+    client: &Client,
+    timeout: Duration,
+    readiness: &Arc<Readiness>,
+) -> anyhow::Result<(StateLock, Option<Arc<nvml_wrapper::Nvml>>)> {
+    let dir = &args.state_dir;
+    let locking = || format!("locking the state directory {}", dir.display());
+    if let Some(lock) = StateLock::try_acquire(dir).with_context(locking)? {
+        return Ok((lock, None));
+    }
+    info!(
+        "another Tessera process holds {}; waiting for it to exit (rolling update); standby until then",
+        dir.join(crate::node::state_lock::LOCK_FILE).display()
+    );
+    let nvml = Arc::new(std::sync::OnceLock::new());
+    // Checks run beside the lock polls: a slow check never delays taking over.
+    let checking = tokio::spawn(readiness::standby(
+        nvml_library.to_owned(),
+        nvml.clone(),
+        client.clone(),
+        timeout,
+        readiness.clone(),
+        PREFLIGHT_PERIOD,
+    ));
+    let lock = loop {
+        match StateLock::try_acquire(dir).with_context(locking) {
+            Ok(Some(lock)) => break Ok(lock),
+            Ok(None) => tokio::time::sleep(LOCK_POLL).await,
+            Err(e) => break Err(e),
+        }
+    };
+    checking.abort();
+    // Gone for good: it never changes the readiness after this.
+    let _ = checking.await;
+    let lock = lock?;
+    info!("took over the state lock");
+    Ok((lock, nvml.get().cloned()))
 }
 
 /// Bring the MPS daemons in line with the checkpoint (claims that were

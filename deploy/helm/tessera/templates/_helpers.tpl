@@ -84,3 +84,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- clean (printf "%s/%s" (include "tessera.driverRoot" .) .Values.nvmlLibrary) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* metrics.bindAddress:metrics.port, an IPv6 address in brackets. */}}
+{{- define "tessera.metricsAddress" -}}
+{{- $host := .Values.metrics.bindAddress | toString | trimPrefix "[" | trimSuffix "]" -}}
+{{- if contains ":" $host -}}
+{{- printf "[%s]:%v" $host .Values.metrics.port -}}
+{{- else -}}
+{{- printf "%s:%v" $host .Values.metrics.port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when metrics.bindAddress answers on the node's loopback only. */}}
+{{- define "tessera.metricsLoopback" -}}
+{{- $host := .Values.metrics.bindAddress | toString | trimPrefix "[" | trimSuffix "]" -}}
+{{- if or (hasPrefix "127." $host) (eq $host "::1") -}}true{{- end -}}
+{{- end -}}
