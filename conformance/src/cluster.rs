@@ -291,6 +291,21 @@ impl TestCluster {
 }
 
 impl TestCluster {
+    /// A client of this cluster that authenticates with `token` alone (as
+    /// a service account's process would).
+    pub async fn client_with_token(&self, token: &str) -> Result<Client> {
+        let kubeconfig = Kubeconfig::read_from(self.kubeconfig())?;
+        let mut config =
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+        config.auth_info = kube::config::AuthInfo {
+            token: Some(token.to_owned().into()),
+            ..Default::default()
+        };
+        Ok(Client::try_from(config)?)
+    }
+}
+
+impl TestCluster {
     /// Starts `tessera-kube test-dra-plugin`: a trivial upstream-helper based
     /// DRA plugin that registers with the kubelet under `driver`, publishes
     /// `devices` devices (`dev-0`...) for the test node, and records every
@@ -431,6 +446,33 @@ impl TestNamespace {
         <K as kube::Resource>::DynamicType: Default,
     {
         Api::namespaced(self.client.clone(), &self.name)
+    }
+
+    /// A token of the service account `sa` of this namespace, bound to
+    /// `pod` when given (then it names the pod's node).
+    pub async fn token(
+        &self,
+        sa: &str,
+        pod: Option<&k8s_openapi::api::core::v1::Pod>,
+    ) -> Result<String> {
+        use k8s_openapi::api::authentication::v1::TokenRequest;
+        let mut spec = serde_json::json!({ "audiences": [], "expirationSeconds": 600 });
+        if let Some(pod) = pod {
+            spec["boundObjectRef"] = serde_json::json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "name": pod.metadata.name, "uid": pod.metadata.uid,
+            });
+        }
+        let request: TokenRequest = serde_json::from_value(serde_json::json!({ "spec": spec }))?;
+        let answer: TokenRequest = self
+            .api::<ServiceAccount>()
+            .create_subresource("token", sa, &PostParams::default(), &request)
+            .await
+            .context("TokenRequest")?;
+        answer
+            .status
+            .and_then(|s| s.token)
+            .context("no token in the answer")
     }
 
     /// Starts deletion of the namespace and everything in it.

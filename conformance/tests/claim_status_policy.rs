@@ -25,8 +25,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::admissionregistration::v1::ValidatingAdmissionPolicy;
-use k8s_openapi::api::authentication::v1::TokenRequest;
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
@@ -139,42 +138,6 @@ impl Created {
             }
         }
     }
-}
-
-/// A client that authenticates with `token` (and nothing else).
-async fn client_with_token(cluster: &TestCluster, token: &str) -> Result<Client> {
-    let kubeconfig = kube::config::Kubeconfig::read_from(cluster.kubeconfig())?;
-    let mut config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await?;
-    config.auth_info = kube::config::AuthInfo {
-        token: Some(token.to_owned().into()),
-        ..Default::default()
-    };
-    Ok(Client::try_from(config)?)
-}
-
-/// A token of `sa`, bound to `pod` when given (then it names the pod's node).
-async fn token(ns: &TestNamespace, sa: &str, pod: Option<&Pod>) -> Result<String> {
-    let mut spec = json!({ "audiences": [], "expirationSeconds": 600 });
-    if let Some(pod) = pod {
-        spec["boundObjectRef"] = json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "name": pod.metadata.name, "uid": pod.metadata.uid,
-        });
-    }
-    let request: TokenRequest = serde_json::from_value(json!({ "spec": spec }))?;
-    let answer: TokenRequest = ns
-        .api::<ServiceAccount>()
-        .create_subresource("token", sa, &PostParams::default(), &request)
-        .await
-        .context("TokenRequest")?;
-    answer
-        .status
-        .and_then(|s| s.token)
-        .context("no token in the answer")
 }
 
 /// A claim allocated on `node`: one device per `(request, driver)`, each in
@@ -361,7 +324,9 @@ async fn policy_case(
     }))?;
     let pod = ns.api::<Pod>().create(&PostParams::default(), &pod).await?;
     let as_node_a: Api<ResourceClaim> = Api::namespaced(
-        client_with_token(cluster, &token(ns, &fullname, Some(&pod)).await?).await?,
+        cluster
+            .client_with_token(&ns.token(&fullname, Some(&pod)).await?)
+            .await?,
         ns.name(),
     );
 
@@ -441,7 +406,9 @@ async fn policy_case(
         "node A reserving its own claim",
     )?;
     let unbound: Api<ResourceClaim> = Api::namespaced(
-        client_with_token(cluster, &token(ns, &fullname, None).await?).await?,
+        cluster
+            .client_with_token(&ns.token(&fullname, None).await?)
+            .await?,
         ns.name(),
     );
     denied(

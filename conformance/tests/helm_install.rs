@@ -46,8 +46,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::authentication::v1::{SelfSubjectReview, TokenRequest};
-use k8s_openapi::api::core::v1::{Event, Namespace, Pod, ServiceAccount};
+use k8s_openapi::api::authentication::v1::SelfSubjectReview;
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client};
@@ -631,42 +631,6 @@ async fn sees_its_gpu(ns: &TestNamespace, pod: &str) -> Result<(String, String)>
     Ok((claim, uuid))
 }
 
-/// A client that authenticates with `token` (and nothing else).
-async fn client_with_token(cluster: &TestCluster, token: &str) -> Result<Client> {
-    let kubeconfig = kube::config::Kubeconfig::read_from(cluster.kubeconfig())?;
-    let mut config = kube::Config::from_custom_kubeconfig(
-        kubeconfig,
-        &kube::config::KubeConfigOptions::default(),
-    )
-    .await?;
-    config.auth_info = kube::config::AuthInfo {
-        token: Some(token.to_owned().into()),
-        ..Default::default()
-    };
-    Ok(Client::try_from(config)?)
-}
-
-/// A token of `sa`, bound to `pod` when given.
-async fn token(ns: &TestNamespace, sa: &str, pod: Option<&Pod>) -> Result<String> {
-    let mut spec = json!({ "audiences": [], "expirationSeconds": 600 });
-    if let Some(pod) = pod {
-        spec["boundObjectRef"] = json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "name": pod.metadata.name, "uid": pod.metadata.uid,
-        });
-    }
-    let request: TokenRequest = serde_json::from_value(json!({ "spec": spec }))?;
-    let answer: TokenRequest = ns
-        .api::<ServiceAccount>()
-        .create_subresource("token", sa, &PostParams::default(), &request)
-        .await
-        .context("TokenRequest")?;
-    answer
-        .status
-        .and_then(|s| s.token)
-        .context("no token in the answer")
-}
-
 fn slice(name: &str, driver: &str, node: &str) -> Result<ResourceSlice> {
     Ok(serde_json::from_value(json!({
         "metadata": { "name": name },
@@ -705,7 +669,9 @@ async fn check_admission(
         .and_then(|s| s.service_account_name.clone())
         .context("the daemon pod has no service account")?;
     let policy = format!("{release}-tessera-own-node-slices");
-    let bound = client_with_token(cluster, &token(ns, &sa, Some(daemon)).await?).await?;
+    let bound = cluster
+        .client_with_token(&ns.token(&sa, Some(daemon)).await?)
+        .await?;
 
     // The API server puts the node of the pod the token is bound to into
     // the user's extra (ServiceAccountTokenPodNodeInfo, GA in 1.32).
@@ -768,7 +734,9 @@ async fn check_admission(
         .await
         .context("the daemon's service account may write its own node's slice")?;
     // A token not bound to a pod names no node: nothing is admitted.
-    let unbound = client_with_token(cluster, &token(ns, &sa, None).await?).await?;
+    let unbound = cluster
+        .client_with_token(&ns.token(&sa, None).await?)
+        .await?;
     denied(
         Api::<ResourceSlice>::all(unbound)
             .create(&dry, &slice(&unique_name("adm"), driver, node)?)

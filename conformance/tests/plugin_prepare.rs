@@ -615,27 +615,34 @@ async fn many_claims_in_parallel() -> Result<()> {
     w.namespace.delete().await
 }
 
-#[tokio::test]
-async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
-    use k8s_openapi::api::core::v1::Event;
-    let w = World::new("plugin-cp").await?;
-    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
-    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
-    let shared = share(&w.node, &w.driver, true);
-    let mut r = result("share", &w.driver, &w.node, &shared);
+/// A claim `name` allocated one share (1Gi, 10 %) of a GPU of the node:
+/// Shared or Isolated.
+async fn share_claim(w: &World, name: &str, shared: bool) -> Result<ResourceClaim> {
+    let device = share(&w.node, &w.driver, shared);
+    let mut r = result("share", &w.driver, &w.node, &device);
+    r["shareID"] = json!("00000000-0000-4000-8000-000000000001");
     r["consumedCapacity"] = json!({"memory": "1Gi", "cores": "10"});
-    let claim = create_allocated(
+    create_allocated(
         &w.cluster.client(),
         w.ns(),
         &ClaimSpec {
-            name: "kept".into(),
+            name: name.into(),
             requests: vec![("share".into(), CLASS.into())],
             results: vec![r],
             config: vec![],
             spec_config: vec![],
         },
     )
-    .await?;
+    .await
+}
+
+#[tokio::test]
+async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event;
+    let w = World::new("plugin-cp").await?;
+    let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
+    let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
+    let claim = share_claim(&w, "kept", true).await?;
     let uid = claim.metadata.uid.clone().unwrap();
     let first = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(
@@ -754,22 +761,7 @@ async fn lost_record_keeps(w: &World) -> Result<()> {
     use k8s_openapi::api::core::v1::Event;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
-    let isolated = share(&w.node, &w.driver, false);
-    let mut r = result("share", &w.driver, &w.node, &isolated);
-    r["shareID"] = json!("00000000-0000-4000-8000-000000000001");
-    r["consumedCapacity"] = json!({"memory": "1Gi", "cores": "10"});
-    let claim = create_allocated(
-        &w.cluster.client(),
-        w.ns(),
-        &ClaimSpec {
-            name: "lost".into(),
-            requests: vec![("share".into(), CLASS.into())],
-            results: vec![r],
-            config: vec![],
-            spec_config: vec![],
-        },
-    )
-    .await?;
+    let claim = share_claim(w, "lost", false).await?;
     let uid = claim.metadata.uid.clone().unwrap();
     let first = prepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(

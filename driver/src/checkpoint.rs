@@ -653,6 +653,18 @@ mod tests {
                 .join(RECORDS_DIR)
                 .join(format!("{}.json", claim.as_str()))
         }
+        /// Records claims 1 (`gpu-0`) and 2 (`gpu-1`), then flips one byte
+        /// inside the first's embedded entry (valid JSON, bad checksum, the
+        /// entry still decodes as `gpu-9`); the first's record path.
+        fn two_claims_first_flipped(&self) -> PathBuf {
+            let (cp, _) = self.open();
+            cp.put(uid(1), entry("gpu-0")).unwrap();
+            cp.put(uid(2), entry("gpu-1")).unwrap();
+            let path = self.record(&uid(1));
+            let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
+            fs::write(&path, text).unwrap();
+            path
+        }
     }
 
     fn entry(device: &str) -> Entry {
@@ -774,13 +786,7 @@ mod tests {
     #[test]
     fn corruption_is_quarantined_not_fatal() {
         let f = Fixture::new();
-        let (cp, _) = f.open();
-        cp.put(uid(1), entry("gpu-0")).unwrap();
-        cp.put(uid(2), entry("gpu-1")).unwrap();
-        let path = f.record(&uid(1));
-        // Flip one byte inside the embedded entry: valid JSON, bad checksum.
-        let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
-        fs::write(&path, text).unwrap();
+        let path = f.two_claims_first_flipped();
         let (cp, outcome) = f.open();
         let LoadOutcome::Quarantined {
             reason,
@@ -805,12 +811,7 @@ mod tests {
     #[test]
     fn a_lost_claim_stays_lost_across_restarts_until_released() {
         let f = Fixture::new();
-        let (cp, _) = f.open();
-        cp.put(uid(1), entry("gpu-0")).unwrap();
-        cp.put(uid(2), entry("gpu-1")).unwrap();
-        let path = f.record(&uid(1));
-        let text = fs::read_to_string(&path).unwrap().replace("gpu-0", "gpu-9");
-        fs::write(&path, text).unwrap();
+        f.two_claims_first_flipped();
         let (cp, _) = f.open();
         let lost = cp.lost();
         assert!(!lost.unnamed);

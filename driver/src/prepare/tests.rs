@@ -233,6 +233,25 @@ impl Fixture {
         self.open_with(vec![whole_claim(3)], catalog, mig).await.0
     }
 
+    /// Writes claim `n`'s record as an earlier run left it; its path.
+    fn record(&self, n: u8, state: EntryState, actions: Vec<Action>) -> std::path::PathBuf {
+        let config = self.config();
+        let (cp, _) =
+            Checkpoint::<ClaimEntry>::open(&config.state_dir, &config.boot_id_file).unwrap();
+        let entry = ClaimEntry {
+            namespace: "ns".into(),
+            name: format!("c{n}"),
+            state,
+            actions,
+            devices: Vec::new(),
+            spec: None,
+            status: Vec::new(),
+        };
+        let claim = ClaimUid::parse(&uid(n)).unwrap();
+        cp.put(claim.clone(), entry).unwrap();
+        cp.dir().join(format!("{}.json", claim.as_str()))
+    }
+
     fn cdi_files(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("cdi"))
             .map(|d| d.count())
@@ -575,27 +594,13 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
 #[tokio::test]
 async fn an_unproven_mig_device_is_left_alone_at_start_up() {
     let f = Fixture::new(false);
-    let at = MigPlacement { start: 3, size: 1 };
-    {
-        let (cp, _) =
-            Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
-                .unwrap();
-        let entry = ClaimEntry {
-            namespace: "ns".into(),
-            name: "c5".into(),
-            state: EntryState::Started,
-            actions: vec![Action::MigCreate {
-                gpu_uuid: GPU.into(),
-                profile_id: 19,
-                placement: at,
-                instance: None,
-            }],
-            devices: Vec::new(),
-            spec: None,
-            status: Vec::new(),
-        };
-        cp.put(ClaimUid::parse(&uid(5)).unwrap(), entry).unwrap();
-    }
+    let intent = Action::MigCreate {
+        gpu_uuid: GPU.into(),
+        profile_id: 19,
+        placement: MigPlacement { start: 3, size: 1 },
+        instance: None,
+    };
+    f.record(5, EntryState::Started, vec![intent]);
     // MigRecorder's check_free always finds the placement taken.
     let mig = MigRecorder::new(true, 1);
     let (preparer, recovery) = f.open_with(Vec::new(), catalog(), mig.clone()).await;
@@ -617,34 +622,20 @@ async fn an_unproven_mig_device_is_left_alone_at_start_up() {
 async fn unprepare_of_a_claim_whose_record_was_lost_releases_what_it_held() {
     let f = Fixture::new(false);
     let lost = ClaimUid::parse(&uid(5)).unwrap();
-    {
-        let (cp, _) =
-            Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
-                .unwrap();
-        let entry = ClaimEntry {
-            namespace: "ns".into(),
-            name: "c5".into(),
-            state: EntryState::Completed,
-            actions: vec![Action::Mps {
-                gpu_uuid: GPU.into(),
-                mig_uuid: None,
-                request: Some("gpu".into()),
-            }],
-            devices: Vec::new(),
-            spec: None,
-            status: Vec::new(),
-        };
-        cp.put(lost.clone(), entry).unwrap();
-        let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
-        SpecDir::new(f.config().cdi_dir)
-            .write(&lost, &spec)
-            .unwrap();
-        // A flipped byte that leaves the entry decodable: its checksum
-        // fails, and what it names is still a hint of what to release.
-        let path = cp.dir().join(format!("{}.json", lost.as_str()));
-        let text = std::fs::read_to_string(&path).unwrap();
-        std::fs::write(&path, text.replacen("c5", "c6", 1)).unwrap();
-    }
+    let daemon = Action::Mps {
+        gpu_uuid: GPU.into(),
+        mig_uuid: None,
+        request: Some("gpu".into()),
+    };
+    let path = f.record(5, EntryState::Completed, vec![daemon]);
+    let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+    SpecDir::new(f.config().cdi_dir)
+        .write(&lost, &spec)
+        .unwrap();
+    // A flipped byte that leaves the entry decodable: its checksum fails,
+    // and what it names is still a hint of what to release.
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::write(&path, text.replacen("c5", "c6", 1)).unwrap();
     let (preparer, recovery) = f.open(Vec::new()).await;
     assert!(preparer.entry(&lost).is_none());
     assert!(preparer.lost_claims().may_hold(&lost));
