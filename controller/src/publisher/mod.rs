@@ -594,7 +594,6 @@ impl Publisher {
         // About to write: the cached owner may be stale (the Node recreated
         // under the same name; the garbage collector then deletes slices
         // owned by the old one, which brings us here). Read it again.
-        let mut model = model;
         if owner_cached {
             let fresh = self.fetch_owner().await?;
             if fresh.uid != owner.uid {
