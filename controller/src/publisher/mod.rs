@@ -513,7 +513,10 @@ impl Publisher {
         before.extend(self.published.clone().unwrap_or_default());
         let dropped = dropped_devices(&before, &published_devices(&model.slices));
         self.kept_for_claims.clear();
-        let free = build(&BTreeSet::new())?.devices;
+        // Without any holder (a model that fails counts every device as held).
+        let free = build(&BTreeSet::new())
+            .map(|m| m.devices)
+            .unwrap_or_default();
         if !dropped.is_empty() || self.published.is_none() && existing.is_empty() {
             if !dropped.is_empty() {
                 info!(
