@@ -35,14 +35,14 @@ impl std::ops::Sub for WriteCounts {
     }
 }
 
-/// Reads a reconcile made, as plain numbers. The watches the publisher
-/// keeps (its slices, the ResourceClaims) are not reads of a reconcile:
-/// their (re)lists are counted apart ([`WriteCounters::claim_watch_lists`]).
+/// Reads a reconcile made, as plain numbers. The publisher's watch of its
+/// own slices is not a read of a reconcile.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ReadCounts {
-    /// List requests for ResourceClaims (pages; only a reconcile outside
-    /// [`super::Publisher::run`], which has no claim watch, makes them).
+    /// List requests for ResourceClaims (pages; only a reconcile whose model
+    /// would drop a published device makes them, and the first one of a node
+    /// with nothing published).
     pub claim_lists: u64,
     /// GETs of the Node (owner of the slices; cached, read again only
     /// before a write).
@@ -82,7 +82,6 @@ pub struct WriteCounters {
     claim_lists: AtomicU64,
     node_gets: AtomicU64,
     slice_lists: AtomicU64,
-    claim_watch_lists: AtomicU64,
 }
 
 impl WriteCounters {
@@ -101,12 +100,6 @@ impl WriteCounters {
             node_gets: self.node_gets.load(Ordering::Relaxed),
             slice_lists: self.slice_lists.load(Ordering::Relaxed),
         }
-    }
-
-    /// Initial lists (and relists, e.g. after 410 Gone) of the ResourceClaim
-    /// watch.
-    pub fn claim_watch_lists(&self) -> u64 {
-        self.claim_watch_lists.load(Ordering::Relaxed)
     }
 
     /// Writes the server refused (invalid, forbidden, ...).
@@ -139,9 +132,6 @@ impl WriteCounters {
     }
     pub(crate) fn listed_slices(&self) {
         self.slice_lists.fetch_add(1, Ordering::Relaxed);
-    }
-    pub(crate) fn claim_watch_listed(&self) {
-        self.claim_watch_lists.fetch_add(1, Ordering::Relaxed);
     }
     pub(crate) fn reconciled(&self) {
         self.reconciles.fetch_add(1, Ordering::Relaxed);

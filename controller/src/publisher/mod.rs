@@ -10,10 +10,15 @@
 //!    `spec.driver`: a handful of objects), and the devices of this pool
 //!    that ResourceClaims hold (those stay published whatever the policy
 //!    says: dropping an allocated device lets the scheduler over-commit its
-//!    counters, kubernetes#140806). [`Publisher::run`] keeps the held
-//!    devices from a watch of the claims ([`claims`]), so a reconcile lists
-//!    no claims; a lone [`Publisher::reconcile`] (`publish --once`) lists
-//!    them.
+//!    counters, kubernetes#140806). Held devices only matter to a model that
+//!    would drop a device now published, so the claims are listed (paged)
+//!    only then ([`dropped_devices`]): the model is first built from what
+//!    the node prepared, which it knows itself, and built again with the
+//!    listed held devices when it lacks a device that is published (on the
+//!    server, or in the last model built) or has nothing to compare with
+//!    (the first reconcile of a node without slices). A node whose model
+//!    drops nothing makes no ResourceClaim request at all, so its API
+//!    traffic does not grow with the claims of the cluster.
 //! 3. Build the model. If the server already has exactly that content
 //!    ([`slices::same_content`], one generation on every slice): no write
 //!    at all. This is what makes a restart with an unchanged inventory
@@ -37,14 +42,13 @@
 //! resolves device names through is always the published model.
 //!
 //! [`Publisher::run`] re-reconciles when the caller sends a new inventory,
-//! when someone else changes or deletes our slices (watch), when the set of
-//! devices of this pool that claims hold changes (watch; a claim on another
-//! node changes nothing), and periodically (re-detecting capabilities, in
-//! case the server was upgraded). It publishes nothing before the claim
-//! watch has listed every claim once.
+//! when someone else changes or deletes our slices (watch), and
+//! periodically (re-detecting capabilities, in case the server was
+//! upgraded). Nothing tells it when a claim is deallocated, so while the
+//! model keeps a device only because a listed claim holds it, it
+//! reconciles again every `held_recheck` until the device can go.
 
 pub mod backoff;
-pub mod claims;
 pub mod counts;
 pub mod detect;
 pub mod version;
@@ -62,11 +66,11 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tessera_api::inventory::Inventory;
+use tessera_api::names::{attr, device_type};
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
 pub use backoff::Backoff;
-pub use claims::HeldClaims;
 pub use counts::{ReadCounts, WriteCounters, WriteCounts};
 pub use detect::Detected;
 pub use version::{MIN_FULL_MODEL, ServerVersion};
@@ -170,6 +174,9 @@ pub struct PublisherConfig {
     pub backoff_max: Duration,
     /// How long to collect slice watch events before reconciling.
     pub debounce: Duration,
+    /// How often the claims are listed again while the model keeps a
+    /// device only because a claim holds it (its release is not watched).
+    pub held_recheck: Duration,
 }
 
 impl PublisherConfig {
@@ -184,6 +191,7 @@ impl PublisherConfig {
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(120),
             debounce: Duration::from_millis(300),
+            held_recheck: Duration::from_secs(60),
         }
     }
 }
@@ -229,8 +237,15 @@ pub struct Publisher {
     node_state: Option<Arc<dyn NodeState>>,
     last_write: Option<LastWrite>,
     warned_normalising: bool,
-    /// Held devices from the claim watch ([`Publisher::run`] only).
-    claims: Option<HeldClaims>,
+    /// The devices of the last model built, with their GPUs (None before
+    /// the first): what a reconcile must not drop unseen, also if someone
+    /// deleted our slices meanwhile.
+    published: Option<Published>,
+    /// Devices the last model keeps only because listed claims hold them.
+    kept_for_claims: BTreeSet<String>,
+    /// Devices the last model keeps only because something holds them (a
+    /// claim or the node's own prepare).
+    kept_for_holders: BTreeSet<String>,
     /// The Node as owner, as last read.
     owner: Option<OwnerReference>,
     /// What the last successful reconcile built its model from (None: a
@@ -240,17 +255,31 @@ pub struct Publisher {
     pending_inputs: Option<Inputs>,
 }
 
-/// What a model is built from besides the policy, the capabilities and the
-/// numbering: the same again builds the same model. A node change that
-/// leaves them equal (the node prepared a claim whose devices the claim
-/// watch already counted as held) needs no reconcile.
+/// What a model is built from besides the policy, the capabilities, the
+/// numbering and what holds devices: a node change that leaves them equal,
+/// and prepares only devices published anyway, needs no reconcile (holding
+/// a device changes a model only by keeping a device it would drop).
 #[derive(Debug, Clone, PartialEq)]
 struct Inputs {
     inventory: Inventory,
     owned_mig: BTreeSet<String>,
     unhealthy: BTreeMap<String, Unhealthy>,
-    held: BTreeSet<String>,
+    prepared: BTreeSet<String>,
 }
+
+impl From<&NodeView> for Inputs {
+    fn from(view: &NodeView) -> Self {
+        Inputs {
+            inventory: view.inventory.clone(),
+            owned_mig: view.owned_mig.clone(),
+            unhealthy: view.unhealthy.clone(),
+            prepared: view.prepared.clone(),
+        }
+    }
+}
+
+/// Published devices: name -> UUID of the GPU they belong to.
+pub type Published = BTreeMap<String, Option<String>>;
 
 impl Publisher {
     pub fn new(client: Client, config: PublisherConfig) -> Self {
@@ -263,7 +292,9 @@ impl Publisher {
             node_state: None,
             last_write: None,
             warned_normalising: false,
-            claims: None,
+            published: None,
+            kept_for_claims: BTreeSet::new(),
+            kept_for_holders: BTreeSet::new(),
             owner: None,
             last_inputs: None,
             pending_inputs: None,
@@ -371,12 +402,9 @@ impl Publisher {
         Ok(owner)
     }
 
-    /// Devices of our pool that allocated claims hold: from the claim watch
-    /// when [`Publisher::run`] keeps one, else listed (every claim, paged).
+    /// Devices of our pool that allocated claims hold, listed (every
+    /// claim, paged).
     async fn held_devices(&self) -> Result<BTreeSet<String>, PublishError> {
-        if let Some(claims) = self.claims.as_ref().filter(|c| c.synced()) {
-            return Ok(claims.held().clone());
-        }
         let api: Api<ResourceClaim> = Api::all(self.client.clone());
         let mut held = BTreeSet::new();
         let mut lp = ListParams::default().limit(500);
@@ -414,22 +442,28 @@ impl Publisher {
         result
     }
 
-    /// Whether `view`, with the devices claims hold now, is what the last
-    /// successful reconcile built from (only while the claim watch keeps
-    /// the held devices; a lone reconcile always runs).
+    /// Whether `view` builds what the last successful reconcile built: the
+    /// same node, except for prepares of devices that model publishes and
+    /// unprepares of devices it would publish anyway. (An unprepared device
+    /// kept only for being held may still be allocated: the reconcile lists
+    /// the claims to know.)
     fn same_inputs(&self, view: &NodeView) -> bool {
-        let (Some(last), Some(claims)) = (
-            &self.last_inputs,
-            self.claims.as_ref().filter(|c| c.synced()),
-        ) else {
+        let (Some(last), Some(published)) = (&self.last_inputs, &self.published) else {
             return false;
         };
-        let held: BTreeSet<&String> = claims.held().iter().chain(&view.prepared).collect();
+        let prepared_published = view
+            .prepared
+            .difference(&last.prepared)
+            .all(|d| published.contains_key(d));
+        let unprepared_stay = last
+            .prepared
+            .difference(&view.prepared)
+            .all(|d| !self.kept_for_holders.contains(d));
         last.inventory == view.inventory
             && last.owned_mig == view.owned_mig
             && last.unhealthy == view.unhealthy
-            && held.len() == last.held.len()
-            && held.into_iter().eq(&last.held)
+            && prepared_published
+            && unprepared_stay
     }
 
     async fn reconcile_inner(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
@@ -445,16 +479,7 @@ impl Publisher {
             None => self.fetch_owner().await,
         };
         let existing = self.existing().await?;
-        // Allocated claims (the scheduler's decisions, which the node only
-        // learns at prepare) and what the node itself has prepared.
-        let mut held = self.held_devices().await?;
-        held.extend(view.prepared.iter().cloned());
-        self.pending_inputs = Some(Inputs {
-            inventory: inventory.clone(),
-            owned_mig: view.owned_mig.clone(),
-            unhealthy: view.unhealthy.clone(),
-            held: held.clone(),
-        });
+        self.pending_inputs = Some(Inputs::from(view));
         // Read back from the slices only for GPUs the node has no number
         // for (a lost state directory); what this process numbered wins.
         let mut indices = indices_from_slices(&existing);
@@ -462,21 +487,59 @@ impl Publisher {
         if let Some(node) = &self.node_state {
             indices.extend(node.gpu_indices());
         }
-        let mut builder = SliceModel::new(
-            inventory,
-            &self.config.policy,
-            detected.capabilities,
-            &self.config.node,
-        )
-        .driver(self.config.driver.clone())
-        .held_devices(held.iter().cloned())
-        .owned_mig_instances(view.owned_mig.iter().cloned())
-        .unhealthy_gpus(view.unhealthy.clone())
-        .previous_indices(indices);
-        if let Ok(owner) = &owner {
-            builder = builder.owner(owner.clone());
+        let capabilities = detected.capabilities;
+        let build = |held: &BTreeSet<String>| {
+            let mut builder = SliceModel::new(
+                inventory,
+                &self.config.policy,
+                capabilities,
+                &self.config.node,
+            )
+            .driver(self.config.driver.clone())
+            .held_devices(held.iter().cloned())
+            .owned_mig_instances(view.owned_mig.iter().cloned())
+            .unhealthy_gpus(view.unhealthy.clone())
+            .previous_indices(indices.clone());
+            if let Ok(owner) = &owner {
+                builder = builder.owner(owner.clone());
+            }
+            builder.build()
+        };
+        // What the node prepared, it knows; the scheduler's allocations it
+        // learns from the claims, read only if the model would drop a device.
+        let mut held = view.prepared.clone();
+        let mut model = build(&held)?;
+        let mut before = published_devices(&existing);
+        before.extend(self.published.clone().unwrap_or_default());
+        let dropped = dropped_devices(&before, &published_devices(&model.slices));
+        self.kept_for_claims.clear();
+        // Without any holder (a model that fails counts every device as held).
+        let free = build(&BTreeSet::new())
+            .map(|m| m.devices)
+            .unwrap_or_default();
+        if !dropped.is_empty() || self.published.is_none() && existing.is_empty() {
+            if !dropped.is_empty() {
+                info!(
+                    "the model drops published device(s) {}: listing ResourceClaims to keep those a claim holds",
+                    dropped.iter().cloned().collect::<Vec<_>>().join(", ")
+                );
+            }
+            let claimed = self.held_devices().await?;
+            held.extend(claimed.iter().cloned());
+            let without = model.devices;
+            model = build(&held)?;
+            self.kept_for_claims = claimed
+                .into_iter()
+                .filter(|d| model.devices.contains_key(d) && !without.contains_key(d))
+                .collect();
         }
-        let model = builder.build()?;
+        self.kept_for_holders = model
+            .devices
+            .keys()
+            .filter(|d| !free.contains_key(*d))
+            .cloned()
+            .collect();
+        self.published = Some(published_devices(&model.slices));
         self.indices = model.gpu_indices.clone();
         if let Some(node) = &self.node_state {
             node.model_built(inventory, &model);
@@ -534,7 +597,6 @@ impl Publisher {
         // About to write: the cached owner may be stale (the Node recreated
         // under the same name; the garbage collector then deletes slices
         // owned by the old one, which brings us here). Read it again.
-        let mut model = model;
         if owner_cached {
             let fresh = self.fetch_owner().await?;
             if fresh.uid != owner.uid {
@@ -647,13 +709,12 @@ impl Publisher {
     }
 
     /// Reconciles until `shutdown` completes or the inventory sender is
-    /// dropped: once the claim watch has listed every claim, then on each
-    /// node change that alters what the model is built from (not on a
-    /// prepare of devices claims already hold), on changes to our slices made by anyone (including
-    /// deletion), when the devices of this pool that claims hold change, and
-    /// every `resync`. Failures back off exponentially up to `backoff_max`;
-    /// nothing here returns an error or panics on a server that is old, down
-    /// or refusing.
+    /// dropped: at once, then on each node change that alters what the
+    /// model is built from, on changes to our slices made by anyone
+    /// (including deletion), every `held_recheck` while the model keeps a
+    /// device only for a claim, and every `resync`. Failures back off
+    /// exponentially up to `backoff_max`; nothing here returns an error or
+    /// panics on a server that is old, down or refusing.
     pub async fn run(
         mut self,
         mut inventory: watch::Receiver<NodeView>,
@@ -662,27 +723,11 @@ impl Publisher {
         let mut shutdown = std::pin::pin!(shutdown.fuse());
         let cfg = watcher::Config::default().fields(&self.field_selector());
         let mut events = std::pin::pin!(watcher(self.slices_api(), cfg).default_backoff());
-        let claims_api: Api<ResourceClaim> = Api::all(self.client.clone());
-        let mut claim_events =
-            std::pin::pin!(watcher(claims_api, watcher::Config::default()).default_backoff());
-        self.claims = Some(HeldClaims::new(
-            self.config.driver.as_str(),
-            self.config.node.as_str(),
-        ));
         let mut backoff = Backoff::new(self.config.backoff_initial, self.config.backoff_max);
         let mut resync = tokio::time::interval(self.config.resync);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await; // the first tick is immediate; we reconcile anyway
         let mut notes_logged: Vec<String> = Vec::new();
-
-        // Publishing without every claim known could drop a device a claim
-        // holds: wait for the claim watch's first complete list.
-        while !self.claims.as_ref().is_some_and(HeldClaims::synced) {
-            tokio::select! {
-                _ = &mut shutdown => return,
-                event = claim_events.next() => { self.claim_event(event); }
-            }
-        }
 
         loop {
             let current = inventory.borrow_and_update().clone();
@@ -695,17 +740,18 @@ impl Publisher {
             };
             if let Some(delay) = delay {
                 // Back off: only shutdown interrupts. Slice events that
-                // arrive meanwhile are drained when we reconcile anyway;
-                // claim events keep the held devices current.
-                if !self
-                    .sleep_applying_claims(delay, &mut shutdown, &mut claim_events)
-                    .await
-                {
-                    return;
+                // arrive meanwhile are drained when we reconcile anyway.
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = tokio::time::sleep(delay) => {}
                 }
                 drain(&mut events);
                 continue;
             }
+            // A claim's release is not watched: look again later.
+            let recheck = tokio::time::sleep(self.config.held_recheck);
+            let mut recheck = std::pin::pin!(recheck);
+            let kept_for_claims = !self.kept_for_claims.is_empty();
 
             // Wait for a reason to reconcile; API events come in bursts, so
             // they are debounced (slice events arriving meanwhile are drained:
@@ -735,12 +781,10 @@ impl Publisher {
                             None => {}
                         }
                     }
-                    event = claim_events.next() => {
-                        // Only a change of this pool's held devices matters.
-                        if self.claim_event(event) {
-                            debug!("devices held by claims changed");
-                            break true;
-                        }
+                    _ = &mut recheck, if kept_for_claims => {
+                        debug!("devices kept for claims: are they still held?");
+                        self.last_inputs = None;
+                        break false;
                     }
                     _ = resync.tick() => {
                         // Re-detect: the server may have been upgraded or
@@ -752,11 +796,9 @@ impl Publisher {
                 }
             };
             if debounce {
-                if !self
-                    .sleep_applying_claims(self.config.debounce, &mut shutdown, &mut claim_events)
-                    .await
-                {
-                    return;
+                tokio::select! {
+                    _ = &mut shutdown => return,
+                    _ = tokio::time::sleep(self.config.debounce) => {}
                 }
                 drain(&mut events);
             }
@@ -821,60 +863,6 @@ impl Publisher {
             }
         }
     }
-
-    /// Applies one event of the claim watch; true when it changed the
-    /// devices of this pool that claims hold (after the first complete list).
-    fn claim_event(
-        &mut self,
-        event: Option<Result<watcher::Event<ResourceClaim>, watcher::Error>>,
-    ) -> bool {
-        let event = match event {
-            Some(Ok(event)) => event,
-            Some(Err(e)) => {
-                warn!("watching ResourceClaims: {e}");
-                return false;
-            }
-            None => return false,
-        };
-        if matches!(event, watcher::Event::Init) {
-            self.counters.claim_watch_listed();
-        }
-        let claims = self.claims.get_or_insert_with(|| {
-            HeldClaims::new(self.config.driver.as_str(), self.config.node.as_str())
-        });
-        let was_synced = claims.synced();
-        let changed = claims.apply(event);
-        if !was_synced && claims.synced() {
-            info!(
-                "ResourceClaims listed: {} hold {} devices of this pool",
-                claims.claims(),
-                claims.held().len()
-            );
-        }
-        was_synced && changed
-    }
-
-    /// Sleeps for `delay`, applying claim events meanwhile. False on shutdown.
-    async fn sleep_applying_claims<F, C>(
-        &mut self,
-        delay: Duration,
-        shutdown: &mut std::pin::Pin<&mut F>,
-        claim_events: &mut std::pin::Pin<&mut C>,
-    ) -> bool
-    where
-        F: Future<Output = ()>,
-        C: futures::Stream<Item = Result<watcher::Event<ResourceClaim>, watcher::Error>>,
-    {
-        let sleep = tokio::time::sleep(delay);
-        let mut sleep = std::pin::pin!(sleep);
-        loop {
-            tokio::select! {
-                _ = shutdown.as_mut() => return false,
-                _ = &mut sleep => return true,
-                event = claim_events.next() => { self.claim_event(event); }
-            }
-        }
-    }
 }
 
 /// Consumes whatever watch events are ready without waiting.
@@ -909,12 +897,47 @@ pub fn held_in(claims: &[ResourceClaim], driver: &str, node: &str) -> BTreeSet<S
         .collect()
 }
 
+/// The devices of `slices`, each with the UUID of its GPU.
+pub fn published_devices(slices: &[ResourceSlice]) -> Published {
+    slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .map(|d| (d.name.clone(), gpu_of(d)))
+        .collect()
+}
+
+/// Devices of `before` that `after` lacks, or publishes for another GPU
+/// (a vanished GPU's number taken by a new one): for a claim holding one,
+/// either would be a device dropped under it.
+pub fn dropped_devices(before: &Published, after: &Published) -> BTreeSet<String> {
+    before
+        .iter()
+        .filter(|(name, gpu)| after.get(*name) != Some(*gpu))
+        .map(|(name, _)| name.clone())
+        .collect()
+}
+
+/// The card a published device belongs to: `parentUUID` on share and MIG
+/// devices, `uuid` on whole GPUs.
+fn gpu_of(device: &k8s_openapi::api::resource::v1::Device) -> Option<String> {
+    let attrs = device.attributes.as_ref();
+    let get = |key: &str| {
+        attrs
+            .and_then(|a| a.get(key))
+            .and_then(|v| v.string.clone())
+    };
+    get(attr::PARENT_UUID).or_else(|| {
+        (get(attr::TYPE).as_deref() == Some(device_type::GPU))
+            .then(|| get(attr::UUID))
+            .flatten()
+    })
+}
+
 /// The GPU numbering the published slices use, read back from device names
 /// (`gpu-<n>...`) and the card UUID they carry (`parentUUID` on share and
 /// MIG devices, `uuid` on whole GPUs). This keeps a GPU's number across a
 /// restart even if another GPU vanished meanwhile.
 pub fn indices_from_slices(slices: &[ResourceSlice]) -> GpuIndices {
-    use tessera_api::names::{attr, device_type};
     let mut indices = GpuIndices::new();
     let mut taken = BTreeSet::new();
     for device in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
@@ -926,18 +949,7 @@ pub fn indices_from_slices(slices: &[ResourceSlice]) -> GpuIndices {
         else {
             continue;
         };
-        let attrs = device.attributes.as_ref();
-        let get = |key: &str| {
-            attrs
-                .and_then(|a| a.get(key))
-                .and_then(|v| v.string.clone())
-        };
-        let uuid = get(attr::PARENT_UUID).or_else(|| {
-            (get(attr::TYPE).as_deref() == Some(device_type::GPU))
-                .then(|| get(attr::UUID))
-                .flatten()
-        });
-        if let Some(uuid) = uuid
+        if let Some(uuid) = gpu_of(device)
             && !indices.contains_key(&uuid)
             && taken.insert(n)
         {

@@ -149,69 +149,29 @@ fn api_errors_read_as_the_servers_words() {
     );
 }
 
-fn claim_event(uid: &str, results: serde_json::Value) -> ResourceClaim {
-    serde_json::from_value(json!({
-        "metadata": {"name": uid, "namespace": "ns", "uid": uid},
-        "spec": {},
-        "status": {"allocation": {"devices": {"results": results}}},
-    }))
-    .unwrap()
-}
-
 fn result(pool: &str, device: &str) -> serde_json::Value {
     json!({"request": "r", "driver": "gpu.tessera.dev", "pool": pool, "device": device})
 }
 
 #[test]
-fn claim_index_keeps_only_this_pools_held_devices() {
-    use kube::runtime::watcher::Event;
-    let mut index = HeldClaims::new("gpu.tessera.dev", "node-a");
-    assert!(!index.synced());
-    // The initial list: nothing is visible until it is complete.
-    assert!(!index.apply(Event::Init));
-    assert!(!index.apply(Event::InitApply(claim_event(
-        "a",
-        json!([result("node-a", "gpu-0")])
-    ))));
-    assert!(!index.apply(Event::InitApply(claim_event(
-        "b",
-        json!([result("node-b", "gpu-0")])
-    ))));
-    assert!(index.held().is_empty());
-    assert!(index.apply(Event::InitDone));
-    assert!(index.synced());
-    assert_eq!(index.held().iter().collect::<Vec<_>>(), ["gpu-0"]);
-    // Claims of another pool are not kept at all.
-    assert_eq!(index.claims(), 1);
-    // Another node's claim changes nothing; so does a second claim of a
-    // device already held, and its release.
-    assert!(!index.apply(Event::Apply(claim_event(
-        "c",
-        json!([result("node-b", "gpu-1")])
-    ))));
-    assert!(!index.apply(Event::Apply(claim_event(
-        "d",
-        json!([result("node-a", "gpu-0")])
-    ))));
-    assert!(!index.apply(Event::Delete(claim_event("d", json!([])))));
-    // A new device held; then its allocation goes away (deallocated).
-    assert!(index.apply(Event::Apply(claim_event(
-        "e",
-        json!([result("node-a", "gpu-1-isolated")])
-    ))));
-    assert_eq!(index.held().len(), 2);
-    let deallocated: ResourceClaim = serde_json::from_value(
-        json!({"metadata": {"name": "e", "namespace": "ns", "uid": "e"}, "spec": {}}),
-    )
-    .unwrap();
-    assert!(index.apply(Event::Apply(deallocated)));
-    assert_eq!(index.claims(), 1);
-    // A relist (e.g. after 410 Gone) replaces the map once complete: the
-    // old view stays until then.
-    assert!(!index.apply(Event::Init));
-    assert_eq!(index.held().len(), 1);
-    assert!(index.apply(Event::InitDone));
-    assert!(index.held().is_empty());
+fn a_device_is_dropped_when_gone_or_on_another_gpu() {
+    let before: Published = [
+        ("gpu-0".to_string(), Some(A.to_string())),
+        ("gpu-1".to_string(), Some(B.to_string())),
+        ("gpu-1-shared".to_string(), Some(B.to_string())),
+    ]
+    .into();
+    // Same names, same GPUs, one device more: nothing dropped.
+    let mut after = before.clone();
+    after.insert("gpu-0-shared".into(), Some(A.into()));
+    assert!(dropped_devices(&before, &after).is_empty());
+    // A device gone, and a name now given to another card.
+    after.remove("gpu-1-shared");
+    after.insert("gpu-0".into(), Some("GPU-new".into()));
+    assert_eq!(
+        dropped_devices(&before, &after),
+        BTreeSet::from(["gpu-0".to_string(), "gpu-1-shared".to_string()])
+    );
 }
 
 mod with_server {
@@ -253,152 +213,232 @@ mod with_server {
         requests.iter().filter(|r| r.as_str() == what).count()
     }
 
-    /// The publisher's loop against an API server that counts requests:
-    /// the held devices come from the claim watch, never from a list per
-    /// reconcile; only this pool's held devices trigger a republish.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn held_devices_come_from_the_claim_watch() {
-        let api = FakeApi::new(NODE, "node-uid-1");
-        // Before the publisher starts: a claim on this node holding gpu-1,
-        // and one on another node.
-        api.put_claim(api_claim("held-1", NODE, "gpu-1"));
-        api.put_claim(api_claim("other-1", "node-b", "gpu-0"));
+    fn shared_only() -> NodePolicy {
+        NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  modes: [shared]\n").unwrap()
+    }
 
-        // Only shares are offered: whole GPUs appear only when held.
-        let policy =
-            NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  modes: [shared]\n").unwrap();
+    fn config(policy: NodePolicy) -> PublisherConfig {
         let mut config = PublisherConfig::new(NODE, DriverName::default(), policy);
         config.capabilities = Some(Capabilities::full());
         config.debounce = Duration::from_millis(20);
-        let publisher = Publisher::new(api.client(), config);
-        let counters = publisher.counters();
-        let inv = inventory(vec![gpu(A, "0000:01:00.0"), gpu(B, "0000:02:00.0")]);
-        let view = NodeView::from(inv);
-        let (tx, rx) = watch::channel(view.clone());
+        config.held_recheck = Duration::from_millis(50);
+        config
+    }
+
+    fn two_gpus() -> NodeView {
+        NodeView::from(inventory(vec![
+            gpu(A, "0000:01:00.0"),
+            gpu(B, "0000:02:00.0"),
+        ]))
+    }
+
+    /// Runs `publisher` on `view` until the returned sender is dropped or
+    /// the stop handle fires.
+    fn start(
+        publisher: Publisher,
+        view: NodeView,
+    ) -> (
+        watch::Sender<NodeView>,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (tx, rx) = watch::channel(view);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(publisher.run(rx, async move {
             let _ = stopped.await;
         }));
+        (tx, stop, task)
+    }
 
-        // The first publish already has the device the listed claim holds:
-        // nothing was written before the claim list was complete.
-        until("first publish", || !api.slices().is_empty()).await;
-        let requests = api.requests();
-        let first_write = requests
-            .iter()
-            .position(|r| r.starts_with("PATCH"))
-            .unwrap();
-        assert!(
-            requests[..first_write].contains(&"GET resourceclaims list".to_string()),
-            "{requests:?}"
-        );
-        let devices = published(&api);
-        assert!(devices.contains("gpu-1"), "{devices:?}");
-        assert!(!devices.contains("gpu-0"), "{devices:?}");
-        assert!(devices.contains("gpu-0-shared"), "{devices:?}");
-
-        // Settle: both watches are watching, and the reconciles the slice
-        // watch's first list brings are done.
-        until("watches", || {
-            let requests = api.requests();
-            count(&requests, "GET resourceslices watch") > 0
-                && count(&requests, "GET resourceclaims watch") > 0
-        })
-        .await;
+    /// Waits until the publisher has made no reconcile for a while.
+    async fn settled(counters: &WriteCounters) -> u64 {
         let mut settled = counters.reconciles();
         loop {
             tokio::time::sleep(Duration::from_millis(300)).await;
             if counters.reconciles() == settled {
-                break;
+                return settled;
             }
             settled = counters.reconciles();
         }
-        // The first reconcile and the end of the slice watch's first list;
-        // our writes coming back through the watch bring none.
-        assert!(settled <= 2, "{settled} reconciles");
-        let writes = counters.snapshot();
+    }
 
-        // (c) Claims on another node (or of another driver) arrive: no
-        // reconcile, no request.
+    /// The node's claim traffic does not grow with the cluster: no claim
+    /// watch, and claims allocated anywhere (this pool included) cost the
+    /// running publisher no request and no reconcile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_of_the_cluster_cost_a_running_node_nothing() {
+        let api = FakeApi::new(NODE, "node-uid-1");
+        api.put_claim(api_claim("other-0", "node-b", "gpu-0"));
+        let publisher = Publisher::new(api.client(), config(NodePolicy::default()));
+        let counters = publisher.counters();
+        let (_tx, stop, task) = start(publisher, two_gpus());
+        until("first publish", || !api.slices().is_empty()).await;
+        until("slice watch", || {
+            count(&api.requests(), "GET resourceslices watch") > 0
+        })
+        .await;
+        let settled = settled(&counters).await;
+        // A node with nothing published yet has nothing to compare with:
+        // its first model is built knowing the held devices.
+        assert_eq!(count(&api.requests(), "GET resourceclaims list"), 1);
+
         let mark = api.requests().len();
-        api.put_claim(api_claim("other-2", "node-b", "gpu-1"));
+        for n in 0..50 {
+            api.put_claim(api_claim(&format!("other-{n}"), "node-b", "gpu-1"));
+            api.put_claim(api_claim(&format!("mine-{n}"), NODE, "gpu-0-shared"));
+        }
         let mut foreign = api_claim("other-driver", NODE, "gpu-0");
         foreign["status"]["allocation"]["devices"]["results"][0]["driver"] =
             json!("other.example.com");
         api.put_claim(foreign);
-        // A second claim of a device already held changes no held set either.
-        api.put_claim(api_claim("held-1b", NODE, "gpu-1"));
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(counters.reconciles(), settled);
         assert_eq!(api.requests()[mark..], [] as [String; 0]);
-
-        // (a) The node prepared gpu-1, which a claim already holds: what the
-        // model is built from is unchanged, so no reconcile and no request.
-        let mark = api.requests().len();
-        let mut node = view.clone();
-        node.prepared.insert("gpu-1".into());
-        tx.send_replace(node.clone());
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(counters.reconciles(), settled);
-        assert_eq!(api.requests()[mark..], [] as [String; 0]);
-
-        // (a') It prepared a device no claim is known to hold yet (the claim
-        // watch lags): a reconcile, with no claim list, no Node GET, one
-        // narrow slice list and no write (the device is published anyway).
-        let reads = counters.reads();
-        node.prepared.insert("gpu-0-shared".into());
-        tx.send_replace(node);
-        until("reconcile", || counters.reconciles() == settled + 1).await;
-        until("slice list", || api.requests().len() > mark).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let requests = api.requests()[mark..].to_vec();
-        assert_eq!(requests, ["GET resourceslices list"]);
+        let requests = api.requests();
         assert_eq!(
-            counters.reads() - reads,
-            ReadCounts {
-                claim_lists: 0,
-                node_gets: 0,
-                slice_lists: 1
-            }
-        );
-        assert_eq!(counters.snapshot(), writes);
-
-        // (b) A claim on this node allocates gpu-0 (not offered by the
-        // policy), known only through the watch: republished with gpu-0.
-        let mark = api.requests().len();
-        api.put_claim(api_claim("held-0", NODE, "gpu-0"));
-        until("gpu-0 published", || published(&api).contains("gpu-0")).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let requests = api.requests()[mark..].to_vec();
-        assert_eq!(
-            count(&requests, "GET resourceclaims list"),
+            count(&requests, "GET resourceclaims watch"),
             0,
             "{requests:?}"
         );
-        assert_eq!(
-            count(&requests, "GET resourceslices list"),
-            1,
-            "{requests:?}"
-        );
-        // The cached owner is read again before writing.
-        assert_eq!(count(&requests, "GET node"), 1, "{requests:?}");
-        assert!(published(&api).contains("gpu-1"));
-        // The write came back through the slice watch: no reconcile for it.
-        assert_eq!(counters.reconciles(), settled + 2);
 
-        // The claim is deleted... by deallocation: gpu-0 goes again.
-        let mut released = api_claim("held-0", NODE, "gpu-0");
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+
+    /// A restart with the slices already published compares with them:
+    /// nothing dropped, so no claim is listed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restart_that_drops_nothing_lists_no_claims() {
+        let api = FakeApi::new(NODE, "node-uid-1");
+        api.put_claim(api_claim("held-1", NODE, "gpu-1"));
+        let mut first = Publisher::new(api.client(), config(NodePolicy::default()));
+        first.reconcile(&two_gpus()).await.unwrap();
+
+        let mut restarted = Publisher::new(api.client(), config(NodePolicy::default()));
+        let again = restarted.reconcile(&two_gpus()).await.unwrap();
+        assert!(again.unchanged);
+        assert_eq!(again.reads.claim_lists, 0);
+
+        // The policy now offers shares only, but the node itself prepared
+        // the whole GPU: kept from what the node knows, with no API read.
+        let api = FakeApi::new(NODE, "node-uid-1");
+        let one_gpu = NodeView::from(inventory(vec![gpu(A, "0000:01:00.0")]));
+        let whole_and_shared =
+            NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  modes: [whole, shared]\n")
+                .unwrap();
+        let mut first = Publisher::new(api.client(), config(whole_and_shared));
+        first.reconcile(&one_gpu).await.unwrap();
+        let mut prepared = one_gpu.clone();
+        prepared.prepared.insert("gpu-0".into());
+        let mut restarted = Publisher::new(api.client(), config(shared_only()));
+        let r = restarted.reconcile(&prepared).await.unwrap();
+        assert_eq!(r.reads.claim_lists, 0);
+        assert_eq!(r.held_devices, 1);
+        assert!(published(&api).contains("gpu-0"));
+    }
+
+    /// A policy change that would drop a device a claim holds: the claims
+    /// are listed then, the device stays published until the claim is
+    /// deallocated, and goes at the next recheck after that.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_device_a_claim_holds_stays_published() {
+        let api = FakeApi::new(NODE, "node-uid-1");
+        let mut first = Publisher::new(api.client(), config(NodePolicy::default()));
+        first.reconcile(&two_gpus()).await.unwrap();
+        assert!(
+            published(&api)
+                .is_superset(&BTreeSet::from(["gpu-0".to_string(), "gpu-1".to_string()]))
+        );
+        // The scheduler allocated gpu-1; then the node restarts with a
+        // policy that offers shares only.
+        api.put_claim(api_claim("held-1", NODE, "gpu-1"));
+        api.put_claim(api_claim("other-0", "node-b", "gpu-0"));
+
+        let publisher = Publisher::new(api.client(), config(shared_only()));
+        let counters = publisher.counters();
+        let (_tx, stop, task) = start(publisher, two_gpus());
+        until("republished", || !published(&api).contains("gpu-0")).await;
+        let devices = published(&api);
+        assert!(devices.contains("gpu-1"), "{devices:?}");
+        assert!(devices.contains("gpu-0-shared"), "{devices:?}");
+        // Never written without it: every write came after a claim list.
+        let requests = api.requests();
+        let first_list = requests
+            .iter()
+            .position(|r| r == "GET resourceclaims list")
+            .unwrap();
+        let first_write = requests
+            .iter()
+            .rposition(|r| r.starts_with("PATCH"))
+            .unwrap();
+        assert!(first_list < first_write, "{requests:?}");
+        assert!(counters.reads().claim_lists >= 1);
+
+        // Deallocated: gone at a recheck, with no other event.
+        let mut released = api_claim("held-1", NODE, "gpu-1");
         released["status"] = json!({});
         api.put_claim(released);
-        until("gpu-0 dropped", || !published(&api).contains("gpu-0")).await;
-        assert!(published(&api).contains("gpu-1"));
-        assert_eq!(count(&api.requests(), "GET resourceclaims list"), 1);
+        until("gpu-1 dropped", || !published(&api).contains("gpu-1")).await;
+        assert!(published(&api).contains("gpu-1-shared"));
+
+        // Nothing kept for claims any more: no further claim list.
+        let settled = settled(&counters).await;
+        let lists = counters.reads().claim_lists;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(counters.reconciles(), settled);
+        assert_eq!(counters.reads().claim_lists, lists);
 
         // Someone else deletes one of our slices: it is restored.
         let victim = api.slices()[0].metadata.name.clone().unwrap();
         let slices = api.slices().len();
         api.delete_slice(&victim);
         until("slice restored", || api.slices().len() == slices).await;
+
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+
+    /// The node prepares a device the model publishes anyway: no reconcile,
+    /// no request. It unprepares a device kept only because it was
+    /// prepared (the policy no longer offers it): the claims are listed, as
+    /// the claim may still be allocated.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prepares_cost_nothing_unless_a_device_may_go() {
+        let api = FakeApi::new(NODE, "node-uid-1");
+        let mut first = Publisher::new(api.client(), config(NodePolicy::default()));
+        first.reconcile(&two_gpus()).await.unwrap();
+        let mut view = two_gpus();
+        view.prepared.insert("gpu-1".into());
+        let publisher = Publisher::new(api.client(), config(shared_only()));
+        let counters = publisher.counters();
+        let (tx, stop, task) = start(publisher, view.clone());
+        until("gpu-0 dropped", || !published(&api).contains("gpu-0")).await;
+        until("slice watch", || {
+            count(&api.requests(), "GET resourceslices watch") > 0
+        })
+        .await;
+        let settled = settled(&counters).await;
+        assert!(published(&api).contains("gpu-1"));
+
+        let mark = api.requests().len();
+        view.prepared.insert("gpu-0-shared".into());
+        tx.send_replace(view.clone());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(counters.reconciles(), settled);
+        assert_eq!(api.requests()[mark..], [] as [String; 0]);
+
+        // Unprepared; the claim is still allocated, so gpu-1 stays.
+        api.put_claim(api_claim("held-1", NODE, "gpu-1"));
+        let lists = counters.reads().claim_lists;
+        view.prepared.remove("gpu-1");
+        tx.send_replace(view);
+        until("claims listed", || counters.reads().claim_lists > lists).await;
+        assert!(published(&api).contains("gpu-1"));
+        // Deallocated: gone at a recheck.
+        let mut released = api_claim("held-1", NODE, "gpu-1");
+        released["status"] = json!({});
+        api.put_claim(released);
+        until("gpu-1 dropped", || !published(&api).contains("gpu-1")).await;
 
         let _ = stop.send(());
         task.await.unwrap();
@@ -437,21 +477,14 @@ mod with_server {
         task.await.unwrap();
     }
 
-    /// `publish --once` has no watch: its reconcile lists the claims.
+    /// `publish --once` on a node with nothing published lists the claims
+    /// once; again, with nothing dropped, it lists none.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_lone_reconcile_lists_the_claims() {
+    async fn a_lone_reconcile_lists_the_claims_only_with_nothing_to_compare() {
         let api = FakeApi::new(NODE, "node-uid-1");
         api.put_claim(api_claim("held-1", NODE, "gpu-1"));
-        let policy =
-            NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  modes: [shared]\n").unwrap();
-        let mut config = PublisherConfig::new(NODE, DriverName::default(), policy);
-        config.capabilities = Some(Capabilities::full());
-        let mut publisher = Publisher::new(api.client(), config);
-        let view = NodeView::from(inventory(vec![
-            gpu(A, "0000:01:00.0"),
-            gpu(B, "0000:02:00.0"),
-        ]));
-        let first = publisher.reconcile(&view).await.unwrap();
+        let mut publisher = Publisher::new(api.client(), config(shared_only()));
+        let first = publisher.reconcile(&two_gpus()).await.unwrap();
         assert!(!first.unchanged);
         assert_eq!(first.held_devices, 1);
         assert_eq!(
@@ -462,8 +495,9 @@ mod with_server {
                 slice_lists: 1
             }
         );
-        // Again, nothing changed: the Node is cached.
-        let again = publisher.reconcile(&view).await.unwrap();
+        // Again, nothing changed: the Node is cached, and gpu-1 (kept for
+        // the claim) would be dropped, so the claims are listed again.
+        let again = publisher.reconcile(&two_gpus()).await.unwrap();
         assert!(again.unchanged);
         assert_eq!(
             again.reads,
