@@ -80,6 +80,9 @@ fn check_files(dirs: &PluginDirs, cycle: usize) -> Result<Vec<String>> {
 
 /// The dynamic claim's device: 1g.5gb at memory slice 3 of GPU 0.
 const DYNAMIC_AT: MigPlacement = MigPlacement { start: 3, size: 1 };
+/// What a prepare says when the node's view still names a MIG device that
+/// is gone.
+const STALE_MIG: &str = "cannot read MIG capability file";
 /// Set in the operator's child process: the GPU to clear, and the MIG
 /// devices completed claims recorded (comma-separated), which it spares.
 const OPERATOR_GPU_ENV: &str = "TESSERA_CRASH_OPERATOR_GPU";
@@ -298,7 +301,7 @@ async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
             if profile == "1g.5gb" && placement.start == 3)
     });
     let dynamic_gpu = devices(&w.node, &w.driver)[&dynamic].gpu_uuid.clone();
-    let mut unproven = 0;
+    let (mut unproven, mut operator_removed) = (0, false);
     let mut claims = Vec::new();
     let devices = [&shared, &shared, &gpu, &mig, &isolated, &dynamic];
     for (i, device) in devices.into_iter().enumerate() {
@@ -338,6 +341,7 @@ async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
     };
 
     let isolated_uid = claims[4].uid.clone();
+    let dynamic_uid = claims[5].uid.clone();
     let static_migs = instance_uuids(&w.dirs.inventory_now(&topology_path())?);
 
     let started = Instant::now();
@@ -386,6 +390,13 @@ async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
         plugin.kill()?;
         if let Ok(Ok(Some(answer))) = call.await {
             for (uid, a) in &answer.claims {
+                // The node sees the operator's removal at its next look at
+                // the GPUs (--rediscover-seconds): until then its view may
+                // still name the removed instance, and the kubelet's retry
+                // (a later cycle here) prepares the claim.
+                if operator_removed && *uid == dynamic_uid && a.error.contains(STALE_MIG) {
+                    continue;
+                }
                 ensure!(
                     a.error.is_empty(),
                     "cycle {cycle}: prepare of {uid} failed: {}",
@@ -401,7 +412,9 @@ async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
             .unwrap_or(0);
         plugin = PluginProcess::start(&w.dirs, &w.options())?;
         k = register(&w.dirs, &mut plugin, &w.driver).await?;
-        unproven += clear_unproven(w, &dynamic_gpu, log_before, cycle)?;
+        let removed = clear_unproven(w, &dynamic_gpu, log_before, cycle)?;
+        operator_removed = removed > 0;
+        unproven += removed;
         let completed = check_files(&w.dirs, cycle)?;
         check_hardware(&w.dirs, &static_migs, &isolated_uid, cycle).await?;
         completed_seen += completed.len();

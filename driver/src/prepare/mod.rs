@@ -34,6 +34,7 @@
 pub mod catalog;
 pub mod claims;
 pub mod host;
+mod lost;
 pub mod provider;
 mod recovery;
 pub mod resolve;
@@ -238,34 +239,6 @@ impl Preparer {
             .lock()
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
-    }
-
-    /// Claims whose records were lost (moved aside as unreadable) and not
-    /// yet unprepared: what they may use is kept.
-    pub fn lost_claims(&self) -> crate::checkpoint::Lost<ClaimEntry> {
-        self.checkpoint.lost()
-    }
-
-    /// MIG devices the driver created (recorded in the checkpoint, or
-    /// named by a lost record).
-    pub fn created_mig(&self) -> std::collections::BTreeSet<String> {
-        self.held(|e| e.created_mig().map(str::to_owned).collect())
-    }
-
-    /// Names of the devices of prepared claims (and of lost records).
-    pub fn prepared_devices(&self) -> std::collections::BTreeSet<String> {
-        self.held(|e| e.device_names().map(str::to_owned).collect())
-    }
-
-    /// What `f` finds in the entries of prepared claims and in what was
-    /// salvaged of lost records (their Pods may still run).
-    fn held(&self, f: impl Fn(&ClaimEntry) -> Vec<String>) -> std::collections::BTreeSet<String> {
-        let lost = self.checkpoint.lost();
-        let records = self.checkpoint.lock();
-        (records.values())
-            .chain(lost.claims.values().flatten())
-            .flat_map(f)
             .collect()
     }
 
@@ -539,29 +512,6 @@ impl Preparer {
                 .await
                 .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
         }
-        Ok(())
-    }
-
-    /// Unprepare of a claim the records do not know. If its record was
-    /// lost, what it may still hold goes now: every MPS daemon of the claim,
-    /// what the salvaged entry names (undone as a record would be: a MIG
-    /// device only where its GPU instance id and UUID both match), its CDI
-    /// spec and its status entries. Otherwise only a stray spec.
-    fn release_lost(&self, uid: &ClaimUid) -> Result<(), UndoError> {
-        let lost = self.checkpoint.lost();
-        if !lost.may_hold(uid) {
-            return self.specs.remove(uid).map_err(UndoError::Spec);
-        }
-        (self.deps.mps.release_claim(uid)).map_err(UndoError::LostDaemons)?;
-        match lost.claims.get(uid) {
-            Some(Some(salvaged)) => self.undo_now(uid, salvaged)?,
-            _ => self.specs.remove(uid).map_err(UndoError::Spec)?,
-        }
-        if let Some(writer) = &self.deps.status {
-            writer.remove_marked(uid.as_str());
-        }
-        self.checkpoint.release_lost(uid);
-        info!(claim = %uid, "released what a claim whose record was lost held");
         Ok(())
     }
 

@@ -1,0 +1,64 @@
+//! Claims whose records were lost: moved aside as unreadable at start-up
+//! ([`crate::checkpoint::Lost`]). Their Pods may still run, so what they
+//! may use stays published and in place until the kubelet unprepares them;
+//! then it is released like a record's side effects.
+
+use tracing::info;
+
+use super::state::ClaimEntry;
+use super::{Preparer, UndoError};
+use crate::checkpoint::Lost;
+use crate::claim_uid::ClaimUid;
+
+impl Preparer {
+    /// Claims whose records were lost (moved aside as unreadable) and not
+    /// yet unprepared: what they may use is kept.
+    pub fn lost_claims(&self) -> Lost<ClaimEntry> {
+        self.checkpoint.lost()
+    }
+
+    /// MIG devices the driver created (recorded in the checkpoint, or
+    /// named by a lost record).
+    pub fn created_mig(&self) -> std::collections::BTreeSet<String> {
+        self.held(|e| e.created_mig().map(str::to_owned).collect())
+    }
+
+    /// Names of the devices of prepared claims (and of lost records).
+    pub fn prepared_devices(&self) -> std::collections::BTreeSet<String> {
+        self.held(|e| e.device_names().map(str::to_owned).collect())
+    }
+
+    /// What `f` finds in the entries of prepared claims and in what was
+    /// salvaged of lost records (their Pods may still run).
+    fn held(&self, f: impl Fn(&ClaimEntry) -> Vec<String>) -> std::collections::BTreeSet<String> {
+        let lost = self.checkpoint.lost();
+        let records = self.checkpoint.lock();
+        (records.values())
+            .chain(lost.claims.values().flatten())
+            .flat_map(f)
+            .collect()
+    }
+
+    /// Unprepare of a claim the records do not know. If its record was
+    /// lost, what it may still hold goes now: every MPS daemon of the claim,
+    /// what the salvaged entry names (undone as a record would be: a MIG
+    /// device only where its GPU instance id and UUID both match), its CDI
+    /// spec and its status entries. Otherwise only a stray spec.
+    pub(super) fn release_lost(&self, uid: &ClaimUid) -> Result<(), UndoError> {
+        let lost = self.checkpoint.lost();
+        if !lost.may_hold(uid) {
+            return self.specs.remove(uid).map_err(UndoError::Spec);
+        }
+        (self.deps.mps.release_claim(uid)).map_err(UndoError::LostDaemons)?;
+        match lost.claims.get(uid) {
+            Some(Some(salvaged)) => self.undo_now(uid, salvaged)?,
+            _ => self.specs.remove(uid).map_err(UndoError::Spec)?,
+        }
+        if let Some(writer) = &self.deps.status {
+            writer.remove_marked(uid.as_str());
+        }
+        self.checkpoint.release_lost(uid);
+        info!(claim = %uid, "released what a claim whose record was lost held");
+        Ok(())
+    }
+}
