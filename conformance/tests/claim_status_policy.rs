@@ -20,7 +20,7 @@
 //! * a token not bound to a pod (no node in it) writes nothing.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -33,6 +33,7 @@ use kube::api::{
 use kube::{Api, Client};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tessera_conformance::procs::run;
 use tessera_conformance::{TestCluster, TestNamespace, unique_name, wait_for};
 
 /// The policy is picked up by the API server's informers within seconds.
@@ -45,21 +46,6 @@ fn repo_root() -> PathBuf {
         .parent()
         .expect("conformance has a parent")
         .to_path_buf()
-}
-
-fn run(command: &mut Command) -> Result<String> {
-    let shown = format!("{command:?}");
-    let out = command
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {shown}"))?;
-    ensure!(
-        out.status.success(),
-        "{shown} failed ({}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The chart's ServiceAccount, RBAC and admission policies for `release`.

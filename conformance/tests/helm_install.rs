@@ -52,6 +52,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client};
 use serde_json::{Value, json};
+use tessera_conformance::procs::run;
 use tessera_conformance::{
     TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
@@ -111,23 +112,6 @@ fn check_endpoints(rendered: &str) -> Result<()> {
         "the probe socket must be in an emptyDir:\n{rendered}"
     );
     Ok(())
-}
-
-/// Runs a command, returning stdout; the error carries stderr.
-fn run(command: &mut Command) -> Result<String> {
-    let shown = format!("{command:?}");
-    let out = command
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {shown}"))?;
-    ensure!(
-        out.status.success(),
-        "{shown} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {

@@ -615,6 +615,25 @@ async fn many_claims_in_parallel() -> Result<()> {
     w.namespace.delete().await
 }
 
+/// The message of the CheckpointQuarantined Event on the node, once there.
+async fn quarantine_event(w: &World) -> Result<String> {
+    use k8s_openapi::api::core::v1::Event;
+    let events: Api<Event> = Api::namespaced(w.cluster.client(), "default");
+    let event = wait_for("CheckpointQuarantined event on the Node", TIMEOUT, || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&Default::default()).await?;
+            Ok(list.items.into_iter().find(|e| {
+                e.reason.as_deref() == Some("CheckpointQuarantined")
+                    && e.involved_object.kind.as_deref() == Some("Node")
+                    && e.involved_object.name.as_deref() == Some(w.node.as_str())
+            }))
+        }
+    })
+    .await?;
+    Ok(event.message.unwrap_or_default())
+}
+
 /// A claim `name` allocated one share (1Gi, 10 %) of a GPU of the node:
 /// Shared or Isolated.
 async fn share_claim(w: &World, name: &str, shared: bool) -> Result<ResourceClaim> {
@@ -638,7 +657,6 @@ async fn share_claim(w: &World, name: &str, shared: bool) -> Result<ResourceClai
 
 #[tokio::test]
 async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
-    use k8s_openapi::api::core::v1::Event;
     let w = World::new("plugin-cp").await?;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
@@ -659,21 +677,7 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
     std::fs::write(&path, text.replacen("Completed", "Completes", 1))?;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
-    let events: Api<Event> = Api::namespaced(w.cluster.client(), "default");
-    let node = w.node.clone();
-    let event = wait_for("CheckpointQuarantined event on the Node", TIMEOUT, || {
-        let (events, node) = (events.clone(), node.clone());
-        async move {
-            let list = events.list(&Default::default()).await?;
-            Ok(list.items.into_iter().find(|e| {
-                e.reason.as_deref() == Some("CheckpointQuarantined")
-                    && e.involved_object.kind.as_deref() == Some("Node")
-                    && e.involved_object.name.as_deref() == Some(node.as_str())
-            }))
-        }
-    })
-    .await?;
-    let message = event.message.unwrap_or_default();
+    let message = quarantine_event(&w).await?;
     ensure!(
         message.contains("checksum mismatch") && message.contains("moved to"),
         "{message}"
@@ -758,7 +762,6 @@ async fn a_lost_record_keeps_what_its_claim_uses_until_unprepare() -> Result<()>
 }
 
 async fn lost_record_keeps(w: &World) -> Result<()> {
-    use k8s_openapi::api::core::v1::Event;
     let mut plugin = PluginProcess::start(&w.dirs, &w.options())?;
     let mut k = register(&w.dirs, &mut plugin, &w.driver).await?;
     let claim = share_claim(w, "lost", false).await?;
@@ -795,20 +798,7 @@ async fn lost_record_keeps(w: &World) -> Result<()> {
         drop(_k);
         ensure!(plugin.terminate().await?.success());
     }
-    let events: Api<Event> = Api::namespaced(w.cluster.client(), "default");
-    let node = w.node.clone();
-    let event = wait_for("CheckpointQuarantined event on the Node", TIMEOUT, || {
-        let (events, node) = (events.clone(), node.clone());
-        async move {
-            let list = events.list(&Default::default()).await?;
-            Ok(list.items.into_iter().find(|e| {
-                e.reason.as_deref() == Some("CheckpointQuarantined")
-                    && e.involved_object.name.as_deref() == Some(node.as_str())
-            }))
-        }
-    })
-    .await?;
-    let message = event.message.unwrap_or_default();
+    let message = quarantine_event(w).await?;
     ensure!(
         message.contains("MPS daemons") && message.contains("until the kubelet unprepares"),
         "{message}"
