@@ -85,15 +85,6 @@ pub enum LoadOutcome {
     },
 }
 
-impl LoadOutcome {
-    /// Whether the records are a complete account of what this driver has
-    /// prepared, so CDI specs not in it are leftovers that may be deleted.
-    /// After quarantine they are not: a running pod's spec may be among them.
-    pub fn knows_all_prepared_claims(&self) -> bool {
-        !matches!(self, LoadOutcome::Quarantined { .. })
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     #[error("cannot read boot id from {path}: {source}")]
@@ -779,7 +770,9 @@ mod tests {
         assert_eq!(outcome, LoadOutcome::PreviousBoot { claims: 1 });
         assert!(cp.lock().is_empty());
         assert!(!f.record(&uid(1)).exists());
-        assert!(outcome.knows_all_prepared_claims());
+        // A complete account: no claim of this boot is lost.
+        let lost = cp.lost();
+        assert!(lost.claims.is_empty() && !lost.unnamed);
         assert_eq!(f.open().1, LoadOutcome::Fresh);
     }
 
@@ -803,7 +796,9 @@ mod tests {
         assert!(!path.exists());
         assert_eq!(*restored, 1, "the other claim's record is intact");
         assert_eq!(cp.lock().keys().collect::<Vec<_>>(), [&uid(2)]);
-        assert!(!outcome.knows_all_prepared_claims());
+        // Not a complete account: the claim of the moved-aside record may
+        // still be prepared.
+        assert!(cp.lost().may_hold(&uid(1)));
         // Moved aside for good: the next start finds only the intact one.
         assert_eq!(f.open().1, LoadOutcome::Restored { claims: 1 });
     }
