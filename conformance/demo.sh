@@ -86,9 +86,10 @@ kubectl apply -f deploy/deviceclasses.yaml
 say "published ResourceSlices (by tessera plugin)"
 kubectl get resourceslices -o wide
 
-pods=(whole-gpu isolated-a isolated-b shared)
-examples=(-f deploy/examples/whole-gpu.yaml -f deploy/examples/isolated-share.yaml -f deploy/examples/shared-share.yaml)
-what="whole GPU, two Isolated shares, one Shared share"
+pods=(whole-gpu isolated-a isolated-b shared limits-gpu)
+examples=(-f deploy/examples/whole-gpu.yaml -f deploy/examples/isolated-share.yaml -f deploy/examples/shared-share.yaml
+	-f deploy/examples/extended-resource.yaml)
+what="whole GPU, two Isolated shares, one Shared share, a whole GPU asked as resources.limits tessera.dev/gpu"
 # A MIG device where the node offers one (dynamic MIG: prepare creates it).
 profiles=$(kubectl get resourceslices --field-selector "spec.nodeName=$TESSERA_NODE_NAME" \
 	-o 'jsonpath={.items[*].spec.devices[*].attributes.profile.string}')
@@ -107,7 +108,8 @@ kubectl get resourceclaims -o \
 
 say "what each pod sees: its own nvidia-smi (kubectl logs)"
 for pod in "${pods[@]}"; do
-	claim=$(kubectl get pod "$pod" -o 'jsonpath={.status.resourceClaimStatuses[0].resourceClaimName}')
+	# A Pod asking resources.limits has the claim the scheduler made for it.
+	claim=$(kubectl get pod "$pod" -o 'jsonpath={.status.resourceClaimStatuses[0].resourceClaimName}{.status.extendedResourceClaimStatus.resourceClaimName}')
 	want=$(kubectl get resourceclaim "$claim" -o 'jsonpath={.status.devices[0].data.migUUID}')
 	[[ -n "$want" ]] || want=$(kubectl get resourceclaim "$claim" -o 'jsonpath={.status.devices[0].data.gpuUUID}')
 	out=$(kubectl logs "$pod")

@@ -150,7 +150,8 @@ cargo test --workspace --no-fail-fast "$@" || tests_rc=$?
 # drive the real kube-scheduler run again against a main cluster (kubelet,
 # all gates) and a degraded one of each extra release. The default release's
 # clusters are stopped first (two cores).
-SCHEDULER_TESTS=(--test scheduler_allocates --test slices_scheduler --test slices_degraded --test health_taints)
+SCHEDULER_TESTS=(--test scheduler_allocates --test slices_scheduler --test slices_degraded --test health_taints
+	--test extended_resources)
 if ((${#EXTRA_KUBE_VERSIONS[@]} > 0)); then
 	TESSERA_CLUSTER_DIR="$MAIN_DIR" "$CLUSTER" stop
 	TESSERA_CLUSTER_DIR="$DEGRADED_DIR" "$CLUSTER" stop

@@ -3,6 +3,7 @@
 
 pub mod artifacts;
 pub mod bench;
+pub mod classes;
 pub mod cluster;
 pub mod procs;
 pub mod selftest;

@@ -16,22 +16,18 @@
 
 mod plugin_support;
 
-use std::path::Path;
-use std::process::Command;
-
 use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
 use kube::api::PostParams;
-use serde_json::{Value, json};
-use tessera_conformance::artifacts::binaries;
+use serde_json::json;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name,
 };
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running,
+    cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running, node_status,
     probe_image,
 };
 use plugin_support::repo_root;
@@ -103,43 +99,6 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
     result
 }
 
-/// `tessera status -o json` on the simulated node.
-fn status(env: &ClusterEnv, driver: &str, extra: &[&str]) -> Result<Value> {
-    let vars = cluster_env_vars(env)?;
-    let var = |k: &str| {
-        vars.get(k)
-            .with_context(|| format!("cluster.sh env has no {k}"))
-    };
-    let nvml = Path::new(var("TESSERA_NODE_DRIVER_ROOT")?)
-        .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
-    let out = Command::new(&binaries().tessera)
-        .arg("--nvml-library")
-        .arg(nvml)
-        .args(["status", "-o", "json", "--driver-name", driver])
-        .arg("--state-dir")
-        .arg(var("TESSERA_NODE_STATE_DIR")?)
-        .arg("--kubeconfig")
-        .arg(&env.kubeconfig)
-        .args(extra)
-        .env(
-            "TESSERA_FAKE_NVML_TOPOLOGY",
-            var("TESSERA_FAKE_NVML_TOPOLOGY")?,
-        )
-        .env("TESSERA_FAKE_NVML_STATE", var("TESSERA_FAKE_NVML_STATE")?)
-        .env(
-            "TESSERA_FAKE_NVML_DRIVER_ROOT",
-            var("TESSERA_FAKE_NVML_DRIVER_ROOT")?,
-        )
-        .output()
-        .context("running tessera status")?;
-    ensure!(
-        out.status.success(),
-        "tessera status failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(serde_json::from_slice(&out.stdout)?)
-}
-
 async fn run(
     env: &ClusterEnv,
     cluster: &TestCluster,
@@ -203,7 +162,7 @@ async fn run(
 
     // tessera status lists the claim, its Pod and the GPU's mode.
     let uid = claims.get("limited").await?.metadata.uid.context("uid")?;
-    let report = status(env, driver, &[])?;
+    let report = node_status(env, driver, &[])?;
     let gpus = report["gpus"].as_array().context("gpus")?;
     let (gpu, claim) = gpus
         .iter()
@@ -226,7 +185,7 @@ async fn run(
         claim["limits"]["memoryBytes"] == 4u64 << 30 && claim["limits"]["computePercent"] == 25,
         "tessera status shows other limits: {claim:#}"
     );
-    let offline = status(env, driver, &["--no-api"])?;
+    let offline = node_status(env, driver, &["--no-api"])?;
     ensure!(
         offline["apiUnavailable"].is_string()
             && offline["gpus"]

@@ -25,7 +25,9 @@
 //!   --driver gpu.nvidia.com` (KAR-0003, secure access) passes; a claim written as for
 //!   NVIDIA's driver (class `gpu.nvidia.com`, a CEL selector on
 //!   `productName` and `pcieBusID`) gets that GPU and its pod sees exactly
-//!   it; `deploy/examples/nvidia-gpu.yaml` runs as it is, and every other
+//!   it; `deploy/examples/nvidia-gpu.yaml` runs as it is; a Pod asking
+//!   `resources.limits: {nvidia.com/gpu: 1}` (`extended-resource.yaml`)
+//!   gets a GPU of its own and sees exactly it; and every other
 //!   manifest of `deploy/examples` runs with its classes renamed to
 //!   `nvidia.com`.
 //!
@@ -589,6 +591,11 @@ async fn sees_its_gpu(ns: &TestNamespace, pod: &str) -> Result<(String, String)>
         .and_then(|s| s.resource_claim_statuses.as_ref())
         .and_then(|c| c.first())
         .and_then(|c| c.resource_claim_name.clone())
+        .or_else(|| {
+            // The claim the scheduler made for the pod's resources.limits.
+            let s = running_pod.status.as_ref()?;
+            Some(s.extended_resource_claim_status.as_ref()?.resource_claim_name.clone())
+        })
         .or_else(|| {
             // A claim the pod names itself (no template): not in the status.
             running_pod
@@ -1361,10 +1368,23 @@ async fn install_nvidia(
     let (_, example) = sees_its_gpu(ns, "nvidia-gpu").await?;
     ensure!(example != got, "two claims on one whole GPU");
 
+    // A Pod written for the device plugin, `resources.limits:
+    // {nvidia.com/gpu: 1}` and no claim: the chart's whole-GPU class
+    // stands for that extended resource, the scheduler makes the claim.
+    apply_example(cluster, ns.name(), "extended-resource.yaml", "nvidia.com").await?;
+    let (limits_claim, limits_gpu) = sees_its_gpu(ns, "limits-gpu").await?;
+    ensure!(
+        limits_gpu != got && limits_gpu != example,
+        "the resources.limits Pod's claim {limits_claim} got {limits_gpu}, a GPU another claim holds"
+    );
+    eprintln!("resources.limits nvidia.com/gpu: claim {limits_claim} got {limits_gpu}");
+
     // Every other example, under the nvidia.com classes.
     let mut files: Vec<String> = std::fs::read_dir(repo_root().join("deploy/examples"))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|f| f.ends_with(".yaml") && f != "nvidia-gpu.yaml")
+        .filter(|f| {
+            f.ends_with(".yaml") && f != "nvidia-gpu.yaml" && f != "extended-resource.yaml"
+        })
         .collect();
     files.sort();
     for f in &files {

@@ -7,13 +7,14 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams};
+use serde_json::Value;
 use tessera_conformance::{ClusterEnv, TestNamespace, wait_for};
 
-use super::repo_root;
+use super::{binaries, repo_root};
 
 /// How long [`log_with`] waits for a real container's output: the pod
 /// tests' timeout, twice the plugin tests' `TIMEOUT`.
@@ -139,4 +140,41 @@ pub async fn delete_pods(ns: &TestNamespace) {
         }
     })
     .await;
+}
+
+/// `tessera status -o json` on the node of `cluster.sh node-start`.
+pub fn node_status(env: &ClusterEnv, driver: &str, extra: &[&str]) -> Result<Value> {
+    let vars = cluster_env_vars(env)?;
+    let var = |k: &str| {
+        vars.get(k)
+            .with_context(|| format!("cluster.sh env has no {k}"))
+    };
+    let nvml = Path::new(var("TESSERA_NODE_DRIVER_ROOT")?)
+        .join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+    let out = Command::new(&binaries().tessera)
+        .arg("--nvml-library")
+        .arg(nvml)
+        .args(["status", "-o", "json", "--driver-name", driver])
+        .arg("--state-dir")
+        .arg(var("TESSERA_NODE_STATE_DIR")?)
+        .arg("--kubeconfig")
+        .arg(&env.kubeconfig)
+        .args(extra)
+        .env(
+            "TESSERA_FAKE_NVML_TOPOLOGY",
+            var("TESSERA_FAKE_NVML_TOPOLOGY")?,
+        )
+        .env("TESSERA_FAKE_NVML_STATE", var("TESSERA_FAKE_NVML_STATE")?)
+        .env(
+            "TESSERA_FAKE_NVML_DRIVER_ROOT",
+            var("TESSERA_FAKE_NVML_DRIVER_ROOT")?,
+        )
+        .output()
+        .context("running tessera status")?;
+    ensure!(
+        out.status.success(),
+        "tessera status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
 }

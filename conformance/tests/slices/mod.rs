@@ -708,17 +708,9 @@ pub const MIB_BYTES: u64 = MIB;
 /// replaced, so the classes select only this test's driver. Returns the
 /// class names.
 async fn install_classes(client: &Client, domain: &str) -> Result<Vec<String>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/deviceclasses.yaml");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let text = text.replace("tessera.dev", domain);
     let api: Api<DeviceClass> = Api::all(client.clone());
     let mut names = Vec::new();
-    for doc in text
-        .split("\n---")
-        .filter(|d| d.contains("kind: DeviceClass"))
-    {
-        let class = device_class_from_yaml(doc)?;
+    for class in tessera_conformance::classes::deploy_classes(domain)? {
         let name = class.metadata.name.clone().unwrap_or_default();
         api.create(&PostParams::default(), &class)
             .await
@@ -727,61 +719,10 @@ async fn install_classes(client: &Client, domain: &str) -> Result<Vec<String>> {
     }
     ensure!(
         names.len() == 5,
-        "expected 5 DeviceClasses (gpu, mig, gpu-isolated, gpu-shared, gpu-monitor) in {}, \
-         found {names:?}",
-        path.display()
+        "expected 5 DeviceClasses (gpu, mig, gpu-isolated, gpu-shared, gpu-monitor) in \
+         deploy/deviceclasses.yaml, found {names:?}"
     );
     Ok(names)
-}
-
-/// Reads one DeviceClass document of the shape deploy/deviceclasses.yaml
-/// uses (name + CEL selectors), without a YAML dependency: the name from
-/// `metadata.name`, each `expression: >-` block folded into one line.
-fn device_class_from_yaml(doc: &str) -> Result<DeviceClass> {
-    let mut name = None;
-    let mut expressions = Vec::new();
-    let mut lines = doc.lines().peekable();
-    let mut in_metadata = false;
-    while let Some(line) = lines.next() {
-        let trimmed = line.trim();
-        if line.starts_with("metadata:") {
-            in_metadata = true;
-            continue;
-        }
-        if !line.starts_with(' ') {
-            in_metadata = false;
-        }
-        if in_metadata && let Some(n) = trimmed.strip_prefix("name:") {
-            name = Some(n.trim().to_string());
-        }
-        if let Some(rest) = trimmed.strip_prefix("expression:") {
-            let rest = rest.trim();
-            if rest == ">-" || rest == ">" {
-                let indent = |l: &str| l.len() - l.trim_start().len();
-                let base = indent(line);
-                let mut parts = Vec::new();
-                while let Some(next) = lines.peek() {
-                    if next.trim().is_empty() || indent(next) <= base {
-                        break;
-                    }
-                    parts.push(next.trim().to_string());
-                    lines.next();
-                }
-                expressions.push(parts.join(" "));
-            } else {
-                expressions.push(rest.trim_matches('"').to_string());
-            }
-        }
-    }
-    let name = name.context("DeviceClass without metadata.name")?;
-    ensure!(
-        !expressions.is_empty(),
-        "DeviceClass {name} without a CEL selector"
-    );
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name },
-        "spec": { "selectors": expressions.iter().map(|e| json!({"cel": {"expression": e}})).collect::<Vec<_>>() },
-    }))?)
 }
 
 /// A Ready node without a kubelet (nothing keeps its lease fresh; the pods

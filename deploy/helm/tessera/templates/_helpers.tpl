@@ -55,6 +55,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "tessera.driverName" . | trimPrefix "gpu." -}}
 {{- end -}}
 
+{{/* The whole-GPU class's extended resource name, or nothing
+     (deviceClasses.extendedResources.gpu). */}}
+{{- define "tessera.gpuExtendedResource" -}}
+{{- $r := .Values.deviceClasses.extendedResources.gpu | default "" -}}
+{{- if eq $r "auto" -}}
+{{- if semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version -}}
+{{- printf "%s/gpu" (include "tessera.domain" .) -}}
+{{- end -}}
+{{- else if $r -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$" $r) -}}
+{{- fail (printf "deviceClasses.extendedResources.gpu: %q is not an extended resource name such as nvidia.com/gpu" $r) -}}
+{{- end -}}
+{{- if or (hasPrefix "kubernetes.io/" $r) (contains ".kubernetes.io/" $r) (hasPrefix "requests." $r) -}}
+{{- fail (printf "deviceClasses.extendedResources.gpu: %q is in a domain Kubernetes reserves; use your own, e.g. nvidia.com/gpu" $r) -}}
+{{- end -}}
+{{- $r -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "tessera.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
