@@ -594,7 +594,12 @@ async fn sees_its_gpu(ns: &TestNamespace, pod: &str) -> Result<(String, String)>
         .or_else(|| {
             // The claim the scheduler made for the pod's resources.limits.
             let s = running_pod.status.as_ref()?;
-            Some(s.extended_resource_claim_status.as_ref()?.resource_claim_name.clone())
+            Some(
+                s.extended_resource_claim_status
+                    .as_ref()?
+                    .resource_claim_name
+                    .clone(),
+            )
         })
         .or_else(|| {
             // A claim the pod names itself (no template): not in the status.
@@ -1265,6 +1270,43 @@ async fn install_nvidia(
             .is_err_and(|e| e.to_string().contains("nvidiaCompatibleNames")),
         "nvidiaCompatibleNames with another driverName must fail: {clash:?}"
     );
+    // The whole-GPU class names nvidia.com/gpu only where the API server
+    // serves the field (1.36+); a name in a reserved domain is refused.
+    for (kube, want) in [("1.37.0", true), ("1.35.0", false)] {
+        let rendered = helm
+            .run(&[
+                "template",
+                "t",
+                chart,
+                "-f",
+                values,
+                "--kube-version",
+                kube,
+                "--show-only",
+                "templates/deviceclasses.yaml",
+            ])
+            .await?;
+        ensure!(
+            rendered.contains("extendedResourceName: nvidia.com/gpu") == want,
+            "on Kubernetes {kube} the chart should {}name nvidia.com/gpu:\n{rendered}",
+            if want { "" } else { "not " }
+        );
+    }
+    let reserved = helm
+        .run(&[
+            "template",
+            "t",
+            chart,
+            "--set",
+            "deviceClasses.extendedResources.gpu=kubernetes.io/gpu",
+        ])
+        .await;
+    ensure!(
+        reserved.as_ref().is_err_and(|e| e
+            .to_string()
+            .contains("deviceClasses.extendedResources.gpu")),
+        "an extended resource in a reserved domain must fail: {reserved:?}"
+    );
 
     let t0 = Instant::now();
     helm.run(&["install", release, chart, "-n", ns.name(), "-f", values])
@@ -1382,9 +1424,7 @@ async fn install_nvidia(
     // Every other example, under the nvidia.com classes.
     let mut files: Vec<String> = std::fs::read_dir(repo_root().join("deploy/examples"))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|f| {
-            f.ends_with(".yaml") && f != "nvidia-gpu.yaml" && f != "extended-resource.yaml"
-        })
+        .filter(|f| f.ends_with(".yaml") && f != "nvidia-gpu.yaml" && f != "extended-resource.yaml")
         .collect();
     files.sort();
     for f in &files {

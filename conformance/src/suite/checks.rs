@@ -4,9 +4,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceClaimTemplate};
+use kube::Api;
 
 use super::Ctx;
 use super::facts::{self, SliceDevice};
@@ -68,6 +69,7 @@ pub async fn run(ctx: &Ctx, id: &str) -> Result<Outcome> {
         "secure-one-device" => secure_one_device(ctx).await,
         "secure-no-claim" => secure_no_claim(ctx).await,
         "secure-two-containers" => secure_two_containers(ctx).await,
+        "extended-resource" => extended_resource(ctx).await,
         "health-script" => health_script(ctx).await,
         "isolated-limits" => super::isolation::isolated_limits(ctx).await,
         other => bail!("unknown check {other}"),
@@ -863,6 +865,74 @@ async fn secure_one_device(ctx: &Ctx) -> Result<Outcome> {
     )];
     Ok(
         match count_verdict("pod secure-one with a 1-device claim", 1, out) {
+            Ok(m) => Outcome::pass(m, details),
+            Err(m) => Outcome::fail(m, details),
+        },
+    )
+}
+
+/// A pod written for the device plugin, `resources.limits` only, through
+/// the GPU class's `extendedResourceName` (Kubernetes 1.36+): it gets one
+/// device of the class, from the node's driver, and sees exactly it.
+async fn extended_resource(ctx: &Ctx) -> Result<Outcome> {
+    let class = Api::<DeviceClass>::all(ctx.kube.client.clone())
+        .get_opt(&ctx.classes.gpu)
+        .await
+        .with_context(|| format!("reading DeviceClass {}", ctx.classes.gpu))?;
+    let Some(class) = class else {
+        return Ok(Outcome::skip(format!(
+            "DeviceClass {} does not exist",
+            ctx.classes.gpu
+        )));
+    };
+    let Some(resource) = class.spec.extended_resource_name.clone() else {
+        return Ok(Outcome::skip(format!(
+            "DeviceClass {} names no extendedResourceName (the API server is older than 1.36, \
+             or the class was installed without one: the chart's \
+             deviceClasses.extendedResources.gpu)",
+            ctx.classes.gpu
+        )));
+    };
+    let pod = ProbePod::single(
+        "limits-gpu",
+        "extended-resource",
+        &ctx.node,
+        &ctx.image,
+        Some(ClaimSource::Limits(resource.clone())),
+    );
+    let runs = run_pods(ctx, "extended-resource", &[pod]).await?;
+    let ev = evidence(ctx, &runs[0]).await?;
+    let out = runs[0].output();
+    let details = vec![format!(
+        "pod limits-gpu (resources.limits {resource}: 1): {}; allocated {}",
+        out.summary(),
+        ev.devices
+            .iter()
+            .map(|(claim, id, gpu, _)| format!("{claim}: {id} ({})", gpu.as_deref().unwrap_or("?")))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )];
+    let gpu = match ev.devices.as_slice() {
+        [(_, _, Some(gpu), _)] => gpu.clone(),
+        _ => String::new(),
+    };
+    if gpu.is_empty() {
+        return Ok(Outcome::fail(
+            format!(
+                "pod limits-gpu asked {resource}: 1 and got {} device(s), not one device of {} on {}",
+                ev.devices.len(),
+                ctx.driver,
+                ctx.node
+            ),
+            details,
+        ));
+    }
+    Ok(
+        match count_verdict(&format!("pod limits-gpu asking {resource}: 1"), 1, out) {
+            Ok(_) if ev.seen != [gpu.clone()] => Outcome::fail(
+                format!("pod limits-gpu got {gpu} but sees {}", ev.seen.join(", ")),
+                details,
+            ),
             Ok(m) => Outcome::pass(m, details),
             Err(m) => Outcome::fail(m, details),
         },

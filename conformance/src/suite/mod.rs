@@ -64,6 +64,10 @@ pub const CHECKS: &[(&str, &str)] = &[
         "only the container that references the claim sees the accelerator",
     ),
     (
+        "extended-resource",
+        "a pod asking resources.limits for the GPU class's extended resource sees exactly one accelerator",
+    ),
+    (
         "health-script",
         "every pod's accelerator health script reports no error",
     ),

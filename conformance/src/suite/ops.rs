@@ -335,6 +335,13 @@ impl Kube {
             .into_iter()
             .filter_map(|s| s.resource_claim_name)
             .collect();
+        // The claim the scheduler made for the pod's `resources.limits`.
+        claim_names.extend(
+            pod.status
+                .as_ref()
+                .and_then(|s| s.extended_resource_claim_status.as_ref())
+                .map(|s| s.resource_claim_name.clone()),
+        );
         for c in pod
             .spec
             .iter()

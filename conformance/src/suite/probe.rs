@@ -197,6 +197,10 @@ pub fn claim_template(name: &str, check: &str, request: Value) -> Value {
 pub enum ClaimSource {
     Template(String),
     Claim(String),
+    /// No pod claim: the containers that use it ask `resources.limits`
+    /// for one of this extended resource (a DeviceClass's
+    /// `extendedResourceName`), and the scheduler makes the claim.
+    Limits(String),
 }
 
 /// One container of a probe pod; `claim`: the pod claim it references.
@@ -264,8 +268,12 @@ impl ProbePod {
                     "command": ["/bin/sh", "-c", SCRIPT],
                     "env": env,
                 });
-                if c.uses_claim {
-                    container["resources"] = json!({ "claims": [{ "name": POD_CLAIM }] });
+                match &self.claim {
+                    _ if !c.uses_claim => {}
+                    Some(ClaimSource::Limits(resource)) => {
+                        container["resources"] = json!({ "limits": { resource: "1" } });
+                    }
+                    _ => container["resources"] = json!({ "claims": [{ "name": POD_CLAIM }] }),
                 }
                 container
             })
@@ -305,13 +313,14 @@ pub fn pod(
         "tolerations": [{ "operator": "Exists" }],
         "containers": containers,
     });
-    if let Some(source) = claim {
-        let entry = match source {
-            ClaimSource::Template(t) => {
-                json!({ "name": POD_CLAIM, "resourceClaimTemplateName": t })
-            }
-            ClaimSource::Claim(c) => json!({ "name": POD_CLAIM, "resourceClaimName": c }),
-        };
+    let entry = match claim {
+        Some(ClaimSource::Template(t)) => {
+            Some(json!({ "name": POD_CLAIM, "resourceClaimTemplateName": t }))
+        }
+        Some(ClaimSource::Claim(c)) => Some(json!({ "name": POD_CLAIM, "resourceClaimName": c })),
+        Some(ClaimSource::Limits(_)) | None => None,
+    };
+    if let Some(entry) = entry {
         spec["resourceClaims"] = json!([entry]);
     }
     json!({
