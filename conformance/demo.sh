@@ -64,7 +64,8 @@ cleanup() {
 			echo "demo failed; last lines of Tessera's log ($TESSERA_NODE_LOG):" >&2
 			tail -n 30 "$TESSERA_NODE_LOG" >&2 || true
 		fi
-		echo "demo failed (exit $rc); stopping what it started (logs stay in $TESSERA_CLUSTER_DIR/logs)" >&2
+		echo "demo $( ((rc == 130 || rc == 143)) && echo interrupted || echo failed) (exit $rc);" \
+			"stopping what it started (logs stay in $TESSERA_CLUSTER_DIR/logs)" >&2
 		"$CLUSTER" stop || true
 	elif ((KEEP)); then
 		echo "left running; Tessera's log: ${TESSERA_NODE_LOG:-$TESSERA_CLUSTER_DIR/node/tessera.log};" \

@@ -189,14 +189,21 @@ prereq_ensure() {
 		why=$(prereq_rows "$@" | awk -F'\t' -v p="$pkg" '$2 == p { print $4; exit }')
 		prereq_say "  $pkg: $why"
 	done
+	local apt_log t0=$SECONDS
+	apt_log=$(mktemp "${TMPDIR:-/tmp}/tessera-apt.XXXXXX")
 	if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends "${PREREQ_PACKAGES[@]}"; } >&2; then
-		prereq_say "error: installing ${PREREQ_PACKAGES[*]} failed (output above); fix: $(prereq_apt_fix)"
+		--no-install-recommends "${PREREQ_PACKAGES[@]}"; } >"$apt_log" 2>&1; then
+		tail -n 20 "$apt_log" >&2
+		prereq_say "error: installing ${PREREQ_PACKAGES[*]} failed (apt-get's output: $apt_log); fix: $(prereq_apt_fix)"
 		return 1
 	fi
-	# A package may not provide what was asked (TESSERA_RUNC elsewhere, say).
+	rm -f "$apt_log"
+	prereq_say "installed ${PREREQ_PACKAGES[*]} ($((SECONDS - t0))s)"
+	# A package may not provide what was asked (TESSERA_RUNC elsewhere, or
+	# an installed package whose file was removed).
 	prereq_scan "$@" && return 0
 	prereq_report "$who"
+	prereq_say "still missing after apt-get; if the package is installed: apt-get install --reinstall ${PREREQ_PACKAGES[*]}"
 	return 1
 }
 
@@ -205,9 +212,10 @@ prereq_ensure() {
 # it and everything it starts look up on PATH must be in the table.
 # Toolchain launchers (rustup's cargo, a pyenv python3) look for their own
 # parts on PATH: those get a wrapper that runs them with the caller's PATH.
+# The directory stays: components COMMAND started keep it as their PATH.
 PREREQ_OWN_PATH=" go cargo cc python3 "
 prereq_confine() {
-	local groups=() dir group pkg what why item real rc=0
+	local groups=() dir group pkg what why item real
 	while (($#)) && [[ "$1" != -- ]]; do
 		groups+=("$1")
 		shift
@@ -217,7 +225,9 @@ prereq_confine() {
 		prereq_say "usage: $PREREQ_SELF confine GROUP... -- COMMAND [ARGS...]"
 		return 2
 	}
-	dir=$(mktemp -d "${TMPDIR:-/tmp}/tessera-confined.XXXXXX")
+	# One directory per set of groups and caller's PATH, refreshed each time.
+	dir="${TMPDIR:-/tmp}/tessera-confined-$(printf '%s\n' "${groups[*]}" "$PATH" | sha256sum | cut -c1-12)"
+	mkdir -p "$dir"
 	while IFS=$'\t' read -r group pkg what why; do
 		for item in $what; do
 			case "$item" in
@@ -226,18 +236,18 @@ prereq_confine() {
 			rust) item=cargo ;;
 			*) continue ;;
 			esac
-			real=$(command -v "$item") || continue
+			prereq_have "$item" || continue
+			real=$(type -P "$item")
 			if [[ "$PREREQ_OWN_PATH" == *" $item "* ]]; then
-				printf '#!/bin/sh\nPATH=%q exec %q "$@"\n' "$PATH" "$real" >"$dir/$item"
-				chmod +x "$dir/$item"
+				printf '#!/bin/sh\nPATH=%q exec %q "$@"\n' "$PATH" "$real" >"$dir/$item.tmp"
+				chmod +x "$dir/$item.tmp"
+				mv -f "$dir/$item.tmp" "$dir/$item"
 			else
-				ln -s "$real" "$dir/$item"
+				ln -sfn "$real" "$dir/$item"
 			fi
 		done
 	done < <(prereq_rows "${groups[@]}")
-	PATH="$dir" "$@" || rc=$?
-	rm -rf "$dir"
-	return "$rc"
+	PATH="$dir" "$@"
 }
 
 # ------------------------------------------------------------- selftest ----
