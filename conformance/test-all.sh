@@ -120,7 +120,7 @@ trap 'exit 143' TERM
 export TESSERA_CLUSTER_DIR="$MAIN_DIR"
 # With a PATH of only the prerequisite table's commands: a command cluster.sh,
 # containerd.sh, containerd or the kubelet look up that the table (and so
-# demo.sh's prerequisite step) lacks fails this start.
+# demo.sh's prerequisite step) lacks fails this start or the tests on it.
 "$PREREQS" confine go cluster node -- "$CLUSTER" start
 eval "$("$CLUSTER" env)"
 
