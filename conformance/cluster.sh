@@ -415,7 +415,7 @@ cmd_start() {
 		groups+=(go)
 	fi
 	prereq_check --for "$0 start" "${groups[@]}" ||
-		die "missing prerequisites (above); conformance/cluster/prereqs.sh ensure ${groups[*]} installs what Debian has"
+		die "missing prerequisites (above); conformance/cluster/prereqs.sh ensure ${groups[*]} installs the Debian packages among them"
 	KUBE_BIN=$(ensure_binary)
 	if [[ "${TESSERA_KUBELET:-1}" == 1 ]]; then CTRD_BIN=$(ensure_containerd); fi
 	local kube_version
