@@ -48,7 +48,7 @@ base    | diffutils      | cmd:cmp | compares a node's topology and policy with 
 go      | -              | go | builds Kubernetes, containerd and helm from their Go modules
 rust    | -              | rust | builds Tessera and the simulated GPU libraries (cargo)
 rust    | gcc            | cmd:cc | the linker cargo uses
-cluster | util-linux     | cmd:flock cmd:setsid cmd:unshare | one build at a time (flock), components in sessions of their own (setsid), the API server's own /etc/hosts (unshare)
+cluster | util-linux     | cmd:flock cmd:setsid cmd:unshare | one build at a time (flock), components detached from the terminal (setsid), the API server's own /etc/hosts (unshare)
 cluster | mount          | cmd:mount cmd:umount | the API server's /etc/hosts; unmounts the kubelet's volumes at stop
 cluster | curl           | cmd:curl | health checks of etcd and the control plane
 node    | -              | root | containerd and the kubelet run containers, mount volumes and create device nodes
