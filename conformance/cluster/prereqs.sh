@@ -20,8 +20,8 @@
 #            non-base item in a mount namespace of its own (root, seconds)
 # groups: base (always included), go, rust, cluster, node, tests
 #
-# Also sourced (by containerd.sh): prereq_check, prereq_ensure and the paths
-# RUNC, CNI_BIN_DIR and CNI_PLUGINS.
+# Also sourced (by containerd.sh, so by cluster.sh and image.sh): prereq_check,
+# prereq_ensure and the paths RUNC, CNI_BIN_DIR and CNI_PLUGINS.
 
 PREREQ_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PREREQ_SELF="$PREREQ_ROOT/conformance/cluster/prereqs.sh"
