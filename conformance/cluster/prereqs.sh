@@ -368,7 +368,7 @@ prereq_main() {
 	_selftest-hidden) prereq_selftest_hidden "$@" ;;
 	list) prereq_rows go rust cluster node tests | awk -F'\t' '{ printf "%-8s %-28s %s\n%37s%s\n", $1, $2, $3, "", $4 }' ;;
 	*)
-		sed -n '2,23p' "$PREREQ_SELF" | sed 's/^# \{0,1\}//' >&2
+		sed -n '2,21p' "$PREREQ_SELF" | sed 's/^# \{0,1\}//' >&2
 		return 2
 		;;
 	esac
