@@ -143,7 +143,7 @@ ensure_binary() {
 		echo "$TESSERA_KUBE_BIN"
 		return
 	fi
-	command -v go >/dev/null || die "go is not installed (needed to build conformance/cluster)"
+	prereq_check --for "building Kubernetes" go || exit 1
 	select_modfile
 	local hash out bin
 	hash=$(source_hash)
@@ -407,7 +407,17 @@ cmd_start() {
 		log "cluster in $DIR is already running"
 		return 0
 	fi
+	# What the machine lacks is named now, not after minutes of building.
+	local groups=(cluster)
+	if [[ "${TESSERA_KUBELET:-1}" == 1 ]]; then
+		groups+=(go node) # containerd is built too
+	elif [[ -z "${TESSERA_KUBE_BIN:-}" ]]; then
+		groups+=(go)
+	fi
+	prereq_check --for "$0 start" "${groups[@]}" ||
+		die "missing prerequisites (above); conformance/cluster/prereqs.sh ensure ${groups[*]} installs the Debian packages among them"
 	KUBE_BIN=$(ensure_binary)
+	if [[ "${TESSERA_KUBELET:-1}" == 1 ]]; then CTRD_BIN=$(ensure_containerd); fi
 	local kube_version
 	kube_version=$(binary_version "$KUBE_BIN")
 	[[ -n "$kube_version" ]] || die "$KUBE_BIN does not say its version (kubectl version --client)"

@@ -14,8 +14,12 @@
 # usage: conformance/demo.sh [--keep]
 # env:   TESSERA_DEMO_TOPOLOGY   topology file (default: 8x H100 80GB, MIG off)
 #        TESSERA_CLUSTER_DIR     state directory (default: .tessera/demo)
-#   --keep leaves the cluster and Tessera running; stop them with
-#   `conformance/demo.sh --stop` (or conformance/cluster.sh stop).
+#   --keep leaves the cluster and Tessera running after a successful run;
+#   stop them with `conformance/demo.sh --stop` (or conformance/cluster.sh
+#   stop). A failure stops everything the demo started.
+# First it installs what the machine lacks from Debian (runc, the CNI
+# plugins, busybox-static, ...: conformance/cluster/prereqs.sh, as root) and
+# stops at once, naming the fix, for what it cannot install (Go, Rust).
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,6 +28,7 @@ export TESSERA_CLUSTER_DIR="${TESSERA_CLUSTER_DIR:-$REPO_ROOT/.tessera/demo}"
 TOPOLOGY="${TESSERA_DEMO_TOPOLOGY:-$REPO_ROOT/driver/fake-nvml/topologies/h100x8.yaml}"
 TARGET_DIR="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
 CLUSTER="$REPO_ROOT/conformance/cluster.sh"
+PREREQS="$REPO_ROOT/conformance/cluster/prereqs.sh"
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 fail() {
@@ -37,29 +42,48 @@ fi
 KEEP=0
 [[ "${1:-}" == --keep ]] && KEEP=1
 
+say "checking what the demo needs (conformance/cluster/prereqs.sh)"
+# Before any build, so that a missing piece is named in seconds, not minutes.
+"$PREREQS" ensure --for "$0" go rust cluster node
+echo "all there"
+
 say "building Tessera and the simulated GPU library"
 cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda
 TESSERA="$TARGET_DIR/debug/tessera"
 
-say "starting a fresh local control plane in $TESSERA_CLUSTER_DIR"
-"$CLUSTER" stop >/dev/null 2>&1 || true
-rm -rf "$TESSERA_CLUSTER_DIR"
-"$CLUSTER" start
-
+# From the start of the cluster on, every way out passes here: a failure
+# (in cluster.sh start too, which may leave etcd running) or an interrupt
+# stops what was started; a success stops it unless --keep.
+STARTED=0
 cleanup() {
 	local rc=$?
-	if ((rc != 0)) && [[ -n "${TESSERA_NODE_LOG:-}" ]]; then
-		echo "demo failed; last lines of Tessera's log ($TESSERA_NODE_LOG):" >&2
-		tail -n 30 "$TESSERA_NODE_LOG" >&2 || true
-	fi
-	if ((KEEP)); then
+	trap - EXIT INT TERM
+	((STARTED)) || exit "$rc"
+	if ((rc != 0)); then
+		if [[ -n "${TESSERA_NODE_LOG:-}" ]]; then
+			echo "demo failed; last lines of Tessera's log ($TESSERA_NODE_LOG):" >&2
+			tail -n 30 "$TESSERA_NODE_LOG" >&2 || true
+		fi
+		echo "demo $( ((rc == 130 || rc == 143)) && echo interrupted || echo failed) (exit $rc);" \
+			"stopping what it started (logs stay in $TESSERA_CLUSTER_DIR/logs)" >&2
+		"$CLUSTER" stop || true
+	elif ((KEEP)); then
 		echo "left running; Tessera's log: ${TESSERA_NODE_LOG:-$TESSERA_CLUSTER_DIR/node/tessera.log};" \
 			"stop with: conformance/demo.sh --stop"
 	else
-		"$CLUSTER" stop
+		"$CLUSTER" stop || rc=1
 	fi
+	exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say "starting a fresh local control plane in $TESSERA_CLUSTER_DIR"
+"$CLUSTER" stop >/dev/null 2>&1 || true
+rm -rf "$TESSERA_CLUSTER_DIR"
+STARTED=1
+"$CLUSTER" start
 
 say "starting Tessera's node process on the kubelet's node (simulated GPUs: $(basename "$TOPOLOGY"))"
 # tessera plugin registers with the kubelet and publishes the node's slices;

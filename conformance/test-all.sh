@@ -20,6 +20,24 @@ cd "$REPO_ROOT"
 
 say() { printf '[test-all] %s\n' "$*" >&2; }
 
+# --- prerequisites (conformance/cluster/prereqs.sh) ---------------------------
+# The table demo.sh and cluster.sh read too: what Debian has is installed
+# when missing, what it cannot provide (Go, Rust, root) stops the run now.
+PREREQS="$REPO_ROOT/conformance/cluster/prereqs.sh"
+"$PREREQS" ensure --for "$0" go rust cluster node
+# The CDI consumer test (driver/tests/cdi_podman.rs) runs a real container
+# with podman + runc from a busybox-static rootfs; the webhook test makes its
+# certificates with openssl. They fail, rather than skip, when these are
+# still missing. See docs/development.md.
+"$PREREQS" ensure --for "the podman and webhook tests" tests ||
+	say "the podman CDI and webhook tests will fail"
+export TESSERA_REQUIRE_PODMAN=1
+# The prerequisite step proves itself: check and ensure must name each item
+# when it is missing (hidden in a mount namespace of their own). That the
+# table holds every command the cluster uses, the main cluster's start
+# proves below (confine).
+"$PREREQS" selftest
+
 # --- 0. static checks (fast; a formatting or lint error fails the run) ----
 say "cargo fmt --check, cargo clippy -D warnings"
 cargo fmt --all --check
@@ -42,33 +60,6 @@ for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	TESSERA_KUBE_VERSION=$v "$CLUSTER" build >/dev/null
 done
 say "Kubernetes components ready: default${EXTRA_KUBE_VERSIONS[*]:+ and ${EXTRA_KUBE_VERSIONS[*]}} ($((SECONDS - t0))s)"
-
-# --- hook: podman ----------------------------------------------------------
-# The CDI consumer test (driver/tests/cdi_podman.rs) runs a real container
-# with podman + runc from a busybox-static rootfs. Install what is missing
-# (Debian packages; nothing when all are there) and make the test fail,
-# rather than skip, if podman still cannot run. See docs/development.md.
-ensure_packages() {
-	local missing=() pkg
-	for pkg in "$@"; do
-		dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' ||
-			missing+=("$pkg")
-	done
-	((${#missing[@]} == 0)) && return 0
-	say "installing ${missing[*]}"
-	if ((EUID != 0)) || ! command -v apt-get >/dev/null; then
-		say "cannot install ${missing[*]} (needs root and apt-get); the podman test will fail"
-		return 0
-	fi
-	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends "${missing[@]}"; } >&2 ||
-		say "installing ${missing[*]} failed; the podman test will fail"
-}
-# The local cluster's kubelet runs real containers: runc, the CNI plugins,
-# ip (pod network cleanup) and unshare come from Debian too. The webhook test
-# makes its CA and serving certificate with the openssl CLI.
-ensure_packages podman runc busybox-static containernetworking-plugins iproute2 util-linux openssl
-export TESSERA_REQUIRE_PODMAN=1
 
 # --- 2. Rust: compile everything before the clusters take CPU -----------------
 # Binaries and cdylibs the tests launch (tessera, the fake libnvidia-ml.so)
@@ -127,7 +118,10 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 export TESSERA_CLUSTER_DIR="$MAIN_DIR"
-"$CLUSTER" start
+# With a PATH of only the prerequisite table's commands: a command cluster.sh,
+# containerd.sh, containerd or the kubelet look up that the table (and so
+# demo.sh's prerequisite step) lacks fails this start or the tests on it.
+"$PREREQS" confine go cluster node -- "$CLUSTER" start
 eval "$("$CLUSTER" env)"
 
 # --- degraded cluster ---------------------------------------------------------

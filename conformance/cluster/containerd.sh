@@ -6,10 +6,13 @@
 #
 # Uses from cluster.sh: DIR, CACHE, log, die, GO_BUILD_FLAGS, NODE_DIR.
 
+# The machine's prerequisites (prereq_check, prereq_ensure) and where runc
+# and the CNI plugins are: RUNC, CNI_BIN_DIR.
+# shellcheck source=conformance/cluster/prereqs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/prereqs.sh"
+
 CONTAINERD_MODULE=github.com/containerd/containerd/v2
 CONTAINERD_VERSION=v2.4.2
-RUNC=${TESSERA_RUNC:-/usr/sbin/runc}
-CNI_BIN_DIR=/usr/lib/cni
 
 # Local images. The probe is busybox-static plus the host's glibc (what the
 # driver's CDI-mounted tools and libraries load); the pause image is the same
@@ -37,7 +40,7 @@ ensure_containerd() {
 	local out
 	out="$CACHE/containerd/$CONTAINERD_VERSION-$(go env GOVERSION)"
 	if [[ ! -x "$out/containerd-shim-runc-v2" ]]; then
-		command -v go >/dev/null || die "go is not installed (needed to build containerd)"
+		prereq_check --for "building containerd" go || exit 1
 		mkdir -p "$out"
 		exec 8>"$CACHE/containerd/.build.lock"
 		flock 8
@@ -236,10 +239,9 @@ import_images() {
 
 # Starts containerd (a component like the others, but not tessera-kube).
 start_containerd() {
-	CTRD_BIN=$(ensure_containerd)
-	command -v "$RUNC" >/dev/null || die "$RUNC is missing (Debian package runc)"
-	[[ -x "$CNI_BIN_DIR/bridge" && -x "$CNI_BIN_DIR/host-local" && -x "$CNI_BIN_DIR/loopback" ]] ||
-		die "CNI plugins missing in $CNI_BIN_DIR (Debian package containernetworking-plugins)"
+	# cmd_start checked runc and the CNI plugins (prereq_check node) and
+	# built containerd before anything started.
+	CTRD_BIN=${CTRD_BIN:-$(ensure_containerd)}
 	write_containerd_config
 	# containerd finds the shim on PATH.
 	PATH="$CTRD_BIN:$PATH" start_external containerd "$CTRD_BIN/containerd" --config "$(ctrd_dir)/config.toml"

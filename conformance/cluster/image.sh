@@ -98,7 +98,7 @@ build_archive() {
 # and Go version; concurrent callers wait for one build).
 ensure_helm() {
 	local out
-	command -v go >/dev/null || die "go is not installed (needed to build helm)"
+	prereq_check --for "building helm" go || exit 1
 	out="$CACHE/helm/$HELM_VERSION-k1.$HELM_K8S_MINOR-$(go env GOVERSION)"
 	if [[ ! -x "$out/helm" ]]; then
 		mkdir -p "$CACHE/helm"
