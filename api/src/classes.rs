@@ -18,9 +18,10 @@
 //!   when there is nothing to watch, and otherwise stays Pending with
 //!   "cannot allocate all claims".
 //! * In the static per-GPU model the devices consume no counters, so the
-//!   scheduler does allocate a busy GPU's device to it, but prepare then
-//!   sets that device up for work (CUDA, MIG mode, MPS, time slice) beside
-//!   the claim that holds it, instead of the read-only monitoring set.
+//!   scheduler may allocate a busy GPU's device to it, but prepare then
+//!   sets that device up for work as for any claim of its class (CUDA, and
+//!   the MIG mode, MPS daemon or time slice it needs) beside the claim that
+//!   holds it, instead of the read-only monitoring set.
 //!
 //! The monitoring class works in both models (its device is published in
 //! every model and consumes nothing), so no claim loses anything by being
