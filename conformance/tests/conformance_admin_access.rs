@@ -129,7 +129,7 @@ async fn admin_access_on_a_work_class_fails_the_check_naming_the_fix() -> Result
         ensure!(passed.code == Some(0), "with claim agent only: exit {:?}", passed.code);
         ensure!(
             passed.output.contains(&format!(
-                "asks a work class of {driver} for admin access; 1 requests ask {monitor} for it"
+                "asks a work class of {driver} for admin access; 1 request(s) ask {monitor} for it"
             )),
             "the pass must count the monitoring claim"
         );

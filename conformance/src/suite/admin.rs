@@ -122,8 +122,8 @@ pub fn admin_access_verdict(driver: &str, specs: &[ClaimSpec]) -> Outcome {
         .count();
     Outcome::pass(
         format!(
-            "none of the {} claims and claim templates asks a work class of {driver} for admin \
-             access; {monitoring} requests ask {monitor} for it",
+            "no claim or claim template of the {} in the cluster asks a work class of {driver} \
+             for admin access; {monitoring} request(s) ask {monitor} for it",
             specs.len()
         ),
         Vec::new(),
@@ -193,8 +193,8 @@ mod tests {
         assert_eq!(outcome.status, Status::Pass, "{}", outcome.message);
         assert_eq!(
             outcome.message,
-            "none of the 3 claims and claim templates asks a work class of gpu.tessera.dev for \
-             admin access; 1 requests ask gpu-monitor.tessera.dev for it"
+            "no claim or claim template of the 3 in the cluster asks a work class of \
+             gpu.tessera.dev for admin access; 1 request(s) ask gpu-monitor.tessera.dev for it"
         );
     }
 }
