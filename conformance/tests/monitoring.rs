@@ -2,7 +2,10 @@
 //! kubelet and containers: a workload Pod holds a whole GPU (its counters
 //! charged); a claim with `adminAccess: true` on the monitoring class,
 //! pinned to that GPU, is still allocated (the GPU's monitoring device) and
-//! its Pod sees the GPU with `nvidia-smi -L`. The same class without admin
+//! its Pod sees the GPU with `nvidia-smi -L`. The same claim on the
+//! whole-GPU class, as other drivers document monitoring, stays Pending
+//! with the scheduler's "cannot allocate all claims" where the whole GPU
+//! consumes counters (the full model). The monitoring class without admin
 //! access is refused at prepare with an error naming the claim, the request
 //! and the fix.
 //!
@@ -14,9 +17,9 @@
 
 mod plugin_support;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -223,6 +226,51 @@ async fn run(cluster: &TestCluster, ns: &TestNamespace, driver: &str, id: &str) 
         "the workload stopped"
     );
 
+    // Admin access on the whole-GPU class instead: the scheduler checks the
+    // GPU's counters, which the workload holds.
+    if whole_gpu_consumes_counters(cluster, driver, &gpu).await? {
+        claim(
+            ns,
+            "admin-whole",
+            json!({
+                "deviceClassName": format!("{id}-gpu"),
+                "adminAccess": true,
+                "selectors": [{ "cel": { "expression": format!(
+                    "device.attributes[{driver:?}].uuid == {gpu:?}"
+                ) } }],
+            }),
+        )
+        .await?;
+        pods.create(&pp, &pod("admin-whole", "admin-whole", "exec sleep 3600")?)
+            .await?;
+        let why = wait_for("pod admin-whole unschedulable", TIMEOUT, || async {
+            let pod = pods.get("admin-whole").await?;
+            if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_ref()) {
+                bail!("pod admin-whole was scheduled to {node}: admin access on the whole GPU was allocated beside the workload");
+            }
+            Ok(pod
+                .status
+                .and_then(|s| s.conditions)
+                .into_iter()
+                .flatten()
+                .find(|c| {
+                    c.type_ == "PodScheduled"
+                        && c.status == "False"
+                        && c.reason.as_deref() == Some("Unschedulable")
+                })
+                .map(|c| c.message.unwrap_or_default()))
+        })
+        .await?;
+        ensure!(
+            why.contains("cannot allocate all claims"),
+            "pod admin-whole is unschedulable for another reason: {why}"
+        );
+    } else {
+        eprintln!(
+            "the whole GPU consumes no counters (static model): admin access on it is not refused by the scheduler"
+        );
+    }
+
     // Without admin access the same device is refused at prepare, with the
     // claim, the request and the fix named.
     claim(
@@ -264,4 +312,35 @@ async fn run(cluster: &TestCluster, ns: &TestNamespace, driver: &str, id: &str) 
         "the error names neither the claim, the request nor the fix: {refused}"
     );
     Ok(())
+}
+
+/// Whether the whole-GPU device of `gpu` consumes counters in the node's
+/// slices (the full model; the static model publishes none).
+async fn whole_gpu_consumes_counters(
+    cluster: &TestCluster,
+    driver: &str,
+    gpu: &str,
+) -> Result<bool> {
+    let slices = Api::<ResourceSlice>::all(cluster.client())
+        .list(&ListParams::default())
+        .await?;
+    let whole = slices
+        .items
+        .iter()
+        .filter(|s| s.spec.driver == driver)
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| {
+            let attr = |k: &str| {
+                d.attributes
+                    .as_ref()
+                    .and_then(|a| a.get(k))
+                    .and_then(|v| v.string.as_deref())
+            };
+            attr("type") == Some("gpu") && attr("uuid") == Some(gpu)
+        })
+        .with_context(|| format!("no whole-GPU device of {gpu} in the slices of {driver}"))?;
+    Ok(whole
+        .consumes_counters
+        .as_ref()
+        .is_some_and(|c| !c.is_empty()))
 }

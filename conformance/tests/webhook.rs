@@ -6,6 +6,14 @@
 //! good configs, other drivers' configs and claims without a config for the
 //! driver are admitted unchanged.
 //!
+//! A second test takes the chart's own ValidatingWebhookConfiguration
+//! (`helm template`), pointed at the webhook on loopback: a claim and a
+//! template that ask a work class for admin access (a monitoring claim as
+//! other drivers document it) are refused with the monitoring class as the
+//! fix, the monitoring class itself is admitted, and with the webhook gone
+//! the chart's matchConditions still keep claims that are none of its
+//! business from waiting on it.
+//!
 //! Other tests share the API server: the configuration only selects this
 //! test's namespace (a label no other namespace has), and the webhook checks
 //! a driver name no other test uses.
@@ -21,9 +29,12 @@ use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
+use serde::Deserialize;
 use serde_json::{Value, json};
+use tessera_api::classes::{ADMIN_ACCESS_LABEL, work_class_admin_access};
 use tessera_api::config::{API_VERSION, decode_value};
 use tessera_conformance::artifacts::binaries;
+use tessera_conformance::procs::run;
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -370,6 +381,206 @@ async fn bad_configs_are_refused_at_create_time() -> Result<()> {
             .context("labelling an admitted claim")?;
         let log = webhook.log();
         ensure!(log.contains("denied: claim"), "the webhook logged no denial:\n{log}");
+        Ok(())
+    }
+    .await;
+
+    delete_ignore_missing(&configs, &config_name).await?;
+    ns.delete().await?;
+    result
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("conformance has a parent")
+        .to_path_buf()
+}
+
+/// The chart's ValidatingWebhookConfiguration for `driver`, as `helm
+/// template` renders it with the webhook enabled.
+fn chart_configuration(state_dir: &Path, driver: &str) -> Result<Value> {
+    let helm = run(
+        Command::new(repo_root().join("conformance/cluster/image.sh"))
+            .arg("helm")
+            .env("TESSERA_CLUSTER_DIR", state_dir),
+    )?;
+    let yaml = run(Command::new(helm.trim())
+        .args(["template", "tessera"])
+        .arg(repo_root().join("deploy/helm/tessera"))
+        .args(["--namespace", "tessera-system"])
+        .args(["--set", &format!("driverName={driver}")])
+        .args(["--set", "webhook.enabled=true"])
+        .args(["--set", "webhook.tls.secretName=unused"])
+        // Replaced by the test's CA below.
+        .args(["--set", "webhook.tls.caBundle=Cg=="])
+        .args(["--show-only", "templates/webhook.yaml"]))?;
+    for doc in serde_yaml::Deserializer::from_str(&yaml) {
+        let object = Value::deserialize(doc)?;
+        if object["kind"] == "ValidatingWebhookConfiguration" {
+            return Ok(object);
+        }
+    }
+    bail!("the chart rendered no ValidatingWebhookConfiguration:\n{yaml}")
+}
+
+/// A claim spec with one request of `class`, with admin access or without.
+fn admin_spec(class: &str, admin: bool) -> Value {
+    json!({"devices": {"requests": [
+        {"name": "gpus", "exactly": {"deviceClassName": class, "allocationMode": "All",
+                                     "adminAccess": admin}},
+    ]}})
+}
+
+fn admin_claim(name: &str, class: &str, admin: bool) -> Result<ResourceClaim> {
+    Ok(serde_json::from_value(
+        json!({"metadata": {"name": name}, "spec": admin_spec(class, admin)}),
+    )?)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_access_on_a_work_class_is_refused_by_the_charts_webhook() -> Result<()> {
+    let cluster = TestCluster::shared().await?;
+    let client = cluster.client();
+    let ns = cluster.create_namespace("webhook-admin").await?;
+    let dir = tempfile::tempdir()?;
+    let id = unique_name("hook");
+    let driver = format!("gpu.{id}.tessera.dev");
+    let domain = format!("{id}.tessera.dev");
+    let configs: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    let config_name = unique_name("tessera-webhook-admin-test");
+
+    let result = async {
+        // Admin access needs the namespace's label, or the API server
+        // refuses the claims before any webhook sees them.
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+            .patch(
+                ns.name(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {
+                    SCOPE_LABEL: ns.name(), ADMIN_ACCESS_LABEL: "true"}}})),
+            )
+            .await?;
+        let certs = certificates(dir.path())?;
+        let mut webhook = Webhook::start(dir.path(), &certs, &driver)?;
+        let port = webhook.port().await?;
+
+        let rendered = {
+            let (state, d) = (cluster.state_dir().to_owned(), driver.clone());
+            tokio::task::spawn_blocking(move || chart_configuration(&state, &d)).await??
+        };
+        let mut configuration = rendered;
+        configuration["metadata"] = json!({"name": config_name});
+        for hook in configuration["webhooks"].as_array_mut().context("no webhooks")? {
+            ensure!(
+                hook["matchConditions"].as_array().is_some_and(|c| !c.is_empty()),
+                "the chart's webhook has no matchConditions: {hook}"
+            );
+            hook["clientConfig"] = json!({"url": format!("https://127.0.0.1:{port}/validate")});
+            hook["namespaceSelector"] = json!({"matchLabels": {SCOPE_LABEL: ns.name()}});
+            hook["failurePolicy"] = json!("Fail");
+        }
+        let mut configuration: ValidatingWebhookConfiguration =
+            serde_json::from_value(configuration)?;
+        for hook in configuration.webhooks.iter_mut().flatten() {
+            hook.client_config.ca_bundle = Some(ByteString(std::fs::read(&certs.ca)?));
+        }
+        configs
+            .create(&PostParams::default(), &configuration)
+            .await
+            .context("creating the chart's ValidatingWebhookConfiguration")?;
+
+        let claims: Api<ResourceClaim> = ns.api();
+        let templates: Api<ResourceClaimTemplate> = ns.api();
+        let whole = format!("gpu.{domain}");
+        let monitor = format!("gpu-monitor.{domain}");
+
+        // The API server picks up new configurations asynchronously.
+        let last = Mutex::new(String::from("admitted"));
+        let probe = admin_claim("probe", &whole, true)?;
+        let dry_run = PostParams { dry_run: true, ..Default::default() };
+        wait_for("the webhook to be called by the API server", TIMEOUT, || async {
+            match claims.create(&dry_run, &probe).await {
+                Err(kube::Error::Api(s)) if s.message.contains("denied the request") => Ok(Some(())),
+                Ok(_) => Ok(None),
+                Err(e) => {
+                    *last.lock().unwrap() = e.to_string();
+                    Ok(None)
+                }
+            }
+        })
+        .await
+        .with_context(|| {
+            format!("last answer: {}; webhook log:\n{}", last.lock().unwrap(), webhook.log())
+        })?;
+
+        // A monitoring claim as other drivers document it.
+        let message = refusal(
+            "admin access on the whole-GPU class",
+            claims.create(&PostParams::default(), &admin_claim("dcgm", &whole, true)?).await,
+        )?;
+        println!("refused: {message}");
+        let label = format!("claim {}/dcgm", ns.name());
+        let want = work_class_admin_access(&driver, &label, &admin_spec(&whole, true)["devices"], "spec.devices");
+        ensure!(want.len() == 1, "expected one problem, got {want:?}");
+        ensure!(message.contains(&want[0].to_string()), "refusal {message:?} does not contain {:?}", want[0].to_string());
+        for part in [
+            format!("{label}: spec.devices.requests[0].exactly.adminAccess: "),
+            format!("work class {whole}"),
+            format!("set spec.devices.requests[0].exactly.deviceClassName to {monitor} and keep adminAccess: true"),
+            format!("{ADMIN_ACCESS_LABEL}: \"true\""),
+        ] {
+            ensure!(message.contains(&part), "refusal {message:?} does not say {part:?}");
+        }
+
+        // A template on the MIG class likewise, under spec.spec.
+        let template: ResourceClaimTemplate = serde_json::from_value(json!({
+            "metadata": {"name": "agents"},
+            "spec": {"spec": admin_spec(&format!("mig.{domain}"), true)},
+        }))?;
+        let message = refusal(
+            "a template with admin access on the MIG class",
+            templates.create(&PostParams::default(), &template).await,
+        )?;
+        ensure!(
+            message.contains(&format!(
+                "claim template {}/agents: spec.spec.devices.requests[0].exactly.adminAccess: "
+            , ns.name())) && message.contains(&format!("deviceClassName to {monitor}")),
+            "refusal {message:?}"
+        );
+
+        // The fix is admitted, and so is work on the work class.
+        claims
+            .create(&PostParams::default(), &admin_claim("monitor", &monitor, true)?)
+            .await
+            .context("admin access on the monitoring class")?;
+        claims
+            .create(&PostParams::default(), &admin_claim("work", &whole, false)?)
+            .await
+            .context("the whole-GPU class without admin access")?;
+
+        // With the webhook gone and failurePolicy Fail, only what the
+        // chart's matchConditions send it is refused: the rest never
+        // waited on it.
+        drop(webhook);
+        let unreachable = refusal(
+            "admin access on the whole-GPU class without the webhook",
+            claims.create(&dry_run, &admin_claim("dcgm", &whole, true)?).await,
+        )?;
+        ensure!(
+            unreachable.contains("failed calling webhook"),
+            "with the webhook gone: {unreachable:?}"
+        );
+        for (name, class, admin) in [
+            ("other-driver", "gpu.example.com", true),
+            ("monitor-2", monitor.as_str(), true),
+            ("work-2", whole.as_str(), false),
+        ] {
+            claims
+                .create(&dry_run, &admin_claim(name, class, admin)?)
+                .await
+                .with_context(|| format!("{class} (admin access {admin}) with the webhook gone"))?;
+        }
         Ok(())
     }
     .await;

@@ -72,6 +72,7 @@ pub async fn run(ctx: &Ctx, id: &str) -> Result<Outcome> {
         "extended-resource" => extended_resource(ctx).await,
         "health-script" => health_script(ctx).await,
         "isolated-limits" => super::isolation::isolated_limits(ctx).await,
+        "admin-access-class" => super::admin::admin_access_class(ctx).await,
         other => bail!("unknown check {other}"),
     }
 }

@@ -326,7 +326,7 @@ pub fn tessera_classes(driver: &str) -> Vec<(String, String)> {
 
 /// The DeviceClass domain of a driver name: `gpu.tessera.dev` → `tessera.dev`.
 pub fn class_domain(driver: &str) -> &str {
-    driver.strip_prefix("gpu.").unwrap_or(driver)
+    tessera_api::classes::domain(driver)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! next one finds the GPUs free), and deletes the namespace at the end, also
 //! when a check fails or the run is interrupted with Ctrl-C.
 
+pub mod admin;
 pub mod checks;
 pub mod facts;
 pub mod isolation;
@@ -74,6 +75,10 @@ pub const CHECKS: &[(&str, &str)] = &[
     (
         "isolated-limits",
         "an Isolated share gets its SMs and memory, also with its environment raised",
+    ),
+    (
+        "admin-access-class",
+        "claims with adminAccess ask the monitoring class, not a work class",
     ),
 ];
 

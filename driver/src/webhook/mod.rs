@@ -1,7 +1,7 @@
 //! `tessera webhook`: a validating admission webhook that refuses
 //! ResourceClaims and ResourceClaimTemplates whose opaque config for this
-//! driver prepare would refuse, at `kubectl apply` time instead of at Pod
-//! start.
+//! driver prepare would refuse, or that ask a work class for admin access,
+//! at `kubectl apply` time instead of at Pod start (or never).
 //!
 //! For every entry of `spec.devices.config` (claims) or
 //! `spec.spec.devices.config` (templates) whose `opaque.driver` is this
@@ -11,6 +11,11 @@
 //! with prepare's words and the field as a path in the object. Configs of
 //! other drivers are not looked at; a claim without a config for this
 //! driver is allowed without decoding anything.
+//!
+//! A request with `adminAccess: true` on one of the driver's work classes
+//! (`gpu.<domain>`, `mig.<domain>`, ...) is denied with the monitoring class
+//! as the fix: such a claim is never what a monitoring agent needs, and why
+//! it is refused rather than warned about is in [`tessera_api::classes`].
 //!
 //! The webhook only validates: it never patches, so nothing a user wrote
 //! can be lost. It works on the object's JSON as sent, so fields newer than
@@ -29,6 +34,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use tessera_api::classes::work_class_admin_access;
 use tessera_api::config::{ConfigSource, Origin, check_claim_spec};
 
 /// `admission.k8s.io/v1`, the only AdmissionReview version served.
@@ -174,6 +180,14 @@ impl Checked {
             Checked::Template => "spec.spec.devices.config",
         }
     }
+
+    /// Path of the claim spec's `devices` in the object.
+    pub fn devices_path(self) -> &'static str {
+        match self {
+            Checked::Claim => "spec.devices",
+            Checked::Template => "spec.spec.devices",
+        }
+    }
 }
 
 /// Answers one AdmissionReview (the request body): the AdmissionReview to
@@ -254,6 +268,27 @@ fn decide(driver: &str, request: &ReviewRequest) -> Verdict {
 /// it). `label` names it in messages.
 pub fn check(driver: &str, checked: Checked, label: &str, object: &Value) -> Verdict {
     let devices = &checked.spec(object)["devices"];
+    let mut problems = config_problems(driver, checked, label, devices);
+    problems.extend(
+        work_class_admin_access(
+            driver,
+            &format!("claim {label}"),
+            devices,
+            checked.devices_path(),
+        )
+        .iter()
+        .map(ToString::to_string),
+    );
+    if problems.is_empty() {
+        Verdict::Allow
+    } else {
+        Verdict::Deny(problems.join("\n"))
+    }
+}
+
+/// What prepare would refuse in the configs for this driver, one message
+/// each.
+fn config_problems(driver: &str, checked: Checked, label: &str, devices: &Value) -> Vec<String> {
     let sources: Vec<ConfigSource> = devices["config"]
         .as_array()
         .map(Vec::as_slice)
@@ -269,19 +304,12 @@ pub fn check(driver: &str, checked: Checked, label: &str, object: &Value) -> Ver
         })
         .collect();
     if sources.is_empty() {
-        return Verdict::Allow;
+        return Vec::new();
     }
-    let errors = check_claim_spec(label, &request_names(devices), &sources);
-    if errors.is_empty() {
-        return Verdict::Allow;
-    }
-    Verdict::Deny(
-        errors
-            .iter()
-            .map(|e| e.admission_message(checked.configs_path()))
-            .collect::<Vec<_>>()
-            .join("\n"),
-    )
+    check_claim_spec(label, &request_names(devices), &sources)
+        .iter()
+        .map(|e| e.admission_message(checked.configs_path()))
+        .collect()
 }
 
 /// Every request name of a claim spec's `devices`: `name`, and

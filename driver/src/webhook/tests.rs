@@ -41,7 +41,11 @@ fn request(resource: &str, operation: &str, object: Value, old: Value) -> Vec<u8
 }
 
 fn answer(body: &[u8]) -> (bool, String) {
-    let review = review(DRIVER, body).unwrap();
+    answer_for(DRIVER, body)
+}
+
+fn answer_for(driver: &str, body: &[u8]) -> (bool, String) {
+    let review = review(driver, body).unwrap();
     assert_eq!(review["apiVersion"], "admission.k8s.io/v1");
     assert_eq!(review["kind"], "AdmissionReview");
     let response = &review["response"];
@@ -203,6 +207,150 @@ fn a_generated_name_is_named_as_best_known() {
     let (_, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
     assert!(
         message.starts_with("claim ns/pod-gpu-<generated>: "),
+        "{message}"
+    );
+}
+
+/// A monitoring claim written the way other drivers document it: admin
+/// access on the whole-GPU class, every GPU of the node.
+fn admin_claim(class: &str) -> Value {
+    json!({
+        "metadata": {"name": "agent", "namespace": "mon"},
+        "spec": {"devices": {"requests": [
+            {"name": "work", "exactly": {"deviceClassName": "gpu.tessera.dev"}},
+            {"name": "gpus", "exactly": {"deviceClassName": class,
+                                         "allocationMode": "All", "adminAccess": true}},
+        ]}},
+    })
+}
+
+#[test]
+fn admin_access_on_a_work_class_is_denied_naming_the_monitoring_class() {
+    let (allowed, message) = answer(&request(
+        "resourceclaims",
+        "CREATE",
+        admin_claim("gpu.tessera.dev"),
+        Value::Null,
+    ));
+    assert!(!allowed);
+    assert_eq!(
+        message,
+        "claim mon/agent: spec.devices.requests[1].exactly.adminAccess: request `gpus` asks work \
+         class gpu.tessera.dev for admin access: its devices consume their GPU's counters, which \
+         the scheduler checks even for admin access, so the claim stays Pending (\"cannot \
+         allocate all claims\") while a workload holds the GPU, and where it is allocated the \
+         device is prepared for work, not for monitoring; fix: set \
+         spec.devices.requests[1].exactly.deviceClassName to gpu-monitor.tessera.dev and keep \
+         adminAccess: true (the namespace needs the label resource.kubernetes.io/admin-access: \
+         \"true\"); monitoring agents get every GPU of a node with allocationMode: All"
+    );
+    for class in [
+        "mig.tessera.dev",
+        "gpu-isolated.tessera.dev",
+        "gpu-shared.tessera.dev",
+    ] {
+        let (allowed, message) = answer(&request(
+            "resourceclaims",
+            "CREATE",
+            admin_claim(class),
+            Value::Null,
+        ));
+        assert!(!allowed, "{class}");
+        assert!(
+            message.contains(&format!("work class {class}")),
+            "{message}"
+        );
+    }
+}
+
+#[test]
+fn admin_access_on_the_monitoring_class_or_another_drivers_is_allowed() {
+    for class in [
+        "gpu-monitor.tessera.dev",
+        "gpu.example.com",
+        "gpu.nvidia.com",
+    ] {
+        let (allowed, message) = answer(&request(
+            "resourceclaims",
+            "CREATE",
+            admin_claim(class),
+            Value::Null,
+        ));
+        assert!(allowed, "{class}: {message}");
+    }
+}
+
+#[test]
+fn the_fix_names_the_monitoring_class_of_the_installed_domain() {
+    let (allowed, message) = answer_for(
+        "gpu.nvidia.com",
+        &request(
+            "resourceclaims",
+            "CREATE",
+            admin_claim("gpu.nvidia.com"),
+            Value::Null,
+        ),
+    );
+    assert!(!allowed);
+    assert!(
+        message.contains("deviceClassName to gpu-monitor.nvidia.com and keep adminAccess: true"),
+        "{message}"
+    );
+    // The default domain's classes are another driver's there.
+    let (allowed, message) = answer_for(
+        "gpu.nvidia.com",
+        &request(
+            "resourceclaims",
+            "CREATE",
+            admin_claim("gpu.tessera.dev"),
+            Value::Null,
+        ),
+    );
+    assert!(allowed, "{message}");
+}
+
+#[test]
+fn a_template_asking_a_work_class_for_admin_access_is_denied_with_its_path() {
+    let claim = admin_claim("mig.tessera.dev");
+    let template = json!({
+        "metadata": {"name": "agents", "namespace": "mon"},
+        "spec": {"spec": claim["spec"].clone()},
+    });
+    let (allowed, message) = answer(&request(
+        "resourceclaimtemplates",
+        "CREATE",
+        template,
+        Value::Null,
+    ));
+    assert!(!allowed);
+    assert!(
+        message.starts_with(
+            "claim template mon/agents: spec.spec.devices.requests[1].exactly.adminAccess: "
+        ),
+        "{message}"
+    );
+    assert!(
+        message.contains(
+            "set spec.spec.devices.requests[1].exactly.deviceClassName to gpu-monitor.tessera.dev"
+        ),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_bad_config_and_admin_access_on_a_work_class_are_both_listed() {
+    let mut object = admin_claim("gpu.tessera.dev");
+    object["spec"]["devices"]["config"] = json!([ours(bad_strategy())]);
+    let (allowed, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
+    assert!(!allowed);
+    let lines: Vec<&str> = message.lines().collect();
+    assert_eq!(lines.len(), 2, "{message}");
+    assert!(
+        lines[0].starts_with("claim mon/agent: spec.devices.config[0].opaque.parameters"),
+        "{message}"
+    );
+    assert!(
+        lines[1].starts_with("claim mon/agent: spec.devices.requests[1].exactly.adminAccess: "),
         "{message}"
     );
 }
