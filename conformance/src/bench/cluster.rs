@@ -64,6 +64,40 @@ pub async fn apiserver_metrics(client: &Client) -> Result<String> {
         .context("reading the API server's metrics")
 }
 
+/// Sum of the API server's series `metric` whose labels include every one
+/// of `labels` (`name="value"` as the exposition writes them).
+pub fn metric_sum(apiserver_metrics: &str, metric: &str, labels: &[&str]) -> f64 {
+    apiserver_metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let rest = series.strip_prefix(metric)?;
+            (rest.starts_with('{') && labels.iter().all(|want| rest.contains(want)))
+                .then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+/// ResourceClaim events the API server has sent to watchers since it
+/// started: one per event and watcher (the fan-out).
+pub fn claim_watch_events(apiserver_metrics: &str) -> f64 {
+    metric_sum(
+        apiserver_metrics,
+        "apiserver_watch_events_total",
+        &["resource=\"resourceclaims\""],
+    )
+}
+
+/// ResourceClaim watches open now.
+pub fn claim_watchers(apiserver_metrics: &str) -> f64 {
+    metric_sum(
+        apiserver_metrics,
+        "apiserver_longrunning_requests",
+        &["resource=\"resourceclaims\"", "verb=\"WATCH\""],
+    )
+}
+
 /// Writes (create, update, patch, delete) the API server has served on
 /// ResourceSlices since it started. Dry runs (a publisher's capability
 /// probes) change nothing and are not counted.
@@ -349,5 +383,20 @@ apiserver_request_total{code=\"201\",dry_run=\"All\",resource=\"resourceslices\"
 apiserver_request_total{code=\"200\",dry_run=\"\",resource=\"resourceslices\",verb=\"LIST\"} 3
 ";
         assert_eq!(slice_writes(metrics), 9.0);
+    }
+
+    #[test]
+    fn claim_fan_out_counts_only_claim_series() {
+        let metrics = "\
+# TYPE apiserver_watch_events_total counter
+apiserver_watch_events_total{group=\"resource.k8s.io\",resource=\"resourceclaims\",version=\"v1\"} 1200
+apiserver_watch_events_total{group=\"resource.k8s.io\",resource=\"resourceslices\",version=\"v1\"} 50
+apiserver_watch_events_total_other{resource=\"resourceclaims\"} 7
+apiserver_longrunning_requests{component=\"apiserver\",group=\"resource.k8s.io\",resource=\"resourceclaims\",scope=\"cluster\",subresource=\"\",verb=\"WATCH\",version=\"v1\"} 2
+apiserver_longrunning_requests{component=\"apiserver\",group=\"resource.k8s.io\",resource=\"resourceclaims\",scope=\"namespace\",subresource=\"\",verb=\"WATCH\",version=\"v1\"} 1
+apiserver_longrunning_requests{component=\"apiserver\",group=\"\",resource=\"pods\",scope=\"cluster\",subresource=\"\",verb=\"WATCH\",version=\"v1\"} 9
+";
+        assert_eq!(claim_watch_events(metrics), 1200.0);
+        assert_eq!(claim_watchers(metrics), 3.0);
     }
 }

@@ -37,7 +37,7 @@ use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use super::cluster::{apiserver_metrics, slice_writes};
+use super::cluster::{apiserver_metrics, claim_watch_events, claim_watchers, slice_writes};
 use super::grpc::rss_kib;
 use super::stats::{Histogram, parse_histogram, quantile, sum_counter};
 use crate::cluster::{TestCluster, TestNamespace, wait_for};
@@ -1032,6 +1032,10 @@ pub async fn run(cluster: &TestCluster, args: ScaleArgs) -> Result<()> {
             result["cpu_s"] = cpu.since()?;
             let after = apiserver_metrics(&client).await?;
             result["slice_writes_during"] = json!(slice_writes(&after) - slice_writes(&before));
+            // The fan-out: every claim event goes to every claim watcher.
+            result["claim_watch_events_during"] =
+                json!(claim_watch_events(&after) - claim_watch_events(&before));
+            result["claim_watchers"] = json!(claim_watchers(&after));
             // Everyone's, this benchmark's claims and its one list included.
             result["requests_during"] = json!(requests_delta(
                 &publisher_requests(&before),
