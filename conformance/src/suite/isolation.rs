@@ -361,6 +361,7 @@ mod tests {
                 allocation: Some(ProbeAllocation {
                     bytes,
                     ok,
+                    kernels: None,
                     error: (!ok).then(|| "CUDA_ERROR_OUT_OF_MEMORY".into()),
                 }),
                 error: None,
