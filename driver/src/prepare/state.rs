@@ -44,6 +44,11 @@ pub struct ClaimEntry {
     /// What was (or will be) written to `status.devices`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub status: Vec<DeviceStatus>,
+    /// UIDs of the Pods the claim was reserved for when it was prepared
+    /// (`status.reservedFor`): the metrics count their GPU use as the
+    /// claim's. Absent from records written before it was kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub consumers: Vec<String>,
 }
 
 /// A side effect of prepare that unprepare (or rollback) must undo.
