@@ -4,9 +4,13 @@
 //! NVML reports host pids; `/proc/<pid>/cgroup` of such a process names its
 //! Pod's cgroup, which carries the Pod's UID (cgroupfs driver:
 //! `.../pod<uid>/<container>`; systemd driver:
-//! `...-pod<uid with underscores>.slice/...`; cgroup v1 and v2 alike). So
-//! the node process must see the host's pids (`hostPID: true` in the
-//! chart); without it no process resolves and every claim reads 0.
+//! `...-pod<uid with underscores>.slice/...`; cgroup v1 and v2 alike). A
+//! kubelet that makes no Pod cgroups (`cgroupsPerQOS: false`) leaves the
+//! UID to the files it bind-mounts into every container from the Pod's
+//! directory (`<kubelet root>/pods/<uid>/...` at `/etc/hosts` and
+//! `/dev/termination-log`, in `/proc/<pid>/mountinfo`). So the node process
+//! must see the host's pids (`hostPID: true` in the chart); without it no
+//! process resolves and every claim reads 0.
 //!
 //! A claim's consumers are the Pods it was reserved for when it was
 //! prepared (recorded in its checkpoint entry). A Pod that no entry names
@@ -76,10 +80,32 @@ fn pod_in_segment(segment: &str) -> Option<String> {
     well_formed.then_some(uid)
 }
 
-/// The Pod of host process `pid`, from `<proc>/<pid>/cgroup`.
+/// The Pod UID in a process's `/proc/<pid>/mountinfo`: the source of the
+/// files the kubelet mounts from the Pod's directory.
+pub fn pod_in_mountinfo(text: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        let mut fields = line.split(' ');
+        let root = fields.nth(3)?;
+        let mount_point = fields.next()?;
+        if !matches!(mount_point, "/etc/hosts" | "/dev/termination-log") {
+            return None;
+        }
+        let mut segments = root.split('/');
+        segments.find(|s| *s == "pods")?;
+        segments
+            .next()
+            .and_then(|uid| pod_in_segment(&format!("pod{uid}")))
+    })
+}
+
+/// The Pod of host process `pid`: from `<proc>/<pid>/cgroup`, else from
+/// the kubelet's mounts in `<proc>/<pid>/mountinfo`.
 pub fn pod_of(proc: &Path, pid: u32) -> Option<String> {
-    let text = std::fs::read_to_string(proc.join(pid.to_string()).join("cgroup")).ok()?;
-    pod_in_cgroup(&text)
+    let dir = proc.join(pid.to_string());
+    let read = |name| std::fs::read_to_string(dir.join(name)).ok();
+    read("cgroup")
+        .and_then(|t| pod_in_cgroup(&t))
+        .or_else(|| read("mountinfo").and_then(|t| pod_in_mountinfo(&t)))
 }
 
 /// Whether `entry` holds the device a process runs on (`device`: a GPU or
@@ -270,6 +296,21 @@ mod tests {
         ] {
             assert_eq!(pod_in_cgroup(text), None, "{text}");
         }
+    }
+
+    #[test]
+    fn pods_are_found_in_the_kubelet_mounts_without_pod_cgroups() {
+        let mountinfo = "\
+            600 500 0:50 / / rw,relatime - overlay overlay rw\n\
+            610 600 8:1 /var/lib/kubelet/pods/0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f/etc-hosts \
+            /etc/hosts rw,relatime - ext4 /dev/sda1 rw\n\
+            611 600 8:1 /var/lib/kubelet/pods/0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f/containers/main/1a2b \
+            /dev/termination-log rw,relatime - ext4 /dev/sda1 rw\n";
+        assert_eq!(pod_in_mountinfo(mountinfo).as_deref(), Some(POD));
+        // A hostPath volume of the kubelet's directory names no Pod.
+        let volume = "612 600 8:1 /var/lib/kubelet/pods /host-pods rw - ext4 /dev/sda1 rw\n";
+        assert_eq!(pod_in_mountinfo(volume), None);
+        assert_eq!(pod_in_mountinfo(""), None);
     }
 
     fn entry(name: &str, gpu: &str, mig: Option<&str>, consumers: &[&str]) -> ClaimEntry {
