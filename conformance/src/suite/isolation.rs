@@ -361,9 +361,9 @@ mod tests {
                 allocation: Some(ProbeAllocation {
                     bytes,
                     ok,
-                    kernels: None,
                     error: (!ok).then(|| "CUDA_ERROR_OUT_OF_MEMORY".into()),
                 }),
+                kernels: None,
                 error: None,
             }],
             error: None,

@@ -163,9 +163,9 @@ fn live_in(dir: &Path, proc: &Path) -> Vec<Live> {
     let missing: BTreeSet<u64> = records
         .iter()
         .filter(|(_, r)| {
-            !found
+            found
                 .get(&key(r))
-                .is_some_and(|pid| start_time(&proc.join(pid.to_string())) == Some(r.start_time))
+                .is_none_or(|pid| start_time(&proc.join(pid.to_string())) != Some(r.start_time))
         })
         .map(|(_, r)| r.pid_namespace)
         .collect();
