@@ -751,6 +751,74 @@ mod tests {
     }
 
     #[test]
+    fn gpu_and_claim_readings_render_with_their_units_and_only_what_nvml_gave() {
+        let inventory = tessera_api::inventory::Inventory {
+            gpus: vec![tessera_api::inventory::Gpu {
+                uuid: "GPU-a".into(),
+                product_name: "NVIDIA H100 80GB HBM3".into(),
+                brand: "Nvidia".into(),
+                architecture: "hopper".into(),
+                cuda_compute_capability: "9.0".into(),
+                pci_bus_id: "0000:07:00.0".into(),
+                memory_bytes: 80 << 30,
+                multiprocessors: 132,
+                minor: 0,
+                mig: tessera_api::inventory::Mig::NotSupported,
+            }],
+            ..Default::default()
+        };
+        let reading = gpus::GpuReading {
+            uuid: "GPU-a".into(),
+            utilization: Some(100),
+            memory: Some((3 << 30, 80 << 30)),
+            temperature_celsius: Some(72),
+            power_milliwatts: None,
+            migs: vec![
+                ("MIG-1".into(), Some((1 << 30, 10 << 30))),
+                ("MIG-2".into(), None),
+            ],
+            processes: Vec::new(),
+            sm_percent: None,
+        };
+        let claim = claims::ClaimGpu {
+            namespace: "ns".into(),
+            name: "train".into(),
+            gpu: "GPU-a".into(),
+        };
+        let uses = [(
+            claim,
+            claims::ClaimUse {
+                memory_bytes: 3 << 30,
+                sm_percent: Some(250),
+            },
+        )]
+        .into_iter()
+        .collect();
+        let m = Metrics::new();
+        m.set_gpus(&inventory, &[reading]);
+        m.set_claims(&uses);
+        let text = m.render();
+        for line in [
+            "tessera_gpu_info{gpu=\"GPU-a\",index=\"0\",model=\"NVIDIA H100 80GB HBM3\"} 1",
+            "tessera_gpu_utilization_ratio{gpu=\"GPU-a\"} 1.0",
+            "tessera_gpu_temperature_celsius{gpu=\"GPU-a\"} 72",
+            "tessera_gpu_memory_used_bytes{gpu=\"GPU-a\"} 3221225472",
+            "tessera_mig_memory_used_bytes{gpu=\"GPU-a\",mig=\"MIG-1\"} 1073741824",
+            "tessera_claim_memory_used_bytes{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 3221225472",
+            // Several processes' samples never add up to more than the GPU.
+            "tessera_claim_sm_utilization_ratio{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 1.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        for absent in ["tessera_gpu_power_watts{", "mig=\"MIG-2\""] {
+            assert!(!text.contains(absent), "{absent} in\n{text}");
+        }
+        // The claim unprepared: its series go.
+        m.set_claims(&Default::default());
+        assert!(!m.render().contains("claim=\"train\""));
+    }
+
+    #[test]
     fn a_counter_catches_up_with_a_running_total() {
         let c = Counter::<u64>::default();
         catch_up(&c, 3);

@@ -223,3 +223,24 @@ pub struct ConsumedData {
     pub memory_bytes: u64,
     pub cores_percent: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_written_before_consumers_were_kept_reads_without_them() {
+        let old = r#"{"namespace":"ns","name":"c","state":"Completed"}"#;
+        let entry: ClaimEntry = serde_json::from_str(old).unwrap();
+        assert!(entry.consumers.is_empty());
+        // And one without consumers is written as before.
+        assert_eq!(serde_json::to_string(&entry).unwrap(), old);
+        let with = ClaimEntry {
+            consumers: vec!["0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f".into()],
+            ..entry
+        };
+        let text = serde_json::to_string(&with).unwrap();
+        assert!(text.contains(r#""consumers":["0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f"]"#));
+        assert_eq!(serde_json::from_str::<ClaimEntry>(&text).unwrap(), with);
+    }
+}
