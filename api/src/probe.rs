@@ -110,6 +110,9 @@ pub struct ProbeDevice {
     /// The `--alloc` attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocation: Option<ProbeAllocation>,
+    /// With `--busy`: the spin kernels run on the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<u64>,
     /// A call on this device that failed: `<call>: <CUDA error name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,

@@ -363,6 +363,7 @@ mod tests {
                     ok,
                     error: (!ok).then(|| "CUDA_ERROR_OUT_OF_MEMORY".into()),
                 }),
+                kernels: None,
                 error: None,
             }],
             error: None,

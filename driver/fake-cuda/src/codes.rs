@@ -13,7 +13,10 @@ pub const NOT_INITIALIZED: CUresult = 3;
 pub const DEVICE_UNAVAILABLE: CUresult = 46;
 pub const NO_DEVICE: CUresult = 100;
 pub const INVALID_DEVICE: CUresult = 101;
+pub const INVALID_IMAGE: CUresult = 200;
 pub const INVALID_CONTEXT: CUresult = 201;
+pub const INVALID_HANDLE: CUresult = 400;
+pub const NOT_FOUND: CUresult = 500;
 pub const MPS_CONNECTION_FAILED: CUresult = 805;
 pub const UNKNOWN: CUresult = 999;
 
@@ -58,6 +61,11 @@ const TABLE: &[(CUresult, &[u8], &[u8])] = &[
         b"invalid device ordinal\0",
     ),
     (
+        INVALID_IMAGE,
+        b"CUDA_ERROR_INVALID_IMAGE\0",
+        b"device kernel image is invalid\0",
+    ),
+    (
         INVALID_CONTEXT,
         b"CUDA_ERROR_INVALID_CONTEXT\0",
         b"invalid device context\0",
@@ -68,11 +76,15 @@ const TABLE: &[(CUresult, &[u8], &[u8])] = &[
         b"context already current\0",
     ),
     (
-        400,
+        INVALID_HANDLE,
         b"CUDA_ERROR_INVALID_HANDLE\0",
         b"invalid resource handle\0",
     ),
-    (500, b"CUDA_ERROR_NOT_FOUND\0", b"named symbol not found\0"),
+    (
+        NOT_FOUND,
+        b"CUDA_ERROR_NOT_FOUND\0",
+        b"named symbol not found\0",
+    ),
     (
         708,
         b"CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE\0",

@@ -88,6 +88,19 @@
 //! exported). Handles are tagged integers, validated on every call, never
 //! dereferenced.
 //!
+//! # Load
+//!
+//! With `TESSERA_FAKE_NVML_LOAD` set (the fake NVML's load directory), the
+//! library records this process's load there for the fake NVML to report
+//! (see the fake NVML's `load` module): per device, the memory it has
+//! allocated (after every allocation, free, context destroy and final
+//! primary context release), its SM share (100 %, or an MPS client's
+//! active thread percentage), and until when launched kernels keep the
+//! device busy (see `kernels.rs`: PTX modules, `cuLaunchKernel`,
+//! `cuCtxSynchronize`). A process that exits leaves its record, which
+//! counts for nothing once the process is gone, as the kernel driver
+//! forgets a process's memory when it exits.
+//!
 //! Compute modes: a GPU set to PROHIBITED refuses contexts with
 //! `CUDA_ERROR_DEVICE_UNAVAILABLE`; EXCLUSIVE_PROCESS is not enforced (that
 //! would need the other processes' contexts).
@@ -102,7 +115,9 @@
 //! `cuCtxCreate_v2`, `cuCtxDestroy_v2`, `cuCtxSetCurrent`, `cuCtxGetCurrent`,
 //! `cuCtxGetDevice`, `cuDevicePrimaryCtxRetain`,
 //! `cuDevicePrimaryCtxRelease_v2`, `cuMemGetInfo_v2`, `cuMemAlloc_v2`,
-//! `cuMemFree_v2`, `cuGetErrorName`, `cuGetErrorString`, with the ABI and
+//! `cuMemFree_v2`, `cuModuleLoadData`, `cuModuleUnload`,
+//! `cuModuleGetFunction`, `cuLaunchKernel`, `cuCtxSynchronize`,
+//! `cuGetErrorName`, `cuGetErrorString`, with the ABI and
 //! numeric codes of NVIDIA's `cuda.h`. Nothing else: the fake NVML's `nvml*`
 //! functions linked in (its rlib) stay local to the library (the build
 //! script links with `--exclude-libs=ALL`), so this library never stands in
@@ -119,6 +134,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod codes;
+mod kernels;
 mod machine;
 mod mps;
 mod visible;
@@ -130,8 +146,10 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
 use std::ptr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
 
 pub use codes::CUresult;
 use codes::*;
@@ -221,6 +239,21 @@ struct Session {
     next_context: u32,
     allocations: BTreeMap<u64, Allocation>,
     next_address: u64,
+    /// Loaded modules by id (see `kernels.rs`).
+    modules: BTreeMap<u32, kernels::Module>,
+    next_module: u32,
+    /// Where this process records its load, if anywhere.
+    load: Option<LoadRecord>,
+}
+
+/// This process's load record and where it goes (see the fake NVML's
+/// `load` module).
+#[derive(Debug)]
+struct LoadRecord {
+    dir: PathBuf,
+    record: tessera_fake_nvml::load::Record,
+    /// A write failed and was reported: said once, not on every call.
+    failed: bool,
 }
 
 #[derive(Debug)]
@@ -232,6 +265,14 @@ struct Device {
     /// Bytes it has allocated there.
     allocated: u64,
     primary_refs: u32,
+    /// The share of the device's SMs this process's kernels occupy, in
+    /// percent: 100, or an MPS client's active thread percentage.
+    sm_percent: u32,
+    /// When the kernels launched so far finish.
+    in_flight_until: Option<Instant>,
+    /// Until when the device counts as busy in the load record (ms after
+    /// the epoch).
+    busy_until_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -353,6 +394,38 @@ impl Session {
                 self.devices[a.device].allocated -= a.bytes;
             }
         }
+        self.publish_load();
+    }
+
+    /// Records what this process holds and runs on each device where the
+    /// fake NVML reads it (nothing without a load directory). A failed
+    /// write is said on stderr once; the call that changed the load still
+    /// succeeds, as the device did what it was asked.
+    fn publish_load(&mut self) {
+        let Some(load) = self.load.as_mut() else {
+            return;
+        };
+        load.record.devices = self
+            .devices
+            .iter()
+            .map(|d| tessera_fake_nvml::load::DeviceLoad {
+                uuid: d.physical.uuid.clone(),
+                memory_bytes: d.allocated,
+                busy_until_ms: d.busy_until_ms,
+                sm_percent: d.sm_percent,
+            })
+            .collect();
+        match load.record.publish(&load.dir) {
+            Ok(()) => load.failed = false,
+            Err(e) if !load.failed => {
+                load.failed = true;
+                eprintln!(
+                    "tessera-fake-cuda: recording this process's load in {}: {e}",
+                    load.dir.display()
+                );
+            }
+            Err(_) => {}
+        }
     }
 }
 
@@ -401,6 +474,7 @@ struct Env {
     visible: Option<String>,
     pipe_directory: Option<String>,
     client: mps::ClientEnv,
+    load_dir: Option<PathBuf>,
 }
 
 impl Env {
@@ -412,6 +486,9 @@ impl Env {
                 thread_percentage: env_var(mps::protocol::THREAD_PERCENTAGE_ENV),
                 pinned_mem_limit: env_var(mps::protocol::PINNED_MEM_LIMIT_ENV),
             },
+            load_dir: env_var(tessera_fake_nvml::load::LOAD_ENV)
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from),
         }
     }
 }
@@ -442,15 +519,16 @@ fn start(generation: u16) -> Result<Session, CUresult> {
             let (i, daemon_ordinal) = base[b];
             let p = physical[i].clone();
             let whole = p.memory_bytes.saturating_sub(p.reserved_bytes);
-            let (multiprocessors, usable) = match (&daemon, daemon_ordinal) {
+            let (multiprocessors, usable, sm_percent) = match (&daemon, daemon_ordinal) {
                 (Some(d), Some(o)) => {
                     let l = mps::limits(d, &env.client, o, ordinal as u32);
                     (
                         mps::multiprocessors(p.multiprocessors, l.thread_percentage),
                         l.pinned_bytes.map_or(whole, |b| b.min(whole)),
+                        l.thread_percentage.round().clamp(1.0, 100.0) as u32,
                     )
                 }
-                _ => (p.multiprocessors, whole),
+                _ => (p.multiprocessors, whole, 100),
             };
             Device {
                 physical: p,
@@ -458,6 +536,9 @@ fn start(generation: u16) -> Result<Session, CUresult> {
                 usable,
                 allocated: 0,
                 primary_refs: 0,
+                sm_percent,
+                in_flight_until: None,
+                busy_until_ms: 0,
             }
         })
         .collect::<Vec<_>>();
@@ -469,6 +550,15 @@ fn start(generation: u16) -> Result<Session, CUresult> {
         contexts: BTreeMap::new(),
         allocations: BTreeMap::new(),
         next_address: FIRST_ADDRESS,
+        modules: BTreeMap::new(),
+        next_module: 1,
+        load: env.load_dir.and_then(|dir| {
+            Some(LoadRecord {
+                dir,
+                record: tessera_fake_nvml::load::Record::for_this_process()?,
+                failed: false,
+            })
+        }),
     })
 }
 
@@ -661,6 +751,7 @@ pub extern "C" fn cuCtxDestroy_v2(context: CUcontext) -> CUresult {
                 return Err(INVALID_CONTEXT);
             }
             s.free_context_memory(id);
+            s.unload_context_modules(id);
             s.contexts.remove(&id);
             CURRENT.with(|c| {
                 if c.get() == context.addr() {
@@ -742,6 +833,7 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
                 1 => {
                     s.devices[device].primary_refs = 0;
                     s.free_context_memory(id);
+                    s.unload_context_modules(id);
                     s.contexts.remove(&id);
                     Ok(())
                 }
@@ -795,6 +887,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(address: *mut CUdeviceptr, bytes: usize) 
                 return Err(OUT_OF_MEMORY);
             }
             d.allocated += rounded;
+            s.publish_load();
             let at = s.next_address;
             s.next_address += rounded;
             s.allocations.insert(
@@ -818,6 +911,7 @@ pub extern "C" fn cuMemFree_v2(address: CUdeviceptr) -> CUresult {
             s.current()?;
             let a = s.allocations.remove(&address).ok_or(INVALID_VALUE)?;
             s.devices[a.device].allocated -= a.bytes;
+            s.publish_load();
             Ok(())
         })
     })

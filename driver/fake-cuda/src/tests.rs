@@ -79,8 +79,15 @@ fn machine() {
                 scratch().join("machine.state"),
             );
             std::env::remove_var(tessera_fake_nvml::DEV_ROOT_ENV);
+            std::env::set_var(tessera_fake_nvml::load::LOAD_ENV, load_dir());
         }
+        std::fs::create_dir_all(load_dir()).unwrap();
     });
+}
+
+/// Where the machine's processes record their load.
+fn load_dir() -> PathBuf {
+    scratch().join("load")
 }
 
 /// One test: the library uninitialized, as in a new process whose CUDA
@@ -787,4 +794,198 @@ fn pinned_limit_ordinals_follow_each_sides_enumeration() {
         Ok(vec![(MIG_B.into(), 18, GIB)])
     );
     daemon.quit();
+}
+
+// ---------------------------------------------------------------------------
+// Load: memory and kernels, recorded for the fake NVML
+
+/// A kernel that spins for `cycles` clock cycles (what `tessera probe
+/// --busy` launches on a real GPU).
+const SPIN_PTX: &[u8] = b".version 7.0\n.target sm_50\n.address_size 64\n\
+    .visible .entry spin(.param .u64 cycles)\n{\n  ret;\n}\n\0";
+
+fn own_record() -> Option<tessera_fake_nvml::load::Record> {
+    let name = tessera_fake_nvml::load::Record::for_this_process()?.file_name();
+    serde_json::from_slice(&std::fs::read(load_dir().join(name)).ok()?).ok()
+}
+
+/// Loads [`SPIN_PTX`] into the current context; its `spin` kernel.
+fn spin_kernel() -> kernels::CUfunction {
+    let mut module: kernels::CUmodule = ptr::null_mut();
+    assert_eq!(
+        unsafe { kernels::cuModuleLoadData(&mut module, SPIN_PTX.as_ptr().cast()) },
+        SUCCESS
+    );
+    let mut f: kernels::CUfunction = ptr::null_mut();
+    assert_eq!(
+        unsafe { kernels::cuModuleGetFunction(&mut f, module, c"spin".as_ptr()) },
+        SUCCESS
+    );
+    let mut missing: kernels::CUfunction = ptr::null_mut();
+    assert_eq!(
+        unsafe { kernels::cuModuleGetFunction(&mut missing, module, c"nope".as_ptr()) },
+        NOT_FOUND
+    );
+    f
+}
+
+fn launch(f: kernels::CUfunction, block: c_uint, stream: kernels::CUstream) -> CUresult {
+    kernels::cuLaunchKernel(
+        f,
+        1,
+        1,
+        1,
+        block,
+        1,
+        1,
+        0,
+        stream,
+        ptr::null_mut(),
+        ptr::null_mut(),
+    )
+}
+
+#[test]
+fn memory_and_kernels_are_recorded_as_the_process_load() {
+    let _p = process(&[(
+        tessera_fake_nvml::load::LOAD_ENV,
+        load_dir().to_str().unwrap(),
+    )]);
+    assert_eq!(cuInit(0), SUCCESS);
+    let mut module: kernels::CUmodule = ptr::null_mut();
+    // No context yet.
+    assert_eq!(
+        unsafe { kernels::cuModuleLoadData(&mut module, SPIN_PTX.as_ptr().cast()) },
+        INVALID_CONTEXT
+    );
+    let ctx = create_context(0);
+    let p = alloc(GIB).unwrap();
+    let record = own_record().expect("a record once memory is held");
+    assert_eq!(record.devices[0].uuid, GPU0);
+    assert_eq!(record.devices[0].memory_bytes, GIB);
+    assert_eq!(record.devices[0].busy_until_ms, 0);
+    assert_eq!(record.devices[0].sm_percent, 100);
+
+    assert_eq!(
+        unsafe { kernels::cuModuleLoadData(&mut module, c"\x7fELF".as_ptr().cast()) },
+        INVALID_IMAGE
+    );
+    let f = spin_kernel();
+    assert_eq!(launch(f, 2048, ptr::null_mut()), INVALID_VALUE);
+    assert_eq!(launch(f, 0, ptr::null_mut()), INVALID_VALUE);
+    assert_eq!(
+        launch(f, 128, ptr::without_provenance_mut(0x1234)),
+        INVALID_HANDLE
+    );
+    assert_eq!(
+        launch(ptr::without_provenance_mut(0x1234), 128, ptr::null_mut()),
+        INVALID_HANDLE
+    );
+    let before = tessera_fake_nvml::load::now_ms();
+    let started = Instant::now();
+    assert_eq!(launch(f, 128, ptr::null_mut()), SUCCESS);
+    assert_eq!(launch(f, 128, ptr::null_mut()), SUCCESS);
+    assert_eq!(kernels::cuCtxSynchronize(), SUCCESS);
+    assert!(started.elapsed() >= 2 * kernels::KERNEL_TIME);
+    let busy = own_record().unwrap().devices[0].busy_until_ms;
+    assert!(
+        busy > before,
+        "launches keep the device busy: {busy} <= {before}"
+    );
+
+    assert_eq!(cuMemFree_v2(p), SUCCESS);
+    assert_eq!(own_record().unwrap().devices[0].memory_bytes, 0);
+    // Its module goes with the context.
+    assert_eq!(cuCtxDestroy_v2(ctx), SUCCESS);
+    let second = create_context(0);
+    assert_eq!(launch(f, 128, ptr::null_mut()), INVALID_HANDLE);
+    assert_eq!(cuCtxDestroy_v2(second), SUCCESS);
+}
+
+/// The CUDA side of [`another_process_load_is_seen_through_nvml`]: run by
+/// it as a child process of its own (skipped otherwise).
+#[test]
+#[ignore = "a child process of another_process_load_is_seen_through_nvml"]
+fn child_holds_memory_and_runs_kernels() {
+    let Ok(load) = std::env::var(tessera_fake_nvml::load::LOAD_ENV) else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    reset(&[(tessera_fake_nvml::load::LOAD_ENV, &load)]);
+    assert_eq!(cuInit(0), SUCCESS);
+    create_context(0);
+    let p = alloc(512 * MIB).unwrap();
+    let f = spin_kernel();
+    assert_eq!(launch(f, 128, ptr::null_mut()), SUCCESS);
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    assert_eq!(cuMemFree_v2(p), SUCCESS);
+    println!("freed");
+    // Until killed.
+    std::io::stdin().read_line(&mut line).unwrap();
+}
+
+fn nvml_processes(gpu: &str) -> Vec<(u32, u64)> {
+    use tessera_fake_nvml as nvml;
+    let uuid = std::ffi::CString::new(gpu).unwrap();
+    let mut d: nvml_wrapper_sys::bindings::nvmlDevice_t = ptr::null_mut();
+    assert_eq!(
+        unsafe { nvml::nvmlDeviceGetHandleByUUID(uuid.as_ptr(), &mut d) },
+        0
+    );
+    let mut infos =
+        [unsafe { std::mem::zeroed::<nvml_wrapper_sys::bindings::nvmlProcessInfo_t>() }; 8];
+    let mut n = infos.len() as c_uint;
+    assert_eq!(
+        unsafe { nvml::nvmlDeviceGetComputeRunningProcesses_v3(d, &mut n, infos.as_mut_ptr()) },
+        0
+    );
+    infos[..n as usize]
+        .iter()
+        .map(|i| (i.pid, i.usedGpuMemory))
+        .collect()
+}
+
+#[test]
+fn another_process_load_is_seen_through_nvml() {
+    use std::io::{BufRead, BufReader, Write};
+    let _p = process(&[]);
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "tests::child_holds_memory_and_runs_kernels",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut wait_for_line = |want: &str| {
+        // The test harness may have begun the line with the test's name.
+        let mut line = String::new();
+        while !line.trim_end().ends_with(want) {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "the child ended before printing {want}"
+            );
+        }
+    };
+    wait_for_line("ready");
+    assert_eq!(tessera_fake_nvml::nvmlInit_v2(), 0);
+    assert_eq!(nvml_processes(GPU0), vec![(pid, 512 * MIB)]);
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "free").unwrap();
+    wait_for_line("freed");
+    // Still busy (its lease), no memory.
+    assert_eq!(nvml_processes(GPU0), vec![(pid, 0)]);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(nvml_processes(GPU0), vec![]);
+    tessera_fake_nvml::nvmlShutdown();
 }

@@ -72,6 +72,25 @@
 //! descriptor, and a call that would change the state answers
 //! `NVML_ERROR_NO_PERMISSION` with a line on stderr.
 //!
+//! # Load: what the GPUs are doing
+//!
+//! `TESSERA_FAKE_NVML_LOAD` ([`load::LOAD_ENV`]) names a directory any
+//! process may write (in a container too, like the kernel driver's device
+//! files): the simulated libcuda records there, per process, the memory it
+//! holds on each device and until when its kernels keep the device busy
+//! (see [`load`]). From the records of processes still running:
+//! `nvmlDeviceGetMemoryInfo(_v2)` counts their memory as used,
+//! `nvmlDeviceGetComputeRunningProcesses_v3` lists them (host pids; a
+//! process in a container finds only its own container's),
+//! `nvmlDeviceGetUtilizationRates` is 100 % while any runs kernels
+//! (time-based, as NVML's), `nvmlDeviceGetProcessUtilization` samples each
+//! busy process's SM share (NOT_FOUND when no sample is newer than the
+//! timestamp asked for), and `nvmlDeviceGetTemperature` (C) and
+//! `nvmlDeviceGetPowerUsage` (mW) rise with it. On a MIG device handle, and
+//! on a GPU in MIG mode, utilization answers NOT_SUPPORTED; temperature and
+//! power NOT_SUPPORTED on a MIG device handle. Unset: every GPU is idle and
+//! runs no process.
+//!
 //! # Faults and events
 //!
 //! Faults a topology can provoke: `faults.init` (every init fails with that
@@ -92,9 +111,11 @@
 // Each exported function's safety contract is the NVML one stated above.
 #![allow(clippy::missing_safety_doc)]
 
+mod activity;
 pub mod caps;
 mod codes;
 mod events;
+pub mod load;
 mod machine;
 mod state;
 pub mod topology;
@@ -156,6 +177,8 @@ struct Sim {
     driver_root: Option<PathBuf>,
     /// `TESSERA_FAKE_NVML_DEV_ROOT` of this process.
     dev_root: Option<PathBuf>,
+    /// `TESSERA_FAKE_NVML_LOAD` of this process.
+    load_dir: Option<PathBuf>,
 }
 
 static LIB: Mutex<Lib> = Mutex::new(Lib {
@@ -192,6 +215,13 @@ fn synced<R>(access: Access, f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> 
     }
     let sim = lib.sim.as_mut().ok_or(UNINITIALIZED)?;
     sim.store.sync(&mut sim.machine, access, f)
+}
+
+/// The load records of running processes, as this process sees them; read
+/// before the machine is locked (finding processes in /proc takes a while).
+fn live_loads() -> Vec<load::Live> {
+    let dir = lock().sim.as_ref().and_then(|s| s.load_dir.clone());
+    dir.map(|d| load::live(&d)).unwrap_or_default()
 }
 
 /// Turns a body into an NVML return code; a panic becomes UNKNOWN instead of
@@ -285,6 +315,7 @@ struct Config {
     state: PathBuf,
     driver_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
+    load_dir: Option<PathBuf>,
 }
 
 /// In-process tests configure the machine here instead of the environment.
@@ -296,6 +327,7 @@ struct TestConfig {
     state: PathBuf,
     driver_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
+    load_dir: Option<PathBuf>,
 }
 
 #[cfg(test)]
@@ -314,6 +346,7 @@ fn config() -> Result<Config, String> {
             state: c.state,
             driver_root: c.driver_root,
             dev_root: c.dev_root,
+            load_dir: c.load_dir,
         });
     }
     let path = std::env::var_os(TOPOLOGY_ENV)
@@ -338,6 +371,7 @@ fn config() -> Result<Config, String> {
         state,
         driver_root: non_empty(DRIVER_ROOT_ENV).map(PathBuf::from),
         dev_root: non_empty(DEV_ROOT_ENV).map(PathBuf::from),
+        load_dir: load::dir_from_env(),
     })
 }
 
@@ -353,6 +387,7 @@ fn load() -> Result<Sim, String> {
         store,
         driver_root: config.driver_root,
         dev_root: config.dev_root,
+        load_dir: config.load_dir,
     })
 }
 
@@ -748,17 +783,35 @@ fn memory_of(m: &Machine, d: DeviceRef) -> (u64, u64) {
     }
 }
 
+/// (total, reserved, held by processes) bytes of a live device.
+fn memory_with_load(
+    m: &Machine,
+    device: nvmlDevice_t,
+    live: &[load::Live],
+) -> Result<(u64, u64, u64), Ret> {
+    let d = m.live_device(device.addr())?;
+    let (total, reserved) = memory_of(m, d);
+    Ok((
+        total,
+        reserved,
+        activity::memory_used(&activity::uses(m, d, live)),
+    ))
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
     ffi(|| {
-        let (total, reserved) = with_machine(|m| Ok(memory_of(m, m.live_device(device.addr())?)))?;
+        let live = live_loads();
+        let (total, reserved, held) = with_machine(|m| memory_with_load(m, device, &live))?;
+        // v1 counts what the driver reserves as used.
+        let used = (reserved + held).min(total);
         let info = nvmlMemory_t {
             total,
-            free: total - reserved,
-            used: reserved,
+            free: total - used,
+            used,
         };
         // SAFETY: NVML contract: null or valid for the struct.
         unsafe { put(memory, info) }
@@ -780,13 +833,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         if version != struct_version::<nvmlMemory_v2_t>(2) {
             return Err(ARGUMENT_VERSION_MISMATCH);
         }
-        let (total, reserved) = with_machine(|m| Ok(memory_of(m, m.live_device(device.addr())?)))?;
+        let live = live_loads();
+        let (total, reserved, held) = with_machine(|m| memory_with_load(m, device, &live))?;
+        let used = held.min(total - reserved);
         let info = nvmlMemory_v2_t {
             version,
             total,
             reserved,
-            free: total - reserved,
-            used: 0,
+            free: total - reserved - used,
+            used,
         };
         // SAFETY: as above.
         unsafe { put(memory, info) }
@@ -1917,6 +1972,195 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
             }
         }
     })
+}
+
+// ---------------------------------------------------------------------------
+// Activity: utilization, processes, temperature, power (see `load` and
+// `activity`)
+
+/// The uses of a live device handle by running processes, and the device.
+fn device_uses(
+    m: &Machine,
+    device: nvmlDevice_t,
+    live: &[load::Live],
+) -> Result<(DeviceRef, Vec<activity::Use>), Ret> {
+    let d = m.live_device(device.addr())?;
+    Ok((d, activity::uses(m, d, live)))
+}
+
+/// A physical GPU's utilization: NOT_SUPPORTED on a MIG device handle and
+/// on a GPU in MIG mode, where NVML keeps no utilization counters.
+fn utilization_of(m: &Machine, d: DeviceRef, uses: &[activity::Use]) -> Result<u32, Ret> {
+    let DeviceRef::Gpu(g) = d else {
+        return Err(NOT_SUPPORTED);
+    };
+    if m.gpus[g].mig.as_ref().is_some_and(|mig| mig.enabled) {
+        return Err(NOT_SUPPORTED);
+    }
+    Ok(activity::gpu_percent(uses))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let live = live_loads();
+        let gpu = with_machine(|m| {
+            let (d, uses) = device_uses(m, device, &live)?;
+            utilization_of(m, d, &uses)
+        })?;
+        // A kernel that only spins touches no memory.
+        let rates = nvmlUtilization_t { gpu, memory: 0 };
+        // SAFETY: NVML contract: null or valid for the struct.
+        unsafe { put(utilization, rates) }
+    })
+}
+
+/// Writes `items` to a caller's array of `*count` entries, or says how many
+/// are needed: `*count` becomes the number of items either way.
+///
+/// # Safety
+/// `count` is null or valid for an unsigned int; `out` is null or valid
+/// for writing `*count` entries.
+unsafe fn put_list<T>(count: *mut c_uint, out: *mut T, items: Vec<T>) -> Result<(), Ret> {
+    if count.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null and valid by the contract above.
+    let room = unsafe { count.read_unaligned() } as usize;
+    // SAFETY: as above.
+    unsafe { count.write_unaligned(items.len() as c_uint) };
+    if items.is_empty() {
+        return Ok(());
+    }
+    if out.is_null() || room < items.len() {
+        return Err(INSUFFICIENT_SIZE);
+    }
+    for (i, item) in items.into_iter().enumerate() {
+        // SAFETY: i < room, the array's length by the contract above.
+        unsafe { out.add(i).write_unaligned(item) };
+    }
+    Ok(())
+}
+
+/// Processes with a context on the device: host pids where this process
+/// sees every process (inside a container, only its own container's), the
+/// memory each holds, and for a MIG device its GPU and compute instance
+/// (NVML's "none" on a GPU not in MIG mode). A GPU in MIG mode lists the
+/// processes of all its MIG devices, a MIG device its own.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let live = live_loads();
+        let uses = with_machine(|m| Ok(device_uses(m, device, &live)?.1))?;
+        let items = uses
+            .iter()
+            .map(|u| {
+                let (gi, ci) = match u.device {
+                    DeviceRef::Mig { gi, ci, .. } => (gi, ci),
+                    DeviceRef::Gpu(_) => (NO_INSTANCE, NO_INSTANCE),
+                };
+                nvmlProcessInfo_t {
+                    pid: u.pid,
+                    usedGpuMemory: u.memory_bytes,
+                    gpuInstanceId: gi,
+                    computeInstanceId: ci,
+                }
+            })
+            .collect();
+        // SAFETY: NVML contract: null or valid for the count and array.
+        unsafe { put_list(info_count, infos, items) }
+    })
+}
+
+/// One sample per process whose kernels ran after `last_seen` (µs after
+/// the epoch): stamped when they last ran (now, while they still do), with
+/// the process's SM share while busy. None: NOT_FOUND. NOT_SUPPORTED where
+/// utilization is (MIG).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    device: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    process_samples_count: *mut c_uint,
+    last_seen_time_stamp: c_ulonglong,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let live = live_loads();
+        let uses = with_machine(|m| {
+            let (d, uses) = device_uses(m, device, &live)?;
+            utilization_of(m, d, &uses)?;
+            Ok(uses)
+        })?;
+        let now = load::now_ms();
+        let samples: Vec<nvmlProcessUtilizationSample_t> = uses
+            .iter()
+            .filter(|u| u.busy_until_ms > 0)
+            .map(|u| nvmlProcessUtilizationSample_t {
+                pid: u.pid,
+                timeStamp: u.busy_until_ms.min(now) * 1000,
+                smUtil: if u.busy(now) { u.sm_percent } else { 0 },
+                memUtil: 0,
+                encUtil: 0,
+                decUtil: 0,
+            })
+            .filter(|s| s.timeStamp > last_seen_time_stamp)
+            .collect();
+        if samples.is_empty() {
+            return Err(NOT_FOUND);
+        }
+        // SAFETY: NVML contract: null or valid for the count and array.
+        unsafe { put_list(process_samples_count, utilization, samples) }
+    })
+}
+
+/// The GPU's die temperature (`NVML_TEMPERATURE_GPU`, the only sensor),
+/// warmer while busy; NOT_SUPPORTED on a MIG device handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(
+    device: nvmlDevice_t,
+    sensor_type: nvmlTemperatureSensors_t,
+    temp: *mut c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let live = live_loads();
+        let percent = with_machine(|m| physical_activity(m, device, &live))?;
+        if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: NVML contract: null or valid for an unsigned int.
+        unsafe { put(temp, activity::temperature(percent)) }
+    })
+}
+
+/// The GPU's power draw in milliwatts, higher while busy; NOT_SUPPORTED on
+/// a MIG device handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
+    device: nvmlDevice_t,
+    power: *mut c_uint,
+) -> nvmlReturn_t {
+    ffi(|| {
+        let live = live_loads();
+        let percent = with_machine(|m| physical_activity(m, device, &live))?;
+        // SAFETY: NVML contract: null or valid for an unsigned int.
+        unsafe { put(power, activity::power(percent)) }
+    })
+}
+
+/// How busy a physical GPU is (whether or not in MIG mode, its sensors see
+/// every kernel on it); NOT_SUPPORTED on a MIG device handle.
+fn physical_activity(m: &Machine, device: nvmlDevice_t, live: &[load::Live]) -> Result<u32, Ret> {
+    let (d, uses) = device_uses(m, device, live)?;
+    match d {
+        DeviceRef::Gpu(_) => Ok(activity::gpu_percent(&uses)),
+        DeviceRef::Mig { .. } => Err(NOT_SUPPORTED),
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,11 @@ impl TestMachine {
         self.dir.join("nvml.state")
     }
 
+    /// Where the machine's processes record their load.
+    fn load(&self) -> PathBuf {
+        self.dir.join("load")
+    }
+
     /// The driver root of a machine made by [`machine_with_root`].
     fn root(&self) -> PathBuf {
         self.dir.join("root")
@@ -73,7 +78,9 @@ fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMa
         state: dir.join("nvml.state"),
         driver_root: with_root.then(|| dir.join("root")),
         dev_root: None,
+        load_dir: Some(dir.join("load")),
     });
+    std::fs::create_dir_all(dir.join("load")).unwrap();
     let mut lib = lock();
     lib.init_count = 0;
     lib.sim = None;
@@ -1510,4 +1517,238 @@ fn a_read_only_state_file_can_be_read_but_not_changed() {
         nvmlDeviceSetComputeMode(device(1), nvmlComputeMode_enum_NVML_COMPUTEMODE_PROHIBITED),
         SUCCESS
     );
+}
+
+// ---------------------------------------------------------------------------
+// Load: what the processes on the GPUs do
+
+const T4_UUID: &str = "GPU-f53e3398-fd10-4ca7-aa75-e3657fc8c200";
+const A100_MIG_3G: &str = "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f";
+const A100_MIG_1G: &str = "MIG-cc04a385-500f-4314-8218-133a4f8051b2";
+
+/// A record of process `pid` (this test process, or a child it started),
+/// as the simulated libcuda would write it.
+fn record_of(pid: u32, devices: Vec<load::DeviceLoad>) -> load::Record {
+    let dir = PathBuf::from(format!("/proc/{pid}"));
+    let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
+    let start_time = stat[stat.rfind(')').unwrap() + 1..]
+        .split_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap();
+    load::Record {
+        pid_namespace: std::fs::metadata(dir.join("ns/pid")).unwrap().ino(),
+        pid,
+        start_time,
+        devices,
+    }
+}
+
+fn device_load(
+    uuid: &str,
+    memory_bytes: u64,
+    busy_for_ms: u64,
+    sm_percent: u32,
+) -> load::DeviceLoad {
+    load::DeviceLoad {
+        uuid: uuid.into(),
+        memory_bytes,
+        busy_until_ms: if busy_for_ms > 0 {
+            load::now_ms() + busy_for_ms
+        } else {
+            0
+        },
+        sm_percent,
+    }
+}
+
+fn processes(d: nvmlDevice_t) -> Vec<(u32, u64, u32, u32)> {
+    let mut n: c_uint = 0;
+    let first = unsafe { nvmlDeviceGetComputeRunningProcesses_v3(d, &mut n, ptr::null_mut()) };
+    if n == 0 {
+        assert_eq!(first, SUCCESS);
+        return Vec::new();
+    }
+    assert_eq!(first, INSUFFICIENT_SIZE);
+    let mut short = n - 1;
+    let mut infos: Vec<nvmlProcessInfo_t> = vec![unsafe { zeroed() }; n as usize];
+    assert_eq!(
+        unsafe { nvmlDeviceGetComputeRunningProcesses_v3(d, &mut short, infos.as_mut_ptr()) },
+        INSUFFICIENT_SIZE
+    );
+    assert_eq!(short, n);
+    assert_eq!(
+        unsafe { nvmlDeviceGetComputeRunningProcesses_v3(d, &mut n, infos.as_mut_ptr()) },
+        SUCCESS
+    );
+    let mut out: Vec<_> = infos
+        .iter()
+        .map(|i| (i.pid, i.usedGpuMemory, i.gpuInstanceId, i.computeInstanceId))
+        .collect();
+    out.sort();
+    out
+}
+
+fn utilization(d: nvmlDevice_t) -> Result<u32, Ret> {
+    let mut u: nvmlUtilization_t = unsafe { zeroed() };
+    match unsafe { nvmlDeviceGetUtilizationRates(d, &mut u) } {
+        SUCCESS => Ok(u.gpu),
+        e => Err(e),
+    }
+}
+
+fn samples(d: nvmlDevice_t, since: u64) -> Result<Vec<(u32, u32)>, Ret> {
+    let mut n: c_uint = 0;
+    match unsafe { nvmlDeviceGetProcessUtilization(d, ptr::null_mut(), &mut n, since) } {
+        INSUFFICIENT_SIZE => {}
+        e => return Err(e),
+    }
+    let mut buf: Vec<nvmlProcessUtilizationSample_t> = vec![unsafe { zeroed() }; n as usize];
+    assert_eq!(
+        unsafe { nvmlDeviceGetProcessUtilization(d, buf.as_mut_ptr(), &mut n, since) },
+        SUCCESS
+    );
+    Ok(buf.iter().map(|s| (s.pid, s.smUtil)).collect())
+}
+
+fn used_v2(d: nvmlDevice_t) -> (u64, u64, u64, u64) {
+    let mut m: nvmlMemory_v2_t = unsafe { zeroed() };
+    m.version = struct_version::<nvmlMemory_v2_t>(2);
+    assert_eq!(unsafe { nvmlDeviceGetMemoryInfo_v2(d, &mut m) }, SUCCESS);
+    (m.total, m.reserved, m.used, m.free)
+}
+
+fn sensors(d: nvmlDevice_t) -> (Result<u32, Ret>, Result<u32, Ret>) {
+    let (mut t, mut p) = (0, 0);
+    let t = match unsafe {
+        nvmlDeviceGetTemperature(d, nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU, &mut t)
+    } {
+        SUCCESS => Ok(t),
+        e => Err(e),
+    };
+    let p = match unsafe { nvmlDeviceGetPowerUsage(d, &mut p) } {
+        SUCCESS => Ok(p),
+        e => Err(e),
+    };
+    (t, p)
+}
+
+#[test]
+fn an_idle_gpu_runs_no_process() {
+    let _m = machine(T4, None);
+    init_ok();
+    let d = device(0);
+    assert!(processes(d).is_empty());
+    assert_eq!(utilization(d), Ok(0));
+    assert_eq!(samples(d, 0), Err(NOT_FOUND));
+    let (total, reserved, used, free) = used_v2(d);
+    assert_eq!((used, free), (0, total - reserved));
+    assert_eq!(sensors(d), (Ok(32), Ok(70_000)));
+    let mut t = 0;
+    assert_eq!(
+        unsafe { nvmlDeviceGetTemperature(d, 7, &mut t) },
+        INVALID_ARGUMENT
+    );
+    nvmlShutdown();
+}
+
+#[test]
+fn another_process_load_shows_in_utilization_memory_and_its_processes() {
+    let m = machine(T4, None);
+    init_ok();
+    let d = device(0);
+    // Another process on the machine, busy with 1 GiB; this one holds
+    // 256 MiB and runs no kernel.
+    let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+    let other_pid = other.id();
+    record_of(other_pid, vec![device_load(T4_UUID, 1 << 30, 60_000, 100)])
+        .publish(&m.load())
+        .unwrap();
+    let me = std::process::id();
+    record_of(me, vec![device_load(T4_UUID, 256 << 20, 0, 100)])
+        .publish(&m.load())
+        .unwrap();
+    let none = 0xFFFF_FFFF;
+    let mut want = vec![
+        (other_pid, 1 << 30, none, none),
+        (me, 256 << 20, none, none),
+    ];
+    want.sort();
+    assert_eq!(processes(d), want);
+    assert_eq!(utilization(d), Ok(100));
+    assert_eq!(samples(d, 0), Ok(vec![(other_pid, 100)]));
+    // Nothing newer than now + 2 minutes.
+    let later = (load::now_ms() + 120_000) * 1000;
+    assert_eq!(samples(d, later), Err(NOT_FOUND));
+    let (total, reserved, used, free) = used_v2(d);
+    assert_eq!(used, (1 << 30) + (256 << 20));
+    assert_eq!(free, total - reserved - used);
+    let mut v1: nvmlMemory_t = unsafe { zeroed() };
+    assert_eq!(unsafe { nvmlDeviceGetMemoryInfo(d, &mut v1) }, SUCCESS);
+    assert_eq!(v1.used, reserved + used);
+    assert_eq!(sensors(d), (Ok(72), Ok(400_000)));
+
+    // The process ends: its record counts for nothing, and is removed.
+    other.kill().unwrap();
+    other.wait().unwrap();
+    assert_eq!(processes(d), vec![(me, 256 << 20, none, none)]);
+    assert_eq!(utilization(d), Ok(0));
+    assert_eq!(samples(d, 0), Err(NOT_FOUND));
+    let file = record_of(me, vec![])
+        .file_name()
+        .replace(&me.to_string(), &other_pid.to_string());
+    if in_first_pid_namespace() {
+        assert!(
+            !m.load().join(file).exists(),
+            "a dead process's record stays"
+        );
+    }
+    nvmlShutdown();
+}
+
+fn in_first_pid_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .is_some_and(|l| l.split_whitespace().count() == 1)
+}
+
+#[test]
+fn mig_devices_list_their_own_processes_and_have_no_utilization() {
+    let m = machine(A100, None);
+    init_ok();
+    let gpu = device(0);
+    let me = std::process::id();
+    let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+    record_of(me, vec![device_load(A100_MIG_3G, 2 << 30, 60_000, 100)])
+        .publish(&m.load())
+        .unwrap();
+    record_of(other.id(), vec![device_load(A100_MIG_1G, 1 << 30, 0, 100)])
+        .publish(&m.load())
+        .unwrap();
+    let migs = mig_devices_of(gpu);
+    let ids = |uuid: &str| {
+        let (gi, ci, _) = migs.iter().find(|(_, _, u)| u == uuid).unwrap();
+        (*gi, *ci)
+    };
+    let (gi3, ci3) = ids(A100_MIG_3G);
+    let (gi1, ci1) = ids(A100_MIG_1G);
+    let mut want = vec![(me, 2 << 30, gi3, ci3), (other.id(), 1 << 30, gi1, ci1)];
+    want.sort();
+    assert_eq!(processes(gpu), want);
+    let mig3 = by_uuid(A100_MIG_3G).unwrap();
+    assert_eq!(processes(mig3), vec![(me, 2 << 30, gi3, ci3)]);
+    assert_eq!(used_v2(mig3).2, 2 << 30);
+    assert_eq!(used_v2(gpu).2, 3 << 30);
+    // No utilization counters in MIG mode; the GPU's sensors still see it.
+    assert_eq!(utilization(mig3), Err(NOT_SUPPORTED));
+    assert_eq!(utilization(gpu), Err(NOT_SUPPORTED));
+    assert_eq!(samples(gpu, 0), Err(NOT_SUPPORTED));
+    assert_eq!(sensors(mig3), (Err(NOT_SUPPORTED), Err(NOT_SUPPORTED)));
+    assert_eq!(sensors(gpu), (Ok(72), Ok(400_000)));
+    other.kill().unwrap();
+    other.wait().unwrap();
+    nvmlShutdown();
 }

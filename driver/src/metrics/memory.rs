@@ -135,6 +135,7 @@ mod tests {
                     data,
                 })
                 .collect(),
+            consumers: Vec::new(),
         }
     }
 

@@ -5,17 +5,21 @@
 //! unprepare latency and results, the devices of every model built); the
 //! rest is read for each render by a [`Sampler`] (prepared claims from the
 //! checkpoint, MPS daemons, the publisher's write counters, per-GPU memory
-//! allocated to claims vs used according to NVML). Scrapes share renders,
-//! one at a time on a thread of their own ([`renders`]). Every name starts
-//! with `tessera_`; docs/kubelet-plugin.md lists them.
+//! allocated to claims vs used according to NVML, what each GPU and MIG
+//! device is doing ([`gpus`]) and what each claim's processes use on them
+//! ([`claims`])). Scrapes share renders, one at a time on a thread of their
+//! own ([`renders`]). Every name starts with `tessera_`; docs/operations.md
+//! describes them all.
 
+pub mod claims;
+pub mod gpus;
 pub mod memory;
 pub mod renders;
 pub mod server;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nvml_wrapper::Nvml;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -62,6 +66,29 @@ struct GpuLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuInfoLabels {
+    gpu: String,
+    index: String,
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MigLabels {
+    gpu: String,
+    mig: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimLabels {
+    namespace: String,
+    claim: String,
+    gpu: String,
+}
+
+/// A gauge of fractional values (ratios, watts).
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HealthLabels {
     health: &'static str,
 }
@@ -97,6 +124,14 @@ pub struct Metrics {
     device_health: Family<HealthLabels, Gauge>,
     gpu_health: Family<GpuHealthLabels, Gauge>,
     xid_errors: Family<XidLabels, Counter>,
+    gpu_info: Family<GpuInfoLabels, Gauge>,
+    gpu_utilization: Family<GpuLabels, FloatGauge>,
+    gpu_temperature: Family<GpuLabels, Gauge>,
+    gpu_power: Family<GpuLabels, FloatGauge>,
+    mig_used: Family<MigLabels, Gauge>,
+    mig_total: Family<MigLabels, Gauge>,
+    claim_memory: Family<ClaimLabels, Gauge>,
+    claim_sm: Family<ClaimLabels, FloatGauge>,
     ready: AtomicBool,
     sampler: OnceLock<Box<dyn Sample>>,
     renders: renders::Handle,
@@ -129,6 +164,14 @@ impl Metrics {
             device_health: Family::default(),
             gpu_health: Family::default(),
             xid_errors: Family::default(),
+            gpu_info: Family::default(),
+            gpu_utilization: Family::default(),
+            gpu_temperature: Family::default(),
+            gpu_power: Family::default(),
+            mig_used: Family::default(),
+            mig_total: Family::default(),
+            claim_memory: Family::default(),
+            claim_sm: Family::default(),
             ready: AtomicBool::new(false),
             sampler: OnceLock::new(),
             renders: renders::Handle::default(),
@@ -220,7 +263,59 @@ impl Metrics {
             "NVML XID critical error events, by GPU and XID (0: NVML could not say which)",
             m.xid_errors.clone(),
         );
+        m.register_activity(&mut registry);
         Metrics { registry, ..m }
+    }
+
+    /// What the GPUs and the claims' processes are doing.
+    fn register_activity(&self, registry: &mut Registry) {
+        registry.register(
+            "gpu_info",
+            "1 per GPU NVML lists, with its index and model (join on gpu for names)",
+            self.gpu_info.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_utilization",
+            "Fraction of the last sample period kernels ran on a GPU (NVML; absent in MIG mode)",
+            Unit::Other("ratio".into()),
+            self.gpu_utilization.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_temperature",
+            "GPU die temperature (NVML)",
+            Unit::Celsius,
+            self.gpu_temperature.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_power",
+            "GPU power draw (NVML)",
+            Unit::Other("watts".into()),
+            self.gpu_power.clone(),
+        );
+        registry.register_with_unit(
+            "mig_memory_used",
+            "Device memory NVML reports used on a MIG device",
+            Unit::Bytes,
+            self.mig_used.clone(),
+        );
+        registry.register_with_unit(
+            "mig_memory_total",
+            "Device memory of a MIG device, as NVML reports it",
+            Unit::Bytes,
+            self.mig_total.clone(),
+        );
+        registry.register_with_unit(
+            "claim_memory_used",
+            "Device memory the processes of a prepared claim's Pods hold on a GPU it holds (NVML per-process memory, Pods found through their cgroups)",
+            Unit::Bytes,
+            self.claim_memory.clone(),
+        );
+        registry.register_with_unit(
+            "claim_sm_utilization",
+            "Fraction of a GPU's SMs the processes of a prepared claim's Pods occupied in their latest NVML samples (absent where NVML samples no process: MIG mode)",
+            Unit::Other("ratio".into()),
+            self.claim_sm.clone(),
+        );
     }
 
     fn count(&self, operation: &'static str, ok: bool) {
@@ -299,7 +394,7 @@ impl Metrics {
         for (gpu, bytes) in values {
             family
                 .get_or_create(&GpuLabels { gpu: gpu.clone() })
-                .set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+                .set(self::bytes(*bytes));
         }
     }
 }
@@ -339,6 +434,18 @@ pub struct Sampler {
     pub health: Arc<HealthTracker>,
     /// The published devices (by GPU), for devices by health.
     pub catalog: Arc<DeviceCatalog>,
+    /// Claims' consumers read after prepare.
+    pub consumers: Arc<claims::Consumers>,
+    /// When the last render read NVML's per-process samples (µs after the
+    /// epoch).
+    pub sampled_at: Mutex<Option<u64>>,
+}
+
+/// Microseconds after the Unix epoch, now.
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl Sample for Sampler {
@@ -373,23 +480,31 @@ impl Sample for Sampler {
                 .into_iter()
                 .collect();
         m.set_gpu_memory(&m.gpu_allocated, &allocated);
-        let mut used = Vec::new();
-        let mut total = Vec::new();
-        for gpu in &inventory.gpus {
-            match self
-                .nvml
-                .device_by_uuid(gpu.uuid.as_str())
-                .and_then(|d| d.memory_info())
-            {
-                Ok(info) => {
-                    used.push((gpu.uuid.clone(), info.used));
-                    total.push((gpu.uuid.clone(), info.total));
+        let now = now_us();
+        let since = self
+            .sampled_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(now)
+            .unwrap_or(now.saturating_sub(1_000_000));
+        let readings: Vec<gpus::GpuReading> = inventory
+            .gpus
+            .iter()
+            .filter_map(|gpu| {
+                let reading = gpus::read(&self.nvml, gpu, since);
+                if reading.is_none() {
+                    debug!(gpu = %gpu.uuid, "NVML does not find the GPU; no readings of it");
                 }
-                Err(e) => debug!(gpu = %gpu.uuid, "no memory info for the metrics: {e}"),
-            }
-        }
-        m.set_gpu_memory(&m.gpu_used, &used);
-        m.set_gpu_memory(&m.gpu_total, &total);
+                reading
+            })
+            .collect();
+        m.set_gpus(&inventory, &readings);
+        let known = self.consumers.known(&entries);
+        let proc = std::path::Path::new("/proc");
+        let (uses, stale) =
+            claims::attribute(&entries, &known, &readings, |pid| claims::pod_of(proc, pid));
+        m.set_claims(&uses);
+        self.consumers.refresh(stale, &entries);
 
         let catalog = self.catalog.subscribe().borrow().clone();
         m.set_health(
@@ -398,6 +513,95 @@ impl Sample for Sampler {
             &self.health.xid_counts(),
         );
     }
+}
+
+impl Metrics {
+    /// Per GPU and MIG device, what NVML read; a GPU or reading missing
+    /// leaves no series.
+    fn set_gpus(
+        &self,
+        inventory: &tessera_api::inventory::Inventory,
+        readings: &[gpus::GpuReading],
+    ) {
+        let mut used = Vec::new();
+        let mut total = Vec::new();
+        self.gpu_info.clear();
+        self.gpu_temperature.clear();
+        self.gpu_utilization.clear();
+        self.gpu_power.clear();
+        self.mig_used.clear();
+        self.mig_total.clear();
+        for (index, gpu) in inventory.gpus.iter().enumerate() {
+            self.gpu_info
+                .get_or_create(&GpuInfoLabels {
+                    gpu: gpu.uuid.clone(),
+                    index: index.to_string(),
+                    model: gpu.product_name.clone(),
+                })
+                .set(1);
+        }
+        for r in readings {
+            let labels = GpuLabels {
+                gpu: r.uuid.clone(),
+            };
+            if let Some((u, t)) = r.memory {
+                used.push((r.uuid.clone(), u));
+                total.push((r.uuid.clone(), t));
+            }
+            if let Some(percent) = r.utilization {
+                self.gpu_utilization
+                    .get_or_create(&labels)
+                    .set(f64::from(percent) / 100.0);
+            }
+            if let Some(c) = r.temperature_celsius {
+                self.gpu_temperature
+                    .get_or_create(&labels)
+                    .set(i64::from(c));
+            }
+            if let Some(mw) = r.power_milliwatts {
+                self.gpu_power
+                    .get_or_create(&labels)
+                    .set(f64::from(mw) / 1000.0);
+            }
+            for (mig, memory) in &r.migs {
+                let Some((u, t)) = memory else { continue };
+                let labels = MigLabels {
+                    gpu: r.uuid.clone(),
+                    mig: mig.clone(),
+                };
+                self.mig_used.get_or_create(&labels).set(bytes(*u));
+                self.mig_total.get_or_create(&labels).set(bytes(*t));
+            }
+        }
+        self.set_gpu_memory(&self.gpu_used, &used);
+        self.set_gpu_memory(&self.gpu_total, &total);
+    }
+
+    /// Per prepared claim and GPU it holds, what its Pods use; series of
+    /// claims gone go with them.
+    fn set_claims(&self, uses: &std::collections::BTreeMap<claims::ClaimGpu, claims::ClaimUse>) {
+        self.claim_memory.clear();
+        self.claim_sm.clear();
+        for (c, u) in uses {
+            let labels = ClaimLabels {
+                namespace: c.namespace.clone(),
+                claim: c.name.clone(),
+                gpu: c.gpu.clone(),
+            };
+            self.claim_memory
+                .get_or_create(&labels)
+                .set(bytes(u.memory_bytes));
+            if let Some(sm) = u.sm_percent {
+                self.claim_sm
+                    .get_or_create(&labels)
+                    .set((f64::from(sm) / 100.0).min(1.0));
+            }
+        }
+    }
+}
+
+fn bytes(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 fn health_label(health: Option<&Health>) -> &'static str {
@@ -544,6 +748,74 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
+    }
+
+    #[test]
+    fn gpu_and_claim_readings_render_with_their_units_and_only_what_nvml_gave() {
+        let inventory = tessera_api::inventory::Inventory {
+            gpus: vec![tessera_api::inventory::Gpu {
+                uuid: "GPU-a".into(),
+                product_name: "NVIDIA H100 80GB HBM3".into(),
+                brand: "Nvidia".into(),
+                architecture: "hopper".into(),
+                cuda_compute_capability: "9.0".into(),
+                pci_bus_id: "0000:07:00.0".into(),
+                memory_bytes: 80 << 30,
+                multiprocessors: 132,
+                minor: 0,
+                mig: tessera_api::inventory::Mig::NotSupported,
+            }],
+            ..Default::default()
+        };
+        let reading = gpus::GpuReading {
+            uuid: "GPU-a".into(),
+            utilization: Some(100),
+            memory: Some((3 << 30, 80 << 30)),
+            temperature_celsius: Some(72),
+            power_milliwatts: None,
+            migs: vec![
+                ("MIG-1".into(), Some((1 << 30, 10 << 30))),
+                ("MIG-2".into(), None),
+            ],
+            processes: Vec::new(),
+            sm_percent: None,
+        };
+        let claim = claims::ClaimGpu {
+            namespace: "ns".into(),
+            name: "train".into(),
+            gpu: "GPU-a".into(),
+        };
+        let uses = [(
+            claim,
+            claims::ClaimUse {
+                memory_bytes: 3 << 30,
+                sm_percent: Some(250),
+            },
+        )]
+        .into_iter()
+        .collect();
+        let m = Metrics::new();
+        m.set_gpus(&inventory, &[reading]);
+        m.set_claims(&uses);
+        let text = m.render();
+        for line in [
+            "tessera_gpu_info{gpu=\"GPU-a\",index=\"0\",model=\"NVIDIA H100 80GB HBM3\"} 1",
+            "tessera_gpu_utilization_ratio{gpu=\"GPU-a\"} 1.0",
+            "tessera_gpu_temperature_celsius{gpu=\"GPU-a\"} 72",
+            "tessera_gpu_memory_used_bytes{gpu=\"GPU-a\"} 3221225472",
+            "tessera_mig_memory_used_bytes{gpu=\"GPU-a\",mig=\"MIG-1\"} 1073741824",
+            "tessera_claim_memory_used_bytes{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 3221225472",
+            // Several processes' samples never add up to more than the GPU.
+            "tessera_claim_sm_utilization_ratio{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 1.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
+        }
+        for absent in ["tessera_gpu_power_watts{", "mig=\"MIG-2\""] {
+            assert!(!text.contains(absent), "{absent} in\n{text}");
+        }
+        // The claim unprepared: its series go.
+        m.set_claims(&Default::default());
+        assert!(!m.render().contains("claim=\"train\""));
     }
 
     #[test]

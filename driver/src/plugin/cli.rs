@@ -470,6 +470,11 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
             publisher: publisher.counters(),
             health: health.clone(),
             catalog: catalog.clone(),
+            consumers: crate::metrics::claims::Consumers::spawn(Arc::new(ApiClaims::new(
+                client.clone(),
+                timeout,
+            ))),
+            sampled_at: Default::default(),
         });
     }
     let (stop_publisher, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -303,11 +303,15 @@ impl Preparer {
         }
         let object = self.fetch(claim).await?;
         let devices = self.resolve(claim, &object).await?;
+        let consumers = consumers(&object);
         let this = self.clone();
         let (who, id) = (claim.clone(), uid.clone());
-        let (entry, change) = tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices))
-            .await
-            .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
+        let (entry, change) =
+            tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices, consumers))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(ClaimError::new(claim, format!("prepare panicked: {e}")))
+                })?;
         self.changed(change);
         if let Some(writer) = &self.deps.status {
             writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
@@ -404,6 +408,7 @@ impl Preparer {
         claim: &ClaimRef,
         uid: &ClaimUid,
         mut devices: Vec<Device>,
+        consumers: Vec<String>,
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
         let mut entry = ClaimEntry {
             namespace: claim.namespace.clone(),
@@ -413,6 +418,7 @@ impl Preparer {
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
+            consumers,
         };
         // Recorded before any side effect it must undo (MIG changes are
         // recorded by their provider, before each one). A claim without
@@ -604,3 +610,14 @@ impl ClaimLocks {
 
 #[cfg(test)]
 mod tests;
+
+/// UIDs of the Pods a claim is reserved for (`status.reservedFor`).
+pub fn consumers(claim: &ResourceClaim) -> Vec<String> {
+    let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
+    reserved
+        .into_iter()
+        .flatten()
+        .filter(|r| r.resource == "pods")
+        .map(|r| r.uid.clone())
+        .collect()
+}

@@ -13,6 +13,10 @@
 //! uses), makes it current, reads free memory, allocates and frees, and
 //! releases the context again.
 //!
+//! With `--busy SECONDS` it then keeps every device busy that long (spin
+//! kernels, see [`busy`]), holding `--alloc` on each: the load a monitoring
+//! test watches.
+//!
 //! With `--cdi-device` it first makes itself the container that CDI device
 //! describes (see [`container`]): how the GPU self-test probes a claim
 //! prepared on a node without a kubelet.
@@ -25,9 +29,11 @@
 use std::ffi::{CStr, OsStr, OsString, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::io::{self, Write};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context as _;
 
+mod busy;
 pub mod container;
 
 /// The library loaded by default: the dynamic loader finds it as it would
@@ -49,6 +55,12 @@ pub struct ProbeArgs {
     /// bytes or a Kubernetes quantity such as 8Gi or 500M.
     #[arg(long, value_parser = parse_bytes)]
     pub alloc: Option<u64>,
+
+    /// Then keep every device busy this many seconds (a spin kernel after
+    /// another), holding the --alloc memory meanwhile; the report counts
+    /// the kernels run.
+    #[arg(long, value_name = "SECONDS")]
+    pub busy: Option<u64>,
 
     /// Set NAME=VALUE in this process's environment before the library is
     /// loaded, as any process can: how a tenant tries to raise its MPS
@@ -103,7 +115,7 @@ pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
     let library = (args.library.clone())
         .or(spec_library.flatten().map(Into::into))
         .unwrap_or_else(|| DEFAULT_LIBRARY.into());
-    let mut report = probe(&library, args.alloc);
+    let mut report = probe(&library, args.alloc, args.busy.map(Duration::from_secs));
     report.container = container;
     let text = serde_json::to_string_pretty(&report).context("encoding the probe report")? + "\n";
     let mut out = io::stdout().lock();
@@ -120,8 +132,9 @@ pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Probes through `library`, allocating `alloc` bytes per device if given.
-pub fn probe(library: &OsStr, alloc: Option<u64>) -> ProbeReport {
+/// Probes through `library`, allocating `alloc` bytes per device if given;
+/// with `busy`, then keeps every device busy that long.
+pub fn probe(library: &OsStr, alloc: Option<u64>, busy: Option<Duration>) -> ProbeReport {
     let mut report = ProbeReport {
         library: library.to_string_lossy().into_owned(),
         cuda_driver_version: None,
@@ -160,6 +173,9 @@ pub fn probe(library: &OsStr, alloc: Option<u64>) -> ProbeReport {
         return report;
     }
     report.devices = (0..count).map(|o| cuda.device(o, alloc)).collect();
+    if let Some(duration) = busy {
+        busy::run(&cuda, &mut report.devices, alloc, duration);
+    }
     report
 }
 
@@ -174,8 +190,34 @@ struct CuUuid {
 
 const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 
+/// The driver API functions `--busy` calls (absent from a library that
+/// cannot launch kernels).
+struct Kernels {
+    module_load_data: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CuResult,
+    module_get_function:
+        unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> CuResult,
+    #[allow(clippy::type_complexity)]
+    launch_kernel: unsafe extern "C" fn(
+        *mut c_void,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        *mut c_void,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> CuResult,
+    ctx_synchronize: unsafe extern "C" fn() -> CuResult,
+}
+
 /// The driver API functions the probe calls.
 struct Cuda {
+    /// The library as given.
+    library: String,
+    kernels: Option<Kernels>,
     init: unsafe extern "C" fn(c_uint) -> CuResult,
     driver_get_version: unsafe extern "C" fn(*mut c_int) -> CuResult,
     device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
@@ -211,7 +253,20 @@ impl Cuda {
                     .map_err(|e| format!("{name}: no {}: {e}", $symbol))?
             };
         }
+        // SAFETY: each type is the function's signature in cuda.h.
+        let kernels = unsafe {
+            (|| {
+                Some(Kernels {
+                    module_load_data: *lib.get(b"cuModuleLoadData\0").ok()?,
+                    module_get_function: *lib.get(b"cuModuleGetFunction\0").ok()?,
+                    launch_kernel: *lib.get(b"cuLaunchKernel\0").ok()?,
+                    ctx_synchronize: *lib.get(b"cuCtxSynchronize\0").ok()?,
+                })
+            })()
+        };
         Ok(Cuda {
+            library: name.clone().into_owned(),
+            kernels,
             init: get!("cuInit"),
             driver_get_version: get!("cuDriverGetVersion"),
             device_get_count: get!("cuDeviceGetCount"),
@@ -264,6 +319,7 @@ impl Cuda {
             memory_total_bytes: 0,
             memory_free_bytes: None,
             allocation: None,
+            kernels: None,
             error: None,
         };
         if let Err(e) = self.fill(&mut d, alloc) {
@@ -418,7 +474,7 @@ mod tests {
 
     #[test]
     fn a_missing_library_is_an_error_naming_it() {
-        let report = probe(OsStr::new("/nonexistent/libcuda.so.1"), None);
+        let report = probe(OsStr::new("/nonexistent/libcuda.so.1"), None, None);
         let error = report.error.as_deref().unwrap();
         assert!(
             error.starts_with("loading /nonexistent/libcuda.so.1: "),
@@ -451,6 +507,7 @@ mod tests {
                     ok: false,
                     error: Some("CUDA_ERROR_OUT_OF_MEMORY".into()),
                 }),
+                kernels: None,
                 error: None,
             }],
             error: None,
