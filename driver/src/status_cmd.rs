@@ -619,7 +619,6 @@ mod tests {
                 devices: Vec::new(),
                 spec: None,
                 status: vec![share],
-                consumers: Vec::new(),
             },
         )];
         let used = [("GPU-0".to_owned(), GIB)].into_iter().collect();

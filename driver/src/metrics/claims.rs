@@ -13,10 +13,12 @@
 //! process resolves and every claim reads 0.
 //!
 //! A claim's consumers are the Pods it was reserved for when it was
-//! prepared (recorded in its checkpoint entry). A Pod that no entry names
-//! but whose process uses a GPU a prepared claim holds (a shared claim
-//! reserved for more Pods after its first prepare) makes the node process
-//! read those claims again from the API server, at most once every
+//! prepared (kept in memory by the preparer, never in the claim's record,
+//! so records stay readable by the version a rollback goes back to). A Pod
+//! that none of them names but whose process uses a GPU a prepared claim
+//! holds (a shared claim reserved for more Pods after its first prepare, or
+//! any claim after the node process restarted) makes the node process read
+//! those claims again from the API server, at most once every
 //! [`REFRESH_EVERY`] per claim; the next render counts it.
 //!
 //! Labels stay bounded: one series per claim and GPU it holds (never per
@@ -125,7 +127,7 @@ fn holds(entry: &ClaimEntry, gpu: &str, device: &str) -> bool {
 /// hold.
 pub fn attribute(
     entries: &[(ClaimUid, ClaimEntry)],
-    refreshed: &BTreeMap<String, Vec<String>>,
+    consumers: &BTreeMap<String, Vec<String>>,
     readings: &[GpuReading],
     pod_of: impl Fn(u32) -> Option<String>,
 ) -> (BTreeMap<ClaimGpu, ClaimUse>, BTreeSet<ClaimUid>) {
@@ -163,11 +165,10 @@ pub fn attribute(
             let Some(pod) = pod_of(p.pid) else {
                 continue;
             };
-            let consumer = on.iter().find(|(uid, e)| {
-                e.consumers.contains(&pod)
-                    || refreshed
-                        .get(uid.as_str())
-                        .is_some_and(|pods| pods.contains(&pod))
+            let consumer = on.iter().find(|(uid, _)| {
+                consumers
+                    .get(uid.as_str())
+                    .is_some_and(|pods| pods.contains(&pod))
             });
             let Some((_, e)) = consumer else {
                 stale.extend(on.iter().map(|(uid, _)| uid.clone()));
@@ -313,7 +314,7 @@ mod tests {
         assert_eq!(pod_in_mountinfo(""), None);
     }
 
-    fn entry(name: &str, gpu: &str, mig: Option<&str>, consumers: &[&str]) -> ClaimEntry {
+    fn entry(name: &str, gpu: &str, mig: Option<&str>) -> ClaimEntry {
         ClaimEntry {
             namespace: "ns".into(),
             name: name.into(),
@@ -338,8 +339,17 @@ mod tests {
                     isolation_provider: None,
                 },
             }],
-            consumers: consumers.iter().map(|c| c.to_string()).collect(),
         }
+    }
+
+    /// Pods per claim, as the preparer keeps them.
+    fn consumers(of: &[(ClaimUid, &[&str])]) -> BTreeMap<String, Vec<String>> {
+        of.iter()
+            .map(|(uid, pods)| {
+                let pods = pods.iter().map(|p| p.to_string()).collect();
+                (uid.as_str().to_owned(), pods)
+            })
+            .collect()
     }
 
     fn uid(n: u8) -> ClaimUid {
@@ -357,10 +367,11 @@ mod tests {
     #[test]
     fn processes_count_for_the_claim_their_pod_consumes() {
         let entries = vec![
-            (uid(1), entry("whole", "GPU-a", None, &[POD])),
-            (uid(2), entry("mig", "GPU-b", Some("MIG-1"), &[POD])),
-            (uid(3), entry("idle", "GPU-c", None, &[])),
+            (uid(1), entry("whole", "GPU-a", None)),
+            (uid(2), entry("mig", "GPU-b", Some("MIG-1"))),
+            (uid(3), entry("idle", "GPU-c", None)),
         ];
+        let known = consumers(&[(uid(1), &[POD]), (uid(2), &[POD]), (uid(3), &[])]);
         let readings = vec![
             GpuReading {
                 uuid: "GPU-a".into(),
@@ -378,7 +389,7 @@ mod tests {
         ];
         // 11 runs outside any Pod.
         let pods = |pid| (pid != 11).then(|| POD.to_owned());
-        let (uses, stale) = attribute(&entries, &BTreeMap::new(), &readings, pods);
+        let (uses, stale) = attribute(&entries, &known, &readings, pods);
         let get = |name: &str, gpu: &str| {
             uses.get(&ClaimGpu {
                 namespace: "ns".into(),
@@ -407,23 +418,19 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_no_entry_names_asks_for_the_claims_on_its_gpu_until_read() {
-        let entries = vec![(uid(1), entry("shared", "GPU-a", None, &[POD]))];
+    fn a_pod_no_claim_names_asks_for_the_claims_on_its_gpu_until_read() {
+        let entries = vec![(uid(1), entry("shared", "GPU-a", None))];
+        let at_prepare = consumers(&[(uid(1), &[POD])]);
         let readings = vec![GpuReading {
             uuid: "GPU-a".into(),
             processes: vec![process(20, "GPU-a", 1 << 30)],
             ..GpuReading::default()
         }];
         let pods = |_| Some(LATER_POD.to_owned());
-        let (uses, stale) = attribute(&entries, &BTreeMap::new(), &readings, pods);
+        let (uses, stale) = attribute(&entries, &at_prepare, &readings, pods);
         assert_eq!(stale, [uid(1)].into_iter().collect());
         assert_eq!(uses.values().map(|u| u.memory_bytes).sum::<u64>(), 0);
-        let read = [(
-            uid(1).as_str().to_owned(),
-            vec![POD.to_owned(), LATER_POD.to_owned()],
-        )]
-        .into_iter()
-        .collect();
+        let read = consumers(&[(uid(1), &[POD, LATER_POD])]);
         let (uses, stale) = attribute(&entries, &read, &readings, pods);
         assert!(stale.is_empty());
         assert_eq!(uses.values().map(|u| u.memory_bytes).sum::<u64>(), 1 << 30);

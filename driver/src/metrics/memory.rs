@@ -135,7 +135,6 @@ mod tests {
                     data,
                 })
                 .collect(),
-            consumers: Vec::new(),
         }
     }
 

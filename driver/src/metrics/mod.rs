@@ -499,7 +499,9 @@ impl Sample for Sampler {
             })
             .collect();
         m.set_gpus(&inventory, &readings);
-        let known = self.consumers.known(&entries);
+        // Pods per claim: as prepare fetched it, or as read again since.
+        let mut known = self.preparer.consumers();
+        known.extend(self.consumers.known(&entries));
         let proc = std::path::Path::new("/proc");
         let (uses, stale) =
             claims::attribute(&entries, &known, &readings, |pid| claims::pod_of(proc, pid));

@@ -43,7 +43,7 @@ pub mod state;
 pub mod status;
 mod validate;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -168,6 +168,11 @@ pub struct Preparer {
     checkpoint: Checkpoint<ClaimEntry>,
     specs: SpecDir,
     locks: ClaimLocks,
+    /// The Pods each prepared claim was reserved for when it was fetched:
+    /// kept in memory only (the metrics' attribution reads the API server
+    /// for a claim it finds none of), so records stay readable by older
+    /// versions.
+    consumers: Consumers,
     hardware: HardwareLock,
     observer: OnceLock<Arc<dyn PrepareObserver>>,
 }
@@ -198,6 +203,7 @@ impl Preparer {
             checkpoint,
             specs,
             locks: ClaimLocks::default(),
+            consumers: Consumers::default(),
             hardware: HardwareLock::default(),
             observer: OnceLock::new(),
         });
@@ -303,15 +309,12 @@ impl Preparer {
         }
         let object = self.fetch(claim).await?;
         let devices = self.resolve(claim, &object).await?;
-        let consumers = consumers(&object);
         let this = self.clone();
         let (who, id) = (claim.clone(), uid.clone());
-        let (entry, change) =
-            tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices, consumers))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ClaimError::new(claim, format!("prepare panicked: {e}")))
-                })?;
+        let (entry, change) = tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices))
+            .await
+            .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
+        self.consumers.remember(&uid, consumers(&object));
         self.changed(change);
         if let Some(writer) = &self.deps.status {
             writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
@@ -408,7 +411,6 @@ impl Preparer {
         claim: &ClaimRef,
         uid: &ClaimUid,
         mut devices: Vec<Device>,
-        consumers: Vec<String>,
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
         let mut entry = ClaimEntry {
             namespace: claim.namespace.clone(),
@@ -418,7 +420,6 @@ impl Preparer {
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
-            consumers,
         };
         // Recorded before any side effect it must undo (MIG changes are
         // recorded by their provider, before each one). A claim without
@@ -506,6 +507,7 @@ impl Preparer {
             .undo(uid.clone(), entry)
             .await
             .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
+        self.consumers.forget(&uid);
         if written_status && let Some(writer) = &self.deps.status {
             writer.remove(&namespace, &name, uid.as_str());
         }
@@ -610,6 +612,36 @@ impl ClaimLocks {
 
 #[cfg(test)]
 mod tests;
+
+impl Preparer {
+    /// The Pods (UIDs) of each claim prepared since this process started,
+    /// by claim UID, as they were when it was fetched.
+    pub fn consumers(&self) -> BTreeMap<String, Vec<String>> {
+        self.consumers.all()
+    }
+}
+
+/// Pods per prepared claim, in memory.
+#[derive(Default)]
+struct Consumers(Mutex<BTreeMap<String, Vec<String>>>);
+
+impl Consumers {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<String>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn remember(&self, uid: &ClaimUid, pods: Vec<String>) {
+        self.lock().insert(uid.as_str().to_owned(), pods);
+    }
+
+    fn forget(&self, uid: &ClaimUid) {
+        self.lock().remove(uid.as_str());
+    }
+
+    fn all(&self) -> BTreeMap<String, Vec<String>> {
+        self.lock().clone()
+    }
+}
 
 /// UIDs of the Pods a claim is reserved for (`status.reservedFor`).
 pub fn consumers(claim: &ResourceClaim) -> Vec<String> {

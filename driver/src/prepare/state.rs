@@ -44,11 +44,6 @@ pub struct ClaimEntry {
     /// What was (or will be) written to `status.devices`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub status: Vec<DeviceStatus>,
-    /// UIDs of the Pods the claim was reserved for when it was prepared
-    /// (`status.reservedFor`): the metrics count their GPU use as the
-    /// claim's. Absent from records written before it was kept.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub consumers: Vec<String>,
 }
 
 /// A side effect of prepare that unprepare (or rollback) must undo.
@@ -222,25 +217,4 @@ impl From<&Limits> for LimitsData {
 pub struct ConsumedData {
     pub memory_bytes: u64,
     pub cores_percent: u32,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_record_written_before_consumers_were_kept_reads_without_them() {
-        let old = r#"{"namespace":"ns","name":"c","state":"Completed"}"#;
-        let entry: ClaimEntry = serde_json::from_str(old).unwrap();
-        assert!(entry.consumers.is_empty());
-        // And one without consumers is written as before.
-        assert_eq!(serde_json::to_string(&entry).unwrap(), old);
-        let with = ClaimEntry {
-            consumers: vec!["0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f".into()],
-            ..entry
-        };
-        let text = serde_json::to_string(&with).unwrap();
-        assert!(text.contains(r#""consumers":["0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f"]"#));
-        assert_eq!(serde_json::from_str::<ClaimEntry>(&text).unwrap(), with);
-    }
 }

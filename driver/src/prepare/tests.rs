@@ -246,7 +246,6 @@ impl Fixture {
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
-            consumers: Vec::new(),
         };
         let claim = ClaimUid::parse(&uid(n)).unwrap();
         cp.put(claim.clone(), entry).unwrap();
@@ -551,7 +550,6 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
                     devices: Vec::new(),
                     spec: None,
                     status: Vec::new(),
-                    consumers: Vec::new(),
                 },
             )
             .unwrap();
