@@ -1324,22 +1324,32 @@ async fn install_nvidia(
     let t0 = Instant::now();
     let out_dir = values_file.parent().context("values dir")?.to_owned();
     let env = cluster.env().clone();
-    // The CUDA probe runs from Tessera's own image (`isolated-limits`).
+    // The CUDA probe runs from Tessera's own image (`isolated-limits`,
+    // and the load of `accelerator-metrics` on the node pod's endpoint,
+    // on the host's loopback like the pod's network).
     let image = format!("tessera.local/tessera:{tag}");
-    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir, &image)).await?;
+    let port = serde_json::from_slice::<Value>(&std::fs::read(values_file)?)?["metrics"]["port"]
+        .as_u64()
+        .context("no metrics.port in the test's values")?;
+    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
+    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir, &image, &metrics_url)).await?;
     ensure!(
         junit.contains("testcase") && !junit.contains("<failure"),
         "tessera-conformance --driver {DRIVER}: failures in its JUnit report:\n{junit}"
     );
-    // The CUDA probe ran: what an Isolated share really gets was checked.
-    let isolated = junit
-        .split("<testcase ")
-        .find(|c| c.contains("name=\"isolated-limits\""))
-        .context("no isolated-limits in the JUnit report")?;
-    ensure!(
-        !isolated.contains("<skipped"),
-        "isolated-limits was skipped:\n{isolated}"
-    );
+    // The CUDA probe ran: what an Isolated share really gets was checked,
+    // the metrics followed its load, and a resources.limits pod ran.
+    for check in [
+        "isolated-limits",
+        "accelerator-metrics",
+        "extended-resource",
+    ] {
+        let case = junit
+            .split("<testcase ")
+            .find(|c| c.contains(&format!("name=\"{check}\"")))
+            .with_context(|| format!("no {check} in the JUnit report"))?;
+        ensure!(!case.contains("<skipped"), "{check} was skipped:\n{case}");
+    }
     eprintln!(
         "tessera-conformance --driver {DRIVER} passed in {:?}",
         t0.elapsed()
@@ -1444,6 +1454,7 @@ fn run_suite(
     driver: &str,
     out: &Path,
     cuda_probe_image: &str,
+    metrics_url: &str,
 ) -> Result<String> {
     let junit = out.join("junit.xml");
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera-conformance"));
@@ -1461,7 +1472,8 @@ fn run_suite(
         .arg(&junit)
         .arg("--report")
         .arg(out.join("report.md"))
-        .args(["--cuda-probe-image", cuda_probe_image]);
+        .args(["--cuda-probe-image", cuda_probe_image])
+        .args(["--metrics-url", metrics_url]);
     if let Some(image) = std::env::var("TESSERA_PROBE_IMAGE")
         .ok()
         .filter(|i| !i.is_empty())

@@ -70,6 +70,7 @@ pub async fn run(ctx: &Ctx, id: &str) -> Result<Outcome> {
         "secure-no-claim" => secure_no_claim(ctx).await,
         "secure-two-containers" => secure_two_containers(ctx).await,
         "extended-resource" => extended_resource(ctx).await,
+        "accelerator-metrics" => super::metrics::accelerator_metrics(ctx).await,
         "health-script" => health_script(ctx).await,
         "isolated-limits" => super::isolation::isolated_limits(ctx).await,
         "admin-access-class" => super::admin::admin_access_class(ctx).await,

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod checks;
 pub mod facts;
 pub mod isolation;
+pub mod metrics;
 pub mod ops;
 pub mod probe;
 pub mod report;
@@ -69,6 +70,10 @@ pub const CHECKS: &[(&str, &str)] = &[
         "a pod asking resources.limits for the GPU class's extended resource sees exactly one accelerator",
     ),
     (
+        "accelerator-metrics",
+        "the node's metrics endpoint serves GPU utilization and claim memory that follow a pod's load",
+    ),
+    (
         "health-script",
         "every pod's accelerator health script reports no error",
     ),
@@ -118,6 +123,12 @@ pub struct Args {
     /// image has it); without it that check is skipped.
     #[arg(long)]
     pub cuda_probe_image: Option<String>,
+    /// The node process's metrics endpoint on the checked node (plain
+    /// HTTP, e.g. http://127.0.0.1:9400/metrics through `kubectl
+    /// port-forward`), for `accelerator-metrics`; without it that check is
+    /// skipped.
+    #[arg(long)]
+    pub metrics_url: Option<String>,
     /// The probe's command in that image.
     #[arg(long, default_value = "/bin/tessera probe", value_delimiter = ' ')]
     pub cuda_probe_command: Vec<String>,
@@ -266,6 +277,8 @@ pub struct Ctx {
     pub probes: std::sync::Mutex<Vec<checks::ProbeRecord>>,
     /// Where the CUDA probe is, if given.
     pub cuda_probe: Option<CudaProbe>,
+    /// The node's metrics endpoint, if given.
+    pub metrics_url: Option<String>,
 }
 
 /// An image with the CUDA probe and its command there.
@@ -378,6 +391,7 @@ pub async fn run(args: Args) -> Result<bool> {
                 .cloned()
                 .collect(),
         }),
+        metrics_url: args.metrics_url.clone(),
     };
     let mut report = Report {
         started: report::utc_timestamp(
