@@ -13,6 +13,7 @@
 #        TESSERA_SCALE_PODS    pods per scheduling run (default 1000)
 #        TESSERA_SCALE_CLAIMS  direct,template (default both): a ResourceClaim per
 #                              pod created beforehand, or a ResourceClaimTemplate
+#        TESSERA_SCALE_REPLICAS  0: skip the replica model's run (default 1)
 #        TESSERA_SCALE_POLICY  node policy file for every publisher (default: every
 #                              mode on every GPU, the full model)
 # Prints one JSON object per result; they are also kept in
@@ -31,8 +32,9 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${TESSERA_CACHE:-$HOME/.cache/tesse
 NODES=${TESSERA_SCALE_NODES:-100}
 PODS=${TESSERA_SCALE_PODS:-1000}
 CLAIMS=${TESSERA_SCALE_CLAIMS:-direct,template}
-policy=()
-[[ -n "${TESSERA_SCALE_POLICY:-}" ]] && policy=(--policy "$(realpath "$TESSERA_SCALE_POLICY")")
+extra=()
+[[ -n "${TESSERA_SCALE_POLICY:-}" ]] && extra=(--policy "$(realpath "$TESSERA_SCALE_POLICY")")
+[[ "${TESSERA_SCALE_REPLICAS:-1}" == 0 ]] && extra+=(--no-replicas)
 
 say "release builds"
 cargo build --release --quiet -p tessera-driver -p tessera-fake-nvml
@@ -53,4 +55,4 @@ say "$NODES nodes, $PODS pods per run ($CLAIMS); results in $RESULTS"
 "$T/tessera-bench" scale --nodes "$NODES" --pods "$PODS" --claims "$CLAIMS" \
 	--tessera "$T/tessera" --nvml-library "$T/libtessera_fake_nvml.so" \
 	--topology driver/fake-nvml/topologies/h100x8.yaml \
-	--work-dir "$TESSERA_CLUSTER_DIR/publishers" "${policy[@]}" | tee "$RESULTS"
+	--work-dir "$TESSERA_CLUSTER_DIR/publishers" "${extra[@]}" | tee "$RESULTS"
