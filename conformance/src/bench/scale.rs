@@ -163,7 +163,16 @@ where
     let task = tokio::spawn(async move {
         let mut stream = watcher(api, config).default_backoff().boxed();
         let mut listed = Some(listed_tx);
-        while let Some(event) = stream.try_next().await? {
+        while let Some(item) = stream.next().await {
+            // An API server under the load measured drops watch streams;
+            // the watcher relists (with backoff) and goes on.
+            let event = match item {
+                Ok(event) => event,
+                Err(e) => {
+                    eprintln!("[bench] watch interrupted, resumed: {e}");
+                    continue;
+                }
+            };
             let now = Instant::now();
             let init_done = matches!(event, watcher::Event::InitDone);
             let done = step(event, now);
