@@ -34,10 +34,9 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_pid,
-    node_running, probe_image,
+    PodNode, cluster_env_vars, delete_pods, log_with, node_pid, probe_image,
 };
-use plugin_support::{repo_root, status_gpu_uuid};
+use plugin_support::status_gpu_uuid;
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const TIMEOUT: Duration = Duration::from_secs(120);
@@ -50,10 +49,16 @@ const ALLOC: u64 = 3 << 30;
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_follow_a_pods_gpu_load_and_attribute_its_memory_to_its_claim() -> Result<()> {
     let env = ClusterEnv::from_env()?;
-    if env.kubelet.is_none() || container_runtime(&env) != "containerd" {
-        eprintln!("SKIP: pods do not execute on this cluster (no kubelet, or not containerd)");
+    let metrics = ["--", "--metrics-address", "127.0.0.1:0"];
+    let Some(node) = PodNode::start(
+        &env,
+        "the node's metrics under a pod's load",
+        TOPOLOGY,
+        &metrics,
+    )?
+    else {
         return Ok(());
-    }
+    };
     let base_spec = env.state_dir.join("containerd/base-spec.json");
     if !std::fs::read_to_string(&base_spec)
         .unwrap_or_default()
@@ -64,40 +69,21 @@ async fn metrics_follow_a_pods_gpu_load_and_attribute_its_memory_to_its_claim() 
              the cluster with conformance/cluster.sh)",
             base_spec.display()
         );
+        node.stop(&env);
         return Ok(());
     }
-    let node_dir = env.state_dir.join("node");
-    let started_node = !node_running(&env);
-    if started_node {
-        let mut args = vec!["node-start"];
-        let topology = repo_root()
-            .join("driver/fake-nvml/topologies")
-            .join(TOPOLOGY);
-        let topology = topology.to_str().context("topology path")?.to_owned();
-        if !node_dir.join("node.env").exists() {
-            args.extend(["--topology", &topology]);
-        }
-        args.extend(["--", "--metrics-address", "127.0.0.1:0"]);
-        cluster_sh(&env, &args)?;
-    }
-    let driver = env_file(&node_dir, "node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
     let cluster = TestCluster::shared().await?;
     let id = unique_name("metrics");
     let ns = cluster.create_namespace("accelerator-metrics").await?;
     let trigger = tempfile::tempdir()?;
 
-    let result = run(&env, &cluster, &ns, &driver, &id, trigger.path()).await;
+    let result = run(&env, &cluster, &ns, &node.driver, &id, trigger.path()).await;
 
     delete_pods(&ns).await;
     let _ = ns.delete().await;
     let classes: Api<DeviceClass> = Api::all(cluster.client());
     let _ = delete_ignore_missing(&classes, &format!("{id}-gpu")).await;
-    if started_node {
-        let _ = cluster_sh(&env, &["node-stop"]);
-        let _ = std::fs::remove_dir_all(&node_dir);
-    }
+    node.stop(&env);
     result
 }
 

@@ -30,10 +30,8 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running,
-    node_status, probe_image,
+    PodNode, cluster_env_vars, delete_pods, log_with, node_status, probe_image,
 };
-use plugin_support::repo_root;
 
 /// Whole GPUs and MIG-capable A100s with instances.
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
@@ -42,39 +40,16 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_asking_resources_limits_gets_a_gpu_and_a_mig_device_through_dra() -> Result<()> {
     let env = ClusterEnv::from_env()?;
-    if env.kubelet.is_none() {
-        eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
+    let Some(node) = PodNode::start(&env, "what nvidia-smi printed in a pod", TOPOLOGY, &[])?
+    else {
         return Ok(());
-    }
-    let runtime = container_runtime(&env);
-    if runtime != "containerd" {
-        eprintln!(
-            "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
-             this test reads what nvidia-smi printed in a pod"
-        );
-        return Ok(());
-    }
+    };
     let cluster = TestCluster::shared().await?;
-    let started_node = !node_running(&env);
-    if started_node {
-        let topology = repo_root()
-            .join("driver/fake-nvml/topologies")
-            .join(TOPOLOGY);
-        let topology = topology.to_str().context("topology path")?;
-        if env.state_dir.join("node/node.env").exists() {
-            cluster_sh(&env, &["node-start"])?;
-        } else {
-            cluster_sh(&env, &["node-start", "--topology", topology])?;
-        }
-    }
-    let driver = env_file(&env.state_dir, "node/node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
     let id = unique_name("ext");
     let ns = cluster.create_namespace("extended").await?;
     let classes: Api<DeviceClass> = Api::all(cluster.client());
 
-    let result = run(&env, &cluster, &ns, &driver, &id).await;
+    let result = run(&env, &cluster, &ns, &node.driver, &id).await;
 
     // Unprepared before the node process may stop.
     delete_pods(&ns).await;
@@ -82,10 +57,7 @@ async fn a_pod_asking_resources_limits_gets_a_gpu_and_a_mig_device_through_dra()
     for class in [format!("{id}-gpu"), format!("{id}-mig")] {
         let _ = delete_ignore_missing(&classes, &class).await;
     }
-    if started_node {
-        let _ = cluster_sh(&env, &["node-stop"]);
-        let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
-    }
+    node.stop(&env);
     result
 }
 

@@ -27,10 +27,7 @@ use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
-use plugin_support::cluster::{
-    cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running, probe_image,
-};
-use plugin_support::repo_root;
+use plugin_support::cluster::{PodNode, delete_pods, log_with, probe_image};
 
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
@@ -38,39 +35,16 @@ const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 #[tokio::test(flavor = "multi_thread")]
 async fn an_admin_access_claim_monitors_a_gpu_a_workload_holds() -> Result<()> {
     let env = ClusterEnv::from_env()?;
-    if env.kubelet.is_none() {
-        eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
+    let Some(node) = PodNode::start(&env, "what nvidia-smi printed in a pod", TOPOLOGY, &[])?
+    else {
         return Ok(());
-    }
-    let runtime = container_runtime(&env);
-    if runtime != "containerd" {
-        eprintln!(
-            "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
-             this test reads what nvidia-smi printed in a pod"
-        );
-        return Ok(());
-    }
+    };
     let cluster = TestCluster::shared().await?;
-    let started_node = !node_running(&env);
-    if started_node {
-        let topology = repo_root()
-            .join("driver/fake-nvml/topologies")
-            .join(TOPOLOGY);
-        let topology = topology.to_str().context("topology path")?;
-        if env.state_dir.join("node/node.env").exists() {
-            cluster_sh(&env, &["node-start"])?;
-        } else {
-            cluster_sh(&env, &["node-start", "--topology", topology])?;
-        }
-    }
-    let driver = env_file(&env.state_dir, "node/node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
     let id = unique_name("mon");
     let ns = cluster.create_namespace("monitoring").await?;
     let classes: Api<DeviceClass> = Api::all(cluster.client());
 
-    let result = run(&cluster, &ns, &driver, &id).await;
+    let result = run(&cluster, &ns, &node.driver, &id).await;
 
     // Unprepared before the node process may stop.
     delete_pods(&ns).await;
@@ -78,10 +52,7 @@ async fn an_admin_access_claim_monitors_a_gpu_a_workload_holds() -> Result<()> {
     for class in [format!("{id}-gpu"), format!("{id}-monitor")] {
         let _ = delete_ignore_missing(&classes, &class).await;
     }
-    if started_node {
-        let _ = cluster_sh(&env, &["node-stop"]);
-        let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
-    }
+    node.stop(&env);
     result
 }
 

@@ -178,3 +178,64 @@ pub fn node_status(env: &ClusterEnv, driver: &str, extra: &[&str]) -> Result<Val
     );
     Ok(serde_json::from_slice(&out.stdout)?)
 }
+
+/// The node process on the kubelet's node (`cluster.sh node-start`), for a
+/// test whose pods really run: the one running, used with its driver name;
+/// otherwise one started over a topology of the test's, which
+/// [`PodNode::stop`] stops and removes.
+pub struct PodNode {
+    pub driver: String,
+    started: bool,
+}
+
+impl PodNode {
+    /// `None` (the test skips, saying why) where pods never execute: no
+    /// kubelet, or a CRI other than containerd. `reads` says what the test
+    /// reads from its pods; `extra` goes to `node-start` after `--topology`.
+    pub fn start(
+        env: &ClusterEnv,
+        reads: &str,
+        topology: &str,
+        extra: &[&str],
+    ) -> Result<Option<PodNode>> {
+        if env.kubelet.is_none() {
+            eprintln!("SKIP: the cluster runs without a kubelet (TESSERA_KUBELET=0)");
+            return Ok(None);
+        }
+        let runtime = container_runtime(env);
+        if runtime != "containerd" {
+            eprintln!(
+                "SKIP: the cluster's kubelet runs the {runtime} CRI, where pods never execute; \
+                 this test reads {reads}"
+            );
+            return Ok(None);
+        }
+        let started = !node_running(env);
+        if started {
+            let topology = repo_root()
+                .join("driver/fake-nvml/topologies")
+                .join(topology);
+            let topology = topology.to_str().context("topology path")?;
+            let mut args = vec!["node-start"];
+            // A node that ran before keeps its machine (node.env).
+            if !env.state_dir.join("node/node.env").exists() {
+                args.extend(["--topology", topology]);
+            }
+            args.extend(extra);
+            cluster_sh(env, &args)?;
+        }
+        let driver = env_file(&env.state_dir, "node/node.env")
+            .remove("NODE_DRIVER")
+            .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+        Ok(Some(PodNode { driver, started }))
+    }
+
+    /// Stops and removes the node process if [`PodNode::start`] started it
+    /// (the test's pods must be gone first, so their claims are unprepared).
+    pub fn stop(self, env: &ClusterEnv) {
+        if self.started {
+            let _ = cluster_sh(env, &["node-stop"]);
+            let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
+        }
+    }
+}
