@@ -64,37 +64,22 @@ pub async fn apiserver_metrics(client: &Client) -> Result<String> {
         .context("reading the API server's metrics")
 }
 
-/// Sum of the API server's series `metric` whose labels include every one
-/// of `labels` (`name="value"` as the exposition writes them).
-pub fn metric_sum(apiserver_metrics: &str, metric: &str, labels: &[&str]) -> f64 {
-    apiserver_metrics
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let rest = series.strip_prefix(metric)?;
-            (rest.starts_with('{') && labels.iter().all(|want| rest.contains(want)))
-                .then(|| value.parse::<f64>().ok())?
-        })
-        .sum()
-}
-
 /// ResourceClaim events the API server has sent to watchers since it
 /// started: one per event and watcher (the fan-out).
 pub fn claim_watch_events(apiserver_metrics: &str) -> f64 {
-    metric_sum(
+    sum_counter(
         apiserver_metrics,
         "apiserver_watch_events_total",
-        &["resource=\"resourceclaims\""],
+        &[("resource", "resourceclaims")],
     )
 }
 
 /// ResourceClaim watches open now.
 pub fn claim_watchers(apiserver_metrics: &str) -> f64 {
-    metric_sum(
+    sum_counter(
         apiserver_metrics,
         "apiserver_longrunning_requests",
-        &["resource=\"resourceclaims\"", "verb=\"WATCH\""],
+        &[("resource", "resourceclaims"), ("verb", "WATCH")],
     )
 }
 
