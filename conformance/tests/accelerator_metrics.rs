@@ -17,7 +17,6 @@
 
 mod plugin_support;
 
-use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -29,6 +28,7 @@ use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use serde_json::json;
 use tessera_conformance::artifacts::binaries;
+use tessera_conformance::suite::metrics;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
@@ -115,21 +115,10 @@ fn metrics_address(env: &ClusterEnv) -> Result<SocketAddr> {
         .with_context(|| format!("{last:?} in {log} is not an address"))
 }
 
-/// One scrape of `/metrics`.
+/// One scrape of `/metrics`, as `tessera-conformance` scrapes it.
 async fn scrape(address: SocketAddr) -> Result<String> {
-    tokio::task::spawn_blocking(move || -> Result<String> {
-        let mut stream = std::net::TcpStream::connect(address)?;
-        stream.set_read_timeout(Some(Duration::from_secs(15)))?;
-        stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: tessera\r\nConnection: close\r\n\r\n")?;
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer)?;
-        let (head, body) = answer
-            .split_once("\r\n\r\n")
-            .with_context(|| format!("not an HTTP answer: {answer:?}"))?;
-        ensure!(head.starts_with("HTTP/1.1 200"), "scrape answered {head}");
-        Ok(body.to_owned())
-    })
-    .await?
+    let url = format!("http://{address}/metrics");
+    tokio::task::spawn_blocking(move || metrics::scrape(&url)).await?
 }
 
 /// The value of the series `name{labels}` (exactly as written).
