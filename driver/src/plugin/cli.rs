@@ -620,18 +620,6 @@ const RUNTIME_WORKERS: usize = 2;
 /// lock anyway, instead of each growing the process by a thread.
 const BLOCKING_THREADS: usize = 16;
 
-/// glibc gives every thread that allocates an arena of its own (up to 8 per
-/// core), each keeping freed memory for reuse; two are enough for a process
-/// whose threads mostly wait.
-fn limit_malloc_arenas() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets an allocator tunable; it is called before
-    // any other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
-    }
-}
-
 /// `tessera plugin`.
 pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
@@ -641,7 +629,7 @@ pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    limit_malloc_arenas();
+    super::heap::limit_arenas();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(RUNTIME_WORKERS)
         .max_blocking_threads(BLOCKING_THREADS)
@@ -649,6 +637,7 @@ pub fn main(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async {
+        tokio::spawn(super::heap::scavenge(super::heap::SCAVENGE_PERIOD));
         let node = start(nvml_library, args).await?;
         node.run(termination()).await
     })

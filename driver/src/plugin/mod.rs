@@ -21,6 +21,7 @@
 
 pub mod authority;
 pub mod cli;
+pub mod heap;
 pub mod sockets;
 
 use std::collections::HashMap;
