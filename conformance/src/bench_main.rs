@@ -50,6 +50,11 @@ enum Command {
         /// prepare phase (all claims prepared) and at the start.
         #[arg(long)]
         pid: Option<u32>,
+        /// The driver writes the claims' `status.devices`: after each
+        /// prepare phase, wait until every claim has its entries (reported
+        /// as `device_status_ms`), then unprepare.
+        #[arg(long)]
+        device_status: bool,
     },
     /// Pods with one claim each, all created at once, run and deleted; the
     /// kubelet's histogram of the plugin's calls over the run.
@@ -105,6 +110,7 @@ async fn main() -> Result<()> {
             concurrency,
             claims,
             pid,
+            device_status,
         } => {
             let consumed = consumed
                 .iter()
@@ -152,6 +158,20 @@ async fn main() -> Result<()> {
                     let refs = grpc::create_claims(&client, ns.name(), &run).await?;
                     let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
                     let rss = pid.map(grpc::rss_kib).transpose()?;
+                    let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
+                    let status_written = if device_status {
+                        let took = grpc::device_status_written(
+                            &client,
+                            ns.name(),
+                            &refs,
+                            &driver,
+                            Duration::from_secs(120),
+                        )
+                        .await?;
+                        Some(took.as_secs_f64() * 1000.0)
+                    } else {
+                        None
+                    };
                     let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
                     ns.delete().await?;
                     println!(
@@ -159,6 +179,7 @@ async fn main() -> Result<()> {
                         json!({
                             "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
                             "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
+                            "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
                         })
                     );
                 }

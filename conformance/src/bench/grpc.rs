@@ -212,6 +212,45 @@ pub async fn prepare_all(
     .await
 }
 
+/// Waits until each of `claims` has entries of `driver` in
+/// `status.devices`, watching the namespace's claims; how long that took.
+/// Run after the prepare phase, so that the unprepares find the entries
+/// written (a driver that writes them after prepare returns would
+/// otherwise drop writes of claims unprepared first) and the API server's
+/// work for them falls inside the run.
+pub async fn device_status_written(
+    client: &Client,
+    namespace: &str,
+    claims: &[dra_v1::Claim],
+    driver: &str,
+    timeout: Duration,
+) -> Result<Duration> {
+    use kube::runtime::{WatchStreamExt, watcher};
+    let api: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
+    let began = Instant::now();
+    let mut missing: std::collections::HashSet<&str> =
+        claims.iter().map(|c| c.uid.as_str()).collect();
+    let mut events = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    let watched = async {
+        while !missing.is_empty() {
+            let claim = events.try_next().await?.context("the claim watch ended")?;
+            let written = (claim.status.as_ref().and_then(|s| s.devices.as_ref()))
+                .is_some_and(|d| d.iter().any(|e| e.driver == driver));
+            if written && let Some(uid) = claim.metadata.uid.as_deref() {
+                missing.remove(uid);
+            }
+        }
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(timeout, watched)
+        .await
+        .with_context(|| format!("claims without device status after {timeout:?}"))??;
+    Ok(began.elapsed())
+}
+
 /// Unprepares every claim, `concurrency` calls in flight.
 pub async fn unprepare_all(
     channel: &Channel,

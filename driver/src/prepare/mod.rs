@@ -264,6 +264,7 @@ impl Preparer {
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, ClaimResult<Vec<PreparedDevice>>)> {
+        let _status_writes_wait = self.deps.status.as_ref().map(|w| w.call_started());
         let futures = claims.into_iter().map(|claim| async move {
             let began = Instant::now();
             let result = self.prepare_one(&claim).await;
@@ -284,6 +285,7 @@ impl Preparer {
         self: &Arc<Self>,
         claims: Vec<ClaimRef>,
     ) -> Vec<(ClaimRef, ClaimResult<()>)> {
+        let _status_writes_wait = self.deps.status.as_ref().map(|w| w.call_started());
         let futures = claims.into_iter().map(|claim| async move {
             let began = Instant::now();
             let result = self.unprepare_one(&claim).await;
@@ -503,10 +505,14 @@ impl Preparer {
                 })?;
         }
         let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
-        self.clone()
-            .undo(uid.clone(), entry)
-            .await
-            .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
+        let undone = if entry.actions.is_empty() {
+            // Nothing to undo but its spec and record: two unlinks cost
+            // less here than a hand-over to a blocking thread and back.
+            self.undo_now(&uid, &entry)
+        } else {
+            self.clone().undo(uid.clone(), entry).await
+        };
+        undone.map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
         self.consumers.forget(&uid);
         if written_status && let Some(writer) = &self.deps.status {
             writer.remove(&namespace, &name, uid.as_str());

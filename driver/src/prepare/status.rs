@@ -9,7 +9,12 @@
 //!
 //! Off the critical path: prepare and unprepare only queue what the claim's
 //! entries should be and return; [`WORKERS`] tasks apply the queue in
-//! order. A claim queued again before its turn is written once, with the
+//! order, and yield to the kubelet: while one of its calls is in flight
+//! (and for [`QUIET`] after the last), writes wait, up to [`MAX_DEFER`]
+//! after a claim was queued. A prepare waits on its claim read, and on a
+//! loaded API server that read queues behind the writes; an unprepare
+//! waits on CPUs the API server spends on them; the kubelet, and the Pod,
+//! wait with both, while nobody waits on a status write. A claim queued again before its turn is written once, with the
 //! newest content; one unprepared before its entries were ever written is
 //! not written at all. A write that fails is retried with backoff, without
 //! end (a Warning Node Event says when one lags), until the claim is gone.
@@ -35,7 +40,7 @@ use kube::runtime::events::EventType;
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -47,6 +52,12 @@ use crate::node::events::NodeEvents;
 pub const WORKERS: usize = 2;
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How long after the kubelet's last call ended writes still wait: it
+/// sends a Pod's claims, and a burst of Pods, back to back.
+pub const QUIET: Duration = Duration::from_millis(20);
+/// The longest a queued write yields to the kubelet: what a status lags at
+/// most behind its prepare under a continuous stream of calls.
+pub const MAX_DEFER: Duration = Duration::from_secs(2);
 /// Failed attempts before a Node Event says a claim's status lags.
 const ATTEMPTS_BEFORE_EVENT: u32 = 5;
 /// The markers' directory under the state directory.
@@ -61,6 +72,9 @@ struct Want {
     devices: Vec<DeviceStatus>,
     attempts: u32,
     not_before: Instant,
+    /// When the claim was first queued (kept when a newer want replaces
+    /// this one): how long its write has yielded.
+    queued: Instant,
     reported: bool,
 }
 
@@ -77,10 +91,21 @@ struct Queue {
 impl Queue {
     /// Queues `want`; one queued earlier and not yet taken is replaced
     /// (keeping its place).
-    fn put(&mut self, uid: &str, want: Want) {
+    fn put(&mut self, uid: &str, mut want: Want) {
+        if let Some(earlier) = self.wants.get(uid) {
+            want.queued = want.queued.min(earlier.queued);
+        }
         if self.wants.insert(uid.to_owned(), want).is_none() {
             self.order.push_back(uid.to_owned());
         }
+    }
+
+    /// When the longest-waiting queued write stops yielding to the kubelet.
+    fn yield_deadline(&self) -> Option<Instant> {
+        (self.wants.values())
+            .filter(|w| w.attempts == 0)
+            .map(|w| w.queued + MAX_DEFER)
+            .min()
     }
 
     /// Puts back a failed want, unless a newer one came meanwhile.
@@ -137,6 +162,34 @@ struct Marker {
     name: String,
 }
 
+/// The kubelet's calls in flight, and when the last one ended.
+#[derive(Debug, Clone, Copy)]
+struct KubeletCalls {
+    in_flight: usize,
+    last_end: Instant,
+}
+
+impl KubeletCalls {
+    /// When writes may go: `None` while a call is in flight.
+    fn quiet_from(&self) -> Option<Instant> {
+        (self.in_flight == 0).then_some(self.last_end + QUIET)
+    }
+}
+
+/// A prepare or unprepare in flight, from [`StatusWriter::call_started`];
+/// writes yield to it until it is dropped.
+#[must_use = "writes yield only while the guard lives"]
+pub struct KubeletCall<'a>(&'a watch::Sender<KubeletCalls>);
+
+impl Drop for KubeletCall<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|p| {
+            p.in_flight -= 1;
+            p.last_end = Instant::now();
+        });
+    }
+}
+
 /// Background writer of our `status.devices` entries.
 pub struct StatusWriter {
     client: Client,
@@ -144,6 +197,7 @@ pub struct StatusWriter {
     markers: PathBuf,
     queue: Mutex<Queue>,
     wake: Notify,
+    calls: watch::Sender<KubeletCalls>,
     events: Option<NodeEvents>,
 }
 
@@ -175,8 +229,34 @@ impl StatusWriter {
             markers: state_dir.join(MARKER_DIR),
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
+            calls: watch::Sender::new(KubeletCalls {
+                in_flight: 0,
+                last_end: Instant::now(),
+            }),
             events,
         })
+    }
+
+    /// The kubelet called: writes yield until the guard is dropped (and
+    /// for [`QUIET`] after).
+    pub fn call_started(&self) -> KubeletCall<'_> {
+        self.calls.send_modify(|c| c.in_flight += 1);
+        KubeletCall(&self.calls)
+    }
+
+    /// Waits until no call of the kubelet has been in flight for
+    /// [`QUIET`], or until `deadline`.
+    async fn yield_to_kubelet(&self, deadline: Instant) {
+        let mut calls = self.calls.subscribe();
+        loop {
+            let now = Instant::now();
+            let quiet_from = calls.borrow_and_update().quiet_from();
+            if now >= deadline || quiet_from.is_some_and(|q| now >= q) {
+                return;
+            }
+            let until = quiet_from.map_or(deadline, |q| q.min(deadline));
+            let _ = tokio::time::timeout_at(until, calls.changed()).await;
+        }
     }
 
     /// Queue the removal of this driver's entries of the claim's status;
@@ -262,6 +342,7 @@ impl StatusWriter {
             devices,
             attempts: 0,
             not_before: Instant::now(),
+            queued: Instant::now(),
             reported: false,
         };
         self.lock().put(uid, want);
@@ -270,6 +351,10 @@ impl StatusWriter {
 
     async fn work(self: Arc<Self>) {
         loop {
+            let deadline = self.lock().yield_deadline();
+            if let Some(deadline) = deadline {
+                self.yield_to_kubelet(deadline).await;
+            }
             let taken = self.lock().take(Instant::now());
             match taken {
                 Ok((uid, want)) => {
@@ -433,6 +518,7 @@ mod tests {
             devices: devices.iter().map(|d| entry(d)).collect(),
             attempts: 0,
             not_before,
+            queued: not_before,
             reported: false,
         }
     }
@@ -498,14 +584,72 @@ mod tests {
         assert_eq!(q.take(later).unwrap().0, "a");
     }
 
+    #[test]
+    fn a_replaced_want_keeps_how_long_it_has_waited() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut q = Queue::default();
+        q.put("a", want(&["gpu-0"], now));
+        q.put("b", want(&["gpu-1"], later));
+        q.put("a", want(&["gpu-2"], later));
+        assert_eq!(q.yield_deadline(), Some(now + MAX_DEFER));
+        q.take(later).unwrap();
+        assert_eq!(q.yield_deadline(), Some(later + MAX_DEFER));
+    }
+
+    fn offline_client() -> Client {
+        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
+        Client::try_from(config).unwrap()
+    }
+
+    /// Writes wait while a kubelet call is in flight and for QUIET after it, or
+    /// until their deadline (the clock is paused: tokio advances it when
+    /// every task waits).
+    #[tokio::test(start_paused = true)]
+    async fn writes_yield_to_the_kubelet_until_quiet_or_their_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None);
+
+        let start = Instant::now();
+        let call = writer.call_started();
+        writer.yield_to_kubelet(start + MAX_DEFER).await;
+        assert_eq!(
+            start.elapsed(),
+            MAX_DEFER,
+            "a call in flight: until the deadline"
+        );
+
+        drop(call);
+        let ended = Instant::now();
+        writer.yield_to_kubelet(ended + MAX_DEFER).await;
+        assert_eq!(ended.elapsed(), QUIET, "QUIET after the last call");
+
+        let now = Instant::now();
+        writer.yield_to_kubelet(now + MAX_DEFER).await;
+        assert_eq!(now.elapsed(), Duration::ZERO, "quiet already: no wait");
+
+        let call = writer.call_started();
+        let begun = Instant::now();
+        let write = async {
+            writer.yield_to_kubelet(begun + MAX_DEFER).await;
+            Instant::now()
+        };
+        let finish = async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(call);
+            Instant::now()
+        };
+        let (written, finished) = tokio::join!(write, finish);
+        assert_eq!(written - finished, QUIET, "the call ended: QUIET after it");
+    }
+
     /// At start: a prepared claim without a marker is written, one with a
     /// marker is not; a marker of a claim no longer prepared is removed,
     /// unless the records may be incomplete.
     #[tokio::test]
     async fn resume_follows_the_markers() {
         let dir = tempfile::tempdir().unwrap();
-        let config = kube::Config::new("http://127.0.0.1:1".parse().unwrap());
-        let client = Client::try_from(config).unwrap();
+        let client = offline_client();
         let markers = dir.path().join(MARKER_DIR);
         std::fs::create_dir_all(&markers).unwrap();
         let marker = |ns: &str, name: &str| {
