@@ -90,16 +90,16 @@ fi
 say "direct gRPC, Go test driver"
 "$BENCH" grpc --driver "$GO_DRIVER" "${grpc[@]}" --pid "$go_pid" | record
 say "direct gRPC, Tessera (whole GPUs)"
-"$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu "${grpc[@]}" --pid "$(tessera_pid)" | record
+"$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu "${grpc[@]}" --pid "$(tessera_pid)" --device-status | record
 # Isolated shares: every claim gets its own MPS control daemon (spawned,
 # limits set through its control endpoint) before prepare returns.
 say "direct gRPC, Tessera (Isolated shares, an MPS daemon per claim)"
 "$BENCH" grpc --driver "$TESSERA" --device-attr isolationLevel=Isolated --consumed memory=1Gi \
-	--consumed cores=1 --per-claim 1 --concurrency 1,16 --claims 64 --pid "$(tessera_pid)" | record
+	--consumed cores=1 --per-claim 1 --concurrency 1,16 --claims 64 --pid "$(tessera_pid)" --device-status | record
 say "resident memory with $held prepared claims"
 "$BENCH" grpc --driver "$GO_DRIVER" --per-claim 1 --concurrency 16 --claims "$held" --pid "$go_pid" | record
 "$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu --per-claim 1 --concurrency 16 --claims "$held" \
-	--pid "$(tessera_pid)" | record
+	--pid "$(tessera_pid)" --device-status | record
 
 # Each prepare of the test driver reads its claim, so its default client
 # limit (50/s, burst 100) bounds it once the burst is spent. The same runs
