@@ -43,7 +43,7 @@ pub mod state;
 pub mod status;
 mod validate;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
@@ -174,6 +174,9 @@ pub struct Preparer {
     /// versions.
     consumers: Consumers,
     hardware: HardwareLock,
+    /// GPUs whose MIG mode holds were released by unprepares that have
+    /// answered, still to settle ([`Preparer::settle_later`]).
+    unsettled: Mutex<BTreeSet<String>>,
     observer: OnceLock<Arc<dyn PrepareObserver>>,
 }
 
@@ -203,6 +206,7 @@ impl Preparer {
             checkpoint,
             specs,
             locks: ClaimLocks::default(),
+            unsettled: Mutex::default(),
             consumers: Consumers::default(),
             hardware: HardwareLock::default(),
             observer: OnceLock::new(),
@@ -505,10 +509,8 @@ impl Preparer {
                 })?;
         }
         let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
-        let undone = if entry.actions.is_empty() {
-            // Nothing to undo but its spec and record: two unlinks cost
-            // less here than a hand-over to a blocking thread and back.
-            self.undo_now(&uid, &entry)
+        let undone = if !entry.has_side_effects() {
+            self.undo_holds(&uid, &entry)
         } else {
             self.clone().undo(uid.clone(), entry).await
         };
@@ -548,15 +550,64 @@ impl Preparer {
                     source,
                 })?;
         }
+        self.remove_files(uid)?;
+        self.release(uid, entry);
+        Ok(())
+    }
+
+    /// The claim's spec, then its record.
+    fn remove_files(&self, uid: &ClaimUid) -> Result<(), UndoError> {
         self.specs.remove(uid).map_err(UndoError::Spec)?;
         self.checkpoint.remove(uid).map_err(UndoError::Record)?;
+        Ok(())
+    }
+
+    /// After a claim's record is gone: the providers settle what no claim
+    /// holds any more (a GPU left in MIG mode without a hold).
+    fn release(&self, uid: &ClaimUid, entry: &ClaimEntry) {
+        let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
         let mut gpus_changed = entry.actions.iter().any(Action::changes_gpus);
         for provider in self.providers.iter() {
             gpus_changed |= provider.released(&cx, entry);
         }
         self.changed(NodeChange::gpus_if(gpus_changed));
         self.tell_operator(cx.into_reports());
+    }
+
+    /// Undoes a claim that did nothing but hold MIG modes: its spec and
+    /// record go here, on the async worker (two unlinks cost less than a
+    /// hand-over to a blocking thread and back); the settling its holds
+    /// allow (the hardware lock, an NVML read) runs after the answer.
+    fn undo_holds(self: &Arc<Self>, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
+        self.remove_files(uid)?;
+        self.changed(NodeChange::Records);
+        self.settle_later(entry.mig_mode_holds().map(str::to_owned));
         Ok(())
+    }
+
+    /// Settles `gpus` on a blocking thread, together with whatever other
+    /// unprepares release meanwhile: a burst of them costs a few passes
+    /// under the hardware lock, not one each. A settle reads the holds
+    /// under that lock, so a prepare that came first keeps its GPU as it
+    /// needs it; one lost to a crash is settled at the next start.
+    fn settle_later(self: &Arc<Self>, gpus: impl IntoIterator<Item = String>) {
+        let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = unsettled.is_empty();
+        unsettled.extend(gpus);
+        if idle && !unsettled.is_empty() {
+            let this = self.clone();
+            tokio::task::spawn_blocking(move || {
+                loop {
+                    let gpus = std::mem::take(
+                        &mut *this.unsettled.lock().unwrap_or_else(|p| p.into_inner()),
+                    );
+                    if gpus.is_empty() {
+                        return;
+                    }
+                    this.settle_mig_modes(gpus.iter().map(String::as_str));
+                }
+            });
+        }
     }
 
     /// Logs each report and records it as a Node Event (in the background:

@@ -441,6 +441,19 @@ fn whole_claim(n: u8) -> ResourceClaim {
     .unwrap()
 }
 
+/// Waits until `done` holds (what a claim's release settles after the
+/// unprepare has answered), for at most 10 s.
+async fn settled(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not settled: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so() {
     let f = Fixture::new(false);
@@ -459,9 +472,15 @@ async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so()
     mig.set_enabled(true);
     assert!(preparer.settle_mig_modes([GPU]).is_empty());
     assert_eq!(mig.switches().len(), 1, "a held GPU was switched");
-    // With the last hold gone the GPU rests with MIG off.
+    // With the last hold gone the GPU rests with MIG off (settled after
+    // the answer).
     let results = preparer.unprepare(vec![claim_ref(3)]).await;
     assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert!(
+        preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).is_none(),
+        "the record goes before the answer"
+    );
+    settled("MIG switched off", || mig.switches().len() == 2).await;
     assert_eq!(
         mig.switches(),
         [format!("{GPU} mig off"), format!("{GPU} mig off")]
@@ -487,6 +506,7 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     assert_eq!(entry.state, EntryState::Completed);
     assert!(entry.mig_mode_holds().any(|g| g == GPU));
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    settled("the release told", || !f.changes.lock().unwrap().is_empty()).await;
     assert_eq!(took(&f), [NodeChange::Records]);
 
     // MIG on: prepare switches it off, a change of the GPUs.
@@ -497,7 +517,9 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     // told once.
     mig.set_enabled(true);
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
-    assert_eq!(took(&f), [NodeChange::Gpus]);
+    // The record goes with the answer; the switch follows it.
+    settled("the switch told", || f.changes.lock().unwrap().len() == 2).await;
+    assert_eq!(took(&f), [NodeChange::Records, NodeChange::Gpus]);
 }
 
 #[tokio::test]

@@ -8,7 +8,6 @@
 //! mode is held by every claim that needs it; once no claim holds it and no
 //! MIG device is on it, it goes back to MIG off ([`Mig::settle`]).
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 
 use tessera_api::inventory::MigPlacement;
@@ -184,13 +183,14 @@ impl Mig {
         let _hardware = hardware.write().unwrap_or_else(|p| p.into_inner());
         // Lost records' holds count too: their Pods may still run.
         let lost = records.lost();
-        let held: BTreeSet<String> = (records.lock().values())
-            .chain(lost.claims.values().flatten())
-            .flat_map(|e| e.mig_mode_holds().map(str::to_owned))
-            .collect();
+        let held = |gpu: &str| {
+            (records.lock().values())
+                .chain(lost.claims.values().flatten())
+                .any(|e| e.mig_mode_holds().any(|g| g == gpu))
+        };
         let mut problems = Vec::new();
         let mut switched = false;
-        for gpu in gpus.filter(|g| !held.contains(*g)) {
+        for gpu in gpus.filter(|g| !held(g)) {
             let idle_on = self
                 .host
                 .mig_enabled(gpu)
