@@ -45,7 +45,7 @@ mod validate;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -176,7 +176,7 @@ pub struct Preparer {
     hardware: HardwareLock,
     /// GPUs whose MIG mode holds were released by unprepares that have
     /// answered, still to settle ([`Preparer::settle_later`]).
-    unsettled: Mutex<BTreeSet<String>>,
+    unsettled: Mutex<Unsettled>,
     observer: OnceLock<Arc<dyn PrepareObserver>>,
 }
 
@@ -551,7 +551,8 @@ impl Preparer {
                 })?;
         }
         self.remove_files(uid)?;
-        self.release(uid, entry);
+        self.release(&cx, entry);
+        self.tell_operator(cx.into_reports());
         Ok(())
     }
 
@@ -563,15 +564,14 @@ impl Preparer {
     }
 
     /// After a claim's record is gone: the providers settle what no claim
-    /// holds any more (a GPU left in MIG mode without a hold).
-    fn release(&self, uid: &ClaimUid, entry: &ClaimEntry) {
-        let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
+    /// holds any more (a GPU left in MIG mode without a hold), reporting
+    /// through `cx`, the undo's context.
+    fn release(&self, cx: &Undo<'_>, entry: &ClaimEntry) {
         let mut gpus_changed = entry.actions.iter().any(Action::changes_gpus);
         for provider in self.providers.iter() {
-            gpus_changed |= provider.released(&cx, entry);
+            gpus_changed |= provider.released(cx, entry);
         }
         self.changed(NodeChange::gpus_if(gpus_changed));
-        self.tell_operator(cx.into_reports());
     }
 
     /// Undoes a claim that did nothing but hold MIG modes: its spec and
@@ -591,23 +591,37 @@ impl Preparer {
     /// under that lock, so a prepare that came first keeps its GPU as it
     /// needs it; one lost to a crash is settled at the next start.
     fn settle_later(self: &Arc<Self>, gpus: impl IntoIterator<Item = String>) {
-        let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
-        let idle = unsettled.is_empty();
-        unsettled.extend(gpus);
-        if idle && !unsettled.is_empty() {
-            let this = self.clone();
-            tokio::task::spawn_blocking(move || {
-                loop {
-                    let gpus = std::mem::take(
-                        &mut *this.unsettled.lock().unwrap_or_else(|p| p.into_inner()),
-                    );
-                    if gpus.is_empty() {
+        let mut unsettled = self.unsettled();
+        unsettled.gpus.extend(gpus);
+        if unsettled.running || unsettled.gpus.is_empty() {
+            return;
+        }
+        unsettled.running = true;
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || {
+            loop {
+                let gpus = {
+                    let mut unsettled = this.unsettled();
+                    if unsettled.gpus.is_empty() {
+                        unsettled.running = false;
                         return;
                     }
-                    this.settle_mig_modes(gpus.iter().map(String::as_str));
-                }
-            });
-        }
+                    std::mem::take(&mut unsettled.gpus)
+                };
+                this.settle_mig_modes(gpus.iter().map(String::as_str));
+            }
+        });
+    }
+
+    fn unsettled(&self) -> MutexGuard<'_, Unsettled> {
+        self.unsettled.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether released MIG mode holds are still to settle (tests).
+    #[cfg(test)]
+    fn settling(&self) -> bool {
+        let unsettled = self.unsettled();
+        unsettled.running || !unsettled.gpus.is_empty()
     }
 
     /// Logs each report and records it as a Node Event (in the background:
@@ -643,6 +657,14 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
         Ok(v) => v,
         Err(e) => std::panic::resume_unwind(e.into_panic()),
     }
+}
+
+/// GPUs to settle after unprepares that answered, and whether a blocking
+/// thread is settling them.
+#[derive(Debug, Default)]
+struct Unsettled {
+    gpus: BTreeSet<String>,
+    running: bool,
 }
 
 /// One async lock per claim UID; entries disappear when unused.

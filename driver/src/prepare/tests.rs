@@ -480,7 +480,7 @@ async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so()
         preparer.entry(&ClaimUid::parse(&uid(3)).unwrap()).is_none(),
         "the record goes before the answer"
     );
-    settled("MIG switched off", || mig.switches().len() == 2).await;
+    settled("the release settled", || !preparer.settling()).await;
     assert_eq!(
         mig.switches(),
         [format!("{GPU} mig off"), format!("{GPU} mig off")]
@@ -506,7 +506,7 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     assert_eq!(entry.state, EntryState::Completed);
     assert!(entry.mig_mode_holds().any(|g| g == GPU));
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
-    settled("the release told", || !f.changes.lock().unwrap().is_empty()).await;
+    settled("the release settled", || !preparer.settling()).await;
     assert_eq!(took(&f), [NodeChange::Records]);
 
     // MIG on: prepare switches it off, a change of the GPUs.
@@ -518,7 +518,7 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     mig.set_enabled(true);
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
     // The record goes with the answer; the switch follows it.
-    settled("the switch told", || f.changes.lock().unwrap().len() == 2).await;
+    settled("the release settled", || !preparer.settling()).await;
     assert_eq!(took(&f), [NodeChange::Records, NodeChange::Gpus]);
 }
 
