@@ -998,6 +998,29 @@ fn a_hostile_container_cannot_steer_a_restarted_driver() {
 }
 
 #[test]
+fn a_daemon_that_listens_after_its_endpoint_appears_still_gets_its_limits() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    // `control` exists 300 ms before the daemon accepts on it: the first
+    // connections are refused.
+    config
+        .env
+        .push(("TESSERA_FAKE_MPS_LISTEN_DELAY_MS".into(), "300".into()));
+    let sup = MpsSupervisor::new(config);
+    let k = key(1, GPU0);
+    let d = sup.ensure(&k, LIMITS).unwrap();
+    assert!(alive(d.pid));
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_active_thread_percentage"),
+        (true, "25.0\n".to_owned())
+    );
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
+        (true, "8192M\n".to_owned())
+    );
+}
+
+#[test]
 fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
     let s = Scratch::new();
     let mut config = s.config();

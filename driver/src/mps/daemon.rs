@@ -430,7 +430,7 @@ impl Daemon {
             return Err(e);
         }
         match self.wait_ready(deadline) {
-            Readiness::Ready => self.set_defaults(config),
+            Readiness::Ready => self.set_defaults(config, deadline),
             Readiness::Exited(outcome) => Err(MpsError::LaunchFailed {
                 device: self.record.key.device.clone(),
                 binary: config.control_binary.clone(),
@@ -454,11 +454,21 @@ impl Daemon {
 
     /// The limits as the daemon's defaults, through its control endpoint,
     /// while no container has the pipe directory yet. A daemon that does not
-    /// take them is stopped: it must not serve without them.
-    fn set_defaults(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
+    /// take them by `deadline` is stopped: it must not serve without them.
+    /// The endpoint appears when the daemon binds it, a moment before it
+    /// listens: a refused connection then is retried (the commands set
+    /// values, so sending them again is harmless).
+    fn set_defaults(&mut self, config: &MpsConfig, deadline: Instant) -> Result<(), MpsError> {
         let commands = limits::daemon_default_commands(self.record.limits);
-        if self.send(config, &commands) {
-            return Ok(());
+        loop {
+            if self.send(config, &commands) {
+                return Ok(());
+            }
+            let alive = !matches!(self.liveness(), Ok(Liveness::Dead) | Err(_));
+            if Instant::now() >= deadline || !alive {
+                break;
+            }
+            std::thread::sleep(POLL);
         }
         self.kill()?;
         Err(MpsError::LimitsRefused {

@@ -43,7 +43,9 @@
 //! starts: `TESSERA_FAKE_MPS_READY_DELAY_MS` delays creating `control` (the
 //! pid file is already there, so a supervisor must wait for the endpoint),
 //! `TESSERA_FAKE_MPS_IGNORE_QUIT=1` makes the daemon acknowledge `quit` and
-//! keep running (a hung daemon).
+//! keep running (a hung daemon), `TESSERA_FAKE_MPS_LISTEN_DELAY_MS` widens
+//! the moment between binding `control` (the endpoint exists) and listening
+//! on it (a connection is refused until then), which every daemon has.
 //!
 //! The wire protocol between this client and this daemon (a Unix stream
 //! socket, one connection per command: the client writes one command line
@@ -71,6 +73,7 @@ const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
 const CONTROL: &str = "control";
 const READY_DELAY_ENV: &str = "TESSERA_FAKE_MPS_READY_DELAY_MS";
 const IGNORE_QUIT_ENV: &str = "TESSERA_FAKE_MPS_IGNORE_QUIT";
+const LISTEN_DELAY_ENV: &str = "TESSERA_FAKE_MPS_LISTEN_DELAY_MS";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -249,7 +252,11 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
     let segment = shared_memory(pid)?;
     defaults.config.shared_memory = segment.name.clone();
-    let listener = UnixListener::bind(&control)?;
+    let listen_delay = std::env::var(LISTEN_DELAY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    let listener = bind_then_listen(&control, Duration::from_millis(listen_delay))?;
     log(log_dir, "Control daemon ready");
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
@@ -279,6 +286,55 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         let _ = stream.write_all(reply.as_bytes());
     }
     Ok(())
+}
+
+/// A Unix stream socket at `path`: bound (the file appears), then after
+/// `delay` listening. Two calls, as in any daemon: a client that connects
+/// in between is refused.
+fn bind_then_listen(path: &Path, delay: Duration) -> std::io::Result<UnixListener> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::io::FromRawFd;
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned by
+    // the listener at once, which closes it on every path.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh socket nothing else owns.
+    let listener = unsafe { UnixListener::from_raw_fd(fd) };
+    // SAFETY: an all-zero sockaddr_un is a valid (empty) address.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("socket path too long: {}", path.display()),
+        ));
+    }
+    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = *from as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    // SAFETY: `addr` is a valid sockaddr_un of `len` bytes.
+    let bound = unsafe {
+        libc::bind(
+            fd,
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if bound != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+    // SAFETY: listen(2) on the socket `listener` owns.
+    if unsafe { libc::listen(fd, 128) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(listener)
 }
 
 /// The daemon's segment in its `/dev/shm`, removed when the daemon quits.
