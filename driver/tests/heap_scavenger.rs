@@ -6,19 +6,10 @@
 
 use std::time::Duration;
 
-use tessera_driver::plugin::heap::scavenge;
+use tessera_driver::plugin::heap::{anonymous_bytes, scavenge};
 
-/// Resident anonymous bytes of this process (`/proc/self/statm`: resident
-/// minus shared pages).
 fn anonymous() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").expect("statm");
-    let pages: Vec<u64> = statm
-        .split_whitespace()
-        .map(|f| f.parse().expect("a page count"))
-        .collect();
-    // SAFETY: sysconf reads a constant of the running kernel.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
-    (pages[1] - pages[2]) * page
+    anonymous_bytes().expect("/proc/self/statm")
 }
 
 #[tokio::test]

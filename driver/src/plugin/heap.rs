@@ -78,10 +78,8 @@ struct Heap {
 impl Heap {
     /// `None` where the figures cannot be read (no `/proc`, another libc).
     fn now() -> Option<Heap> {
-        let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-        let anonymous = parse_statm_anonymous(&statm)? * page_size();
         Some(Heap {
-            anonymous,
+            anonymous: anonymous_bytes()?,
             in_use: allocated()?,
         })
     }
@@ -92,6 +90,14 @@ impl Heap {
     fn moved_since(&self, last: &Heap) -> u64 {
         self.anonymous.saturating_sub(last.anonymous) + last.in_use.saturating_sub(self.in_use)
     }
+}
+
+/// The process's resident anonymous memory in bytes (resident minus
+/// file-backed and shared pages, `/proc/self/statm`); `None` without
+/// `/proc`.
+pub fn anonymous_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    Some(parse_statm_anonymous(&statm)? * page_size())
 }
 
 #[cfg(target_env = "gnu")]

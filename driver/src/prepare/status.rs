@@ -8,16 +8,17 @@
 //! deleted and re-created under the same name is never written to.
 //!
 //! Off the critical path: prepare and unprepare only queue what the claim's
-//! entries should be and return; [`WORKERS`] tasks apply the queue in
-//! order, and yield to the kubelet: while one of its calls is in flight
-//! (and for [`QUIET`] after the last), writes wait, up to [`MAX_DEFER`]
-//! after a claim was queued. A prepare waits on its claim read, and on a
-//! loaded API server that read queues behind the writes; an unprepare
-//! waits on CPUs the API server spends on them; the kubelet, and the Pod,
-//! wait with both, while nobody waits on a status write. A claim queued again before its turn is written once, with the
-//! newest content; one unprepared before its entries were ever written is
-//! not written at all. A write that fails is retried with backoff, without
-//! end (a Warning Node Event says when one lags), until the claim is gone.
+//! entries should be and return; [`WORKERS`] tasks apply the queue in order,
+//! and yield to the kubelet: while one of its calls is in flight (and for
+//! [`QUIET`] after the last), writes wait, up to [`MAX_DEFER`] after a claim
+//! was queued. A prepare waits on its claim read, and on a loaded API server
+//! that read queues behind the writes; an unprepare waits on CPUs the API
+//! server spends on them; the kubelet, and the Pod, wait with both, while
+//! nobody waits on a status write. A claim queued again before its turn is
+//! written once, with the newest content; one unprepared before its entries
+//! were ever written is not written at all. A write that fails is retried
+//! with backoff, without end (a Warning Node Event says when one lags),
+//! until the claim is gone.
 //!
 //! Nothing is lost across a restart: a claim whose entries are on the API
 //! server has a marker, `<state dir>/claim-status/<uid>` (namespace and

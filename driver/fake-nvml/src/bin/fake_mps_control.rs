@@ -242,21 +242,14 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     for p in problems {
         log(log_dir, &format!("Ignoring environment: {p}"));
     }
-    let delay = std::env::var(READY_DELAY_ENV)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    if delay > 0 {
-        std::thread::sleep(Duration::from_millis(delay));
+    let delay = millis_from_env(READY_DELAY_ENV);
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
     }
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
     let segment = shared_memory(pid)?;
     defaults.config.shared_memory = segment.name.clone();
-    let listen_delay = std::env::var(LISTEN_DELAY_ENV)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0);
-    let listener = bind_then_listen(&control, Duration::from_millis(listen_delay))?;
+    let listener = bind_then_listen(&control, millis_from_env(LISTEN_DELAY_ENV))?;
     log(log_dir, "Control daemon ready");
     for stream in listener.incoming() {
         let Ok(mut stream) = stream else { continue };
@@ -286,6 +279,16 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         let _ = stream.write_all(reply.as_bytes());
     }
     Ok(())
+}
+
+/// A test knob in milliseconds; zero when unset or not a number.
+fn millis_from_env(name: &str) -> Duration {
+    Duration::from_millis(
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    )
 }
 
 /// A Unix stream socket at `path`: bound (the file appears), then after
