@@ -702,15 +702,15 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
         again.claims[&uid] == first.claims[&uid],
         "different answer after quarantine"
     );
-    // Its status entries land in the background; a marker says so.
+    // Its status entries land in the background; the ledger says so.
     let claims: Api<ResourceClaim> = Api::namespaced(w.cluster.client(), w.ns());
     wait_for("status.devices written", TIMEOUT, || async {
         Ok((status_devices(&claims, "kept").await?.len() == 1).then_some(()))
     })
     .await?;
-    let marker = w.dirs.state().join("claim-status").join(&uid);
-    wait_for("the claim's status marker", TIMEOUT, || async {
-        Ok(marker.exists().then_some(()))
+    let ledger = w.dirs.state().join("claim-status.jsonl");
+    wait_for("the claim in the status ledger", TIMEOUT, || async {
+        Ok(ledger_names(&ledger, &uid).then_some(()))
     })
     .await?;
     drop(k);
@@ -737,11 +737,29 @@ async fn corrupted_checkpoint_is_reported_and_a_reboot_forgets() -> Result<()> {
         },
     )
     .await?;
-    wait_for("its marker removed", TIMEOUT, || async {
-        Ok((!marker.exists()).then_some(()))
+    wait_for("its removal in the status ledger", TIMEOUT, || async {
+        Ok((!ledger_names(&ledger, &uid)).then_some(()))
     })
     .await?;
     w.namespace.delete().await
+}
+
+/// Whether the status ledger's last line about `uid` says its entries are
+/// written (`{"written":{"uid":..}}`) rather than removed.
+fn ledger_names(ledger: &std::path::Path, uid: &str) -> bool {
+    let text = std::fs::read_to_string(ledger).unwrap_or_default();
+    let mut named = false;
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if v["written"]["uid"] == uid {
+            named = true;
+        } else if v["removed"]["uid"] == uid {
+            named = false;
+        }
+    }
+    named
 }
 
 /// An unreadable record does not cost a running workload its isolation: the

@@ -179,9 +179,10 @@ impl SpecDir {
 
     /// Atomically replace the claim's spec.
     pub fn write(&self, claim: &ClaimUid, spec: &Spec) -> std::io::Result<PathBuf> {
-        fs::create_dir_all(&self.dir)?;
         let path = self.spec_path(claim);
-        let bytes = serde_json::to_vec_pretty(spec).map_err(std::io::Error::other)?;
+        // Compact: the runtime parses every spec of the directory again
+        // after each change.
+        let bytes = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
         write_for_this_boot(&path, &bytes)?;
         Ok(path)
     }
@@ -320,7 +321,7 @@ fn replace(path: &Path, bytes: &[u8], durability: Durability) -> std::io::Result
     // during a rolling update.
     let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
     let result = (|| {
-        let mut file = File::create(&tmp)?;
+        let mut file = create_in_dir(dir, &tmp)?;
         file.write_all(bytes)?;
         if durability == Durability::ThisBoot {
             return fs::rename(&tmp, path);
@@ -333,6 +334,18 @@ fn replace(path: &Path, bytes: &[u8], durability: Durability) -> std::io::Result
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Creates `path` in `dir`, and `dir` first if it is missing (checked
+/// only then: most writes go to a directory that exists).
+fn create_in_dir(dir: &Path, path: &Path) -> std::io::Result<File> {
+    match File::create(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            fs::create_dir_all(dir)?;
+            File::create(path)
+        }
+        created => created,
+    }
 }
 
 fn sync_dir(dir: &Path) -> std::io::Result<()> {

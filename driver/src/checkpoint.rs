@@ -351,7 +351,6 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             path: path.clone(),
             source,
         };
-        fs::create_dir_all(&self.dir).map_err(failed)?;
         write_for_this_boot(&path, &encode_record(&self.boot_id, entry)).map_err(failed)
     }
 }

@@ -20,17 +20,16 @@
 //! with backoff, without end (a Warning Node Event says when one lags),
 //! until the claim is gone.
 //!
-//! Nothing is lost across a restart: a claim whose entries are on the API
-//! server has a marker, `<state dir>/claim-status/<uid>` (namespace and
-//! name), written after the apply and removed after the removal. At start
-//! ([`StatusWriter::resume`]) a prepared claim with entries to write and no
-//! marker is queued again, and a marker of a claim no longer prepared is a
-//! removal still to make.
+//! Nothing is lost across a restart: the [`Ledger`] says which claims have
+//! entries on the API server (a line after each apply, another after each
+//! removal). At start ([`StatusWriter::resume`]) a prepared claim with
+//! entries to write that the ledger does not name is queued again, and a
+//! claim the ledger names that is no longer prepared is a removal still to
+//! make.
 //!
 //! [`DeviceData`]: super::state::DeviceData
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -39,7 +38,6 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::events::EventType;
 use kube::{Api, Client};
-use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
@@ -47,6 +45,10 @@ use tracing::{debug, info, warn};
 
 use super::state::DeviceStatus;
 use crate::node::events::NodeEvents;
+
+mod ledger;
+pub use ledger::LEDGER_FILE;
+use ledger::{Ledger, Marked};
 
 /// Applies in flight at once: enough to keep up with prepares, few enough
 /// that they do not compete with the claim reads prepares wait on.
@@ -61,8 +63,6 @@ pub const QUIET: Duration = Duration::from_millis(20);
 pub const MAX_DEFER: Duration = Duration::from_secs(2);
 /// Failed attempts before a Node Event says a claim's status lags.
 const ATTEMPTS_BEFORE_EVENT: u32 = 5;
-/// The markers' directory under the state directory.
-pub const MARKER_DIR: &str = "claim-status";
 
 /// What a claim's entries should be, and how the writes went.
 #[derive(Debug, Clone)]
@@ -117,7 +117,7 @@ impl Queue {
     }
 
     /// Drops a queued write of a claim whose entries were never written
-    /// (`written`: its marker exists) and that has none in flight.
+    /// (`written`: the ledger names it) and that has none in flight.
     fn cancel_unwritten(&mut self, uid: &str, written: bool) -> bool {
         if self.busy.contains(uid) || written {
             return false;
@@ -156,13 +156,6 @@ impl Queue {
     }
 }
 
-/// A marker's content: which claim's entries are on the API server.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct Marker {
-    namespace: String,
-    name: String,
-}
-
 /// The kubelet's calls in flight, and when the last one ended.
 #[derive(Debug, Clone, Copy)]
 struct KubeletCalls {
@@ -195,7 +188,7 @@ impl Drop for KubeletCall<'_> {
 pub struct StatusWriter {
     client: Client,
     driver: String,
-    markers: PathBuf,
+    ledger: Mutex<Ledger>,
     queue: Mutex<Queue>,
     wake: Notify,
     calls: watch::Sender<KubeletCalls>,
@@ -203,7 +196,7 @@ pub struct StatusWriter {
 }
 
 impl StatusWriter {
-    /// A writer keeping its markers under `state_dir`, with its workers
+    /// A writer keeping its ledger under `state_dir`, with its workers
     /// started; `events` hears of claims whose status lags.
     pub fn new(
         client: Client,
@@ -227,7 +220,7 @@ impl StatusWriter {
         Arc::new(StatusWriter {
             client,
             driver: driver.into(),
-            markers: state_dir.join(MARKER_DIR),
+            ledger: Mutex::new(Ledger::open(state_dir)),
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
             calls: watch::Sender::new(KubeletCalls {
@@ -263,29 +256,27 @@ impl StatusWriter {
     /// Queue the removal of this driver's entries of the claim's status;
     /// nothing, if none were ever written and no write is in flight.
     pub fn remove(&self, namespace: &str, name: &str, uid: &str) {
-        let written = self.marker(uid).exists();
+        let written = self.ledger().contains(uid);
         if self.lock().cancel_unwritten(uid, written) {
             return;
         }
         self.write(namespace, name, uid, Vec::new());
     }
 
-    /// Removes the entries of a claim known only by its marker (one whose
-    /// record was lost); nothing without a marker.
+    /// Removes the entries of a claim known only by the ledger (one whose
+    /// record was lost); nothing if the ledger does not name it.
     pub fn remove_marked(&self, uid: &str) {
-        let marked = std::fs::read(self.marker(uid))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Marker>(&b).ok());
+        let marked = self.ledger().get(uid).cloned();
         if let Some(m) = marked {
             self.remove(&m.namespace, &m.name, uid);
         }
     }
 
     /// At start: `prepared` (UID, namespace, name, entries) are the
-    /// prepared claims; what the markers say is on the API server is
-    /// brought in line with them (markers of other claims are removals
-    /// still to make, when `complete`: `prepared` is every prepared claim,
-    /// except those `kept`, which may be prepared without a record).
+    /// prepared claims; what the ledger says is on the API server is
+    /// brought in line with them (other claims it names are removals still
+    /// to make, when `complete`: `prepared` is every prepared claim, except
+    /// those `kept`, which may be prepared without a record).
     pub fn resume(
         &self,
         prepared: Vec<(String, String, String, Vec<DeviceStatus>)>,
@@ -297,7 +288,7 @@ impl StatusWriter {
             if devices.is_empty() {
                 continue;
             }
-            if !self.marker(&uid).exists() {
+            if !self.ledger().contains(&uid) {
                 self.write(&namespace, &name, &uid, devices);
             }
             with_entries.insert(uid);
@@ -305,24 +296,12 @@ impl StatusWriter {
         if !complete {
             return;
         }
-        let Ok(dir) = std::fs::read_dir(&self.markers) else {
-            return;
-        };
-        for file in dir.filter_map(Result::ok) {
-            let uid = file.file_name().to_string_lossy().into_owned();
-            if uid.starts_with('.') || with_entries.contains(&uid) || kept(&uid) {
-                continue;
-            }
-            match std::fs::read(file.path())
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Marker>(&b).ok())
-            {
-                Some(m) => self.write(&m.namespace, &m.name, &uid, Vec::new()),
-                None => {
-                    warn!(claim_uid = %uid, "unreadable claim status marker; removed");
-                    let _ = std::fs::remove_file(file.path());
-                }
-            }
+        let removals: Vec<(String, Marked)> = (self.ledger().iter())
+            .filter(|(uid, _)| !with_entries.contains(*uid) && !kept(uid))
+            .map(|(uid, m)| (uid.clone(), m.clone()))
+            .collect();
+        for (uid, m) in removals {
+            self.write(&m.namespace, &m.name, &uid, Vec::new());
         }
     }
 
@@ -330,8 +309,8 @@ impl StatusWriter {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn marker(&self, uid: &str) -> PathBuf {
-        self.markers.join(uid)
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Queue `devices` as this driver's entries of the claim's status
@@ -370,31 +349,23 @@ impl StatusWriter {
         }
     }
 
-    /// After an apply: the marker follows what the API server has; a
+    /// After an apply: the ledger follows what the API server has; a
     /// failure goes back in the queue (unless a newer want came).
     async fn settle(&self, uid: &str, mut want: Want, outcome: Result<Applied, kube::Error>) {
         let claim = format!("{}/{}", want.namespace, want.name);
         match outcome {
             Ok(Applied::Written) if !want.devices.is_empty() => {
-                let marker = Marker {
+                let marked = Marked {
                     namespace: want.namespace.clone(),
                     name: want.name.clone(),
                 };
-                let stored = std::fs::create_dir_all(&self.markers).and_then(|()| {
-                    crate::cdi::write_for_this_boot(
-                        &self.marker(uid),
-                        &serde_json::to_vec(&marker).unwrap_or_default(),
-                    )
-                });
-                if let Err(e) = stored {
+                if let Err(e) = self.ledger().written(uid, marked) {
                     warn!(claim = %claim, "cannot record that the claim's status is written: {e}");
                 }
             }
             Ok(_) => {
-                if let Err(e) = std::fs::remove_file(self.marker(uid))
-                    && e.kind() != std::io::ErrorKind::NotFound
-                {
-                    warn!(claim = %claim, "cannot remove the claim's status marker: {e}");
+                if let Err(e) = self.ledger().removed(uid) {
+                    warn!(claim = %claim, "cannot record that the claim's status is removed: {e}");
                 }
             }
             Err(e) => {
@@ -644,24 +615,22 @@ mod tests {
         assert_eq!(written - finished, QUIET, "the call ended: QUIET after it");
     }
 
-    /// At start: a prepared claim without a marker is written, one with a
-    /// marker is not; a marker of a claim no longer prepared is removed,
-    /// unless the records may be incomplete.
+    /// At start: a prepared claim the ledger does not name is written, one
+    /// it names is not; a claim it names that is no longer prepared has its
+    /// entries removed, unless the records may be incomplete.
     #[tokio::test]
-    async fn resume_follows_the_markers() {
+    async fn resume_follows_the_ledger() {
         let dir = tempfile::tempdir().unwrap();
         let client = offline_client();
-        let markers = dir.path().join(MARKER_DIR);
-        std::fs::create_dir_all(&markers).unwrap();
-        let marker = |ns: &str, name: &str| {
-            serde_json::to_vec(&Marker {
+        let mut ledger = Ledger::open(dir.path());
+        for (ns, name) in [("ns", "written"), ("ns2", "gone")] {
+            let marked = Marked {
                 namespace: ns.into(),
                 name: name.into(),
-            })
-            .unwrap()
-        };
-        std::fs::write(markers.join("written"), marker("ns", "written")).unwrap();
-        std::fs::write(markers.join("gone"), marker("ns2", "gone")).unwrap();
+            };
+            ledger.written(name, marked).unwrap();
+        }
+        drop(ledger);
         let prepared = vec![
             (
                 "new".into(),
