@@ -92,11 +92,17 @@ enum Command {
     /// `conformance/bench-scale.sh`): one publisher per node, then pods on
     /// Isolated shares vs the same capacity as replica devices.
     Scale(scale::ScaleArgs),
+    /// Medians over rounds of the `grpc` results in RESULTS (JSON lines
+    /// carrying a `round`, as `conformance/bench.sh` writes them).
+    GrpcMedians { results: PathBuf },
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::GrpcMedians { results } = &cli.command {
+        return print_round_medians(results);
+    }
     let cluster = TestCluster::shared().await?;
     let client = cluster.client();
     let node = cluster.node_name().to_owned();
@@ -241,6 +247,17 @@ async fn main() -> Result<()> {
             );
         }
         Command::Scale(args) => scale::run(&cluster, args).await?,
+        // Needs no cluster: answered above.
+        Command::GrpcMedians { .. } => {}
+    }
+    Ok(())
+}
+
+fn print_round_medians(results: &std::path::Path) -> Result<()> {
+    let lines = std::fs::read_to_string(results)
+        .with_context(|| format!("reading {}", results.display()))?;
+    for medians in tessera_conformance::bench::stats::round_medians(&lines) {
+        println!("{medians}");
     }
     Ok(())
 }

@@ -206,6 +206,65 @@ fn parse_labels(s: &str) -> Vec<(String, String)> {
     out
 }
 
+/// The medians over rounds of `grpc` results (JSON lines carrying a
+/// `round`): one object per driver (and Go client limit), per_claim and
+/// concurrency, with the median and the per-round values of each phase's
+/// p50 and p99, ordered as first seen.
+pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
+    use serde_json::{Value, json};
+    type Key = (String, Value, Value, Value);
+    let mut groups: Vec<(Key, Vec<Value>)> = Vec::new();
+    for line in lines.lines() {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if v.get("round").is_none() || v.get("prepare").is_none() {
+            continue;
+        }
+        let key = (
+            v["driver"].as_str().unwrap_or_default().to_owned(),
+            v["go_client_qps"].clone(),
+            v["per_claim"].clone(),
+            v["concurrency"].clone(),
+        );
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, runs)) => runs.push(v),
+            None => groups.push((key, vec![v])),
+        }
+    }
+    let per_round = |runs: &[Value], phase: &str, q: &str| -> Vec<f64> {
+        (runs.iter()).filter_map(|r| r[phase][q].as_f64()).collect()
+    };
+    let median = |mut xs: Vec<f64>| {
+        xs.sort_by(f64::total_cmp);
+        match xs.len() {
+            0 => None,
+            n if n % 2 == 1 => Some(xs[n / 2]),
+            n => Some((xs[n / 2 - 1] + xs[n / 2]) / 2.0),
+        }
+    };
+    groups
+        .into_iter()
+        .map(|((driver, qps, per_claim, concurrency), runs)| {
+            let mut out = json!({
+                "medians_of_rounds": runs.len(), "driver": driver,
+                "per_claim": per_claim, "concurrency": concurrency,
+            });
+            if !qps.is_null() {
+                out["go_client_qps"] = qps;
+            }
+            for phase in ["prepare", "unprepare"] {
+                for q in ["p50_ms", "p99_ms"] {
+                    let values = per_round(&runs, phase, q);
+                    out[phase][q] = json!(median(values.clone()));
+                    out[phase][format!("{q}_rounds")] = json!(values);
+                }
+            }
+            out
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +333,53 @@ apiserver_request_total{code="200",resource="resourceslices",verb="LIST"} 7
         let writes = |verb| sum_counter(KUBELET, "apiserver_request_total", &[("verb", verb)]);
         assert_eq!(writes("POST") + writes("PUT"), 5.0);
         assert_eq!(writes("DELETE"), 0.0);
+    }
+
+    #[test]
+    fn medians_are_taken_per_driver_and_run_over_rounds() {
+        let run = |round: u32, driver: &str, qps: bool, c: u32, p50: f64| {
+            let limit = if qps {
+                r#""go_client_qps":100000,"#
+            } else {
+                ""
+            };
+            format!(
+                r#"{{"round":{round},{limit}"driver":"{driver}","per_claim":1,"concurrency":{c},"prepare":{{"p50_ms":{p50},"p99_ms":9.0}},"unprepare":{{"p50_ms":0.5,"p99_ms":1.0}}}}"#
+            )
+        };
+        let lines = [
+            run(1, "go", true, 1, 3.0),
+            run(1, "t", false, 1, 2.0),
+            r#"{"driver":"t","per_claim":1,"concurrency":1,"prepare":{"p50_ms":99.0}}"#.into(),
+            r#"{"round":2,"driver":"t","rss_idle_kib":1}"#.into(),
+            run(2, "go", true, 1, 5.0),
+            run(2, "t", false, 1, 4.0),
+            run(3, "go", true, 1, 1.0),
+            run(3, "t", false, 1, 2.5),
+            run(3, "t", false, 16, 7.0),
+        ]
+        .join("\n");
+        let m = round_medians(&lines);
+        assert_eq!(m.len(), 3, "{m:?}");
+        assert_eq!(m[0]["driver"], "go");
+        assert_eq!(m[0]["go_client_qps"], 100000);
+        assert_eq!(m[0]["prepare"]["p50_ms"], 3.0);
+        assert_eq!(
+            m[0]["prepare"]["p50_ms_rounds"],
+            serde_json::json!([3.0, 5.0, 1.0])
+        );
+        assert_eq!(
+            m[1]["prepare"]["p50_ms"], 2.5,
+            "the unrounded run is left out"
+        );
+        assert!(m[1].get("go_client_qps").is_none());
+        assert_eq!(
+            (
+                m[2]["concurrency"].clone(),
+                m[2]["medians_of_rounds"].clone()
+            ),
+            (16.into(), 1.into())
+        );
+        assert_eq!(m[2]["unprepare"]["p99_ms"], 1.0);
     }
 }
