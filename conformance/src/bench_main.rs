@@ -52,7 +52,8 @@ enum Command {
         pid: Option<u32>,
         /// The driver writes the claims' `status.devices`: after each
         /// prepare phase, wait until every claim has its entries (reported
-        /// as `device_status_ms`), then unprepare.
+        /// as `device_status_ms`), then unprepare, then wait until none has
+        /// any (`device_status_removed_ms`).
         #[arg(long)]
         device_status: bool,
     },
@@ -165,20 +166,23 @@ async fn main() -> Result<()> {
                     let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
                     let rss = pid.map(grpc::rss_kib).transpose()?;
                     let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
-                    let status_written = if device_status {
-                        let took = grpc::device_status_written(
-                            &client,
-                            ns.name(),
-                            &refs,
-                            &driver,
-                            Duration::from_secs(120),
-                        )
-                        .await?;
-                        Some(took.as_secs_f64() * 1000.0)
-                    } else {
-                        None
+                    let settled = |written| {
+                        let (client, ns, refs, driver) = (&client, ns.name(), &refs, &driver);
+                        async move {
+                            if !device_status {
+                                return Ok(None);
+                            }
+                            let timeout = Duration::from_secs(120);
+                            let took = grpc::device_status_settled(
+                                client, ns, refs, driver, written, timeout,
+                            )
+                            .await?;
+                            anyhow::Ok(Some(took.as_secs_f64() * 1000.0))
+                        }
                     };
+                    let status_written = settled(true).await?;
                     let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
+                    let status_removed = settled(false).await?;
                     ns.delete().await?;
                     println!(
                         "{}",
@@ -186,6 +190,7 @@ async fn main() -> Result<()> {
                             "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
                             "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
                             "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
+                            "device_status_removed_ms": status_removed,
                         })
                     );
                 }

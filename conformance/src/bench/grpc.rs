@@ -213,41 +213,46 @@ pub async fn prepare_all(
 }
 
 /// Waits until each of `claims` has entries of `driver` in
-/// `status.devices`, watching the namespace's claims; how long that took.
-/// Run after the prepare phase, so that the unprepares find the entries
-/// written (a driver that writes them after prepare returns would
-/// otherwise drop writes of claims unprepared first) and the API server's
-/// work for them falls inside the run.
-pub async fn device_status_written(
+/// `status.devices` (`written`), or has none (not `written`), watching the
+/// namespace's claims; how long that took. Run after the prepare phase, so
+/// that the unprepares find the entries written (a driver that writes them
+/// after prepare returns would otherwise drop writes of claims unprepared
+/// first), and after the unprepare phase; the API server's work for the
+/// writes and the removals falls inside the run, not into the next one.
+pub async fn device_status_settled(
     client: &Client,
     namespace: &str,
     claims: &[dra_v1::Claim],
     driver: &str,
+    written: bool,
     timeout: Duration,
 ) -> Result<Duration> {
     use kube::runtime::{WatchStreamExt, watcher};
     let api: Api<ResourceClaim> = Api::namespaced(client.clone(), namespace);
     let began = Instant::now();
-    let mut missing: std::collections::HashSet<&str> =
+    let mut pending: std::collections::HashSet<&str> =
         claims.iter().map(|c| c.uid.as_str()).collect();
     let mut events = watcher(api, watcher::Config::default())
         .default_backoff()
         .applied_objects()
         .boxed();
     let watched = async {
-        while !missing.is_empty() {
+        while !pending.is_empty() {
             let claim = events.try_next().await?.context("the claim watch ended")?;
-            let written = (claim.status.as_ref().and_then(|s| s.devices.as_ref()))
+            let has_entries = (claim.status.as_ref().and_then(|s| s.devices.as_ref()))
                 .is_some_and(|d| d.iter().any(|e| e.driver == driver));
-            if written && let Some(uid) = claim.metadata.uid.as_deref() {
-                missing.remove(uid);
+            if has_entries == written
+                && let Some(uid) = claim.metadata.uid.as_deref()
+            {
+                pending.remove(uid);
             }
         }
         anyhow::Ok(())
     };
+    let state = if written { "with" } else { "still with" };
     tokio::time::timeout(timeout, watched)
         .await
-        .with_context(|| format!("claims without device status after {timeout:?}"))??;
+        .with_context(|| format!("claims {state} device status after {timeout:?}"))??;
     Ok(began.elapsed())
 }
 
