@@ -47,7 +47,6 @@ use super::state::DeviceStatus;
 use crate::node::events::NodeEvents;
 
 mod ledger;
-pub use ledger::LEDGER_FILE;
 use ledger::{Ledger, Marked};
 
 /// Applies in flight at once: enough to keep up with prepares, few enough

@@ -44,8 +44,8 @@ pub struct Marked {
 enum Line {
     Written {
         uid: String,
-        namespace: String,
-        name: String,
+        #[serde(flatten)]
+        marked: Marked,
     },
     Removed {
         uid: String,
@@ -104,8 +104,7 @@ impl Ledger {
         }
         let line = Line::Written {
             uid: uid.to_owned(),
-            namespace: marked.namespace.clone(),
-            name: marked.name.clone(),
+            marked: marked.clone(),
         };
         self.marked.insert(uid.to_owned(), marked);
         self.append(&line)
@@ -126,8 +125,7 @@ impl Ledger {
             return self.rewrite();
         }
         let mut bytes = Vec::from(if self.torn { &b"\n"[..] } else { b"" });
-        serde_json::to_writer(&mut bytes, line).map_err(std::io::Error::other)?;
-        bytes.push(b'\n');
+        encode(&mut bytes, line)?;
         let file = match &mut self.file {
             Some(file) => file,
             None => self.file.insert(open_for_append(&self.path)?),
@@ -146,14 +144,12 @@ impl Ledger {
     /// Replaces the file with one line per live claim.
     fn rewrite(&mut self) -> std::io::Result<()> {
         let mut bytes = Vec::new();
-        for (uid, m) in &self.marked {
+        for (uid, marked) in &self.marked {
             let line = Line::Written {
                 uid: uid.clone(),
-                namespace: m.namespace.clone(),
-                name: m.name.clone(),
+                marked: marked.clone(),
             };
-            serde_json::to_writer(&mut bytes, &line).map_err(std::io::Error::other)?;
-            bytes.push(b'\n');
+            encode(&mut bytes, &line)?;
         }
         self.file = None;
         crate::cdi::write_for_this_boot(&self.path, &bytes)?;
@@ -198,6 +194,13 @@ impl Ledger {
     }
 }
 
+/// `line` as one line of the file.
+fn encode(bytes: &mut Vec<u8>, line: &Line) -> std::io::Result<()> {
+    serde_json::to_writer(&mut *bytes, line).map_err(std::io::Error::other)?;
+    bytes.push(b'\n');
+    Ok(())
+}
+
 fn open_for_append(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().create(true).append(true).open(path)
 }
@@ -221,12 +224,8 @@ fn replay(path: &Path) -> Replayed {
     for line in bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
         replayed.lines += 1;
         match serde_json::from_slice::<Line>(line) {
-            Ok(Line::Written {
-                uid,
-                namespace,
-                name,
-            }) => {
-                replayed.marked.insert(uid, Marked { namespace, name });
+            Ok(Line::Written { uid, marked }) => {
+                replayed.marked.insert(uid, marked);
             }
             Ok(Line::Removed { uid }) => {
                 replayed.marked.remove(&uid);
