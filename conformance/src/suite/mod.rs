@@ -367,7 +367,13 @@ pub async fn run(args: Args) -> Result<bool> {
         .await
         .with_context(|| format!("creating namespace {ns}"))?;
 
-    let (claim_log, claim_watch) = ops::watch_claims(client.clone(), &ns);
+    let (claim_log, claim_watch) = match ops::watch_claims(client.clone(), &ns).await {
+        Ok(watch) => watch,
+        Err(e) => {
+            delete_namespace(&namespaces, &ns, args.timeout).await;
+            return Err(e);
+        }
+    };
     let ctx = Ctx {
         kube: Kube {
             client: client.clone(),

@@ -62,19 +62,35 @@ fn allocation_of(claim: &ResourceClaim) -> Vec<Allocated> {
         .collect()
 }
 
-/// Starts the watch that fills a [`ClaimLog`]; abort the task to stop it.
-pub fn watch_claims(client: Client, ns: &str) -> (ClaimLog, tokio::task::JoinHandle<()>) {
+/// Starts the watch that fills a [`ClaimLog`] and returns once its initial
+/// list is done: a claim a check creates afterwards is seen, even one
+/// allocated and deleted within a moment (a finished pod's generated
+/// claim). Abort the task to stop the watch.
+pub async fn watch_claims(
+    client: Client,
+    ns: &str,
+) -> Result<(ClaimLog, tokio::task::JoinHandle<()>)> {
     let log: ClaimLog = Arc::default();
     let api: Api<ResourceClaim> = Api::namespaced(client, ns);
+    let (listed, ready) = tokio::sync::oneshot::channel();
     let task = tokio::spawn({
         let log = log.clone();
         async move {
+            let mut listed = Some(listed);
             let mut stream = watcher(api, watcher::Config::default())
                 .default_backoff()
-                .applied_objects()
                 .boxed();
-            while let Some(item) = stream.next().await {
-                let Ok(claim) = item else { continue };
+            while let Some(event) = stream.next().await {
+                let claim = match event {
+                    Ok(watcher::Event::Apply(c) | watcher::Event::InitApply(c)) => c,
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(listed) = listed.take() {
+                            let _ = listed.send(());
+                        }
+                        continue;
+                    }
+                    _ => continue,
+                };
                 let allocated = allocation_of(&claim);
                 if !allocated.is_empty() {
                     let name = claim.metadata.name.clone().unwrap_or_default();
@@ -85,7 +101,15 @@ pub fn watch_claims(client: Client, ns: &str) -> (ClaimLog, tokio::task::JoinHan
             }
         }
     });
-    (log, task)
+    match tokio::time::timeout(Duration::from_secs(60), ready).await {
+        Ok(Ok(())) => Ok((log, task)),
+        _ => {
+            task.abort();
+            bail!(
+                "the watch of namespace {ns}'s ResourceClaims did not finish its initial list within 60 s"
+            )
+        }
+    }
 }
 
 /// The run's namespace on one cluster.
