@@ -691,7 +691,7 @@ export TESSERA_NODE_HAMI_CORE_DIR='$(node_hami_core_dir)'
 export TESSERA_NODE_LOG='$(node_log)'
 export TESSERA_FAKE_NVML_TOPOLOGY='$(sim_kernel_dir)/topology.yaml'
 export TESSERA_FAKE_NVML_STATE='$(sim_kernel_dir)/nvml.state'
-export TESSERA_FAKE_NVML_LOAD='$(sim_load_dir)'
+export TESSERA_FAKE_NVML_LOAD=1
 export TESSERA_FAKE_NVML_DRIVER_ROOT='$(node_driver_root)'
 export LD_LIBRARY_PATH='$(node_nvml_dir)'"\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 EOF
@@ -761,7 +761,7 @@ load_node() {
 node_nvml_env() {
 	echo "TESSERA_FAKE_NVML_TOPOLOGY=$(sim_kernel_dir)/topology.yaml"
 	echo "TESSERA_FAKE_NVML_STATE=$(sim_kernel_dir)/nvml.state"
-	echo "TESSERA_FAKE_NVML_LOAD=$(sim_load_dir)"
+	echo "TESSERA_FAKE_NVML_LOAD=1"
 	echo "TESSERA_FAKE_NVML_DRIVER_ROOT=$(node_driver_root)"
 	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
@@ -916,7 +916,7 @@ cmd_node_start() {
 	else
 		[[ -n "$topology" ]] || die "the first node-start needs --topology FILE (see driver/fake-nvml/topologies/)"
 		# A new machine: nothing of the last one's GPU state stays.
-		find "$(sim_kernel_dir)" "$(sim_load_dir)" -mindepth 1 -delete 2>/dev/null || true
+		find "$(sim_kernel_dir)" -mindepth 1 -delete 2>/dev/null || true
 		NODE_DRIVER=${driver:-gpu.tessera.dev}
 		NODE_TOPOLOGY_SOURCE="$(cd "$(dirname "$topology")" && pwd)/$(basename "$topology")"
 	fi

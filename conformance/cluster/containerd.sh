@@ -27,18 +27,12 @@ PAUSE_ALIASES=(registry.k8s.io/pause:3.10)
 # kernel's /proc/driver/nvidia: the fake libnvidia-ml.so.1 CDI mounts reads
 # it there and answers only for the device nodes the container was given.
 SIM_KERNEL_MOUNT=/run/tessera-sim
-# Where every container records the load its processes put on the simulated
-# GPUs (read-write, as every process may talk to the kernel driver): the
-# fake libcuda writes there, the fake NVML reads it (see
-# driver/fake-nvml/src/load.rs).
-SIM_LOAD_MOUNT=/run/tessera-sim-load
 
 ctrd_dir() { echo "$DIR/containerd"; }
 ctrd_socket() { echo "$DIR/containerd/containerd.sock"; }
 # Outside the node dir: every container's spec mounts it, so it must outlive
 # `rm -rf <state>/node`; node-start empties it for a new machine.
 sim_kernel_dir() { echo "$DIR/sim-kernel"; }
-sim_load_dir() { echo "$DIR/sim-load"; }
 
 # Prints the directory holding containerd, ctr and containerd-shim-runc-v2,
 # building them when needed (cached by version and Go toolchain).
@@ -78,9 +72,7 @@ pod_network() {
 write_containerd_config() {
 	local d cdi_dirs
 	d=$(ctrd_dir)
-	mkdir -p "$d/cni" "$d/root" "$d/state" "$DIR/cdi" "$NODE_DIR/cdi" "$(sim_kernel_dir)" "$(sim_load_dir)"
-	# Any container user records its processes' load; none removes another's.
-	chmod 1777 "$(sim_load_dir)"
+	mkdir -p "$d/cni" "$d/root" "$d/state" "$DIR/cdi" "$NODE_DIR/cdi" "$(sim_kernel_dir)"
 	pod_network
 	cat >"$d/cni/10-tessera.conflist" <<EOF
 {
@@ -154,28 +146,26 @@ EOF
 }
 
 # containerd's default OCI spec plus the simulated machine's state, mounted
-# read-only where the fake NVML looks for it inside containers, and its load
-# directory, read-write.
+# read-only where the fake NVML looks for it inside containers, and load
+# recording on: each process keeps what it does on the GPUs in a memory file
+# only it holds (driver/fake-nvml/src/load.rs), as the kernel driver does.
 base_runtime_spec() {
-	local k l
+	local k
 	k=$(sim_kernel_dir)
-	l=$(sim_load_dir)
 	"$CTRD_BIN/ctr" oci spec | python3 -c '
 import json, sys
 spec = json.load(sys.stdin)
-mount, kernel, load_mount, load = sys.argv[1:5]
+mount, kernel = sys.argv[1:3]
 spec["mounts"].append({"destination": mount, "type": "bind", "source": kernel,
                        "options": ["rbind", "ro", "nosuid", "nodev", "noexec"]})
-spec["mounts"].append({"destination": load_mount, "type": "bind", "source": load,
-                       "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
 spec["process"].setdefault("env", []).extend([
-    "TESSERA_FAKE_NVML_LOAD=" + load_mount,
+    "TESSERA_FAKE_NVML_LOAD=1",
     "TESSERA_FAKE_NVML_TOPOLOGY=" + mount + "/topology.yaml",
     "TESSERA_FAKE_NVML_STATE=" + mount + "/nvml.state",
     "TESSERA_FAKE_NVML_DEV_ROOT=/dev",
 ])
 json.dump(spec, sys.stdout, indent=2)
-' "$SIM_KERNEL_MOUNT" "$k" "$SIM_LOAD_MOUNT" "$l"
+' "$SIM_KERNEL_MOUNT" "$k"
 }
 
 ctr_() { "$CTRD_BIN/ctr" --address "$(ctrd_socket)" --namespace k8s.io "$@"; }

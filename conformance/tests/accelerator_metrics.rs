@@ -65,7 +65,7 @@ async fn metrics_follow_a_pods_gpu_load_and_attribute_its_memory_to_its_claim() 
         .contains("TESSERA_FAKE_NVML_LOAD")
     {
         eprintln!(
-            "SKIP: containers of this cluster get no load directory ({} predates it; restart \
+            "SKIP: containers of this cluster do not record load ({} predates it; restart \
              the cluster with conformance/cluster.sh)",
             base_spec.display()
         );
@@ -95,7 +95,7 @@ fn metrics_address(env: &ClusterEnv) -> Result<SocketAddr> {
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
     ensure!(
         String::from_utf8_lossy(&environ).contains("TESSERA_FAKE_NVML_LOAD="),
-        "the node process (pid {pid}) was started without the load directory; restart it: \
+        "the node process (pid {pid}) was started without load recording; restart it: \
          conformance/cluster.sh node-stop && conformance/cluster.sh node-start"
     );
     let log = vars

@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
 pub mod flags;
+pub mod guard;
 pub mod health;
 pub mod metrics;
 pub mod mig;

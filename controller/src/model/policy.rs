@@ -15,6 +15,9 @@
 //!   - select: {uuid: GPU-5d2c...}
 //!     isolationProvider: hami-core
 //!     static: {mode: shared, replicas: 8}
+//! claimGuard:                        # node-wide; these are the defaults
+//!   action: enforce                  # enforce | report
+//!   periodMillis: 1000
 //! ```
 //!
 //! Rules apply in order and field by field: for each GPU, every rule whose
@@ -48,6 +51,60 @@ pub struct NodePolicy {
     /// Per-GPU rules, applied in order.
     #[serde(default)]
     pub gpus: Vec<GpuRule>,
+    /// What the node does about a process that breaks an Isolated claim's
+    /// promise (see the driver's `guard` module).
+    #[serde(default)]
+    pub claim_guard: ClaimGuardPolicy,
+}
+
+/// The claim guard's settings: node-wide, one guard per node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ClaimGuardPolicy {
+    /// `enforce` (the default): the offending process is killed and
+    /// reported; `report`: only reported.
+    #[serde(default)]
+    pub action: GuardAction,
+    /// How often the GPUs that hold Isolated claims are looked at.
+    #[serde(default = "ClaimGuardPolicy::default_period_millis")]
+    pub period_millis: u64,
+}
+
+impl ClaimGuardPolicy {
+    /// The shortest and longest period a policy may set: shorter costs CPU
+    /// for nothing NVML updates that fast, longer leaves a tenant minutes.
+    pub const PERIOD_MILLIS: std::ops::RangeInclusive<u64> = 100..=60_000;
+
+    fn default_period_millis() -> u64 {
+        1000
+    }
+}
+
+impl Default for ClaimGuardPolicy {
+    fn default() -> Self {
+        ClaimGuardPolicy {
+            action: GuardAction::default(),
+            period_millis: Self::default_period_millis(),
+        }
+    }
+}
+
+/// What the claim guard does about a violation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GuardAction {
+    #[default]
+    Enforce,
+    Report,
+}
+
+impl GuardAction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuardAction::Enforce => "enforce",
+            GuardAction::Report => "report",
+        }
+    }
 }
 
 /// One rule: a selector and the fields it sets for the GPUs it selects.
@@ -262,6 +319,18 @@ impl NodePolicy {
         }
         for (i, rule) in self.gpus.iter().enumerate() {
             rule.validate(&format!("gpus[{i}]"))?;
+        }
+        let period = self.claim_guard.period_millis;
+        if !ClaimGuardPolicy::PERIOD_MILLIS.contains(&period) {
+            let range = ClaimGuardPolicy::PERIOD_MILLIS;
+            return Err(invalid(
+                "claimGuard.periodMillis",
+                format!(
+                    "must be between {} and {}, not {period}",
+                    range.start(),
+                    range.end()
+                ),
+            ));
         }
         Ok(())
     }

@@ -74,12 +74,12 @@
 //! `cuMemGetInfo_v2` (under a current context) answers total = the device's
 //! memory and free = what this process may allocate on it (the lower of
 //! its MPS limit and the memory the driver does not reserve) minus what it
-//! has allocated there. `cuMemAlloc_v2` rounds sizes up to 2 MiB and fails
+//! has allocated there, and never more than the device has left after the
+//! memory every other running process holds on it (with load recorded:
+//! one physical memory serves MPS clients and other processes alike). `cuMemAlloc_v2` rounds sizes up to 2 MiB and fails
 //! with `CUDA_ERROR_OUT_OF_MEMORY` beyond free; `cuMemFree_v2` gives it
 //! back, as does destroying (or finally releasing) the context that
-//! allocated it. Allocations are this process's own: other processes'
-//! allocations are never counted (outside MPS on a real GPU they would
-//! lower free memory), and no memory goes to the context itself.
+//! allocated it. No memory goes to the context itself.
 //!
 //! Contexts: `cuCtxCreate_v2` makes a context current on the calling thread;
 //! the primary context is retained and released with a reference count and
@@ -90,16 +90,15 @@
 //!
 //! # Load
 //!
-//! With `TESSERA_FAKE_NVML_LOAD` set (the fake NVML's load directory), the
-//! library records this process's load there for the fake NVML to report
+//! With `TESSERA_FAKE_NVML_LOAD` set, the library records this process's
+//! load in a memory file only it holds, for the fake NVML to report
 //! (see the fake NVML's `load` module): per device, the memory it has
 //! allocated (after every allocation, free, context destroy and final
 //! primary context release), its SM share (100 %, or an MPS client's
-//! active thread percentage), and until when launched kernels keep the
-//! device busy (see `kernels.rs`: PTX modules, `cuLaunchKernel`,
-//! `cuCtxSynchronize`). A process that exits leaves its record, which
-//! counts for nothing once the process is gone, as the kernel driver
-//! forgets a process's memory when it exits.
+//! active thread percentage), whether it is an MPS client there, and until
+//! when launched kernels keep the device busy (see `kernels.rs`: PTX
+//! modules, `cuLaunchKernel`, `cuCtxSynchronize`). The record goes with the
+//! process, as the kernel driver forgets a process's memory when it exits.
 //!
 //! Compute modes: a GPU set to PROHIBITED refuses contexts with
 //! `CUDA_ERROR_DEVICE_UNAVAILABLE`; EXCLUSIVE_PROCESS is not enforced (that
@@ -146,7 +145,6 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::PathBuf;
 use std::ptr;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -246,11 +244,11 @@ struct Session {
     load: Option<LoadRecord>,
 }
 
-/// This process's load record and where it goes (see the fake NVML's
-/// `load` module).
+/// This process's load record and the file only it holds it in (see the
+/// fake NVML's `load` module).
 #[derive(Debug)]
 struct LoadRecord {
-    dir: PathBuf,
+    channel: tessera_fake_nvml::load::Channel,
     record: tessera_fake_nvml::load::Record,
     /// A write failed and was reported: said once, not on every call.
     failed: bool,
@@ -268,6 +266,8 @@ struct Device {
     /// The share of the device's SMs this process's kernels occupy, in
     /// percent: 100, or an MPS client's active thread percentage.
     sm_percent: u32,
+    /// It reaches the device through an MPS server.
+    mps_client: bool,
     /// When the kernels launched so far finish.
     in_flight_until: Option<Instant>,
     /// Until when the device counts as busy in the load record (ms after
@@ -381,6 +381,33 @@ impl Session {
         Ok(dev as usize)
     }
 
+    /// What this process may still allocate on device `dev`: its own limit
+    /// less what it holds, and never more than the device has left after
+    /// every other process's memory on it (as one physical memory is
+    /// shared, MPS or not; known only with load recorded).
+    fn free_on(&self, dev: usize) -> u64 {
+        let d = &self.devices[dev];
+        let mine = d.usable.saturating_sub(d.allocated);
+        if self.load.is_none() {
+            return mine;
+        }
+        let me = std::process::id();
+        let others: u64 = tessera_fake_nvml::load::live()
+            .iter()
+            .filter(|l| l.pid != me)
+            .flat_map(|l| &l.record.devices)
+            .filter(|u| u.uuid.eq_ignore_ascii_case(&d.physical.uuid))
+            .map(|u| u.memory_bytes)
+            .sum();
+        let device_left = d
+            .physical
+            .memory_bytes
+            .saturating_sub(d.physical.reserved_bytes)
+            .saturating_sub(others)
+            .saturating_sub(d.allocated);
+        mine.min(device_left)
+    }
+
     /// Frees every allocation of context `id`.
     fn free_context_memory(&mut self, id: u32) {
         let gone: Vec<u64> = self
@@ -413,16 +440,14 @@ impl Session {
                 memory_bytes: d.allocated,
                 busy_until_ms: d.busy_until_ms,
                 sm_percent: d.sm_percent,
+                mps_client: d.mps_client,
             })
             .collect();
-        match load.record.publish(&load.dir) {
+        match load.channel.publish(&load.record) {
             Ok(()) => load.failed = false,
             Err(e) if !load.failed => {
                 load.failed = true;
-                eprintln!(
-                    "tessera-fake-cuda: recording this process's load in {}: {e}",
-                    load.dir.display()
-                );
+                eprintln!("tessera-fake-cuda: recording this process's load: {e}");
             }
             Err(_) => {}
         }
@@ -474,7 +499,8 @@ struct Env {
     visible: Option<String>,
     pipe_directory: Option<String>,
     client: mps::ClientEnv,
-    load_dir: Option<PathBuf>,
+    /// `TESSERA_FAKE_NVML_LOAD` is set: record this process's load.
+    load: bool,
 }
 
 impl Env {
@@ -486,9 +512,7 @@ impl Env {
                 thread_percentage: env_var(mps::protocol::THREAD_PERCENTAGE_ENV),
                 pinned_mem_limit: env_var(mps::protocol::PINNED_MEM_LIMIT_ENV),
             },
-            load_dir: env_var(tessera_fake_nvml::load::LOAD_ENV)
-                .filter(|d| !d.is_empty())
-                .map(PathBuf::from),
+            load: env_var(tessera_fake_nvml::load::LOAD_ENV).is_some_and(|v| !v.is_empty()),
         }
     }
 }
@@ -537,6 +561,7 @@ fn start(generation: u16) -> Result<Session, CUresult> {
                 allocated: 0,
                 primary_refs: 0,
                 sm_percent,
+                mps_client: daemon_ordinal.is_some() && daemon.is_some(),
                 in_flight_until: None,
                 busy_until_ms: 0,
             }
@@ -552,13 +577,20 @@ fn start(generation: u16) -> Result<Session, CUresult> {
         next_address: FIRST_ADDRESS,
         modules: BTreeMap::new(),
         next_module: 1,
-        load: env.load_dir.and_then(|dir| {
-            Some(LoadRecord {
-                dir,
-                record: tessera_fake_nvml::load::Record::for_this_process()?,
-                failed: false,
-            })
-        }),
+        load: env.load.then(open_load_record).flatten(),
+    })
+}
+
+/// This process's load file, said on stderr when it cannot be made (the
+/// process then runs unrecorded, as with load off).
+fn open_load_record() -> Option<LoadRecord> {
+    let channel = tessera_fake_nvml::load::Channel::open()
+        .inspect_err(|e| eprintln!("tessera-fake-cuda: no load file for this process: {e}"))
+        .ok()?;
+    Some(LoadRecord {
+        channel,
+        record: tessera_fake_nvml::load::Record::for_this_process()?,
+        failed: false,
     })
 }
 
@@ -854,10 +886,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     ffi(|| {
         let (f, t) = with_session(|s| {
             let (_, ctx) = s.current()?;
-            let d = &s.devices[ctx.device];
             Ok((
-                d.usable.saturating_sub(d.allocated),
-                d.physical.memory_bytes,
+                s.free_on(ctx.device),
+                s.devices[ctx.device].physical.memory_bytes,
             ))
         })?;
         if free.is_null() || total.is_null() {
@@ -882,11 +913,10 @@ pub unsafe extern "C" fn cuMemAlloc_v2(address: *mut CUdeviceptr, bytes: usize) 
             let rounded = (bytes as u64)
                 .checked_next_multiple_of(GRANULE)
                 .ok_or(OUT_OF_MEMORY)?;
-            let d = &mut s.devices[ctx.device];
-            if rounded > d.usable.saturating_sub(d.allocated) {
+            if rounded > s.free_on(ctx.device) {
                 return Err(OUT_OF_MEMORY);
             }
-            d.allocated += rounded;
+            s.devices[ctx.device].allocated += rounded;
             s.publish_load();
             let at = s.next_address;
             s.next_address += rounded;

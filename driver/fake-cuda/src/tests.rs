@@ -79,15 +79,9 @@ fn machine() {
                 scratch().join("machine.state"),
             );
             std::env::remove_var(tessera_fake_nvml::DEV_ROOT_ENV);
-            std::env::set_var(tessera_fake_nvml::load::LOAD_ENV, load_dir());
+            std::env::set_var(tessera_fake_nvml::load::LOAD_ENV, "1");
         }
-        std::fs::create_dir_all(load_dir()).unwrap();
     });
-}
-
-/// Where the machine's processes record their load.
-fn load_dir() -> PathBuf {
-    scratch().join("load")
 }
 
 /// One test: the library uninitialized, as in a new process whose CUDA
@@ -805,8 +799,11 @@ const SPIN_PTX: &[u8] = b".version 7.0\n.target sm_50\n.address_size 64\n\
     .visible .entry spin(.param .u64 cycles)\n{\n  ret;\n}\n\0";
 
 fn own_record() -> Option<tessera_fake_nvml::load::Record> {
-    let name = tessera_fake_nvml::load::Record::for_this_process()?.file_name();
-    serde_json::from_slice(&std::fs::read(load_dir().join(name)).ok()?).ok()
+    let me = std::process::id();
+    tessera_fake_nvml::load::live()
+        .into_iter()
+        .find(|l| l.pid == me)
+        .map(|l| l.record)
 }
 
 /// Loads [`SPIN_PTX`] into the current context; its `spin` kernel.
@@ -847,10 +844,7 @@ fn launch(f: kernels::CUfunction, block: c_uint, stream: kernels::CUstream) -> C
 
 #[test]
 fn memory_and_kernels_are_recorded_as_the_process_load() {
-    let _p = process(&[(
-        tessera_fake_nvml::load::LOAD_ENV,
-        load_dir().to_str().unwrap(),
-    )]);
+    let _p = process(&[(tessera_fake_nvml::load::LOAD_ENV, "1")]);
     assert_eq!(cuInit(0), SUCCESS);
     let mut module: kernels::CUmodule = ptr::null_mut();
     // No context yet.

@@ -27,6 +27,8 @@ pub struct Use {
     /// Until when its kernels keep the device busy (ms after the epoch).
     pub busy_until_ms: u64,
     pub sm_percent: u32,
+    /// An MPS client: NVML lists it among the MPS compute processes.
+    pub mps_client: bool,
 }
 
 impl Use {
@@ -83,6 +85,7 @@ pub fn uses(m: &Machine, device: DeviceRef, live: &[Live]) -> Vec<Use> {
                     memory_bytes: d.memory_bytes,
                     busy_until_ms: d.busy_until_ms,
                     sm_percent: d.sm_percent.min(100),
+                    mps_client: d.mps_client,
                 });
             }
         }

@@ -74,14 +74,16 @@
 //!
 //! # Load: what the GPUs are doing
 //!
-//! `TESSERA_FAKE_NVML_LOAD` ([`load::LOAD_ENV`]) names a directory any
-//! process may write (in a container too, like the kernel driver's device
-//! files): the simulated libcuda records there, per process, the memory it
-//! holds on each device and until when its kernels keep the device busy
-//! (see [`load`]). From the records of processes still running:
+//! With `TESSERA_FAKE_NVML_LOAD` ([`load::LOAD_ENV`]) set, the simulated
+//! libcuda records, per process and where only that process can (a memory
+//! file it holds, see [`load`]), the memory it holds on each device, until
+//! when its kernels keep the device busy and whether it is an MPS client.
+//! From the records of processes still running:
 //! `nvmlDeviceGetMemoryInfo(_v2)` counts their memory as used,
-//! `nvmlDeviceGetComputeRunningProcesses_v3` lists them (host pids; a
-//! process in a container finds only its own container's),
+//! `nvmlDeviceGetComputeRunningProcesses_v3` lists the processes with a
+//! context of their own and `nvmlDeviceGetMPSComputeRunningProcesses_v3`
+//! the MPS clients, each with its memory (host pids; a process in a
+//! container finds only its own container's),
 //! `nvmlDeviceGetUtilizationRates` is 100 % while any runs kernels
 //! (time-based, as NVML's), `nvmlDeviceGetProcessUtilization` samples each
 //! busy process's SM share (NOT_FOUND when no sample is newer than the
@@ -177,8 +179,8 @@ struct Sim {
     driver_root: Option<PathBuf>,
     /// `TESSERA_FAKE_NVML_DEV_ROOT` of this process.
     dev_root: Option<PathBuf>,
-    /// `TESSERA_FAKE_NVML_LOAD` of this process.
-    load_dir: Option<PathBuf>,
+    /// `TESSERA_FAKE_NVML_LOAD` of this process: read the processes' load.
+    load: bool,
 }
 
 static LIB: Mutex<Lib> = Mutex::new(Lib {
@@ -220,8 +222,8 @@ fn synced<R>(access: Access, f: impl FnOnce(&mut Machine) -> Result<R, Ret>) -> 
 /// The load records of running processes, as this process sees them; read
 /// before the machine is locked (finding processes in /proc takes a while).
 fn live_loads() -> Vec<load::Live> {
-    let dir = lock().sim.as_ref().and_then(|s| s.load_dir.clone());
-    dir.map(|d| load::live(&d)).unwrap_or_default()
+    let on = lock().sim.as_ref().is_some_and(|s| s.load);
+    if on { load::live() } else { Vec::new() }
 }
 
 /// Turns a body into an NVML return code; a panic becomes UNKNOWN instead of
@@ -315,7 +317,7 @@ struct Config {
     state: PathBuf,
     driver_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
-    load_dir: Option<PathBuf>,
+    load: bool,
 }
 
 /// In-process tests configure the machine here instead of the environment.
@@ -327,7 +329,7 @@ struct TestConfig {
     state: PathBuf,
     driver_root: Option<PathBuf>,
     dev_root: Option<PathBuf>,
-    load_dir: Option<PathBuf>,
+    load: bool,
 }
 
 #[cfg(test)]
@@ -346,7 +348,7 @@ fn config() -> Result<Config, String> {
             state: c.state,
             driver_root: c.driver_root,
             dev_root: c.dev_root,
-            load_dir: c.load_dir,
+            load: c.load,
         });
     }
     let path = std::env::var_os(TOPOLOGY_ENV)
@@ -371,7 +373,7 @@ fn config() -> Result<Config, String> {
         state,
         driver_root: non_empty(DRIVER_ROOT_ENV).map(PathBuf::from),
         dev_root: non_empty(DEV_ROOT_ENV).map(PathBuf::from),
-        load_dir: load::dir_from_env(),
+        load: load::enabled_from_env(),
     })
 }
 
@@ -387,7 +389,7 @@ fn load() -> Result<Sim, String> {
         store,
         driver_root: config.driver_root,
         dev_root: config.dev_root,
-        load_dir: config.load_dir,
+        load: config.load,
     })
 }
 
@@ -2049,18 +2051,20 @@ unsafe fn put_list<T>(count: *mut c_uint, out: *mut T, items: Vec<T>) -> Result<
 /// sees every process (inside a container, only its own container's), the
 /// memory each holds, and for a MIG device its GPU and compute instance
 /// (NVML's "none" on a GPU not in MIG mode). A GPU in MIG mode lists the
-/// processes of all its MIG devices, a MIG device its own.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+/// processes of all its MIG devices, a MIG device its own. `mps`: the MPS
+/// clients, else the processes with a context of their own.
+unsafe fn put_processes(
     device: nvmlDevice_t,
     info_count: *mut c_uint,
     infos: *mut nvmlProcessInfo_t,
+    mps: bool,
 ) -> nvmlReturn_t {
     ffi(|| {
         let live = live_loads();
         let uses = with_machine(|m| Ok(device_uses(m, device, &live)?.1))?;
         let items = uses
             .iter()
+            .filter(|u| u.mps_client == mps)
             .map(|u| {
                 let (gi, ci) = match u.device {
                     DeviceRef::Mig { gi, ci, .. } => (gi, ci),
@@ -2077,6 +2081,30 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         // SAFETY: NVML contract: null or valid for the count and array.
         unsafe { put_list(info_count, infos, items) }
     })
+}
+
+/// Processes with a CUDA context of their own on the device (not MPS
+/// clients; see [`put_processes`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    // SAFETY: the caller's, passed on.
+    unsafe { put_processes(device, info_count, infos, false) }
+}
+
+/// MPS clients on the device, each with the memory it holds (see
+/// [`put_processes`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    // SAFETY: the caller's, passed on.
+    unsafe { put_processes(device, info_count, infos, true) }
 }
 
 /// One sample per process whose kernels ran after `last_seen` (µs after

@@ -2,36 +2,49 @@
 //! and whether their kernels run, as the kernel driver knows it on a real
 //! machine.
 //!
-//! The machine's state file is read-only in a container, so load has a
-//! channel of its own that any process may write, the way any process
-//! talks to the kernel driver: a load directory (`TESSERA_FAKE_NVML_LOAD`,
-//! [`LOAD_ENV`]), writable in every container. The simulated libcuda keeps
-//! one [`Record`] per process there (`<pid namespace inode>-<pid>.json`):
-//! per device, the bytes it has allocated, how busy its kernels keep it,
-//! and until when. The fake NVML reads the records for utilization,
-//! per-process memory and used memory.
+//! On a real GPU that knowledge lives in the kernel driver, per process:
+//! no process can write another's, remove its own, or hide from NVML. The
+//! simulated one keeps it where only the process itself can: each process
+//! that uses the simulated libcuda holds its [`Record`] in an anonymous
+//! memory file of its own ([`Channel`], a `memfd` named [`MEMFD_NAME`]),
+//! and the fake NVML finds the records by walking `/proc/<pid>/fd`. A
+//! record counts only when the process holding it is the process it names
+//! (the inode of its pid namespace, its pid there and its start time), so
+//! a process cannot speak for another (an inherited copy of the file names
+//! the process that wrote it, not the holder), and nothing outside the
+//! process can change or delete what it holds. It goes with the process:
+//! a killed process's memory is freed, as on hardware.
 //!
-//! A record names its process as the process itself sees it: the inode of
-//! its pid namespace, its pid there and its start time. A reader finds the
-//! process in its own `/proc` (the namespace inode and the last `NSpid`
-//! entry match, the start time is the same): a process on the host finds
-//! every container's processes under their host pids, as real NVML
-//! reports them; a process in a container finds only its own container's.
-//! Records of processes that are gone (no such process, or another one that
-//! reused the pid) count for nothing; a reader in the host's pid namespace,
-//! which can tell, removes them.
+//! A reader sees the records of the processes its `/proc` shows and may
+//! read: a process on the host finds every container's processes under
+//! their host pids, as real NVML reports them; a process in a container
+//! finds only its own container's. Files are opened through `/proc`
+//! without blocking and must be small regular files: a holder cannot make
+//! a reader hang or read without end.
+//!
+//! [`LOAD_ENV`] turns the channel on (any non-empty value) for writers and
+//! readers alike: unset, no process records its load and every GPU is idle.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-/// Environment variable naming the load directory; unset or empty: no
-/// process records its load, and every GPU is idle.
+/// Environment variable that turns load recording on (any non-empty value;
+/// the harness sets `1`). Unset or empty: every GPU is idle.
 pub const LOAD_ENV: &str = "TESSERA_FAKE_NVML_LOAD";
+
+/// The name every process's load file carries (`/memfd:<name> (deleted)`
+/// in `/proc/<pid>/fd`).
+pub const MEMFD_NAME: &str = "tessera-fake-gpu-load";
+
+/// The largest record a reader takes: a process with hundreds of devices
+/// stays far below it.
+const MAX_RECORD_BYTES: u64 = 64 * 1024;
 
 /// One process's load on the simulated GPUs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,43 +75,86 @@ pub struct DeviceLoad {
     /// The share of the device's SMs its kernels occupy while busy, in
     /// percent: 100, or an MPS client's active thread percentage.
     pub sm_percent: u32,
+    /// It reaches the device as a client of an MPS server: NVML lists it
+    /// among the MPS compute processes, not the plain ones.
+    #[serde(default)]
+    pub mps_client: bool,
 }
 
 impl Record {
     /// This process's identity, with no devices yet; `None` where `/proc`
     /// does not say.
     pub fn for_this_process() -> Option<Record> {
-        let pid_namespace = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
+        Record::of_process(Path::new("/proc/self"))
+    }
+
+    /// The identity of the process `/proc/<pid>` (`dir`) describes, with no
+    /// devices.
+    pub fn of_process(dir: &Path) -> Option<Record> {
         Some(Record {
-            pid_namespace,
-            pid: std::process::id(),
-            start_time: start_time(Path::new("/proc/self"))?,
+            pid_namespace: std::fs::metadata(dir.join("ns/pid")).ok()?.ino(),
+            pid: innermost_pid(dir)?,
+            start_time: start_time(dir)?,
             devices: Vec::new(),
         })
     }
 
-    /// The record's file name in the load directory.
-    pub fn file_name(&self) -> String {
-        format!("{}-{}.json", self.pid_namespace, self.pid)
+    /// Nothing held and nothing running: the record says nothing.
+    fn idle(&self) -> bool {
+        let now = now_ms();
+        self.devices
+            .iter()
+            .all(|d| d.memory_bytes == 0 && d.busy_until_ms <= now)
+    }
+}
+
+/// The file a process keeps its record in.
+#[derive(Debug)]
+pub struct Channel {
+    file: File,
+}
+
+impl Channel {
+    /// A new load file, closed on exec (what the simulated libcuda opens).
+    pub fn open() -> std::io::Result<Channel> {
+        Channel::create(libc::MFD_CLOEXEC)
     }
 
-    /// Writes (or, with nothing left to say, removes) this record in `dir`,
-    /// atomically: a reader never sees half of it.
-    pub fn publish(&self, dir: &Path) -> std::io::Result<()> {
-        let path = dir.join(self.file_name());
-        let idle = self
-            .devices
-            .iter()
-            .all(|d| d.memory_bytes == 0 && d.busy_until_ms <= now_ms());
-        if idle {
-            return match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                _ => Ok(()),
-            };
+    /// A load file a child process inherits: how a test gives a process it
+    /// starts a record of its own (write the child's record after it
+    /// started, then drop this side).
+    pub fn inheritable() -> std::io::Result<Channel> {
+        Channel::create(0)
+    }
+
+    fn create(flags: libc::c_uint) -> std::io::Result<Channel> {
+        let name = CString::new(MEMFD_NAME).expect("no NUL in the name");
+        // SAFETY: a valid C string; the result is checked.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
         }
-        let tmp = dir.join(format!(".{}.tmp", self.file_name()));
-        let bytes = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path))
+        // SAFETY: a new descriptor this process owns.
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        Ok(Channel { file })
+    }
+
+    /// Replaces what the file says with `record` (nothing, once it is
+    /// idle). A reader that catches a write half done sees a record that
+    /// does not parse, and reads again.
+    pub fn publish(&self, record: &Record) -> std::io::Result<()> {
+        if record.idle() {
+            return self.file.set_len(0);
+        }
+        let mut bytes = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+        bytes.push(b'\n');
+        self.file.write_all_at(&bytes, 0)?;
+        self.file.set_len(bytes.len() as u64)
+    }
+
+    /// The descriptor, for a test that checks what a child inherited.
+    pub fn raw_fd(&self) -> i32 {
+        self.file.as_raw_fd()
     }
 }
 
@@ -109,11 +165,9 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The load directory this process was given, if any.
-pub fn dir_from_env() -> Option<PathBuf> {
-    std::env::var_os(LOAD_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+/// Whether this process was told to record and read load.
+pub fn enabled_from_env() -> bool {
+    std::env::var_os(LOAD_ENV).is_some_and(|v| !v.is_empty())
 }
 
 /// A record whose process is running, under the pid this process's `/proc`
@@ -124,98 +178,83 @@ pub struct Live {
     pub record: Record,
 }
 
-/// Where a record's process was last found: (namespace, pid, start time)
-/// to the pid in this process's `/proc`. Checked again on every use (the
-/// start time must still match), so a stale entry is never trusted.
-static FOUND: Mutex<BTreeMap<(u64, u32, u64), u32>> = Mutex::new(BTreeMap::new());
-
-/// The records in `dir` of processes this process can see running, by
-/// file name order. An unreadable directory or record counts for nothing
-/// (a record being replaced is always whole: writers rename).
-pub fn live(dir: &Path) -> Vec<Live> {
-    live_in(dir, Path::new("/proc"))
+/// The records of the running processes this process can see, by pid.
+pub fn live() -> Vec<Live> {
+    live_in(Path::new("/proc"))
 }
 
-fn live_in(dir: &Path, proc: &Path) -> Vec<Live> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
+fn live_in(proc: &Path) -> Vec<Live> {
+    let Ok(entries) = std::fs::read_dir(proc) else {
         return Vec::new();
     };
-    let mut records: Vec<(PathBuf, Record)> = entries
+    let mut live: Vec<Live> = entries
         .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            p.extension().is_some_and(|x| x == "json")
-                && !p
-                    .file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-        })
-        .filter_map(|p| {
-            let record = serde_json::from_slice(&std::fs::read(&p).ok()?).ok()?;
-            Some((p, record))
-        })
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| held_by(&proc.join(pid.to_string())).map(|record| Live { pid, record }))
         .collect();
-    if records.is_empty() {
-        return Vec::new();
-    }
-    records.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut found = FOUND.lock().unwrap_or_else(PoisonError::into_inner);
-    let key = |r: &Record| (r.pid_namespace, r.pid, r.start_time);
-    let missing: BTreeSet<u64> = records
-        .iter()
-        .filter(|(_, r)| {
-            found
-                .get(&key(r))
-                .is_none_or(|pid| start_time(&proc.join(pid.to_string())) != Some(r.start_time))
-        })
-        .map(|(_, r)| r.pid_namespace)
-        .collect();
-    if !missing.is_empty() {
-        found.retain(|k, _| !missing.contains(&k.0));
-        found.extend(scan(proc, &missing));
-    }
-    let sees_all = in_initial_namespace(proc);
-    let mut live = Vec::new();
-    for (path, record) in records {
-        match found.get(&key(&record)) {
-            Some(pid) => live.push(Live { pid: *pid, record }),
-            // Gone: only a reader that sees every process can tell.
-            None if sees_all => {
-                let _ = std::fs::remove_file(path);
-            }
-            None => {}
-        }
-    }
+    live.sort_by_key(|l| l.pid);
     live
 }
 
-/// Processes below `proc` in one of `namespaces`: (namespace, pid there,
-/// start time) to their pid in `proc`.
-fn scan(proc: &Path, namespaces: &BTreeSet<u64>) -> BTreeMap<(u64, u32, u64), u32> {
-    let mut out = BTreeMap::new();
-    let Ok(entries) = std::fs::read_dir(proc) else {
-        return out;
-    };
-    for entry in entries.filter_map(Result::ok) {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let dir = entry.path();
-        let Ok(ns) = std::fs::metadata(dir.join("ns/pid")) else {
-            continue;
-        };
-        if !namespaces.contains(&ns.ino()) {
+/// The record process `dir` (`/proc/<pid>`) holds about itself, if any;
+/// several files naming it (a library loaded twice) add up.
+fn held_by(dir: &Path) -> Option<Record> {
+    let fds = std::fs::read_dir(dir.join("fd")).ok()?;
+    let mut identity: Option<Record> = None;
+    let mut held: Option<Record> = None;
+    for fd in fds.filter_map(Result::ok) {
+        let is_load = std::fs::read_link(fd.path()).is_ok_and(|target| {
+            target
+                .to_str()
+                .and_then(|t| t.strip_prefix("/memfd:"))
+                .is_some_and(|t| t.starts_with(MEMFD_NAME))
+        });
+        if !is_load {
             continue;
         }
-        let (Some(inner), Some(started)) = (innermost_pid(&dir), start_time(&dir)) else {
+        let Some(record) = read_record(&fd.path()) else {
             continue;
         };
-        out.insert((ns.ino(), inner, started), pid);
+        let me = match &identity {
+            Some(me) => me,
+            None => identity.insert(Record::of_process(dir)?),
+        };
+        let names_holder = record.pid_namespace == me.pid_namespace
+            && record.pid == me.pid
+            && record.start_time == me.start_time;
+        if names_holder {
+            match &mut held {
+                Some(h) => h.devices.extend(record.devices),
+                None => held = Some(record),
+            }
+        }
     }
-    out
+    held
+}
+
+/// A load file's record: opened without blocking (the descriptor may have
+/// been swapped for a FIFO since it was looked at), taken only when it is
+/// a small regular file; a write caught half done is read again.
+fn read_record(path: &Path) -> Option<Record> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() || meta.len() == 0 || meta.len() > MAX_RECORD_BYTES {
+        return None;
+    }
+    for _ in 0..3 {
+        let len = file.metadata().ok()?.len().min(MAX_RECORD_BYTES);
+        let mut bytes = vec![0; len as usize];
+        let n = file.read_at(&mut bytes, 0).ok()?;
+        bytes.truncate(n);
+        if let Ok(record) = serde_json::from_slice(&bytes) {
+            return Some(record);
+        }
+    }
+    None
 }
 
 /// The pid a process has in its own pid namespace: the last `NSpid` entry.
@@ -223,19 +262,6 @@ fn innermost_pid(dir: &Path) -> Option<u32> {
     let status = std::fs::read_to_string(dir.join("status")).ok()?;
     let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
     line.split_whitespace().last()?.parse().ok()
-}
-
-/// Whether this process's pid namespace is the machine's first (it has a
-/// single `NSpid` entry), so it sees every process.
-fn in_initial_namespace(proc: &Path) -> bool {
-    std::fs::read_to_string(proc.join("self/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("NSpid:"))
-                .map(|l| l.split_whitespace().count() == 1)
-        })
-        .unwrap_or(false)
 }
 
 /// Field 22 of `<dir>/stat`: the start time, clock ticks after boot.
@@ -250,81 +276,93 @@ fn start_time(dir: &Path) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    /// The library's tests hold records in this process too: take turns.
+    use crate::tests::SERIAL as ONE_AT_A_TIME;
 
-    fn record(devices: Vec<DeviceLoad>) -> Record {
-        Record {
-            devices,
-            ..Record::for_this_process().expect("/proc says who this process is")
-        }
-    }
-
-    fn load(uuid: &str, memory_bytes: u64, busy_until_ms: u64) -> DeviceLoad {
+    fn load(uuid: &str, memory_bytes: u64) -> DeviceLoad {
         DeviceLoad {
             uuid: uuid.into(),
             memory_bytes,
-            busy_until_ms,
+            busy_until_ms: 0,
             sm_percent: 100,
+            mps_client: false,
         }
     }
 
-    #[test]
-    fn a_running_process_is_found_under_its_pid() {
-        let dir = tempfile_dir("found");
-        let mine = record(vec![load("GPU-a", 1 << 30, 0)]);
-        mine.publish(&dir).unwrap();
-        let live = live(&dir);
-        assert_eq!(
-            live,
-            vec![Live {
-                pid: std::process::id(),
-                record: mine.clone()
-            }]
-        );
-        // Nothing left to say: the record goes.
-        record(vec![load("GPU-a", 0, 0)]).publish(&dir).unwrap();
-        assert!(!dir.join(mine.file_name()).exists());
-        assert!(super::live(&dir).is_empty());
+    fn found(pid: u32) -> Option<Record> {
+        live().into_iter().find(|l| l.pid == pid).map(|l| l.record)
     }
 
     #[test]
-    fn a_record_of_a_process_gone_counts_for_nothing() {
-        let dir = tempfile_dir("gone");
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
+    fn a_running_process_is_found_under_its_pid_until_it_holds_nothing() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let channel = Channel::open().unwrap();
+        let mine = Record {
+            devices: vec![load("GPU-a", 1 << 30)],
+            ..Record::for_this_process().expect("/proc says who this process is")
+        };
+        channel.publish(&mine).unwrap();
+        assert_eq!(found(std::process::id()), Some(mine.clone()));
+        let idle = Record {
+            devices: vec![load("GPU-a", 0)],
+            ..mine
+        };
+        channel.publish(&idle).unwrap();
+        assert_eq!(found(std::process::id()), None);
+    }
+
+    #[test]
+    fn a_record_speaks_only_for_the_process_holding_it() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let channel = Channel::inheritable().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let dir = Path::new("/proc").join(child.id().to_string());
+        let theirs = Record {
+            devices: vec![load("GPU-a", 2 << 30)],
+            ..Record::of_process(&dir).unwrap()
+        };
+        channel.publish(&theirs).unwrap();
+        // Written here, naming the child: this process holds a copy too,
+        // but a record counts for the process it names only.
+        assert_eq!(found(child.id()), Some(theirs.clone()));
+        assert_eq!(found(std::process::id()), None);
+        drop(channel);
+        assert_eq!(found(child.id()), Some(theirs.clone()));
+
+        // A record this process writes in its own file, naming the child
+        // (a forgery), counts for neither.
+        let forged = Channel::open().unwrap();
+        let other_claim = Record {
+            devices: vec![load("GPU-b", 4 << 30)],
+            ..theirs.clone()
+        };
+        forged.publish(&other_claim).unwrap();
+        assert_eq!(found(child.id()), Some(theirs));
+        assert_eq!(found(std::process::id()), None);
+
+        // The child ends: what it held goes with it.
+        child.kill().unwrap();
         child.wait().unwrap();
-        let gone = Record {
-            pid,
-            ..record(vec![load("GPU-a", 1 << 30, now_ms() + 60_000)])
-        };
-        gone.publish(&dir).unwrap();
-        // The same pid with another start time: a later process.
-        let reused = Record {
-            start_time: record(vec![]).start_time + 1,
-            pid: std::process::id(),
-            ..gone.clone()
-        };
-        std::fs::write(dir.join("1-1.json"), serde_json::to_vec(&reused).unwrap()).unwrap();
-        assert!(live(&dir).is_empty());
+        assert_eq!(found(child.id()), None);
     }
 
     #[test]
     fn start_time_reads_past_a_command_name_with_spaces() {
-        let dir = tempfile_dir("stat");
+        let dir = std::env::temp_dir().join(format!(
+            "tessera-fake-nvml-load-{}-stat",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
         let mut fields = vec!["1".to_owned(), "(a) b (c)".to_owned()];
         fields.extend((3..=21).map(|i| i.to_string()));
         fields.push("123456".into());
         fields.push("99".into());
         std::fs::write(dir.join("stat"), fields.join(" ")).unwrap();
         assert_eq!(start_time(&dir), Some(123456));
-    }
-
-    fn tempfile_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "tessera-fake-nvml-load-{}-{name}",
-            std::process::id()
-        ));
         let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
     }
 }

@@ -21,7 +21,7 @@ const A100: &str = include_str!("../topologies/a100-40gb-x2-mig.yaml");
 const H100X8: &str = include_str!("../topologies/h100x8.yaml");
 const H100X8_MIG: &str = include_str!("../topologies/h100x8-mig.yaml");
 
-static SERIAL: Mutex<()> = Mutex::new(());
+pub(crate) static SERIAL: Mutex<()> = Mutex::new(());
 
 /// One test's simulated machine; holds the library for the test.
 struct TestMachine {
@@ -33,11 +33,6 @@ impl TestMachine {
     /// The machine's state file.
     fn state(&self) -> PathBuf {
         self.dir.join("nvml.state")
-    }
-
-    /// Where the machine's processes record their load.
-    fn load(&self) -> PathBuf {
-        self.dir.join("load")
     }
 
     /// The driver root of a machine made by [`machine_with_root`].
@@ -78,9 +73,8 @@ fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMa
         state: dir.join("nvml.state"),
         driver_root: with_root.then(|| dir.join("root")),
         dev_root: None,
-        load_dir: Some(dir.join("load")),
+        load: true,
     });
-    std::fs::create_dir_all(dir.join("load")).unwrap();
     let mut lib = lock();
     lib.init_count = 0;
     lib.sim = None;
@@ -1529,20 +1523,28 @@ const A100_MIG_1G: &str = "MIG-cc04a385-500f-4314-8218-133a4f8051b2";
 /// A record of process `pid` (this test process, or a child it started),
 /// as the simulated libcuda would write it.
 fn record_of(pid: u32, devices: Vec<load::DeviceLoad>) -> load::Record {
-    let dir = PathBuf::from(format!("/proc/{pid}"));
-    let stat = std::fs::read_to_string(dir.join("stat")).unwrap();
-    let start_time = stat[stat.rfind(')').unwrap() + 1..]
-        .split_whitespace()
-        .nth(19)
-        .unwrap()
-        .parse()
-        .unwrap();
     load::Record {
-        pid_namespace: std::fs::metadata(dir.join("ns/pid")).unwrap().ino(),
-        pid,
-        start_time,
         devices,
+        ..load::Record::of_process(&PathBuf::from(format!("/proc/{pid}"))).unwrap()
     }
+}
+
+/// This process holding `devices` as its load, until the channel drops.
+fn hold(devices: Vec<load::DeviceLoad>) -> load::Channel {
+    let channel = load::Channel::open().unwrap();
+    channel
+        .publish(&record_of(std::process::id(), devices))
+        .unwrap();
+    channel
+}
+
+/// Another process on the machine holding `devices` as its load (a child
+/// that inherited its load file).
+fn other_process(devices: Vec<load::DeviceLoad>) -> std::process::Child {
+    let channel = load::Channel::inheritable().unwrap();
+    let child = Command::new("sleep").arg("30").spawn().unwrap();
+    channel.publish(&record_of(child.id(), devices)).unwrap();
+    child
 }
 
 fn device_load(
@@ -1560,6 +1562,7 @@ fn device_load(
             0
         },
         sm_percent,
+        mps_client: false,
     }
 }
 
@@ -1655,20 +1658,15 @@ fn an_idle_gpu_runs_no_process() {
 
 #[test]
 fn another_process_load_shows_in_utilization_memory_and_its_processes() {
-    let m = machine(T4, None);
+    let _m = machine(T4, None);
     init_ok();
     let d = device(0);
     // Another process on the machine, busy with 1 GiB; this one holds
     // 256 MiB and runs no kernel.
-    let mut other = Command::new("sleep").arg("30").spawn().unwrap();
+    let mut other = other_process(vec![device_load(T4_UUID, 1 << 30, 60_000, 100)]);
     let other_pid = other.id();
-    record_of(other_pid, vec![device_load(T4_UUID, 1 << 30, 60_000, 100)])
-        .publish(&m.load())
-        .unwrap();
     let me = std::process::id();
-    record_of(me, vec![device_load(T4_UUID, 256 << 20, 0, 100)])
-        .publish(&m.load())
-        .unwrap();
+    let _mine = hold(vec![device_load(T4_UUID, 256 << 20, 0, 100)]);
     let none = 0xFFFF_FFFF;
     let mut want = vec![
         (other_pid, 1 << 30, none, none),
@@ -1689,45 +1687,70 @@ fn another_process_load_shows_in_utilization_memory_and_its_processes() {
     assert_eq!(v1.used, reserved + used);
     assert_eq!(sensors(d), (Ok(72), Ok(400_000)));
 
-    // The process ends: its record counts for nothing, and is removed.
+    // The process ends: what it held goes with it.
     other.kill().unwrap();
     other.wait().unwrap();
     assert_eq!(processes(d), vec![(me, 256 << 20, none, none)]);
     assert_eq!(utilization(d), Ok(0));
     assert_eq!(samples(d, 0), Err(NOT_FOUND));
-    let file = record_of(me, vec![])
-        .file_name()
-        .replace(&me.to_string(), &other_pid.to_string());
-    if in_first_pid_namespace() {
-        assert!(
-            !m.load().join(file).exists(),
-            "a dead process's record stays"
-        );
-    }
+    assert!(mps_processes(d).is_empty());
     nvmlShutdown();
 }
 
-fn in_first_pid_namespace() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("NSpid:"))
-        .is_some_and(|l| l.split_whitespace().count() == 1)
+fn mps_processes(d: nvmlDevice_t) -> Vec<(u32, u64)> {
+    let mut n: c_uint = 0;
+    let first = unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(d, &mut n, ptr::null_mut()) };
+    if n == 0 {
+        assert_eq!(first, SUCCESS);
+        return Vec::new();
+    }
+    assert_eq!(first, INSUFFICIENT_SIZE);
+    let mut infos: Vec<nvmlProcessInfo_t> = vec![unsafe { zeroed() }; n as usize];
+    assert_eq!(
+        unsafe { nvmlDeviceGetMPSComputeRunningProcesses_v3(d, &mut n, infos.as_mut_ptr()) },
+        SUCCESS
+    );
+    let mut out: Vec<_> = infos.iter().map(|i| (i.pid, i.usedGpuMemory)).collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn mps_clients_are_listed_apart_from_processes_with_their_own_context() {
+    let _m = machine(T4, None);
+    init_ok();
+    let d = device(0);
+    let client = load::DeviceLoad {
+        mps_client: true,
+        ..device_load(T4_UUID, 3 << 30, 0, 25)
+    };
+    let mut a = other_process(vec![client.clone()]);
+    let mut b = other_process(vec![client]);
+    let mut outside = other_process(vec![device_load(T4_UUID, 5 << 30, 0, 100)]);
+    let none = 0xFFFF_FFFF;
+    assert_eq!(processes(d), vec![(outside.id(), 5 << 30, none, none)]);
+    let mut clients = vec![(a.id(), 3 << 30), (b.id(), 3 << 30)];
+    clients.sort();
+    assert_eq!(mps_processes(d), clients);
+    // Both lists count towards the memory used.
+    assert_eq!(used_v2(d).2, 11 << 30);
+    for c in [&mut a, &mut b, &mut outside] {
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+    assert!(mps_processes(d).is_empty());
+    assert_eq!(used_v2(d).2, 0);
+    nvmlShutdown();
 }
 
 #[test]
 fn mig_devices_list_their_own_processes_and_have_no_utilization() {
-    let m = machine(A100, None);
+    let _m = machine(A100, None);
     init_ok();
     let gpu = device(0);
     let me = std::process::id();
-    let mut other = Command::new("sleep").arg("30").spawn().unwrap();
-    record_of(me, vec![device_load(A100_MIG_3G, 2 << 30, 60_000, 100)])
-        .publish(&m.load())
-        .unwrap();
-    record_of(other.id(), vec![device_load(A100_MIG_1G, 1 << 30, 0, 100)])
-        .publish(&m.load())
-        .unwrap();
+    let _mine = hold(vec![device_load(A100_MIG_3G, 2 << 30, 60_000, 100)]);
+    let mut other = other_process(vec![device_load(A100_MIG_1G, 1 << 30, 0, 100)]);
     let migs = mig_devices_of(gpu);
     let ids = |uuid: &str| {
         let (gi, ci, _) = migs.iter().find(|(_, _, u)| u == uuid).unwrap();

@@ -77,24 +77,36 @@ pub fn read(nvml: &Nvml, gpu: &Gpu, since_us: u64) -> Option<GpuReading> {
             (i.uuid.clone(), memory)
         })
         .collect();
-    let processes = optional(uuid, "processes", device.running_compute_processes())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| {
-            let on_mig = gpu.mig.instances().iter().find(|i| {
-                Some(i.gpu_instance_id) == p.gpu_instance_id
-                    && Some(i.compute_instance_id) == p.compute_instance_id
-            });
-            ProcessUse {
-                pid: p.pid,
-                device: on_mig.map_or_else(|| gpu.uuid.clone(), |i| i.uuid.clone()),
-                memory_bytes: match p.used_gpu_memory {
-                    UsedGpuMemory::Used(bytes) => bytes,
-                    UsedGpuMemory::Unavailable => 0,
-                },
-            }
-        })
-        .collect();
+    // MPS clients are listed apart from processes with a context of their
+    // own; a pid in both counts once, with the larger figure.
+    let mut processes: Vec<ProcessUse> = Vec::new();
+    let own = optional(uuid, "processes", device.running_compute_processes());
+    let mps = optional(
+        uuid,
+        "MPS processes",
+        device.mps_running_compute_processes(),
+    );
+    for p in own.into_iter().chain(mps).flatten() {
+        let on_mig = gpu.mig.instances().iter().find(|i| {
+            Some(i.gpu_instance_id) == p.gpu_instance_id
+                && Some(i.compute_instance_id) == p.compute_instance_id
+        });
+        let used = ProcessUse {
+            pid: p.pid,
+            device: on_mig.map_or_else(|| gpu.uuid.clone(), |i| i.uuid.clone()),
+            memory_bytes: match p.used_gpu_memory {
+                UsedGpuMemory::Used(bytes) => bytes,
+                UsedGpuMemory::Unavailable => 0,
+            },
+        };
+        match processes
+            .iter_mut()
+            .find(|q| q.pid == used.pid && q.device == used.device)
+        {
+            Some(q) => q.memory_bytes = q.memory_bytes.max(used.memory_bytes),
+            None => processes.push(used),
+        }
+    }
     let sm_percent = match device.process_utilization_stats(since_us) {
         Ok(samples) => Some(newest_per_pid(
             samples.iter().map(|s| (s.pid, s.timestamp, s.sm_util)),

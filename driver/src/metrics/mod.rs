@@ -51,6 +51,12 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuardLabels {
+    rule: &'static str,
+    action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WriteLabels {
     result: &'static str,
 }
@@ -116,6 +122,7 @@ pub struct Metrics {
     devices: Family<KindLabels, Gauge>,
     mps_daemons: Gauge,
     mps_restarts: Counter,
+    guard_violations: Family<GuardLabels, Counter>,
     slice_reconciles: Counter,
     slice_writes: Family<WriteLabels, Counter>,
     gpu_allocated: Family<GpuLabels, Gauge>,
@@ -156,6 +163,7 @@ impl Metrics {
             devices: Family::default(),
             mps_daemons: Gauge::default(),
             mps_restarts: Counter::default(),
+            guard_violations: Family::default(),
             slice_reconciles: Counter::default(),
             slice_writes: Family::default(),
             gpu_allocated: Family::default(),
@@ -219,6 +227,12 @@ impl Metrics {
             "mps_daemon_restarts",
             "MPS control daemons the watchdog found dead and started again",
             m.mps_restarts.clone(),
+        );
+        registry.register(
+            "claim_guard_violations",
+            "Processes the claim guard found breaking an Isolated claim's promise, by rule \
+             (left-mps, claim-memory, no-claim) and what it did (killed, reported)",
+            m.guard_violations.clone(),
         );
         registry.register(
             "slice_reconciles",
@@ -350,6 +364,13 @@ impl Metrics {
     /// MPS daemons the watchdog restarted.
     pub fn mps_restarted(&self, n: usize) {
         self.mps_restarts.inc_by(n as u64);
+    }
+
+    /// A process the claim guard found breaking `rule`, and what it did.
+    pub fn guard_violation(&self, rule: &'static str, action: &'static str) {
+        self.guard_violations
+            .get_or_create(&GuardLabels { rule, action })
+            .inc();
     }
 
     /// Whether the first model is built (prepare can resolve devices).

@@ -35,7 +35,7 @@ pub use limits::{
     ACTIVE_THREAD_PERCENTAGE, ClientLimits, LOG_DIRECTORY, LimitError, PINNED_DEVICE_MEM_LIMIT,
     PIPE_DIRECTORY, client_limit_env, daemon_default_commands, is_device_uuid,
 };
-pub use process::ProcessId;
+pub use process::{Pidfd, ProcessId};
 pub use supervisor::{
     DEFAULT_CONTROL_BINARY, MpsConfig, MpsError, MpsSupervisor, SupervisionReport, Watchdog,
 };

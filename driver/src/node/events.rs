@@ -79,6 +79,29 @@ impl NodeEvents {
     }
 }
 
+impl NodeEvents {
+    /// Records a Warning about another object (a Pod, say) in its own
+    /// namespace, reported from this node; failures are logged.
+    pub async fn warning_about(
+        &self,
+        object: &ObjectReference,
+        reason: &str,
+        action: &str,
+        note: &str,
+    ) {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(truncated(note, NOTE_LIMIT).into()),
+            action: action.into(),
+            secondary: Some(self.node.clone()),
+        };
+        if let Err(e) = self.recorder.publish(&event, object).await {
+            warn!("cannot record event {reason} ({note}): {e}");
+        }
+    }
+}
+
 /// At most `limit` bytes of `s`, cut at a character boundary.
 fn truncated(s: &str, limit: usize) -> &str {
     if s.len() <= limit {

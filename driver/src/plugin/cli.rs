@@ -407,7 +407,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
                 Some(node_events.clone()),
             )
         }),
-        events: Some(node_events),
+        events: Some(node_events.clone()),
         on_change: Some(Arc::new(move |change| {
             let _ = poke.send(change);
         })),
@@ -424,6 +424,18 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         preparer.observe(metrics.clone());
     }
     supervise_mps(&mps, &preparer, metrics.clone());
+    crate::guard::ClaimGuard {
+        policy: policy.claim_guard,
+        nvml: nvml.clone(),
+        preparer: preparer.clone(),
+        consumers: crate::metrics::claims::Consumers::spawn(Arc::new(ApiClaims::new(
+            client.clone(),
+            timeout,
+        ))),
+        events: Some(node_events),
+        metrics: metrics.clone(),
+    }
+    .spawn();
 
     // Publish: the observer reads the node, the publisher turns each view
     // into slices, and every model it builds is the catalog.

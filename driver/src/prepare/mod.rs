@@ -320,7 +320,7 @@ impl Preparer {
         let (entry, change) = tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices))
             .await
             .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
-        self.consumers.remember(&uid, consumers(&object));
+        self.consumers.remember(&uid, consumer_pods(&object));
         self.changed(change);
         if let Some(writer) = &self.deps.status {
             writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
@@ -698,18 +698,30 @@ impl Preparer {
     pub fn consumers(&self) -> BTreeMap<String, Vec<String>> {
         self.consumers.all()
     }
+
+    /// The Pods, with their names, of each claim prepared by this process.
+    pub fn consumer_pods(&self) -> BTreeMap<String, Vec<PodRef>> {
+        self.consumers.pods()
+    }
 }
 
-/// Pods per prepared claim, in memory.
+/// Pods per prepared claim (UID and name), in memory.
 #[derive(Default)]
-struct Consumers(Mutex<BTreeMap<String, Vec<String>>>);
+struct Consumers(Mutex<BTreeMap<String, Vec<PodRef>>>);
+
+/// A Pod a claim is reserved for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRef {
+    pub uid: String,
+    pub name: String,
+}
 
 impl Consumers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<String>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<PodRef>>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn remember(&self, uid: &ClaimUid, pods: Vec<String>) {
+    fn remember(&self, uid: &ClaimUid, pods: Vec<PodRef>) {
         self.lock().insert(uid.as_str().to_owned(), pods);
     }
 
@@ -718,11 +730,32 @@ impl Consumers {
     }
 
     fn all(&self) -> BTreeMap<String, Vec<String>> {
+        self.lock()
+            .iter()
+            .map(|(claim, pods)| (claim.clone(), pods.iter().map(|p| p.uid.clone()).collect()))
+            .collect()
+    }
+
+    fn pods(&self) -> BTreeMap<String, Vec<PodRef>> {
         self.lock().clone()
     }
 }
 
-/// UIDs of the Pods a claim is reserved for (`status.reservedFor`).
+/// The Pods (UID and name) a claim is reserved for.
+pub fn consumer_pods(claim: &ResourceClaim) -> Vec<PodRef> {
+    let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
+    reserved
+        .into_iter()
+        .flatten()
+        .filter(|r| r.resource == "pods")
+        .map(|r| PodRef {
+            uid: r.uid.clone(),
+            name: r.name.clone(),
+        })
+        .collect()
+}
+
+/// The UIDs of the Pods a claim is reserved for.
 pub fn consumers(claim: &ResourceClaim) -> Vec<String> {
     let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
     reserved

@@ -1349,6 +1349,7 @@ fn policy_validation_names_the_field() {
         ),
         ("apiVersion: v1\ngpus: []", "apiVersion"),
         ("kind: ConfigMap", "kind"),
+        ("claimGuard: {periodMillis: 10}", "claimGuard.periodMillis"),
     ];
     for (yaml, field) in cases {
         match NodePolicy::from_yaml(yaml) {
@@ -1356,6 +1357,22 @@ fn policy_validation_names_the_field() {
             other => panic!("{yaml}: {other:?}"),
         }
     }
+}
+
+#[test]
+fn the_claim_guard_enforces_every_second_unless_told_otherwise() {
+    let default = NodePolicy::default().claim_guard;
+    assert_eq!(default.action, policy::GuardAction::Enforce);
+    assert_eq!(default.period_millis, 1000);
+    let set = NodePolicy::from_yaml("claimGuard: {action: report, periodMillis: 250}")
+        .unwrap()
+        .claim_guard;
+    assert_eq!(set.action, policy::GuardAction::Report);
+    assert_eq!(set.period_millis, 250);
+    assert!(matches!(
+        NodePolicy::from_yaml("claimGuard: {action: kill}"),
+        Err(PolicyError::Decode(_))
+    ));
 }
 
 #[test]
