@@ -22,11 +22,11 @@ mod plugin_support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, PostParams};
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
@@ -35,8 +35,8 @@ use tessera_conformance::{
 use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running,
-    probe_image,
+    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, mps_gpu,
+    node_running, probe_image,
 };
 use plugin_support::repo_root;
 
@@ -94,28 +94,6 @@ async fn two_isolated_pods_get_their_own_daemons_and_a_hostile_one_gains_nothing
         let _ = std::fs::remove_dir_all(&node_dir);
     }
     result
-}
-
-/// The UUID of a GPU whose Isolated share device is published with MPS.
-async fn mps_gpu(cluster: &TestCluster, node: &str, driver: &str) -> Result<String> {
-    let slices: Api<ResourceSlice> = Api::all(cluster.client());
-    let slices = slices.list(&ListParams::default()).await?;
-    for slice in slices.items {
-        let slice = serde_json::to_value(&slice)?;
-        if slice["spec"]["nodeName"] != node || slice["spec"]["driver"] != driver {
-            continue;
-        }
-        for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
-            let attr = |name: &str| device["attributes"][name]["string"].as_str();
-            if attr("isolationLevel") == Some("Isolated")
-                && attr("isolationProvider") == Some("mps")
-                && let Some(uuid) = attr("uuid")
-            {
-                return Ok(uuid.to_owned());
-            }
-        }
-    }
-    bail!("node {node} publishes no Isolated share device with provider mps")
 }
 
 /// A Pod of `claim` that probes what CUDA gives it, then again with its

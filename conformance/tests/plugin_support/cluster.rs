@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams};
 use serde_json::Value;
-use tessera_conformance::{ClusterEnv, TestNamespace, wait_for};
+use tessera_conformance::{ClusterEnv, TestCluster, TestNamespace, wait_for};
 
 use super::{binaries, repo_root};
 
@@ -238,4 +239,26 @@ impl PodNode {
             let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
         }
     }
+}
+
+/// The UUID of a GPU whose Isolated share device is published with MPS.
+pub async fn mps_gpu(cluster: &TestCluster, node: &str, driver: &str) -> Result<String> {
+    let slices: Api<ResourceSlice> = Api::all(cluster.client());
+    let slices = slices.list(&ListParams::default()).await?;
+    for slice in slices.items {
+        let slice = serde_json::to_value(&slice)?;
+        if slice["spec"]["nodeName"] != node || slice["spec"]["driver"] != driver {
+            continue;
+        }
+        for device in slice["spec"]["devices"].as_array().into_iter().flatten() {
+            let attr = |name: &str| device["attributes"][name]["string"].as_str();
+            if attr("isolationLevel") == Some("Isolated")
+                && attr("isolationProvider") == Some("mps")
+                && let Some(uuid) = attr("uuid")
+            {
+                return Ok(uuid.to_owned());
+            }
+        }
+    }
+    bail!("node {node} publishes no Isolated share device with provider mps")
 }

@@ -1,0 +1,285 @@
+//! The claim guard against a hostile tenant, with real pods on the real
+//! kube-scheduler, kubelet and containerd, the GPU simulated.
+//!
+//! Two Isolated claims share one simulated H100: `neighbour` (8Gi / 50 %)
+//! and `hostile` (4Gi / 25 %). The hostile Pod, once both are running:
+//! 1. leaves MPS (its probe points `CUDA_MPS_PIPE_DIRECTORY` nowhere) and
+//!    holds 70Gi with every SM: the node's guard must kill it (exit 137)
+//!    and say so in a Warning Event on the Pod;
+//! 2. runs three MPS clients that each hold 1800Mi, each within the
+//!    daemon's per-process limit but 5.3Gi together against the claim's
+//!    4Gi: exactly one must be killed, the two that fit must finish.
+//!
+//! The neighbour's probe reports its own 66 SMs and an allocation of 6Gi
+//! working before and after. The time from the trigger to the hostile
+//! process's end is printed (an upper bound of the guard's reaction: it
+//! includes the container's log path).
+//!
+//! Needs the cluster's containerd and a node process with the default
+//! policy (MPS, guard enforcing): one already running is used unless its
+//! policy names hami-core or report (then the test is skipped); else it is
+//! started over `h100x8.yaml`, and stopped and removed after.
+
+mod plugin_support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use kube::Api;
+use kube::api::{ListParams, PostParams};
+use serde_json::json;
+use tessera_conformance::artifacts::binaries;
+use tessera_conformance::{
+    ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
+};
+use tessera_driver::probe::ProbeReport;
+
+use plugin_support::cluster::{
+    PodNode, cluster_env_vars, delete_pods, log_with, mps_gpu, probe_image,
+};
+
+const TOPOLOGY: &str = "h100x8.yaml";
+const TIMEOUT: Duration = Duration::from_secs(120);
+/// Where the pods find the probe (the `tessera` binary, mounted read-only).
+const PROBE: &str = "/probe/tessera";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_that_leaves_mps_or_overfills_its_claim_loses_the_process() -> Result<()> {
+    let env = ClusterEnv::from_env()?;
+    let Some(node) = PodNode::start(&env, "what the guard does to its pods", TOPOLOGY, &[])? else {
+        return Ok(());
+    };
+    let policy =
+        std::fs::read_to_string(env.state_dir.join("node/policy.yaml")).unwrap_or_default();
+    if policy.contains("hami-core") || policy.contains("report") {
+        eprintln!("SKIP: the running node process's policy does not enforce Isolated with MPS");
+        node.stop(&env);
+        return Ok(());
+    }
+    let cluster = TestCluster::shared().await?;
+    let id = unique_name("guard");
+    let ns = cluster.create_namespace("claim-guard").await?;
+    let trigger = tempfile::tempdir()?;
+
+    let result = run(&env, &cluster, &ns, &node.driver, &id, trigger.path()).await;
+
+    delete_pods(&ns).await;
+    let _ = ns.delete().await;
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    let _ = delete_ignore_missing(&classes, &format!("{id}-isolated")).await;
+    node.stop(&env);
+    result
+}
+
+/// A shell line printing `tag` and the probe's report.
+fn probe(tag: &str, args: &str) -> String {
+    format!("echo \"{tag} $({PROBE} probe {args} | tr -d '\\n')\"")
+}
+
+/// The neighbour: probes, waits for `done`, probes again.
+fn neighbour_script() -> String {
+    [
+        probe("PROBE", "--alloc 6Gi"),
+        "echo ready".to_owned(),
+        "while [ ! -e /trigger/done ]; do sleep 0.2; done".to_owned(),
+        probe("AFTER", "--alloc 6Gi"),
+        "echo checked".to_owned(),
+        "exec sleep 3600".to_owned(),
+    ]
+    .join("; ")
+}
+
+/// The hostile tenant: waits for `go`, leaves MPS holding 70Gi, then runs
+/// three clients that overfill its claim together.
+fn hostile_script() -> String {
+    let hold =
+        |alloc: &str, seconds: u32| format!("{PROBE} probe --alloc {alloc} --busy {seconds}");
+    [
+        "echo ready".to_owned(),
+        "while [ ! -e /trigger/go ]; do sleep 0.2; done".to_owned(),
+        format!(
+            "CUDA_MPS_PIPE_DIRECTORY=/nowhere {} >/dev/null 2>&1; echo \"LEFT rc=$?\"",
+            hold("70Gi", 300)
+        ),
+        format!(
+            "for i in 1 2 3; do ({} >/dev/null 2>&1; echo \"MEM$i rc=$?\") & done; wait",
+            hold("1800Mi", 20)
+        ),
+        "echo MEMDONE".to_owned(),
+        "exec sleep 3600".to_owned(),
+    ]
+    .join("; ")
+}
+
+fn pod(name: &str, script: String, trigger: &Path) -> Result<Pod> {
+    let tessera = binaries().tessera.clone();
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
+            "containers": [{
+                "name": "main",
+                "image": probe_image(),
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c", script],
+                "resources": { "claims": [{ "name": "gpu" }] },
+                "volumeMounts": [
+                    { "name": "probe", "mountPath": PROBE, "readOnly": true },
+                    { "name": "trigger", "mountPath": "/trigger", "readOnly": true },
+                ],
+            }],
+            "volumes": [
+                { "name": "probe", "hostPath": { "path": tessera, "type": "File" } },
+                { "name": "trigger", "hostPath": { "path": trigger, "type": "Directory" } },
+            ],
+        },
+    }))?)
+}
+
+/// SMs, and whether the allocation worked, on the one device the probe
+/// printed after `tag` saw.
+fn seen(log: &str, tag: &str) -> Result<(i32, bool)> {
+    let line = log
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{tag} ")))
+        .with_context(|| format!("no {tag} line in:\n{log}"))?;
+    let report: ProbeReport =
+        serde_json::from_str(line).with_context(|| format!("{tag}: not a report: {line}"))?;
+    ensure!(report.devices.len() == 1, "{tag} sees {report:?}");
+    let d = &report.devices[0];
+    let ok = d
+        .allocation
+        .as_ref()
+        .map(|a| a.ok)
+        .context("no allocation")?;
+    Ok((d.multiprocessors, ok))
+}
+
+/// The exit status a line `<tag> rc=<n>` reports.
+fn status(log: &str, tag: &str) -> Result<i32> {
+    log.lines()
+        .find_map(|l| l.strip_prefix(&format!("{tag} rc=")))
+        .with_context(|| format!("no {tag} line in:\n{log}"))?
+        .trim()
+        .parse()
+        .with_context(|| format!("{tag}: not a status"))
+}
+
+async fn run(
+    env: &ClusterEnv,
+    cluster: &TestCluster,
+    ns: &TestNamespace,
+    driver: &str,
+    id: &str,
+    trigger: &Path,
+) -> Result<()> {
+    let vars = cluster_env_vars(env)?;
+    let node = vars
+        .get("TESSERA_NODE_NAME")
+        .context("cluster.sh env has no TESSERA_NODE_NAME")?;
+    let gpu = wait_for("an Isolated share published", TIMEOUT, || async {
+        Ok(mps_gpu(cluster, node, driver).await.ok())
+    })
+    .await?;
+    let pp = PostParams::default();
+    let classes: Api<DeviceClass> = Api::all(cluster.client());
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": { "name": format!("{id}-isolated") },
+        "spec": { "selectors": [{ "cel": { "expression": format!(
+            "device.driver == {driver:?} && device.attributes[{driver:?}].type == 'share' && \
+             device.attributes[{driver:?}].isolationLevel == 'Isolated' && \
+             device.attributes[{driver:?}].uuid == {gpu:?}"
+        ) } }] },
+    }))?;
+    classes.create(&pp, &class).await?;
+    let claims: Api<ResourceClaim> = ns.api();
+    let pods: Api<Pod> = ns.api();
+    for (name, memory, cores, script) in [
+        ("neighbour", "8Gi", "50", neighbour_script()),
+        ("hostile", "4Gi", "25", hostile_script()),
+    ] {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": { "name": name },
+            "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": {
+                "deviceClassName": format!("{id}-isolated"),
+                "capacity": { "requests": { "memory": memory, "cores": cores } },
+            } }] } },
+        }))?;
+        claims.create(&pp, &claim).await?;
+        pods.create(&pp, &pod(name, script, trigger)?).await?;
+    }
+    let before = log_with(&pods, "neighbour", "ready").await?;
+    log_with(&pods, "hostile", "ready").await?;
+    ensure!(
+        seen(&before, "PROBE")? == (66, true),
+        "the neighbour before: {before}"
+    );
+
+    // 1. Leaving MPS: killed.
+    let go = Instant::now();
+    std::fs::write(trigger.join("go"), "")?;
+    let log = log_with(&pods, "hostile", "LEFT rc=").await?;
+    let reaction = go.elapsed();
+    eprintln!("the process that left MPS ended {reaction:?} after the trigger");
+    ensure!(
+        status(&log, "LEFT")? == 137,
+        "the process that left MPS was not killed:\n{log}"
+    );
+
+    // 2. Three clients over the claim's memory together: one goes.
+    let log = log_with(&pods, "hostile", "MEMDONE").await?;
+    let statuses: Vec<i32> = (1..=3)
+        .map(|i| status(&log, &format!("MEM{i}")))
+        .collect::<Result<_>>()?;
+    let killed = statuses.iter().filter(|s| **s == 137).count();
+    let finished = statuses.iter().filter(|s| **s == 0).count();
+    ensure!(
+        killed == 1 && finished == 2,
+        "want one of three clients killed and two finished: {statuses:?}\n{log}"
+    );
+
+    // The neighbour kept what it was given.
+    std::fs::write(trigger.join("done"), "")?;
+    let after = log_with(&pods, "neighbour", "checked").await?;
+    ensure!(
+        seen(&after, "AFTER")? == (66, true),
+        "the neighbour after: {after}"
+    );
+
+    // Said on the Pod: both rules, naming the claim.
+    let events: Api<Event> = ns.api();
+    let said = wait_for("the guard's Events on the hostile Pod", TIMEOUT, || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&ListParams::default()).await?;
+            let mine: Vec<Event> = list
+                .items
+                .into_iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some("IsolatedClaimViolated")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("hostile")
+                })
+                .collect();
+            let rules = |rule: &str| {
+                mine.iter().any(|e| {
+                    e.action.as_deref().is_some_and(|a| a.starts_with(rule))
+                        && e.note.as_deref().is_some_and(|n| n.contains("hostile"))
+                })
+            };
+            Ok((rules("left-mps") && rules("claim-memory")).then_some(mine))
+        }
+    })
+    .await?;
+    eprintln!(
+        "Events: {:?}",
+        said.iter().map(|e| e.note.clone()).collect::<Vec<_>>()
+    );
+    Ok(())
+}
