@@ -55,7 +55,7 @@ async fn a_tenant_that_leaves_mps_or_overfills_its_claim_loses_the_process() -> 
     };
     let policy =
         std::fs::read_to_string(env.state_dir.join("node/policy.yaml")).unwrap_or_default();
-    if policy.contains("hami-core") || policy.contains("report") {
+    if policy.contains("hami-core") || policy.contains("action: report") {
         eprintln!("SKIP: the running node process's policy does not enforce Isolated with MPS");
         node.stop(&env);
         return Ok(());
