@@ -32,20 +32,16 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
 use kube::api::{ListParams, PostParams};
 use serde_json::json;
-use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
-use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    PodNode, cluster_env_vars, delete_pods, log_with, mps_gpu, probe_image,
+    PROBE, PodNode, cluster_env_vars, delete_pods, log_with, mps_gpu, probe_pod, probe_report,
 };
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const TIMEOUT: Duration = Duration::from_secs(120);
-/// Where the pods find the probe (the `tessera` binary, mounted read-only).
-const PROBE: &str = "/probe/tessera";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_that_leaves_mps_or_overfills_its_claim_loses_the_process() -> Result<()> {
@@ -115,43 +111,10 @@ fn hostile_script() -> String {
     .join("; ")
 }
 
-fn pod(name: &str, script: String, trigger: &Path) -> Result<Pod> {
-    let tessera = binaries().tessera.clone();
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name },
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": false,
-            "restartPolicy": "Never",
-            "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
-            "containers": [{
-                "name": "main",
-                "image": probe_image(),
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sh", "-c", script],
-                "resources": { "claims": [{ "name": "gpu" }] },
-                "volumeMounts": [
-                    { "name": "probe", "mountPath": PROBE, "readOnly": true },
-                    { "name": "trigger", "mountPath": "/trigger", "readOnly": true },
-                ],
-            }],
-            "volumes": [
-                { "name": "probe", "hostPath": { "path": tessera, "type": "File" } },
-                { "name": "trigger", "hostPath": { "path": trigger, "type": "Directory" } },
-            ],
-        },
-    }))?)
-}
-
 /// SMs, and whether the allocation worked, on the one device the probe
 /// printed after `tag` saw.
 fn seen(log: &str, tag: &str) -> Result<(i32, bool)> {
-    let line = log
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{tag} ")))
-        .with_context(|| format!("no {tag} line in:\n{log}"))?;
-    let report: ProbeReport =
-        serde_json::from_str(line).with_context(|| format!("{tag}: not a report: {line}"))?;
+    let report = probe_report(log, tag)?;
     ensure!(report.devices.len() == 1, "{tag} sees {report:?}");
     let d = &report.devices[0];
     let ok = d
@@ -213,7 +176,8 @@ async fn run(
             } }] } },
         }))?;
         claims.create(&pp, &claim).await?;
-        pods.create(&pp, &pod(name, script, trigger)?).await?;
+        pods.create(&pp, &probe_pod(name, &script, trigger)?)
+            .await?;
     }
     let before = log_with(&pods, "neighbour", "ready").await?;
     log_with(&pods, "hostile", "ready").await?;

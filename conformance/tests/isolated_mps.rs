@@ -35,15 +35,13 @@ use tessera_conformance::{
 use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with, mps_gpu,
-    node_running, probe_image,
+    PROBE, cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with,
+    mps_gpu, node_running, probe_pod, probe_report,
 };
 use plugin_support::repo_root;
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
-/// Where the pods find the probe (the `tessera` binary, mounted read-only).
-const PROBE: &str = "/probe/tessera";
 /// More than `small` may pin (4Gi), less than `large` (8Gi).
 const ALLOC: &str = "6Gi";
 
@@ -119,40 +117,7 @@ fn pod(name: &str, trigger: &Path) -> Result<Pod> {
         "exec sleep 3600".to_owned(),
     ]
     .join("; ");
-    let tessera = binaries().tessera.clone();
-    Ok(serde_json::from_value(json!({
-        "metadata": { "name": name },
-        "spec": {
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": false,
-            "restartPolicy": "Never",
-            "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
-            "containers": [{
-                "name": "main",
-                "image": probe_image(),
-                "imagePullPolicy": "IfNotPresent",
-                "command": ["/bin/sh", "-c", script],
-                "resources": { "claims": [{ "name": "gpu" }] },
-                "volumeMounts": [
-                    { "name": "probe", "mountPath": PROBE, "readOnly": true },
-                    { "name": "trigger", "mountPath": "/trigger", "readOnly": true },
-                ],
-            }],
-            "volumes": [
-                { "name": "probe", "hostPath": { "path": tessera, "type": "File" } },
-                { "name": "trigger", "hostPath": { "path": trigger, "type": "Directory" } },
-            ],
-        },
-    }))?)
-}
-
-/// The probe report a Pod printed after `tag`.
-fn report(log: &str, tag: &str) -> Result<ProbeReport> {
-    let line = log
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{tag} ")))
-        .with_context(|| format!("no {tag} line in:\n{log}"))?;
-    serde_json::from_str(line).with_context(|| format!("{tag} is not a probe report: {line}"))
+    probe_pod(name, &script, trigger)
 }
 
 /// SMs, whether the allocation of [`ALLOC`] worked, on the one device seen.
@@ -270,20 +235,20 @@ async fn run(
     // What CUDA gives each: 25 % of 132 SMs is 32 (whole TPCs), 50 % is 66;
     // 6Gi fits in large's 8Gi and not in small's 4Gi.
     ensure!(
-        seen(&report(&small_log, "PROBE")?)? == (32, false),
+        seen(&probe_report(&small_log, "PROBE")?)? == (32, false),
         "small: {:?}",
-        report(&small_log, "PROBE")?
+        probe_report(&small_log, "PROBE")?
     );
     ensure!(
-        seen(&report(&large_log, "PROBE")?)? == (66, true),
+        seen(&probe_report(&large_log, "PROBE")?)? == (66, true),
         "large: {:?}",
-        report(&large_log, "PROBE")?
+        probe_report(&large_log, "PROBE")?
     );
     // Raising the environment gains nothing: the limits are the daemon's.
     ensure!(
-        seen(&report(&small_log, "RAISED")?)? == (32, false),
+        seen(&probe_report(&small_log, "RAISED")?)? == (32, false),
         "small with its limits raised in its environment: {:?}",
-        report(&small_log, "RAISED")?
+        probe_report(&small_log, "RAISED")?
     );
 
     // small's daemon is made to quit through its pipe directory, as any
@@ -311,9 +276,9 @@ async fn run(
     std::fs::write(trigger.join("go"), "")?;
     let large_log = log_with(&pods, "large", "checked").await?;
     ensure!(
-        seen(&report(&large_log, "AFTER")?)? == (66, true),
+        seen(&probe_report(&large_log, "AFTER")?)? == (66, true),
         "large after small's daemon quit: {:?}",
-        report(&large_log, "AFTER")?
+        probe_report(&large_log, "AFTER")?
     );
     ensure!(
         pid(&daemons(&mps_dir, &large_uid)[0]) == pid(&large_daemons[0]),

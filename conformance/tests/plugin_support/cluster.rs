@@ -12,8 +12,9 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams};
-use serde_json::Value;
+use serde_json::{Value, json};
 use tessera_conformance::{ClusterEnv, TestCluster, TestNamespace, wait_for};
+use tessera_driver::probe::ProbeReport;
 
 use super::{binaries, repo_root};
 
@@ -261,4 +262,48 @@ pub async fn mps_gpu(cluster: &TestCluster, node: &str, driver: &str) -> Result<
         }
     }
     bail!("node {node} publishes no Isolated share device with provider mps")
+}
+
+/// Where probe pods find the probe (the `tessera` binary, mounted
+/// read-only).
+pub const PROBE: &str = "/probe/tessera";
+
+/// A Pod named `name` holding the claim of the same name, running `script`
+/// in the probe image with the probe at [`PROBE`] and `trigger` (a host
+/// directory the test writes files into) read-only at `/trigger`.
+pub fn probe_pod(name: &str, script: &str, trigger: &Path) -> Result<Pod> {
+    let tessera = binaries().tessera.clone();
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": {
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": false,
+            "restartPolicy": "Never",
+            "resourceClaims": [{ "name": "gpu", "resourceClaimName": name }],
+            "containers": [{
+                "name": "main",
+                "image": probe_image(),
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["/bin/sh", "-c", script],
+                "resources": { "claims": [{ "name": "gpu" }] },
+                "volumeMounts": [
+                    { "name": "probe", "mountPath": PROBE, "readOnly": true },
+                    { "name": "trigger", "mountPath": "/trigger", "readOnly": true },
+                ],
+            }],
+            "volumes": [
+                { "name": "probe", "hostPath": { "path": tessera, "type": "File" } },
+                { "name": "trigger", "hostPath": { "path": trigger, "type": "Directory" } },
+            ],
+        },
+    }))?)
+}
+
+/// The probe report a Pod printed after `tag` (a line `<tag> <json>`).
+pub fn probe_report(log: &str, tag: &str) -> Result<ProbeReport> {
+    let line = log
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{tag} ")))
+        .with_context(|| format!("no {tag} line in:\n{log}"))?;
+    serde_json::from_str(line).with_context(|| format!("{tag} is not a probe report: {line}"))
 }
