@@ -117,7 +117,7 @@ impl ClaimGuard {
     /// One look at the GPUs that hold Isolated claims: judged, and acted on.
     fn look(&self, memory: &mut Memory) -> Vec<Finding> {
         let entries = self.preparer.entries();
-        let mut pods = self.preparer.consumer_pods();
+        let pods = self.preparer.consumer_pods();
         let read = self.consumers.known(&entries);
         let guarded = guarded(&entries, &pods, &read);
         if guarded.is_empty() {
@@ -161,7 +161,7 @@ impl ClaimGuard {
                         .iter()
                         .filter_map(|c| names.get(c).cloned())
                         .collect(),
-                    pod: pod_name(&entries, &mut pods, &v),
+                    pod: pod_name(&entries, &pods, &v),
                     outcome,
                     violation: v,
                 })
@@ -327,7 +327,7 @@ fn claim_names(entries: &[(ClaimUid, ClaimEntry)]) -> BTreeMap<ClaimUid, String>
 /// The violating Pod's namespace, name and UID, from the claims it holds.
 fn pod_name(
     entries: &[(ClaimUid, ClaimEntry)],
-    pods: &mut BTreeMap<String, Vec<PodRef>>,
+    pods: &BTreeMap<String, Vec<PodRef>>,
     v: &Violation,
 ) -> Option<(String, String, String)> {
     v.claims.iter().find_map(|c| {
