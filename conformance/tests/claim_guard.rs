@@ -8,7 +8,10 @@
 //!    and say so in a Warning Event on the Pod;
 //! 2. runs three MPS clients that each hold 1800Mi, each within the
 //!    daemon's per-process limit but 5.3Gi together against the claim's
-//!    4Gi: exactly one must be killed, the two that fit must finish.
+//!    4Gi: exactly one must be killed, the two that fit must finish;
+//! 3. fills its `/dev/shm`, which its claim's ShareConfig sets to 16Mi: it
+//!    must get ENOSPC there, and a claim made afterwards must still
+//!    prepare and run on the node.
 //!
 //! The neighbour's probe reports its own 66 SMs and an allocation of 6Gi
 //! working before and after. The time from the trigger to the hostile
@@ -106,6 +109,8 @@ fn hostile_script() -> String {
             hold("1800Mi", 20)
         ),
         "echo MEMDONE".to_owned(),
+        "dd if=/dev/zero of=/dev/shm/fill bs=1M count=64 2>&1; echo \"SHM rc=$?\"".to_owned(),
+        "echo SHMDONE".to_owned(),
         "exec sleep 3600".to_owned(),
     ]
     .join("; ")
@@ -164,18 +169,32 @@ async fn run(
     classes.create(&pp, &class).await?;
     let claims: Api<ResourceClaim> = ns.api();
     let pods: Api<Pod> = ns.api();
-    for (name, memory, cores, script) in [
-        ("neighbour", "8Gi", "50", neighbour_script()),
-        ("hostile", "4Gi", "25", hostile_script()),
-    ] {
-        let claim: ResourceClaim = serde_json::from_value(json!({
+    let claim = |name: &str, memory: &str, cores: &str, shm: Option<&str>| {
+        let config = shm.map(|size| {
+            json!([{ "opaque": { "driver": driver, "parameters": {
+                "apiVersion": "gpu.tessera.dev/v1alpha1",
+                "kind": "ShareConfig",
+                "sharedMemory": size,
+            } } }])
+        });
+        serde_json::from_value::<ResourceClaim>(json!({
             "metadata": { "name": name },
-            "spec": { "devices": { "requests": [{ "name": "gpu", "exactly": {
-                "deviceClassName": format!("{id}-isolated"),
-                "capacity": { "requests": { "memory": memory, "cores": cores } },
-            } }] } },
-        }))?;
-        claims.create(&pp, &claim).await?;
+            "spec": { "devices": {
+                "requests": [{ "name": "gpu", "exactly": {
+                    "deviceClassName": format!("{id}-isolated"),
+                    "capacity": { "requests": { "memory": memory, "cores": cores } },
+                } }],
+                "config": config.unwrap_or_else(|| json!([])),
+            } },
+        }))
+    };
+    for (name, memory, cores, shm, script) in [
+        ("neighbour", "8Gi", "50", None, neighbour_script()),
+        ("hostile", "4Gi", "25", Some("16Mi"), hostile_script()),
+    ] {
+        claims
+            .create(&pp, &claim(name, memory, cores, shm)?)
+            .await?;
         pods.create(&pp, &probe_pod(name, &script, trigger)?)
             .await?;
     }
@@ -208,6 +227,25 @@ async fn run(
         killed == 1 && finished == 2,
         "want one of three clients killed and two finished: {statuses:?}\n{log}"
     );
+
+    // 3. Its /dev/shm is its own 16Mi: full there, and the node still
+    // prepares a claim made afterwards.
+    let log = log_with(&pods, "hostile", "SHMDONE").await?;
+    ensure!(
+        status(&log, "SHM")? != 0 && log.contains("No space left on device"),
+        "filling /dev/shm did not end in ENOSPC:\n{log}"
+    );
+    claims
+        .create(&pp, &claim("late", "4Gi", "10", None)?)
+        .await?;
+    let late = format!(
+        "{}; echo done; exec sleep 3600",
+        probe("LATE", "--alloc 1Gi")
+    );
+    pods.create(&pp, &probe_pod("late", &late, trigger)?)
+        .await?;
+    let log = log_with(&pods, "late", "done").await?;
+    ensure!(seen(&log, "LATE")?.1, "the late claim's probe: {log}");
 
     // The neighbour kept what it was given.
     std::fs::write(trigger.join("done"), "")?;

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
     CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError,
-    MpsSupervisor, PID_FILE, ProcessId, RECORD,
+    MpsSupervisor, PID_FILE, ProcessId, RECORD, ShmPolicy,
 };
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
@@ -29,6 +29,7 @@ const MIG0: &str = "MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f";
 const LIMITS: ClientLimits = ClientLimits {
     memory_bytes: 8 << 30,
     thread_percent: 25,
+    shm_bytes: None,
 };
 
 fn claim(n: u8) -> ClaimUid {
@@ -162,7 +163,25 @@ impl Drop for Scratch {
             // SAFETY: a daemon this test started in its own directory.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
+        // The daemons' tmpfs of a test that did not release them.
+        for dir in mounts_below(self.dir.path()) {
+            let dir = std::ffi::CString::new(dir).unwrap();
+            // SAFETY: a NUL-terminated path of a mount this test made.
+            unsafe { libc::umount2(dir.as_ptr(), libc::MNT_DETACH) };
+        }
     }
+}
+
+/// Mount points below `dir`, from this process's mountinfo.
+fn mounts_below(dir: &Path) -> Vec<String> {
+    let prefix = format!("{}/", dir.display());
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| m.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect()
 }
 
 fn alive(pid: i32) -> bool {
@@ -210,6 +229,7 @@ fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
     let other = ClientLimits {
         memory_bytes: 16 << 30,
         thread_percent: 50,
+        shm_bytes: None,
     };
     let b = sup.ensure(&k2, other).unwrap();
     assert_eq!(a.pipe_dir, s.pipe_dir(&k1));
@@ -385,6 +405,70 @@ fn release_quits_the_daemon_and_removes_its_directory() {
     ));
 }
 
+/// Writes `dir/name` until the file system refuses; the bytes written and
+/// the error that stopped it.
+fn fill(dir: &Path, name: &str) -> (u64, std::io::Error) {
+    use std::io::Write;
+    let mut file = fs::File::create(dir.join(name)).unwrap();
+    let chunk = vec![1u8; 64 << 10];
+    let mut written = 0u64;
+    loop {
+        match file.write(&chunk) {
+            Ok(n) => written += n as u64,
+            Err(e) => return (written, e),
+        }
+        assert!(written <= 1 << 30, "{} is not bounded", dir.display());
+    }
+}
+
+#[test]
+fn each_daemon_has_bounded_directories_of_its_own() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    config.shm = ShmPolicy {
+        default_bytes: 2 << 20,
+        max_bytes: 8 << 20,
+        inodes: 128,
+    };
+    let sup = MpsSupervisor::new(config);
+    let (a, b) = (key(1, GPU0), key(2, GPU0));
+    let big = ClientLimits {
+        shm_bytes: Some(4 << 20),
+        ..LIMITS
+    };
+    let da = sup.ensure(&a, big).unwrap();
+    let db = sup.ensure(&b, LIMITS).unwrap();
+    // A tenant that fills its /dev/shm gets ENOSPC at its own size...
+    let (written, err) = fill(&da.shm_dir, "fill");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    assert!((3 << 20..=4 << 20).contains(&written), "{written} bytes");
+    // ...and so does one that fills its pipe directory, or its files.
+    let (_, err) = fill(&da.pipe_dir, "fill");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    // Nobody else is reached: the neighbour's daemon, its default-sized
+    // /dev/shm, and the state directory the node writes records in.
+    let (written, _) = fill(&db.shm_dir, "fill");
+    assert!((1 << 20..=2 << 20).contains(&written), "{written} bytes");
+    fs::remove_file(db.shm_dir.join("fill")).unwrap();
+    fs::write(s.dir.path().join("still-writable"), vec![0u8; 8 << 20]).unwrap();
+    assert_eq!(
+        client(&db.pipe_dir, "get_default_active_thread_percentage"),
+        (true, "25.0\n".into())
+    );
+    // Release takes the mounts with it.
+    sup.release(&a).unwrap();
+    let below = |k: &DaemonKey| {
+        let root = s.root(k);
+        mounts_below(s.dir.path())
+            .into_iter()
+            .filter(|m| Path::new(m).starts_with(&root))
+            .count()
+    };
+    assert_eq!(below(&a), 0, "release left a mount");
+    assert_eq!(below(&b), 2);
+    assert!(!s.root(&a).exists());
+}
+
 #[test]
 fn limits_a_daemon_cannot_express_fail_the_claim() {
     let s = Scratch::new();
@@ -395,6 +479,7 @@ fn limits_a_daemon_cannot_express_fail_the_claim() {
             ClientLimits {
                 memory_bytes: 1000,
                 thread_percent: 10,
+                shm_bytes: None,
             },
         )
         .unwrap_err();
@@ -519,11 +604,16 @@ fn a_crashed_daemon_is_restarted_in_a_fresh_pipe_directory() {
     let second = s.pid_file(&k).unwrap();
     assert_ne!(second, first.pid);
     assert!(alive(second));
-    // Nothing of the old directory is reused, and the limits hold again.
-    let old = old_dir.metadata().unwrap();
-    assert_eq!(
-        std::os::unix::fs::MetadataExt::nlink(&old),
-        0,
+    // Nothing of the old directory is reused (a fresh tmpfs), and the
+    // limits hold again.
+    use std::os::unix::fs::MetadataExt;
+    let (old, new) = (
+        old_dir.metadata().unwrap(),
+        fs::metadata(s.pipe_dir(&k)).unwrap(),
+    );
+    assert_ne!(
+        (old.dev(), old.ino()),
+        (new.dev(), new.ino()),
         "the old directory was reused"
     );
     assert!(!s.pipe_dir(&k).join("left-by-a-tenant").exists());
@@ -720,6 +810,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     let limits = Limits {
         memory_bytes: 1 << 30,
         compute_percent: 50,
+        shared_memory_bytes: None,
     };
     let whole = target(GPU0);
     let mig = MpsTarget {
@@ -878,6 +969,7 @@ fn share_limits() -> tessera_api::config::Limits {
     tessera_api::config::Limits {
         memory_bytes: LIMITS.memory_bytes,
         compute_percent: LIMITS.thread_percent,
+        shared_memory_bytes: None,
     }
 }
 

@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 use super::error::{Problem, ProblemKind};
 use super::types::{
     Config, GpuConfig, GpuSharingStrategy, Kind, MigConfig, MigSharingStrategy, ProcessLimits,
-    ShareConfig,
+    Quantity, ShareConfig,
 };
 use super::{API_GROUP, API_VERSION, MAX_PARAMETERS_BYTES};
 
@@ -166,7 +166,7 @@ fn serde_problem(kind: Kind, path: String, message: String) -> Problem {
             .to_owned()
     } else if message.starts_with("unknown variant") {
         "use one of the listed values (case-sensitive)".to_owned()
-    } else if field.ends_with("memory") {
+    } else if field.ends_with("memory") || field.ends_with("Memory") {
         "write a Kubernetes quantity such as 4Gi, 512Mi or 8G".to_owned()
     } else if field.ends_with("computePercent") {
         "write a whole number from 1 to 100".to_owned()
@@ -199,7 +199,8 @@ fn validate(config: &Config) -> Result<(), Problem> {
                     if strategy != Some(GpuSharingStrategy::Mps) {
                         return Err(block_without_strategy("mps", "MPS"));
                     }
-                    validate_limits(mps, "sharing.mps")?;
+                    validate_limits(&mps.process_limits(), "sharing.mps")?;
+                    validate_shared_memory(mps.shared_memory, "sharing.mps.sharedMemory")?;
                 }
             }
         }
@@ -210,13 +211,15 @@ fn validate(config: &Config) -> Result<(), Problem> {
                 if sharing.strategy != Some(MigSharingStrategy::Mps) {
                     return Err(block_without_strategy("mps", "MPS"));
                 }
-                validate_limits(mps, "sharing.mps")?;
+                validate_limits(&mps.process_limits(), "sharing.mps")?;
+                validate_shared_memory(mps.shared_memory, "sharing.mps.sharedMemory")?;
             }
         }
         Config::Share(c) => {
             if let Some(limits) = &c.process_limits {
                 validate_limits(limits, "processLimits")?;
             }
+            validate_shared_memory(c.shared_memory, "sharedMemory")?;
         }
     }
     Ok(())
@@ -230,6 +233,21 @@ fn block_without_strategy(block: &str, strategy: &str) -> Problem {
         format!("add `strategy: {strategy}` next to it, or remove `{block}`"),
     )
 }
+
+fn validate_shared_memory(size: Option<Quantity>, at: &str) -> Result<(), Problem> {
+    match size {
+        Some(q) if q.bytes() < MIN_SHARED_MEMORY => Err(Problem::new(
+            ProblemKind::InvalidValue,
+            at,
+            format!("{q} is less than 1Mi"),
+            "give at least 1Mi (the MPS server needs some), or leave it out for the node's default",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The smallest `/dev/shm` a claim may ask for.
+const MIN_SHARED_MEMORY: u64 = 1 << 20;
 
 fn validate_limits(limits: &ProcessLimits, at: &str) -> Result<(), Problem> {
     if let Some(p) = limits.compute_percent

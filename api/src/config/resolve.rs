@@ -5,7 +5,7 @@ use serde_json::Value;
 use super::decode::decode_value;
 use super::error::{ConfigError, Problem, ProblemKind, SourceRef};
 use super::types::{
-    Config, GpuSharingStrategy, Kind, MigSharingStrategy, ProcessLimits, Quantity,
+    Config, GpuSharingStrategy, Kind, MigSharingStrategy, MpsSettings, ProcessLimits, Quantity,
     TimeSliceInterval,
 };
 use crate::names;
@@ -123,13 +123,17 @@ pub struct DeviceTarget {
     pub holds: Holdings,
 }
 
-/// Per-process limits after defaulting.
+/// Per-process limits after defaulting, and the claim's `/dev/shm`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Device memory per process, bytes.
     pub memory_bytes: u64,
     /// Compute per process, percent of the device (1–100).
     pub compute_percent: u32,
+    /// Size of the claim's `/dev/shm` under MPS (shared by its processes,
+    /// not per process); `None`: the node's default. The node checks it
+    /// against its maximum.
+    pub shared_memory_bytes: Option<u64>,
 }
 
 /// How a whole GPU or MIG device is shared among the claim's consumers.
@@ -195,6 +199,7 @@ fn full(h: Holdings) -> Limits {
     Limits {
         memory_bytes: h.memory_bytes,
         compute_percent: h.compute_percent,
+        shared_memory_bytes: None,
     }
 }
 
@@ -246,6 +251,7 @@ struct Merged {
     interval: Leaf<TimeSliceInterval>,
     memory: Leaf<Quantity>,
     compute: Leaf<u32>,
+    shared_memory: Leaf<Quantity>,
 }
 
 impl Merged {
@@ -253,6 +259,13 @@ impl Merged {
         if let Some(l) = l {
             set(&mut self.memory, l.memory, source);
             set(&mut self.compute, l.compute_percent, source);
+        }
+    }
+
+    fn mps(&mut self, mps: &Option<MpsSettings>, source: usize) {
+        if let Some(mps) = mps {
+            self.limits(&Some(mps.process_limits()), source);
+            set(&mut self.shared_memory, mps.shared_memory, source);
         }
     }
 
@@ -266,16 +279,19 @@ impl Merged {
                         s.time_slicing.as_ref().and_then(|t| t.interval),
                         source,
                     );
-                    self.limits(&s.mps, source);
+                    self.mps(&s.mps, source);
                 }
             }
             Config::Mig(c) => {
                 if let Some(s) = &c.sharing {
                     set(&mut self.mig_strategy, s.strategy, source);
-                    self.limits(&s.mps, source);
+                    self.mps(&s.mps, source);
                 }
             }
-            Config::Share(c) => self.limits(&c.process_limits, source),
+            Config::Share(c) => {
+                self.limits(&c.process_limits, source);
+                set(&mut self.shared_memory, c.shared_memory, source);
+            }
         }
     }
 }
@@ -454,6 +470,21 @@ fn finish(device: &DeviceTarget, m: Merged) -> Result<EffectiveConfig, Failure> 
             limits: Some(limits(device, &m, "processLimits")?),
         }),
         DeviceType::Share(IsolationLevel::Shared) => {
+            if let Some(source) = m.shared_memory.map(|l| l.1) {
+                return Err((
+                    Some(source),
+                    Problem::new(
+                        ProblemKind::NotApplicable,
+                        "sharedMemory",
+                        format!(
+                            "device `{}` of request `{}` is a Shared (burstable) share; it runs \
+                             no MPS daemon and its containers keep their own /dev/shm",
+                            device.device, device.request
+                        ),
+                        "request an Isolated share, or remove sharedMemory",
+                    ),
+                ));
+            }
             if let Some(source) = m.memory.map(|l| l.1).or(m.compute.map(|l| l.1)) {
                 return Err((
                     Some(source),
@@ -528,5 +559,6 @@ fn limits(device: &DeviceTarget, m: &Merged, at: &str) -> Result<Limits, Failure
     Ok(Limits {
         memory_bytes,
         compute_percent,
+        shared_memory_bytes: m.shared_memory.map(|(q, _)| q.bytes()),
     })
 }

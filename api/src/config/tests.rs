@@ -322,7 +322,8 @@ fn defaults_without_configs() {
             EffectiveConfig::Share {
                 limits: Some(Limits {
                     memory_bytes: 10 * GI,
-                    compute_percent: 25
+                    compute_percent: 25,
+                    shared_memory_bytes: None
                 })
             },
             EffectiveConfig::Share { limits: None },
@@ -345,7 +346,8 @@ fn defaults_without_configs() {
             sharing: Sharing::Mps {
                 limits: Limits {
                     memory_bytes: 10 * GI,
-                    compute_percent: 100
+                    compute_percent: 100,
+                    shared_memory_bytes: None
                 }
             }
         }
@@ -452,7 +454,8 @@ fn merging_is_per_setting() {
             sharing: Sharing::Mps {
                 limits: Limits {
                     memory_bytes: 80 * GI,
-                    compute_percent: 30
+                    compute_percent: 30,
+                    shared_memory_bytes: None
                 }
             }
         }
@@ -482,7 +485,8 @@ fn merging_is_per_setting() {
         EffectiveConfig::Share {
             limits: Some(Limits {
                 memory_bytes: 2 * GI,
-                compute_percent: 10
+                compute_percent: 10,
+                shared_memory_bytes: None
             })
         }
     );
@@ -805,4 +809,63 @@ fn quantity_parser_agrees_with_arithmetic() {
             None => assert!(Quantity::parse(&text).is_err(), "{text}"),
         }
     }
+}
+
+#[test]
+fn shared_memory_is_the_claims_and_only_under_mps() {
+    let limits_of = |config: EffectiveConfig| match config {
+        EffectiveConfig::Share { limits: Some(l) } => l,
+        EffectiveConfig::Gpu {
+            sharing: Sharing::Mps { limits },
+        } => limits,
+        other => panic!("no MPS limits: {other:?}"),
+    };
+    let isolated = share("s", IsolationLevel::Isolated, 4, 20);
+    // Unset: the node's default.
+    let got = resolve_one(&[], isolated.clone()).unwrap();
+    assert_eq!(limits_of(got).shared_memory_bytes, None);
+    // A class sets it, the claim raises it.
+    let sources = [
+        source(
+            Origin::Class,
+            &[],
+            0,
+            v("ShareConfig", json!({"sharedMemory": "256Mi"})),
+        ),
+        source(
+            Origin::Claim,
+            &[],
+            0,
+            v("ShareConfig", json!({"sharedMemory": "2Gi"})),
+        ),
+    ];
+    let got = resolve_one(&sources, isolated.clone()).unwrap();
+    assert_eq!(limits_of(got).shared_memory_bytes, Some(2 * GI));
+    // Whole GPUs under MPS take it in sharing.mps.
+    let mps = v(
+        "GpuConfig",
+        json!({"sharing": {"strategy": "MPS", "mps": {"sharedMemory": "1Gi"}}}),
+    );
+    let got = resolve_one(&[source(Origin::Claim, &[], 0, mps)], gpu("g")).unwrap();
+    assert_eq!(limits_of(got).shared_memory_bytes, Some(GI));
+    // Too small is refused at decoding, naming the field.
+    let p = problem(v("ShareConfig", json!({"sharedMemory": "4Ki"})));
+    assert_eq!(p.field, "sharedMemory", "{p:?}");
+    let p = problem(v(
+        "GpuConfig",
+        json!({"sharing": {"strategy": "MPS", "mps": {"sharedMemory": 0}}}),
+    ));
+    assert_eq!(p.field, "sharing.mps.sharedMemory", "{p:?}");
+    // A Shared share runs no daemon: asking is an error, not ignored.
+    let err = resolve_one(
+        &[source(
+            Origin::Claim,
+            &[],
+            0,
+            v("ShareConfig", json!({"sharedMemory": "1Gi"})),
+        )],
+        share("s", IsolationLevel::Shared, 4, 20),
+    )
+    .unwrap_err();
+    assert_eq!(err.problem().field, "sharedMemory", "{err}");
 }

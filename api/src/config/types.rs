@@ -106,7 +106,34 @@ pub struct GpuSharing {
     /// Only with `strategy: TimeSlicing` (stated in the same config).
     pub time_slicing: Option<TimeSlicing>,
     /// Only with `strategy: MPS` (stated in the same config).
-    pub mps: Option<ProcessLimits>,
+    pub mps: Option<MpsSettings>,
+}
+
+/// `sharing.mps` of a [`GpuConfig`] or [`MigConfig`]: the per-process
+/// limits of [`ProcessLimits`], and the claim's `/dev/shm`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(
+    rename_all = "camelCase",
+    deny_unknown_fields,
+    expecting = "an object with fields memory, computePercent, sharedMemory"
+)]
+pub struct MpsSettings {
+    /// As [`ProcessLimits::memory`].
+    pub memory: Option<Quantity>,
+    /// As [`ProcessLimits::compute_percent`].
+    pub compute_percent: Option<u32>,
+    /// As [`ShareConfig::shared_memory`].
+    pub shared_memory: Option<Quantity>,
+}
+
+impl MpsSettings {
+    /// The per-process part.
+    pub fn process_limits(&self) -> ProcessLimits {
+        ProcessLimits {
+            memory: self.memory,
+            compute_percent: self.compute_percent,
+        }
+    }
 }
 
 /// `sharing.strategy` of a [`GpuConfig`].
@@ -195,7 +222,7 @@ pub struct MigSharing {
     /// `None` (default) or `MPS` (an MPS control daemon on this MIG device).
     pub strategy: Option<MigSharingStrategy>,
     /// Only with `strategy: MPS` (stated in the same config).
-    pub mps: Option<ProcessLimits>,
+    pub mps: Option<MpsSettings>,
 }
 
 /// `sharing.strategy` of a [`MigConfig`].
@@ -216,12 +243,13 @@ pub enum MigSharingStrategy {
 /// processLimits:
 ///   memory: 4Gi
 ///   computePercent: 20
+/// sharedMemory: 1Gi
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(
     rename_all = "camelCase",
     deny_unknown_fields,
-    expecting = "an object with field processLimits"
+    expecting = "an object with fields processLimits, sharedMemory"
 )]
 pub struct ShareConfig {
     /// Tighter per-process limits inside what the claim was allocated; only
@@ -230,6 +258,13 @@ pub struct ShareConfig {
     /// each process may use everything the claim consumed (`memory`,
     /// `cores`).
     pub process_limits: Option<ProcessLimits>,
+    /// Size of the claim's `/dev/shm` under MPS (its processes and their
+    /// MPS server share memory there): a tmpfs of its own per daemon, so
+    /// filling it reaches no other claim. Default: the node policy's
+    /// `mps.sharedMemory`; at most its `mps.maxSharedMemory`, which the node
+    /// checks at prepare. Only for `Isolated` shares (and `sharing.mps` of
+    /// whole GPUs and MIG devices).
+    pub shared_memory: Option<Quantity>,
 }
 
 /// Limits applied to each CUDA process of a claim by the isolation provider.

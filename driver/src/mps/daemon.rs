@@ -63,6 +63,7 @@ use super::launch;
 use super::limits::{self, ClientLimits};
 use super::process::{self, Handle, Pidfd, ProcessId};
 use super::supervisor::{MpsConfig, MpsError};
+use super::tmpfs::{self, ClientDir};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
 
@@ -355,12 +356,27 @@ impl Daemon {
     }
 
     /// Fresh, empty pipe and shared memory directories (see the module
-    /// documentation).
-    fn fresh_client_dirs(&self) -> Result<(), MpsError> {
-        for dir in [&self.pipe_dir, &self.shm_dir] {
+    /// documentation), each a bounded tmpfs of its own.
+    fn fresh_client_dirs(&self, config: &MpsConfig) -> Result<(), MpsError> {
+        self.detach_client_dirs()?;
+        let bounds = config.shm.bounds(self.record.limits.shm_bytes);
+        for (dir, which) in [
+            (&self.pipe_dir, ClientDir::Pipe),
+            (&self.shm_dir, ClientDir::Shm),
+        ] {
             ignore_missing(fs::remove_dir_all(dir))
                 .map_err(self.io_err("removing the previous", dir))?;
             fs::create_dir(dir).map_err(self.io_err("creating", dir))?;
+            tmpfs::mount(dir, which, bounds)
+                .map_err(self.io_err("mounting a tmpfs (needs CAP_SYS_ADMIN) on", dir))?;
+        }
+        Ok(())
+    }
+
+    /// Unmounts the client directories' tmpfs (containers keep theirs).
+    fn detach_client_dirs(&self) -> Result<(), MpsError> {
+        for dir in [&self.pipe_dir, &self.shm_dir] {
+            tmpfs::detach(dir).map_err(self.io_err("unmounting", dir))?;
         }
         Ok(())
     }
@@ -372,7 +388,7 @@ impl Daemon {
         for dir in [&self.root, &self.log_dir] {
             fs::create_dir_all(dir).map_err(self.io_err("creating", dir))?;
         }
-        self.fresh_client_dirs()?;
+        self.fresh_client_dirs(config)?;
         let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
             .map_err(|e| MpsError::Limits {
                 device: self.record.key.device.clone(),
@@ -522,6 +538,7 @@ impl Daemon {
         }
         // Containers may have left anything in the pipe directory; removal
         // does not follow symlinks.
+        self.detach_client_dirs()?;
         ignore_missing(fs::remove_dir_all(&self.root))
             .map_err(self.io_err("removing", &self.root))?;
         Ok(was_running)

@@ -65,6 +65,10 @@ pub struct ClientLimits {
     pub memory_bytes: u64,
     /// Share of the device's threads, percent (1..=100).
     pub thread_percent: u32,
+    /// Bytes of the daemon's `/dev/shm`, which its clients share; `None`:
+    /// the node policy's default when the daemon starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_bytes: Option<u64>,
 }
 
 impl fmt::Display for ClientLimits {
@@ -85,7 +89,7 @@ impl fmt::Display for ClientLimits {
 /// use tessera_driver::mps::{ClientLimits, client_limit_env};
 /// let env = client_limit_env(
 ///     "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10",
-///     ClientLimits { memory_bytes: 10 << 30, thread_percent: 25 },
+///     ClientLimits { memory_bytes: 10 << 30, thread_percent: 25, shm_bytes: None },
 /// )
 /// .unwrap();
 /// assert_eq!(
@@ -156,6 +160,7 @@ mod tests {
             ClientLimits {
                 memory_bytes,
                 thread_percent,
+                shm_bytes: None,
             },
         )
     }
@@ -220,6 +225,7 @@ mod tests {
         let limits = ClientLimits {
             memory_bytes: MIB,
             thread_percent: 10,
+            shm_bytes: None,
         };
         assert!(client_limit_env("MIG-ee2514c2-b7ff-4379-bd44-c8452290c55f", limits).is_ok());
         for bad in [

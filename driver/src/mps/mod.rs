@@ -25,6 +25,7 @@ mod limits;
 mod process;
 mod sharing;
 mod supervisor;
+mod tmpfs;
 
 pub use daemon::{
     CONTROL, DaemonKey, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, MpsDaemon, PID_FILE,
@@ -39,3 +40,4 @@ pub use process::{Pidfd, ProcessId};
 pub use supervisor::{
     DEFAULT_CONTROL_BINARY, MpsConfig, MpsError, MpsSupervisor, SupervisionReport, Watchdog,
 };
+pub use tmpfs::{DirBounds, ShmPolicy};

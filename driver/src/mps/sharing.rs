@@ -30,9 +30,13 @@ impl MpsControl for MpsSupervisor {
         target: &MpsTarget,
         limits: &Limits,
     ) -> Result<MpsClient, SharingError> {
+        let shm_bytes = (self.config().shm)
+            .size_for(limits.shared_memory_bytes)
+            .map_err(SharingError)?;
         let client_limits = ClientLimits {
             memory_bytes: limits.memory_bytes,
             thread_percent: limits.compute_percent,
+            shm_bytes: Some(shm_bytes),
         };
         let daemon = self
             .ensure(&key(claim, target), client_limits)

@@ -22,6 +22,7 @@ use super::daemon::{CONTROL, Daemon, DaemonKey, MpsDaemon, Outcome, RECORD, igno
 use super::launch::HostCgroup;
 use super::limits::{ClientLimits, LimitError, is_device_uuid};
 use super::process::{Pidfd, ProcessId};
+use super::tmpfs::ShmPolicy;
 use crate::claim_uid::ClaimUid;
 
 /// Where the control binary is found under the driver root by default.
@@ -44,6 +45,8 @@ pub struct MpsConfig {
     /// The host cgroup daemons move into, so that they outlive the node
     /// process's container; `None`: they stay in the node process's.
     pub host_cgroup: Option<Arc<HostCgroup>>,
+    /// The bounds of each daemon's `/dev/shm` and pipe directory.
+    pub shm: ShmPolicy,
 }
 
 impl MpsConfig {
@@ -57,6 +60,7 @@ impl MpsConfig {
             quit_timeout: Duration::from_secs(10),
             env: Vec::new(),
             host_cgroup: None,
+            shm: ShmPolicy::default(),
         }
     }
 }

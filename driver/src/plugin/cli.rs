@@ -21,7 +21,7 @@ use crate::discovery;
 use crate::flags::CapabilityChoice;
 use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
-use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, SupervisionReport};
+use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, ShmPolicy, SupervisionReport};
 use crate::node::events::NodeEvents;
 use crate::node::readiness::{self, Phase, Readiness};
 use crate::node::state_lock::StateLock;
@@ -361,6 +361,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
         },
     };
     let mut mps_config = MpsConfig::new(&args.driver_root, args.mps_dir.clone());
+    mps_config.shm = ShmPolicy::from(&policy.mps);
     if let (Some(fs), Some(name)) = (&args.mps_cgroup_fs, &args.mps_cgroup) {
         let cgroup = Arc::new(HostCgroup::open(fs, name).context("--mps-cgroup")?);
         cgroup.check().context("--mps-cgroup")?;

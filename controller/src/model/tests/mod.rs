@@ -1526,3 +1526,31 @@ fn device_classes_select_exactly_their_devices() {
         d
     ));
 }
+
+#[test]
+fn mps_directories_are_bounded_by_default_and_checked() {
+    let default = NodePolicy::default().mps;
+    assert_eq!(default.shared_memory.bytes(), 256 << 20);
+    assert_eq!(default.max_shared_memory.bytes(), 4 << 30);
+    assert_eq!(default.inodes, 4096);
+    let set = NodePolicy::from_yaml("mps: {sharedMemory: 1Gi, maxSharedMemory: 8Gi, inodes: 512}")
+        .unwrap()
+        .mps;
+    assert_eq!(
+        (
+            set.shared_memory.bytes(),
+            set.max_shared_memory.bytes(),
+            set.inodes
+        ),
+        (1 << 30, 8 << 30, 512)
+    );
+    for (yaml, field) in [
+        ("mps: {sharedMemory: 4Ki}", "mps.sharedMemory"),
+        ("mps: {sharedMemory: 8Gi}", "mps.maxSharedMemory"),
+        ("mps: {inodes: 3}", "mps.inodes"),
+    ] {
+        let err = NodePolicy::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+    assert!(NodePolicy::from_yaml("mps: {size: 1Gi}").is_err());
+}

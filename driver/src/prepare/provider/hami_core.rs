@@ -71,9 +71,24 @@ impl Provider for HamiCore {
                 .iter()
                 .position(|u| *u == device.resolved.gpu.uuid)
                 .expect("every member's GPU is visible");
+            if l.shared_memory_bytes.is_some() {
+                // HAMi-core runs no daemon with a /dev/shm of its own: the
+                // size asked for would be silently ignored.
+                return Err(EnforceError::Request {
+                    request: request.name.to_owned(),
+                    problem: format!(
+                        "request {}: sharedMemory is set, but device {} is an Isolated share \
+                         enforced by hami-core, which runs no MPS daemon and gives the \
+                         containers no /dev/shm of the claim's",
+                        request.name, device.resolved.selected.device
+                    ),
+                    fix: Some("remove sharedMemory from the claim's ShareConfig".into()),
+                });
+            }
             let at = at_index.entry(index).or_insert(Limits {
                 memory_bytes: 0,
                 compute_percent: 0,
+                shared_memory_bytes: None,
             });
             at.memory_bytes += l.memory_bytes;
             at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
@@ -313,6 +328,7 @@ mod tests {
         let l = Limits {
             memory_bytes: (10 << 30) + 12345,
             compute_percent: 25,
+            shared_memory_bytes: None,
         };
         assert_eq!(
             limit_env(1, &l).unwrap(),
@@ -324,6 +340,7 @@ mod tests {
         let tiny = Limits {
             memory_bytes: 1000,
             compute_percent: 10,
+            shared_memory_bytes: None,
         };
         assert!(limit_env(0, &tiny).unwrap_err().contains("no limit"));
     }

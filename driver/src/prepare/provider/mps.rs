@@ -55,7 +55,8 @@ fn target(device: &Resolved) -> MpsTarget {
 
 /// The daemons a claim needs: one per request and device, with the limits
 /// of the request's devices there added up (two shares of one GPU in a
-/// request are one client's), compute capped at 100%.
+/// request are one client's), compute capped at 100%, the largest
+/// `/dev/shm` asked for.
 fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Limits> {
     let mut daemons: BTreeMap<MpsTarget, Limits> = BTreeMap::new();
     for device in devices {
@@ -65,7 +66,9 @@ fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Limits> {
         let at = daemons.entry(target(&device.resolved)).or_insert(Limits {
             memory_bytes: 0,
             compute_percent: 0,
+            shared_memory_bytes: None,
         });
+        at.shared_memory_bytes = at.shared_memory_bytes.max(l.shared_memory_bytes);
         at.memory_bytes += l.memory_bytes;
         at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
     }
@@ -187,6 +190,7 @@ impl Provider for Mps {
         let limits = crate::mps::ClientLimits {
             memory_bytes: client.limits.memory_bytes,
             thread_percent: client.limits.compute_percent,
+            shm_bytes: client.limits.shared_memory_bytes,
         };
         let env = crate::mps::client_limit_env(&request.visible[0], limits).map_err(|e| {
             EnforceError::Request {

@@ -153,6 +153,7 @@ fn share(
         limits: Some(Limits {
             memory_bytes,
             compute_percent: cores,
+            shared_memory_bytes: None,
         }),
     };
     let mut device = Device {
