@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::mps::{
     CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError,
-    MpsSupervisor, PID_FILE, ProcessId, RECORD, ShmPolicy,
+    MpsSupervisor, PID_FILE, ProcessId, RECORD, ShmPolicy, kept_mask,
 };
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
@@ -467,6 +467,75 @@ fn each_daemon_has_bounded_directories_of_its_own() {
     assert_eq!(below(&a), 0, "release left a mount");
     assert_eq!(below(&b), 2);
     assert!(!s.root(&a).exists());
+}
+
+/// A line `<name>:\t<hex>` of /proc/<pid>/status.
+fn status_hex(pid: i32, name: &str) -> u64 {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let value = status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}:")))
+        .unwrap_or_else(|| panic!("no {name} in the status of {pid}"))
+        .trim();
+    u64::from_str_radix(value, 16).unwrap_or_else(|_| value.parse().unwrap())
+}
+
+#[test]
+fn a_daemon_has_only_the_capabilities_and_mounts_mps_needs() {
+    let s = Scratch::new();
+    let sup = MpsSupervisor::new(s.config());
+    let (mine, other) = (key(1, GPU0), key(2, GPU0));
+    let d = sup.ensure(&mine, LIMITS).unwrap();
+    let neighbour = sup.ensure(&other, LIMITS).unwrap();
+    // Capabilities: the kept ones, for good (bounding set), and no way
+    // back through a setuid binary.
+    assert_eq!(status_hex(d.pid, "CapEff"), kept_mask());
+    assert_eq!(status_hex(d.pid, "CapBnd"), kept_mask());
+    assert_eq!(status_hex(d.pid, "NoNewPrivs"), 1);
+    // Mounts: the system's and the driver's files, its binary, /proc, the
+    // device nodes, its claim's directories; nothing else.
+    let binary = fs::canonicalize(fake_mps_control()).unwrap();
+    let allowed = |m: &Path| {
+        ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc"]
+            .iter()
+            .any(|d| m.starts_with(d))
+            || m == Path::new("/")
+            || m == Path::new("/proc")
+            || m == binary
+            || m == Path::new("/dev/shm")
+            || m.parent() == Some(Path::new("/dev"))
+            || m == d.pipe_dir
+            || m == d.log_dir
+    };
+    let mountinfo = fs::read_to_string(format!("/proc/{}/mountinfo", d.pid)).unwrap();
+    let points: Vec<&Path> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(Path::new)
+        .collect();
+    for point in &points {
+        assert!(
+            allowed(point),
+            "the daemon sees {}:\n{mountinfo}",
+            point.display()
+        );
+    }
+    for must in [Path::new("/dev/shm"), &d.pipe_dir, &d.log_dir] {
+        assert!(points.contains(&must), "{} is not mounted", must.display());
+    }
+    // Through its root: neither its record nor the neighbour's directories,
+    // nor the node's state directory beyond its own two.
+    let root = PathBuf::from(format!("/proc/{}/root", d.pid));
+    let seen = |p: &Path| root.join(p.strip_prefix("/").unwrap()).exists();
+    assert!(seen(&d.pipe_dir.join(CONTROL)));
+    assert!(!seen(&s.root(&mine).join(RECORD)));
+    assert!(!seen(&neighbour.pipe_dir));
+    assert!(!seen(&neighbour.shm_dir));
+    // It still serves: its limits are set and answered.
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_active_thread_percentage"),
+        (true, "25.0\n".into())
+    );
 }
 
 #[test]

@@ -64,6 +64,7 @@ use super::limits::{self, ClientLimits};
 use super::process::{self, Handle, Pidfd, ProcessId};
 use super::supervisor::{MpsConfig, MpsError};
 use super::tmpfs::{self, ClientDir};
+use super::view::{Role, View, ViewSpec};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
 
@@ -385,6 +386,12 @@ impl Daemon {
     /// its defaults, wait for its control endpoint and set the limits again
     /// through it. Called only when no recorded daemon runs.
     fn start(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
+        // A missing binary is said as such, before the view needs it.
+        fs::metadata(&config.control_binary).map_err(|source| MpsError::Launch {
+            device: self.record.key.device.clone(),
+            binary: config.control_binary.clone(),
+            source,
+        })?;
         for dir in [&self.root, &self.log_dir] {
             fs::create_dir_all(dir).map_err(self.io_err("creating", dir))?;
         }
@@ -405,8 +412,11 @@ impl Daemon {
         let err = out.try_clone().map_err(self.io_err("opening", &log))?;
         let deadline = Instant::now() + config.ready_timeout;
         let mut command = self.command(config);
-        launch::confine(&mut command, &self.shm_dir, config.host_cgroup.clone())
-            .map_err(self.io_err("naming", &self.shm_dir))?;
+        let view = self
+            .view_spec(config)
+            .and_then(|spec| View::prepare(&spec, Role::Daemon))
+            .map_err(self.io_err("preparing the mount view of the daemon in", &self.root))?;
+        launch::confine(&mut command, view, config.host_cgroup.clone());
         for entry in &limit_env {
             let (name, value) = entry.split_once('=').expect("NAME=value");
             command.env(name, value);
@@ -544,15 +554,39 @@ impl Daemon {
         Ok(was_running)
     }
 
+    /// What the daemon and its control client see (see `view.rs`); the
+    /// view is built on the host-only `view/` directory.
+    fn view_spec(&self, config: &MpsConfig) -> std::io::Result<ViewSpec> {
+        let root = self.root.join("view");
+        fs::create_dir_all(&root)?;
+        Ok(ViewSpec {
+            root,
+            driver_root: config.driver_root.clone(),
+            dev_root: config.dev_root.clone(),
+            binary: fs::canonicalize(&config.control_binary)?,
+            pipe_dir: self.pipe_dir.clone(),
+            log_dir: self.log_dir.clone(),
+            shm_dir: self.shm_dir.clone(),
+        })
+    }
+
     /// `echo <commands> | nvidia-cuda-mps-control` with the daemon's pipe
     /// directory; whether the client ran and succeeded. Its output is not
-    /// read. The endpoint is looked at (a socket, never a symlink) first.
+    /// read. The client sees only the endpoint checked here (a socket or
+    /// fifo, opened without following a link), in a view of its own.
     fn send(&self, config: &MpsConfig, commands: &str) -> bool {
-        if !endpoint_ready(&self.pipe_dir) {
+        let Some(endpoint) = endpoint_inode(&self.pipe_dir) else {
             return false;
-        }
-        let Ok(mut client) = self
-            .command(config)
+        };
+        let Ok(view) = self
+            .view_spec(config)
+            .and_then(|spec| View::prepare(&spec, Role::Client { endpoint }))
+        else {
+            return false;
+        };
+        let mut command = self.command(config);
+        launch::confine(&mut command, view, None);
+        let Ok(mut client) = command
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -600,6 +634,15 @@ impl Daemon {
         self.record.daemon = None;
         self.persist()
     }
+}
+
+/// The control endpoint's (device, inode), if it is a socket or fifo
+/// itself (not followed): the one inode the control client may reach.
+fn endpoint_inode(pipe_dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = pipe_dir.join(CONTROL).symlink_metadata().ok()?;
+    let t = meta.file_type();
+    (t.is_socket() || t.is_fifo()).then(|| (meta.dev(), meta.ino()))
 }
 
 /// Whether the control endpoint is there: a socket (or fifo) itself, not a

@@ -3,10 +3,10 @@
 //!
 //! - **Shared memory.** The MPS server and its clients share memory through
 //!   `/dev/shm`, so a client in a container needs the server's. Each daemon
-//!   runs in a mount namespace of its own whose `/dev/shm` is its claim's
-//!   `shm/` directory; the same directory is mounted at `/dev/shm` in that
-//!   claim's containers only. No claim sees another claim's segments, and a
-//!   daemon never sees the node's `/dev/shm`.
+//!   runs in a mount view of its own (`view.rs`) whose `/dev/shm` is its
+//!   claim's `shm/` directory; the same directory is mounted at `/dev/shm`
+//!   in that claim's containers only. No claim sees another claim's
+//!   segments, and a daemon never sees the node's `/dev/shm`.
 //! - **Outliving the container.** A container runtime ends every process of
 //!   a container's cgroup when the container stops (and the kubelet those of
 //!   a Pod's cgroup when it removes the Pod), and a PID namespace ends with
@@ -26,6 +26,8 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
+
+use super::view::View;
 
 /// `statfs` magic of a cgroup v2 filesystem.
 const CGROUP2_MAGIC: i64 = 0x6367_7270;
@@ -249,55 +251,18 @@ fn inherit_cpuset(hierarchy: &Path, dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// How a daemon process is placed: its shared memory directory as its
-/// `/dev/shm`, and the host cgroup if there is one.
-pub(super) fn confine(
-    cmd: &mut Command,
-    shm_dir: &Path,
-    cgroup: Option<Arc<HostCgroup>>,
-) -> io::Result<()> {
-    let shm = CString::new(shm_dir.as_os_str().as_bytes())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+/// How a daemon (or its control client) is placed: in its own view (see
+/// the `view` module), and in the host cgroup if there is one.
+pub(super) fn confine(cmd: &mut Command, view: View, cgroup: Option<Arc<HostCgroup>>) {
     let closure = move || {
         if let Some(cgroup) = &cgroup {
             cgroup.join()?;
         }
-        own_dev_shm(&shm)
+        view.enter()
     };
     // SAFETY: the closure makes only async-signal-safe system calls on
     // values prepared before the fork.
     unsafe { cmd.pre_exec(closure) };
-    Ok(())
-}
-
-/// In a new mount namespace (whose mounts do not travel back to the host),
-/// `shm` bind-mounted on `/dev/shm`.
-fn own_dev_shm(shm: &CString) -> io::Result<()> {
-    let check = |rc: libc::c_int| {
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    };
-    // SAFETY: unshare/mount with NUL-terminated strings and null data.
-    unsafe {
-        check(libc::unshare(libc::CLONE_NEWNS))?;
-        check(libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_SLAVE,
-            std::ptr::null(),
-        ))?;
-        check(libc::mount(
-            shm.as_ptr(),
-            c"/dev/shm".as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        ))
-    }
 }
 
 /// A fresh launcher log in the host-only log directory; the previous one is

@@ -9,8 +9,10 @@
 //!   containers can write there, nothing found in it is trusted (see the
 //!   `daemon` module for what is trusted and why).
 //! - [`HostCgroup`]: where daemons run (`launch` module): each in a mount
-//!   namespace whose `/dev/shm` is its claim's, and, for a node process in
-//!   a container, in a cgroup of the host, so that they outlive it.
+//!   view of its own (`view` module: only the driver's files, the GPU's
+//!   nodes and its claim's directories; few capabilities; no new
+//!   privileges) whose `/dev/shm` is its claim's, and, for a node process
+//!   in a container, in a cgroup of the host, so that they outlive it.
 //! - [`client_limit_env`]: the same limits as the environment variables the
 //!   CUDA driver reads in the client (they can only lower the daemon's).
 //!
@@ -26,6 +28,7 @@ mod process;
 mod sharing;
 mod supervisor;
 mod tmpfs;
+mod view;
 
 pub use daemon::{
     CONTROL, DaemonKey, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, MpsDaemon, PID_FILE,
@@ -41,3 +44,4 @@ pub use supervisor::{
     DEFAULT_CONTROL_BINARY, MpsConfig, MpsError, MpsSupervisor, SupervisionReport, Watchdog,
 };
 pub use tmpfs::{DirBounds, ShmPolicy};
+pub use view::{KEPT as KEPT_CAPABILITIES, kept_mask};

@@ -47,6 +47,10 @@ pub struct MpsConfig {
     pub host_cgroup: Option<Arc<HostCgroup>>,
     /// The bounds of each daemon's `/dev/shm` and pipe directory.
     pub shm: ShmPolicy,
+    /// The driver's files a daemon sees (read-only) besides the system's.
+    pub driver_root: PathBuf,
+    /// Where the GPU device nodes a daemon sees are (`<dev_root>/dev`).
+    pub dev_root: PathBuf,
 }
 
 impl MpsConfig {
@@ -61,6 +65,8 @@ impl MpsConfig {
             env: Vec::new(),
             host_cgroup: None,
             shm: ShmPolicy::default(),
+            driver_root: driver_root.to_owned(),
+            dev_root: driver_root.to_owned(),
         }
     }
 }

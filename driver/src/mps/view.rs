@@ -1,0 +1,547 @@
+//! What an MPS control daemon, and the control client the driver runs
+//! against it, can see and do.
+//!
+//! The daemon runs as root (the MPS server it starts takes its client's
+//! uid), beside directories its claim's containers write. So, before it
+//! executes, the forked child:
+//!
+//! - gets a mount view of its own: a fresh root holding, read-only, the
+//!   system and driver files a CUDA tool loads (`/usr`, `/lib*`, `/bin`,
+//!   `/sbin`, `/etc`, the driver root, the control binary), `/proc`, a
+//!   `/dev` with only `null`, `zero`, `urandom` and the GPU's `nvidia*`
+//!   nodes, and read-write only its claim's two directories (pipe and log;
+//!   the claim's shared memory at `/dev/shm`). No other claim's directory,
+//!   no kubelet or CDI directory, no node state is in it;
+//! - keeps only the capabilities MPS needs ([`KEPT`]): starting the server
+//!   as the client's user (`SETUID`, `SETGID`), giving it and reaching its
+//!   files in the world-writable pipe directory (`CHOWN`, `FOWNER`,
+//!   `DAC_OVERRIDE`), and stopping it (`KILL`). The bounding set is cut to
+//!   them, so no exec regains the others;
+//! - sets `no_new_privs`: no setuid binary or file capability raises it.
+//!
+//! The control client (`quit`, the limits) gets the same view without
+//! `/proc`, with its pipe directory replaced by a tmpfs holding one entry:
+//! the daemon's control endpoint, bound from the inode the driver checked
+//! (a socket, reached without following a link). A symlink or another file
+//! a tenant puts in its place is never followed or seen.
+//!
+//! Everything the child does is a system call on values prepared here
+//! before the fork (it must be async-signal-safe).
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// Capabilities a daemon keeps (see the module documentation), by number.
+pub const KEPT: [u32; 6] = [
+    CAP_CHOWN,
+    CAP_DAC_OVERRIDE,
+    CAP_FOWNER,
+    CAP_KILL,
+    CAP_SETGID,
+    CAP_SETUID,
+];
+const CAP_CHOWN: u32 = 0;
+const CAP_DAC_OVERRIDE: u32 = 1;
+const CAP_FOWNER: u32 = 3;
+const CAP_KILL: u32 = 5;
+const CAP_SETGID: u32 = 6;
+const CAP_SETUID: u32 = 7;
+
+/// The system directories a daemon sees read-only, where they exist.
+const SYSTEM_DIRS: [&str; 7] = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc"];
+/// Device nodes every process expects.
+const BASIC_DEVICES: [&str; 3] = ["null", "zero", "urandom"];
+
+/// `KEPT` as a capability mask.
+pub fn kept_mask() -> u64 {
+    KEPT.iter().fold(0, |m, c| m | 1 << c)
+}
+
+/// What the daemon of one claim sees: paths as the node process sees them.
+#[derive(Debug, Clone)]
+pub struct ViewSpec {
+    /// An empty directory, host-only, where the new root is built.
+    pub root: PathBuf,
+    /// The driver root (`/` on a host install).
+    pub driver_root: PathBuf,
+    /// Where the GPU device nodes are (`<dev_root>/dev/nvidia*`).
+    pub dev_root: PathBuf,
+    /// The control binary, its symlinks resolved.
+    pub binary: PathBuf,
+    pub pipe_dir: PathBuf,
+    pub log_dir: PathBuf,
+    pub shm_dir: PathBuf,
+}
+
+/// Which process the view is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Daemon,
+    /// A control client, reaching only the control endpoint whose (device,
+    /// inode) the caller examined (a socket or fifo, not followed).
+    Client {
+        endpoint: (u64, u64),
+    },
+}
+
+/// One system call of building the view.
+#[derive(Debug)]
+enum Step {
+    /// A fresh tmpfs on the path (the new root, or a client's pipe dir).
+    Tmpfs(CString),
+    Mkdir(CString),
+    /// An empty file to bind a file or device node on.
+    Touch(CString),
+    Bind {
+        from: CString,
+        to: CString,
+        read_only: bool,
+    },
+    /// The endpoint, bound from its path and then checked to be the inode
+    /// the driver examined (device, inode): a link or another file swapped
+    /// in meanwhile fails the client instead of being reached.
+    Endpoint {
+        from: CString,
+        to: CString,
+        inode: (u64, u64),
+    },
+    /// A fresh procfs.
+    Proc(CString),
+}
+
+/// The prepared steps of one view, run in the forked child.
+#[derive(Debug)]
+pub struct View {
+    steps: Vec<Step>,
+    root: CString,
+    last_cap: u32,
+}
+
+fn c(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+}
+
+/// `root` joined with the absolute `path`.
+fn inside(root: &Path, path: &Path) -> PathBuf {
+    root.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+struct Builder {
+    root: PathBuf,
+    steps: Vec<Step>,
+    made: Vec<PathBuf>,
+    /// Directories bound at their own path.
+    bound: Vec<PathBuf>,
+}
+
+impl Builder {
+    /// Directories from the new root down to `path` (inside it).
+    fn dirs(&mut self, path: &Path) -> io::Result<()> {
+        let mut at = PathBuf::from("/");
+        for part in path.strip_prefix("/").unwrap_or(path).components() {
+            at.push(part);
+            if !self.made.contains(&at) {
+                self.made.push(at.clone());
+                self.steps.push(Step::Mkdir(c(&inside(&self.root, &at))?));
+            }
+        }
+        Ok(())
+    }
+
+    /// `from` (as the node process sees it) at `to` in the view.
+    fn bind(&mut self, from: &Path, to: &Path, read_only: bool) -> io::Result<()> {
+        if from == to && self.bound.iter().any(|d| to.starts_with(d)) {
+            // Already in the view (a binary under /usr).
+            return Ok(());
+        }
+        let meta = std::fs::metadata(from)?;
+        if meta.is_dir() && from == to {
+            self.bound.push(to.to_owned());
+        }
+        if meta.is_dir() {
+            self.dirs(to)?;
+        } else {
+            if let Some(parent) = to.parent() {
+                self.dirs(parent)?;
+            }
+            self.steps.push(Step::Touch(c(&inside(&self.root, to))?));
+        }
+        self.steps.push(Step::Bind {
+            from: c(from)?,
+            to: c(&inside(&self.root, to))?,
+            read_only,
+        });
+        Ok(())
+    }
+}
+
+impl View {
+    /// The steps for `spec`'s daemon or client; what does not exist on the
+    /// node (a `/lib32`, a GPU node) is left out.
+    pub fn prepare(spec: &ViewSpec, role: Role) -> io::Result<View> {
+        let mut b = Builder {
+            root: spec.root.clone(),
+            steps: vec![Step::Tmpfs(c(&spec.root)?)],
+            made: Vec::new(),
+            bound: Vec::new(),
+        };
+        for dir in SYSTEM_DIRS.map(Path::new) {
+            if dir.exists() {
+                b.bind(dir, dir, true)?;
+            }
+        }
+        if spec.driver_root != Path::new("/") && spec.driver_root.exists() {
+            b.bind(&spec.driver_root, &spec.driver_root, true)?;
+        }
+        b.bind(&spec.binary, &spec.binary, true)?;
+        b.dirs(Path::new("/dev"))?;
+        for name in BASIC_DEVICES {
+            let node = Path::new("/dev").join(name);
+            if node.exists() {
+                b.bind(&node, &node, false)?;
+            }
+        }
+        for node in gpu_nodes(&spec.dev_root.join("dev")) {
+            let to = Path::new("/dev").join(node.file_name().expect("a named entry"));
+            b.bind(&node, &to, false)?;
+        }
+        b.bind(&spec.log_dir, &spec.log_dir, false)?;
+        match role {
+            Role::Daemon => {
+                b.bind(&spec.shm_dir, Path::new("/dev/shm"), false)?;
+                b.bind(&spec.pipe_dir, &spec.pipe_dir, false)?;
+                b.dirs(Path::new("/proc"))?;
+                b.steps
+                    .push(Step::Proc(c(&inside(&b.root, Path::new("/proc")))?));
+            }
+            Role::Client { endpoint } => {
+                b.dirs(&spec.pipe_dir)?;
+                let pipe = inside(&b.root, &spec.pipe_dir);
+                b.steps.push(Step::Tmpfs(c(&pipe)?));
+                let control = spec.pipe_dir.join(super::daemon::CONTROL);
+                let to = c(&inside(&b.root, &control))?;
+                b.steps.push(Step::Touch(to.clone()));
+                b.steps.push(Step::Endpoint {
+                    from: c(&control)?,
+                    to,
+                    inode: endpoint,
+                });
+            }
+        }
+        let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(63);
+        Ok(View {
+            steps: b.steps,
+            root: c(&spec.root)?,
+            last_cap,
+        })
+    }
+
+    /// In the forked child: a mount namespace of its own whose root is the
+    /// view, then the capabilities cut and `no_new_privs` set.
+    /// Async-signal-safe: system calls on prepared values only.
+    pub fn enter(&self) -> io::Result<()> {
+        // SAFETY: every call below is a plain system call on NUL-terminated
+        // strings and plain data owned by `self`.
+        unsafe {
+            check(libc::unshare(libc::CLONE_NEWNS))?;
+            check(libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_SLAVE,
+                std::ptr::null(),
+            ))?;
+            for step in &self.steps {
+                self.run(step)?;
+            }
+            check(libc::chdir(self.root.as_ptr()))?;
+            // The old root stacks under the new one, then goes.
+            check(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as i32)?;
+            check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            check(libc::chdir(c"/".as_ptr()))?;
+        }
+        self.cut_capabilities()?;
+        // SAFETY: prctl with integer arguments.
+        check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
+    }
+
+    unsafe fn run(&self, step: &Step) -> io::Result<()> {
+        let null = std::ptr::null();
+        // SAFETY: as in `enter`.
+        unsafe {
+            match step {
+                Step::Tmpfs(at) => check(libc::mount(
+                    c"tessera-mps-view".as_ptr(),
+                    at.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    libc::MS_NOSUID | libc::MS_NODEV,
+                    c"size=64k,nr_inodes=1024,mode=755".as_ptr().cast(),
+                )),
+                Step::Mkdir(at) => match libc::mkdir(at.as_ptr(), 0o755) {
+                    0 => Ok(()),
+                    _ if io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) => Ok(()),
+                    _ => Err(io::Error::last_os_error()),
+                },
+                Step::Touch(at) => {
+                    let fd = libc::open(
+                        at.as_ptr(),
+                        libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+                        0o644,
+                    );
+                    if fd < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    libc::close(fd);
+                    Ok(())
+                }
+                Step::Bind {
+                    from,
+                    to,
+                    read_only,
+                } => {
+                    check(libc::mount(
+                        from.as_ptr(),
+                        to.as_ptr(),
+                        null,
+                        libc::MS_BIND | libc::MS_REC,
+                        null.cast(),
+                    ))?;
+                    if *read_only {
+                        check(libc::mount(
+                            null,
+                            to.as_ptr(),
+                            null,
+                            libc::MS_BIND
+                                | libc::MS_REMOUNT
+                                | libc::MS_RDONLY
+                                | libc::MS_NOSUID
+                                | libc::MS_NODEV,
+                            null.cast(),
+                        ))?;
+                    }
+                    Ok(())
+                }
+                Step::Endpoint { from, to, inode } => {
+                    check(libc::mount(
+                        from.as_ptr(),
+                        to.as_ptr(),
+                        null,
+                        libc::MS_BIND,
+                        null.cast(),
+                    ))?;
+                    let mut st: libc::stat = std::mem::zeroed();
+                    check(libc::lstat(to.as_ptr(), &mut st))?;
+                    if (st.st_dev, st.st_ino) != *inode {
+                        return Err(io::Error::from_raw_os_error(libc::ESTALE));
+                    }
+                    Ok(())
+                }
+                Step::Proc(at) => check(libc::mount(
+                    c"proc".as_ptr(),
+                    at.as_ptr(),
+                    c"proc".as_ptr(),
+                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                    null.cast(),
+                )),
+            }
+        }
+    }
+
+    /// The bounding set cut to [`KEPT`] (while `SETPCAP` still allows it),
+    /// then the process's own sets.
+    fn cut_capabilities(&self) -> io::Result<()> {
+        let kept = kept_mask();
+        for cap in 0..=self.last_cap {
+            if kept & (1 << cap) == 0 {
+                // SAFETY: prctl with integer arguments.
+                let rc =
+                    unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+                // EINVAL: a capability this kernel does not know.
+                if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+        }
+        let header = CapHeader {
+            version: LINUX_CAPABILITY_VERSION_3,
+            pid: 0,
+        };
+        let low = kept as u32;
+        let high = (kept >> 32) as u32;
+        let data = [
+            CapData {
+                effective: low,
+                permitted: low,
+                inheritable: low,
+            },
+            CapData {
+                effective: high,
+                permitted: high,
+                inheritable: high,
+            },
+        ];
+        // SAFETY: capset(2) with a header and two data structs we own.
+        check(unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as i32 })
+    }
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+fn check(rc: libc::c_int) -> io::Result<()> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The GPU's device nodes under `dev`: `nvidia*` entries (character
+/// devices, and the `nvidia-caps` directory).
+fn gpu_nodes(dev: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dev) else {
+        return Vec::new();
+    };
+    let mut nodes: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().as_bytes().starts_with(b"nvidia"))
+        .map(|e| e.path())
+        .collect();
+    nodes.sort();
+    nodes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::net::UnixListener;
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+
+    struct Pipe {
+        _dir: tempfile::TempDir,
+        spec: ViewSpec,
+        _control: UnixListener,
+        endpoint: (u64, u64),
+        outside: UnixListener,
+    }
+
+    /// A pipe directory with a listening control endpoint, and a socket
+    /// outside it a tenant would like the client to reach.
+    fn pipe() -> Pipe {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |p: &str| dir.path().join(p);
+        for d in ["view", "pipe", "log", "shm"] {
+            std::fs::create_dir(at(d)).unwrap();
+        }
+        let control = UnixListener::bind(at("pipe/control")).unwrap();
+        let meta = std::fs::symlink_metadata(at("pipe/control")).unwrap();
+        let outside = UnixListener::bind(at("outside")).unwrap();
+        outside.set_nonblocking(true).unwrap();
+        std::fs::write(at("pipe/left-by-a-tenant"), "x").unwrap();
+        let spec = ViewSpec {
+            root: at("view"),
+            driver_root: "/".into(),
+            dev_root: "/".into(),
+            binary: "/bin/sh".into(),
+            pipe_dir: at("pipe"),
+            log_dir: at("log"),
+            shm_dir: at("shm"),
+        };
+        Pipe {
+            spec,
+            _control: control,
+            endpoint: (meta.dev(), meta.ino()),
+            outside,
+            _dir: dir,
+        }
+    }
+
+    /// `sh -c script` in the view; `None` where this process may not make
+    /// mount namespaces (then there is nothing to test).
+    fn run_in(view: View, script: &str) -> Option<std::io::Result<std::process::ExitStatus>> {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c").arg(script);
+        // SAFETY: `enter` makes only async-signal-safe system calls.
+        unsafe { cmd.pre_exec(move || view.enter()) };
+        match cmd.status() {
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => None,
+            other => Some(other),
+        }
+    }
+
+    #[test]
+    fn the_client_sees_only_the_endpoint_it_was_given() {
+        let p = pipe();
+        let pipe_dir = p.spec.pipe_dir.display().to_string();
+        let view = View::prepare(
+            &p.spec,
+            Role::Client {
+                endpoint: p.endpoint,
+            },
+        )
+        .unwrap();
+        let script = format!(
+            "test -S {pipe_dir}/control && test ! -e {pipe_dir}/left-by-a-tenant && \
+             test ! -e {outside} && test ! -e /proc/1",
+            outside = p.spec.root.parent().unwrap().join("outside").display()
+        );
+        let Some(status) = run_in(view, &script) else {
+            return;
+        };
+        assert!(
+            status.unwrap().success(),
+            "the client saw more than its endpoint"
+        );
+    }
+
+    #[test]
+    fn a_link_swapped_in_for_the_endpoint_is_never_reached() {
+        let p = pipe();
+        let view = View::prepare(
+            &p.spec,
+            Role::Client {
+                endpoint: p.endpoint,
+            },
+        )
+        .unwrap();
+        // After the driver looked: the endpoint becomes a link outside.
+        let control = p.spec.pipe_dir.join("control");
+        std::fs::rename(&control, p.spec.pipe_dir.join("moved")).unwrap();
+        std::os::unix::fs::symlink(p.spec.root.parent().unwrap().join("outside"), &control)
+            .unwrap();
+        let Some(result) = run_in(view, "exit 0") else {
+            return;
+        };
+        let err = result.expect_err("the client must not start on a swapped endpoint");
+        assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
+        assert!(
+            p.outside.accept().is_err(),
+            "something connected to the socket outside"
+        );
+    }
+
+    #[test]
+    fn the_kept_capabilities_are_those_mps_needs() {
+        assert_eq!(kept_mask(), 0b1110_1011);
+    }
+}
