@@ -1243,3 +1243,193 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
     assert!(!alive(second));
     h.assert_unharmed(&[]);
 }
+
+#[test]
+fn a_fast_watchdog_never_revives_a_released_daemon() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    // The stop takes the quit timeout, then kills: a pass comes meanwhile.
+    config.quit_timeout = Duration::from_millis(300);
+    config
+        .env
+        .push(("TESSERA_FAKE_MPS_IGNORE_QUIT".into(), "1".into()));
+    let sup = Arc::new(MpsSupervisor::new(config));
+    let k = key(1, GPU0);
+    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let passes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let revived = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watchdog = {
+        let (passes, revived) = (passes.clone(), revived.clone());
+        sup.spawn_watchdog(Duration::from_millis(5), move |report| {
+            revived.lock().unwrap().extend(report.restarted.clone());
+            passes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    let count = || passes.load(std::sync::atomic::Ordering::SeqCst);
+    wait_until("the watchdog ran", || count() >= 2);
+    sup.release(&k).unwrap();
+    let released_at = count();
+    wait_until("three passes after the release", || {
+        count() >= released_at + 3
+    });
+    drop(watchdog);
+    assert!(!alive(pid));
+    assert_eq!(
+        *revived.lock().unwrap(),
+        [],
+        "a released daemon was revived"
+    );
+    assert!(!s.root(&k).exists(), "a record outlived the release");
+    assert!(s.daemons_left().is_empty());
+    assert_eq!(sup.supervised(), 0);
+}
+
+#[test]
+fn other_limits_replace_a_daemon_of_an_earlier_run() {
+    let s = Scratch::new();
+    let k = key(1, GPU0);
+    let first = MpsSupervisor::new(s.config())
+        .ensure(&k, LIMITS)
+        .unwrap()
+        .pid;
+    // The driver restarted; the claim is prepared again with other limits
+    // (its earlier prepare was rolled back).
+    let after = MpsSupervisor::new(s.config());
+    let other = ClientLimits {
+        memory_bytes: 16 << 30,
+        thread_percent: 50,
+    };
+    let d = after.ensure(&k, other).unwrap();
+    assert_ne!(d.pid, first, "the daemon with the old limits was adopted");
+    assert!(!alive(first));
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_active_thread_percentage"),
+        (true, "50.0\n".to_owned())
+    );
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
+        (true, "16384M\n".to_owned())
+    );
+    after.release(&k).unwrap();
+    assert!(!alive(d.pid));
+}
+
+/// Restarted keys as the watchdog reports them, one report at a time.
+fn restarts(
+    sup: &Arc<MpsSupervisor>,
+    every: Duration,
+) -> (
+    tessera_driver::mps::Watchdog,
+    std::sync::mpsc::Receiver<tessera_driver::mps::SupervisionReport>,
+) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let watchdog = sup.spawn_watchdog(every, move |report| {
+        let mine = tessera_driver::mps::SupervisionReport {
+            adopted: report.adopted.clone(),
+            restarted: report.restarted.clone(),
+            stopped: report.stopped.clone(),
+            failed: Vec::new(),
+        };
+        if !(mine.restarted.is_empty() && mine.stopped.is_empty()) {
+            let _ = tx.send(mine);
+        }
+    });
+    (watchdog, rx)
+}
+
+#[test]
+fn a_daemon_that_never_gets_ready_holds_up_no_other() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    config.ready_timeout = Duration::from_secs(10);
+    let sup = Arc::new(MpsSupervisor::new(config));
+    let (k1, k2) = (key(1, GPU0), key(2, GPU0));
+    let hung = sup.ensure(&k1, LIMITS).unwrap();
+    let other = sup.ensure(&k2, LIMITS).unwrap();
+    // A tenant removes its daemon's endpoint: the daemon runs on, never
+    // ready, and seeing to it takes the ready timeout. Another claim's
+    // daemon dies meanwhile.
+    fs::remove_file(hung.pipe_dir.join(CONTROL)).unwrap();
+    kill9(other.pid);
+    let (watchdog, reports) = restarts(&sup, Duration::from_millis(50));
+    let first = reports
+        .recv_timeout(Duration::from_secs(20))
+        .expect("no restart reported");
+    assert_eq!(
+        first.restarted,
+        std::slice::from_ref(&k2),
+        "claim 1's hung daemon held up claim 2's restart"
+    );
+    // The hung one's turn ends when it dies (or its timeout passes).
+    kill9(hung.pid);
+    let next = reports
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the hung daemon was not replaced");
+    assert_eq!(next.restarted, std::slice::from_ref(&k1));
+    drop(watchdog);
+    for k in [&k1, &k2] {
+        sup.release(k).unwrap();
+    }
+    assert!(s.daemons_left().is_empty());
+}
+
+#[test]
+fn hung_daemons_at_start_are_seen_to_together_in_the_background() {
+    let s = Scratch::new();
+    let keys: Vec<_> = (1..=8).map(|n| key(n, GPU0)).collect();
+    let pids: Vec<i32> = {
+        let before = MpsSupervisor::new(s.config());
+        keys.iter()
+            .map(|k| before.ensure(k, LIMITS).unwrap().pid)
+            .collect()
+    };
+    // Seven daemons run on without their endpoints: each makes a
+    // supervisor wait the ready timeout before replacing it. The eighth's
+    // claim is no longer prepared.
+    let (hung, gone) = keys.split_at(7);
+    for k in hung {
+        fs::remove_file(s.pipe_dir(k).join(CONTROL)).unwrap();
+    }
+    let ready_timeout = Duration::from_secs(4);
+    let mut config = s.config();
+    config.ready_timeout = ready_timeout;
+    let after = Arc::new(MpsSupervisor::new(config));
+
+    // What the node process does before it serves.
+    let started = Instant::now();
+    let marked = after.release_claims_unless(|c| *c != claim(8));
+    let (watchdog, reports) = restarts(&after, Duration::from_secs(60));
+    let serving = started.elapsed();
+    assert!(marked.failed.is_empty(), "{marked:?}");
+    assert!(
+        serving < Duration::from_secs(1),
+        "supervision held up serving for {serving:?}"
+    );
+    assert!(
+        alive(pids[7]),
+        "stopped before serving: nothing should wait"
+    );
+
+    let (mut restarted, mut stopped) = (Vec::new(), Vec::new());
+    while restarted.len() < hung.len() || stopped.is_empty() {
+        let report = reports
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("restarted {restarted:?}, stopped {stopped:?} so far"));
+        restarted.extend(report.restarted);
+        stopped.extend(report.stopped);
+    }
+    let took = started.elapsed();
+    restarted.sort();
+    assert_eq!(restarted, hung);
+    assert_eq!(stopped, gone);
+    assert!(
+        took < 3 * ready_timeout,
+        "7 hung daemons took {took:?}: one after the other, not together"
+    );
+    drop(watchdog);
+    assert!(pids.iter().all(|p| !alive(*p)));
+    for k in hung {
+        after.release(k).unwrap();
+    }
+    assert!(s.daemons_left().is_empty());
+}

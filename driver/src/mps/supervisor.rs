@@ -14,9 +14,9 @@ use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::daemon::{CONTROL, Daemon, DaemonKey, MpsDaemon, Outcome, RECORD, ignore_missing};
 use super::launch::HostCgroup;
@@ -164,15 +164,55 @@ pub struct SupervisionReport {
     pub failed: Vec<(String, MpsError)>,
 }
 
+impl SupervisionReport {
+    fn merge(&mut self, other: SupervisionReport) {
+        self.adopted.extend(other.adopted);
+        self.restarted.extend(other.restarted);
+        self.stopped.extend(other.stopped);
+        self.failed.extend(other.failed);
+    }
+
+    /// In key order, whichever daemon finished first.
+    fn sort(&mut self) {
+        self.adopted.sort();
+        self.restarted.sort();
+        self.stopped.sort();
+        self.failed.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+}
+
 /// Supervises the node's MPS control daemons, one per [`DaemonKey`].
 ///
 /// Every method blocks (process spawns, polling with deadlines) and is safe
 /// to call from several threads: calls for one daemon are serialized, calls
 /// for different daemons run in parallel.
+///
+/// A daemon is forgotten (its map entry removed) while its own lock is
+/// still held by whoever stopped it, and whoever takes that lock next
+/// checks the entry is still its: a supervision pass that was waiting never
+/// starts again a daemon that a release just stopped.
 pub struct MpsSupervisor {
     config: MpsConfig,
-    daemons: Mutex<BTreeMap<DaemonKey, Arc<Mutex<Daemon>>>>,
+    daemons: Mutex<BTreeMap<DaemonKey, Slot>>,
+    /// Called by a supervision pass between finding a daemon and taking its
+    /// lock, so that tests can stop it in that window.
+    #[cfg(test)]
+    before_lock: Mutex<Option<TestHook>>,
 }
+
+/// A daemon as the supervisor holds it.
+struct Held {
+    daemon: Daemon,
+    /// To be stopped (a claim no longer prepared, a stop that failed): a
+    /// supervision pass stops it rather than start it. `ensure` (a new
+    /// prepare) clears it.
+    released: bool,
+}
+
+type Slot = Arc<Mutex<Held>>;
+
+#[cfg(test)]
+type TestHook = Arc<dyn Fn(&DaemonKey) + Send + Sync>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -186,6 +226,8 @@ impl MpsSupervisor {
         MpsSupervisor {
             config,
             daemons: Mutex::new(BTreeMap::new()),
+            #[cfg(test)]
+            before_lock: Mutex::new(None),
         }
     }
 
@@ -198,26 +240,30 @@ impl MpsSupervisor {
     /// dead one is started again in a fresh pipe directory, and a new one is
     /// waited for until its control endpoint exists and it took the limits.
     pub fn ensure(&self, key: &DaemonKey, limits: ClientLimits) -> Result<MpsDaemon, MpsError> {
-        let daemon = self.daemon(key, Some(limits))?.expect("made when missing");
-        let mut d = lock(&daemon);
-        if d.record.limits != limits {
-            // Prepared again with other limits (an earlier prepare was
-            // rolled back): the running daemon has the old defaults.
-            d.kill()?;
-            d.record.limits = limits;
-        }
-        d.persist()?;
-        match d.ensure_running(&self.config) {
-            Ok(_) => Ok(d.info()),
-            Err(e) => {
-                // Nothing half-made stays: the daemon error is the one to
-                // report.
-                let _ = d.stop(&self.config);
-                drop(d);
-                lock(&self.daemons).remove(key);
-                Err(e)
+        self.with_daemon(key, Some(limits), |held| {
+            held.released = false;
+            let d = &mut held.daemon;
+            if d.record.limits != limits {
+                // Prepared again with other limits (an earlier prepare was
+                // rolled back): the running daemon has the old defaults. Take
+                // hold of a daemon of an earlier run first, or it would be
+                // adopted as it is.
+                d.liveness()?;
+                d.kill()?;
+                d.record.limits = limits;
             }
-        }
+            d.persist()?;
+            match d.ensure_running(&self.config) {
+                Ok(_) => Ok(d.info()),
+                Err(e) => {
+                    // Nothing half-made stays: the daemon error is the one
+                    // to report.
+                    let _ = self.retire(key, held);
+                    Err(e)
+                }
+            }
+        })?
+        .expect("made when missing")
     }
 
     /// Stop the daemon of `key` (`quit`, then SIGKILL through the driver's
@@ -231,8 +277,8 @@ impl MpsSupervisor {
         self.stop(key).map(|_| ())
     }
 
-    /// Stop the daemons of every claim for which `keep` is false (claims the
-    /// checkpoint does not know after a crash).
+    /// Stop the daemons of every claim for which `keep` is false (a lost
+    /// claim released at unprepare), now.
     pub fn retain_claims(&self, keep: impl Fn(&ClaimUid) -> bool) -> SupervisionReport {
         let mut report = SupervisionReport::default();
         for key in self.known_daemons(&mut report) {
@@ -250,62 +296,201 @@ impl MpsSupervisor {
 
     /// Stop a daemon and forget it; whether it was running.
     fn stop(&self, key: &DaemonKey) -> Result<bool, MpsError> {
-        let Some(daemon) = self.daemon(key, None)? else {
-            return Ok(false);
-        };
-        let was_running = lock(&daemon).stop(&self.config)?;
+        match self.with_daemon(key, None, |held| self.retire(key, held))? {
+            Some(stopped) => stopped,
+            None => Ok(false),
+        }
+    }
+
+    /// Stop the daemon `held` (locked by the caller) and forget it while
+    /// its lock is still held. A daemon that could not be stopped stays,
+    /// released: the next supervision pass tries again, and never restarts
+    /// it.
+    fn retire(&self, key: &DaemonKey, held: &mut Held) -> Result<bool, MpsError> {
+        held.released = true;
+        let was_running = held.daemon.stop(&self.config)?;
         lock(&self.daemons).remove(key);
         remove_if_empty(&self.config.state_dir.join(key.claim.as_str()));
         Ok(was_running)
     }
 
-    /// One supervision pass over every daemon this supervisor has a record
-    /// of (on disk or in memory): adopt recorded daemons and restart dead
-    /// ones. Call it at start and periodically
-    /// ([`MpsSupervisor::spawn_watchdog`]).
-    pub fn supervise(&self) -> SupervisionReport {
+    /// Mark the daemons of every claim for which `keep` is false (claims
+    /// the checkpoint does not know after a restart) to be stopped by the
+    /// next supervision pass, which does it in the background. Unlike
+    /// [`MpsSupervisor::retain_claims`], this waits on no daemon; a prepare
+    /// of such a claim before that pass keeps its daemon. Call it before
+    /// serving, then [`MpsSupervisor::spawn_watchdog`].
+    pub fn release_claims_unless(&self, keep: impl Fn(&ClaimUid) -> bool) -> SupervisionReport {
         let mut report = SupervisionReport::default();
         for key in self.known_daemons(&mut report) {
-            let daemon = match self.daemon(&key, None) {
-                Ok(Some(d)) => d,
-                Ok(None) => continue,
-                Err(e) => {
-                    report.failed.push((key.to_string(), e));
-                    continue;
-                }
-            };
-            let mut d = lock(&daemon);
-            match d.ensure_running(&self.config) {
-                Ok(Outcome::AlreadyRunning) => {}
-                Ok(Outcome::Adopted) => report.adopted.push(key),
-                Ok(Outcome::Started) => report.restarted.push(key),
-                Err(e) => report.failed.push((key.to_string(), e)),
+            if keep(&key.claim) {
+                continue;
+            }
+            if let Err(e) = self.with_daemon(&key, None, |held| held.released = true) {
+                report.failed.push((key.to_string(), e));
             }
         }
         report
     }
 
-    /// Run [`MpsSupervisor::supervise`] every `every` on a thread until the
-    /// returned handle is dropped. `on_pass` sees each pass's report (to log
-    /// or count restarts).
+    /// One supervision pass over every daemon this supervisor has a record
+    /// of (on disk or in memory): adopt recorded daemons, restart dead
+    /// ones and stop released ones. Each daemon is seen to on a thread of
+    /// its own (a restart may wait up to the ready timeout, twice), so the
+    /// pass takes as long as its slowest daemon, not their sum. Call it at
+    /// start and periodically ([`MpsSupervisor::spawn_watchdog`]).
+    pub fn supervise(&self) -> SupervisionReport {
+        let mut report = SupervisionReport::default();
+        let keys = self.known_daemons(&mut report);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = keys
+                .iter()
+                .map(|key| {
+                    let work = || self.supervise_one(key);
+                    (key, worker_thread().spawn_scoped(scope, work))
+                })
+                .collect();
+            for (key, worker) in workers {
+                let done = match worker {
+                    Ok(worker) => worker
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+                    // No thread to spare: see to it here.
+                    Err(_) => self.supervise_one(key),
+                };
+                report.merge(done);
+            }
+        });
+        report.sort();
+        report
+    }
+
+    /// Adopt, restart or stop the daemon of `key`. A daemon someone else
+    /// holds (a prepare, a release, an earlier pass still at it) is theirs
+    /// to see to: it is skipped, so one slow daemon holds up no pass.
+    fn supervise_one(&self, key: &DaemonKey) -> SupervisionReport {
+        let mut report = SupervisionReport::default();
+        let slot = match self.slot(key, None) {
+            Ok(Some(slot)) => slot,
+            Ok(None) => return report,
+            Err(e) => {
+                report.failed.push((key.to_string(), e));
+                return report;
+            }
+        };
+        #[cfg(test)]
+        if let Some(hook) = lock(&self.before_lock).clone() {
+            hook(key);
+        }
+        let mut held = match slot.try_lock() {
+            Ok(held) => held,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return report,
+        };
+        if !self.is_current(key, &slot) {
+            // Stopped and forgotten since it was found.
+            return report;
+        }
+        if held.released {
+            match self.retire(key, &mut held) {
+                Ok(true) => report.stopped.push(key.clone()),
+                Ok(false) => {}
+                Err(e) => report.failed.push((key.to_string(), e)),
+            }
+            return report;
+        }
+        match held.daemon.ensure_running(&self.config) {
+            Ok(Outcome::AlreadyRunning) => {}
+            Ok(Outcome::Adopted) => report.adopted.push(key.clone()),
+            Ok(Outcome::Started) => report.restarted.push(key.clone()),
+            Err(e) => report.failed.push((key.to_string(), e)),
+        }
+        report
+    }
+
+    /// Supervise every `every` on a thread until the returned handle is
+    /// dropped, starting now. Each pass sees to every daemon on a thread of
+    /// its own and does not wait on any: a daemon still being seen to when
+    /// the next pass is due is skipped by it (a tenant that keeps its
+    /// daemon from getting ready delays only its own claim), and what it
+    /// did is reported with a later pass. `on_pass` sees each pass's report
+    /// (to log or count restarts): what finished within the period.
     pub fn spawn_watchdog(
         self: &Arc<Self>,
         every: Duration,
         on_pass: impl Fn(&SupervisionReport) + Send + 'static,
     ) -> Watchdog {
-        let (stop, stopped) = mpsc::channel::<()>();
+        let (tx, messages) = mpsc::channel::<Message>();
         let me = Arc::clone(self);
+        let done = tx.clone();
         let thread = std::thread::Builder::new()
             .name("mps-watchdog".into())
-            .spawn(move || {
-                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
-                    on_pass(&me.supervise());
-                }
-            })
+            .spawn(move || me.watch(every, &done, &messages, on_pass))
             .expect("spawning the MPS watchdog thread");
         Watchdog {
-            stop: Some(stop),
+            stop: Some(tx),
             thread: Some(thread),
+        }
+    }
+
+    /// The watchdog's loop: a pass, its workers' results until all are in
+    /// or the next pass is due, `on_pass`, the rest of the period.
+    fn watch(
+        self: Arc<Self>,
+        every: Duration,
+        done: &mpsc::Sender<Message>,
+        messages: &mpsc::Receiver<Message>,
+        on_pass: impl Fn(&SupervisionReport),
+    ) {
+        // Results of workers that outlived their pass.
+        let mut late = SupervisionReport::default();
+        for pass in 0u64.. {
+            let mut report = std::mem::take(&mut late);
+            let mut waiting = 0usize;
+            for key in self.known_daemons(&mut report) {
+                let (me, done, k) = (Arc::clone(&self), done.clone(), key.clone());
+                let work = move || {
+                    let _ = done.send(Message::Done(pass, me.supervise_one(&k)));
+                };
+                match worker_thread().spawn(work) {
+                    Ok(_) => waiting += 1,
+                    Err(e) => report
+                        .failed
+                        .push((key.to_string(), self.no_thread(&key, e))),
+                }
+            }
+            let next = Instant::now() + every;
+            let mut reported = false;
+            loop {
+                if waiting == 0 && !reported {
+                    report.sort();
+                    on_pass(&report);
+                    reported = true;
+                }
+                match messages.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                    Ok(Message::Done(of, result)) => {
+                        if of == pass {
+                            waiting -= 1;
+                        }
+                        if reported { &mut late } else { &mut report }.merge(result);
+                    }
+                    Ok(Message::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                    Err(mpsc::RecvTimeoutError::Timeout) => break,
+                }
+            }
+            if !reported {
+                report.sort();
+                on_pass(&report);
+            }
+        }
+    }
+
+    fn no_thread(&self, key: &DaemonKey, source: std::io::Error) -> MpsError {
+        MpsError::Io {
+            device: key.device.clone(),
+            what: "starting a thread to supervise the daemon in",
+            path: self.config.state_dir.join(key.claim.as_str()),
+            source,
         }
     }
 
@@ -315,8 +500,8 @@ impl MpsSupervisor {
         self.known_daemons(&mut report)
             .into_iter()
             .filter_map(|key| {
-                let daemon = self.daemon(&key, None).ok()??;
-                Some(lock(&daemon).info())
+                self.with_daemon(&key, None, |held| held.daemon.info())
+                    .ok()?
             })
             .collect()
     }
@@ -330,12 +515,41 @@ impl MpsSupervisor {
 
     // -- internals -----------------------------------------------------------
 
-    /// The daemon of `key`: held, recorded, or (given `limits`) new.
-    fn daemon(
+    /// Run `f` on the daemon of `key` (see [`MpsSupervisor::slot`]) under
+    /// its lock; `None` when there is none. A daemon stopped and forgotten
+    /// while this waited for its lock is looked up again: `f` never sees a
+    /// daemon the supervisor no longer holds.
+    fn with_daemon<R>(
         &self,
         key: &DaemonKey,
         limits: Option<ClientLimits>,
-    ) -> Result<Option<Arc<Mutex<Daemon>>>, MpsError> {
+        f: impl FnOnce(&mut Held) -> R,
+    ) -> Result<Option<R>, MpsError> {
+        loop {
+            let Some(slot) = self.slot(key, limits)? else {
+                return Ok(None);
+            };
+            let mut held = lock(&slot);
+            if self.is_current(key, &slot) {
+                return Ok(Some(f(&mut held)));
+            }
+        }
+    }
+
+    /// Whether `slot` is still the daemon of `key` (not forgotten since it
+    /// was found). Called with the slot's lock held.
+    fn is_current(&self, key: &DaemonKey, slot: &Slot) -> bool {
+        lock(&self.daemons)
+            .get(key)
+            .is_some_and(|held| Arc::ptr_eq(held, slot))
+    }
+
+    /// The daemon of `key`: held, recorded, or (given `limits`) new.
+    fn slot(
+        &self,
+        key: &DaemonKey,
+        limits: Option<ClientLimits>,
+    ) -> Result<Option<Slot>, MpsError> {
         if !is_device_uuid(&key.device) {
             return Err(MpsError::BadDevice(key.device.clone()));
         }
@@ -346,9 +560,12 @@ impl MpsSupervisor {
         let Some(daemon) = Daemon::load(&self.config.state_dir, key, limits)? else {
             return Ok(None);
         };
-        let daemon = Arc::new(Mutex::new(daemon));
-        daemons.insert(key.clone(), Arc::clone(&daemon));
-        Ok(Some(daemon))
+        let slot = Arc::new(Mutex::new(Held {
+            daemon,
+            released: false,
+        }));
+        daemons.insert(key.clone(), Arc::clone(&slot));
+        Ok(Some(slot))
     }
 
     /// Daemons with a record under the state dir or an in-memory entry.
@@ -436,17 +653,35 @@ fn remove_if_empty(dir: &Path) {
     let _ = fs::remove_dir(dir);
 }
 
-/// Stops the watchdog thread when dropped.
+/// A supervision thread's name; the workers of a pass.
+fn worker_thread() -> std::thread::Builder {
+    std::thread::Builder::new().name("mps-supervise".into())
+}
+
+/// What the watchdog thread hears.
+enum Message {
+    /// A worker of pass `.0` finished.
+    Done(u64, SupervisionReport),
+    Stop,
+}
+
+/// Stops the watchdog thread when dropped. Workers still seeing to a
+/// daemon finish on their own.
 pub struct Watchdog {
-    stop: Option<mpsc::Sender<()>>,
+    stop: Option<mpsc::Sender<Message>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        drop(self.stop.take());
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(Message::Stop);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

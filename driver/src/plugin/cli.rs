@@ -565,7 +565,10 @@ async fn take_state_lock(
 
 /// Bring the MPS daemons in line with the checkpoint (claims that were
 /// unprepared while the plugin was down release theirs; daemons of prepared
-/// claims that died are restarted), then keep them alive.
+/// claims that died are restarted), then keep them alive. Only the marking
+/// happens here: the stops, adoptions and restarts run in the watchdog's
+/// first pass, in parallel and in the background, so hung daemons never
+/// delay serving.
 fn supervise_mps(
     mps: &Arc<MpsSupervisor>,
     preparer: &Preparer,
@@ -575,8 +578,7 @@ fn supervise_mps(
         preparer.entries().into_iter().map(|(uid, _)| uid).collect();
     // A claim whose record was lost keeps its daemons: its Pod may run.
     let lost = preparer.lost_claims();
-    log_supervision(&mps.retain_claims(|uid| prepared.contains(uid) || lost.may_hold(uid)));
-    log_supervision(&mps.supervise());
+    log_supervision(&mps.release_claims_unless(|uid| prepared.contains(uid) || lost.may_hold(uid)));
     let watchdog = mps.spawn_watchdog(MPS_WATCHDOG_PERIOD, move |report| {
         if let Some(metrics) = &metrics {
             metrics.mps_restarted(report.restarted.len());
