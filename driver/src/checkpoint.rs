@@ -13,8 +13,16 @@
 //! exactly the bytes that were written, independent of JSON formatting.
 //!
 //! * Versioned: an unknown version is treated like corruption, never guessed at.
+//!   Within a version a newer release may add fields an older one does not
+//!   know (a rollback): the older one keeps the claim with what it knows and
+//!   reports the rest ([`Checkpoint::unknown_fields`]) instead of losing
+//!   every claim. A change an older version must not ignore bumps the
+//!   version.
 //! * Checksummed: a torn or bit-flipped record is detected, moved aside and
-//!   reported; the daemon starts without it instead of crash-looping.
+//!   reported; the daemon starts without it instead of crash-looping. A
+//!   record that cannot be *read* (an I/O error) is not moved aside: start-up
+//!   retries it, then fails, so a valid record is never lost to a passing
+//!   fault.
 //! * Boot-scoped: CDI specs live on tmpfs and MIG instances and MPS daemons do
 //!   not survive a reboot, so a record from another boot describes nothing
 //!   that still exists and is removed.
@@ -109,11 +117,24 @@ pub enum CheckpointError {
     },
 }
 
-/// How many moved-aside records are kept for inspection; the oldest go
-/// first. Each also marks its claim as lost (below), so the bound is well
-/// above the claims a node holds at once.
+/// How many moved-aside records that no longer mark a lost claim (released,
+/// or of another boot) are kept for inspection; the oldest go first. Those
+/// of claims still lost are always kept: they are what says so.
 pub const QUARANTINE_KEPT: usize = 64;
 const QUARANTINE_MARK: &str = ".corrupt-";
+/// A moved-aside record whose claim the kubelet has since unprepared.
+const RELEASED_MARK: &str = ".released-";
+/// Attempts to read a record before start-up fails.
+const READ_ATTEMPTS: u32 = 3;
+
+/// What the records hold per claim.
+pub trait Entry: Serialize + DeserializeOwned + Clone {
+    /// What can still be read of an entry that does not decode whole (a
+    /// damaged record), as a hint of what to release; `None` if nothing.
+    fn salvage(_entry: &serde_json::Value) -> Option<Self> {
+        None
+    }
+}
 
 /// Claims whose records were moved aside (now or at an earlier start of
 /// this boot): their Pods may still run, so what they may use stays until
@@ -124,6 +145,9 @@ pub struct Lost<T> {
     /// still decode (checksum not verified): a hint of what to release,
     /// never a record to answer from.
     pub claims: BTreeMap<ClaimUid, Option<T>>,
+    /// Lost claims whose entries decoded only in part (or not at all):
+    /// releasing what was salvaged may leave something behind.
+    pub in_part: std::collections::BTreeSet<ClaimUid>,
     /// A moved-aside file names no claim (a version 1 file, a misnamed
     /// record): any claim the records do not know may be a lost one.
     pub unnamed: bool,
@@ -133,6 +157,7 @@ impl<T> Default for Lost<T> {
     fn default() -> Self {
         Lost {
             claims: BTreeMap::new(),
+            in_part: Default::default(),
             unnamed: false,
         }
     }
@@ -155,6 +180,9 @@ pub struct Checkpoint<T> {
     boot_id: String,
     claims: Mutex<BTreeMap<ClaimUid, T>>,
     lost: Mutex<Lost<T>>,
+    /// Restored claims whose records have fields this version does not
+    /// know (written by a newer one), with those fields.
+    unknown: Mutex<BTreeMap<ClaimUid, Vec<String>>>,
 }
 
 /// What start-up found, before it becomes a [`LoadOutcome`].
@@ -165,7 +193,7 @@ struct Found {
     quarantined: Vec<(PathBuf, String)>,
 }
 
-impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
+impl<T: Entry> Checkpoint<T> {
     /// Open the records under `state_dir` for the boot identified by the
     /// contents of `boot_id_file` (normally [`KERNEL_BOOT_ID`]).
     pub fn open(
@@ -184,13 +212,17 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             boot_id,
             claims: Mutex::new(BTreeMap::new()),
             lost: Mutex::new(Lost::default()),
+            unknown: Mutex::new(BTreeMap::new()),
         };
         let mut found = Found::default();
         checkpoint.migrate(&state_dir.join(LEGACY_FILE), &mut found)?;
         checkpoint.load(&mut found)?;
-        prune_quarantined(&checkpoint.dir, QUARANTINE_KEPT);
-        *checkpoint.lost.lock().unwrap_or_else(|p| p.into_inner()) =
-            find_lost(&checkpoint.dir, state_dir, &checkpoint.boot_id);
+        // The lost claims first: pruning never removes what says a claim
+        // is lost, however many there are (a rollback may move aside every
+        // record of the node).
+        let (lost, marking) = find_lost(&checkpoint.dir, state_dir, &checkpoint.boot_id);
+        prune_quarantined(&checkpoint.dir, QUARANTINE_KEPT, &marking);
+        *checkpoint.lost.lock().unwrap_or_else(|p| p.into_inner()) = lost;
         let outcome = match found {
             Found { quarantined, .. } if !quarantined.is_empty() => LoadOutcome::Quarantined {
                 reason: (quarantined.iter())
@@ -237,7 +269,9 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
             }
             Ok((_, claims)) => found.previous_boot += claims.len(),
             Err(why) => {
-                found.quarantined.push((quarantine(legacy)?, why));
+                found
+                    .quarantined
+                    .push((quarantine(legacy, &self.boot_id)?, why));
                 return Ok(());
             }
         }
@@ -256,8 +290,11 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
         let mut claims = self.lock();
         for (stem, path) in files {
             match read_record::<T>(&stem, &path) {
-                Ok((claim, boot_id, entry)) if boot_id == self.boot_id => {
-                    claims.insert(claim, entry);
+                Ok(read) if read.boot == self.boot_id => {
+                    if !read.unknown.is_empty() {
+                        self.unknown_lock().insert(read.claim.clone(), read.unknown);
+                    }
+                    claims.insert(read.claim, read.entry);
                     found.restored += 1;
                 }
                 Ok(_) => {
@@ -267,10 +304,34 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
                     })?;
                     found.previous_boot += 1;
                 }
-                Err(why) => found.quarantined.push((quarantine(&path)?, why)),
+                // Gone between listing and reading: nothing to restore.
+                Err(RecordError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // The record may be valid: never moved aside for a fault of
+                // the disk or the process (EIO, EMFILE). Start-up fails and
+                // is retried; the claim is not lost.
+                Err(RecordError::Io(source)) => return Err(CheckpointError::Read { path, source }),
+                Err(RecordError::Invalid(why)) => found
+                    .quarantined
+                    .push((quarantine(&path, &self.boot_id)?, why)),
             }
         }
         Ok(())
+    }
+
+    fn unknown_lock(&self) -> MutexGuard<'_, BTreeMap<ClaimUid, Vec<String>>> {
+        self.unknown.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Restored claims whose records a newer version wrote with fields this
+    /// one does not know, with those fields (`entry.actions (1 of 3 items)`):
+    /// kept with what is known; what the rest describes is not undone here.
+    pub fn with_unknown_fields(&self) -> BTreeMap<ClaimUid, Vec<String>> {
+        self.unknown_lock().clone()
+    }
+
+    /// The fields of `claim`'s record this version does not know.
+    pub fn unknown_fields(&self, claim: &ClaimUid) -> Option<Vec<String>> {
+        self.unknown_lock().get(claim).cloned()
     }
 
     /// The entries in memory, for reading (every acknowledged change, and
@@ -298,10 +359,29 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
 
     /// Takes `claim` out of the lost ones (the kubelet unprepared it) and
     /// returns what was salvaged of its entry; `None` if it was not lost.
-    pub fn release_lost(&self, claim: &ClaimUid) -> Option<Option<T>> {
+    /// Its moved-aside records are marked released first, so the next start
+    /// of this boot does not find it lost again.
+    pub fn release_lost(&self, claim: &ClaimUid) -> Result<Option<Option<T>>, CheckpointError> {
         let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if lost.claims.contains_key(claim) {
+            for moved in moved_files(&self.dir) {
+                if moved.released || moved.claim().as_ref() != Some(claim) {
+                    continue;
+                }
+                let released = moved.path.with_file_name(moved.name.replacen(
+                    QUARANTINE_MARK,
+                    RELEASED_MARK,
+                    1,
+                ));
+                fs::rename(&moved.path, &released).map_err(|source| CheckpointError::Write {
+                    path: moved.path.clone(),
+                    source,
+                })?;
+            }
+        }
+        lost.in_part.remove(claim);
         let salvaged = lost.claims.remove(claim);
-        salvaged.or_else(|| lost.unnamed.then_some(None))
+        Ok(salvaged.or_else(|| lost.unnamed.then_some(None)))
     }
 
     /// Records `entry` for `claim` and returns once it is on disk. Other
@@ -333,7 +413,10 @@ impl<T: Serialize + DeserializeOwned + Clone> Checkpoint<T> {
         };
         let path = self.record_path(claim);
         match remove_if_present(&path) {
-            Ok(()) => Ok(Some(old)),
+            Ok(()) => {
+                self.unknown_lock().remove(claim);
+                Ok(Some(old))
+            }
             Err(source) => {
                 self.lock().insert(claim.clone(), old);
                 Err(CheckpointError::Write { path, source })
@@ -362,34 +445,90 @@ fn remove_if_present(path: &Path) -> std::io::Result<()> {
     }
 }
 
-/// The claims of the moved-aside files in `dir` (and a moved-aside
-/// version 1 file in `state_dir`), except those whose bytes still say they
-/// are of another boot.
-fn find_lost<T: DeserializeOwned>(dir: &Path, state_dir: &Path, boot_id: &str) -> Lost<T> {
-    let mut lost = Lost::default();
-    for (name, _) in quarantined_files(state_dir) {
-        lost.unnamed |= name.starts_with(LEGACY_FILE);
+/// A moved-aside file: `<name>.corrupt-<stamp>[.<boot id>]` (`.released-`
+/// once its claim was unprepared). Versions before the boot id in the name
+/// left it out.
+struct Moved {
+    name: String,
+    path: PathBuf,
+    /// The moved-aside file's own name before the mark (`<uid>.json`).
+    stem: String,
+    stamp: u64,
+    /// The boot it was moved aside in, when its name says.
+    boot: Option<String>,
+    released: bool,
+}
+
+impl Moved {
+    fn parse(name: &str, path: PathBuf) -> Option<Moved> {
+        let (stem, rest, released) = match name.split_once(QUARANTINE_MARK) {
+            Some((stem, rest)) => (stem, rest, false),
+            None => {
+                let (stem, rest) = name.split_once(RELEASED_MARK)?;
+                (stem, rest, true)
+            }
+        };
+        let (stamp, boot) = match rest.split_once('.') {
+            Some((stamp, boot)) => (stamp, Some(boot.to_owned())),
+            None => (rest, None),
+        };
+        Some(Moved {
+            name: name.to_owned(),
+            path,
+            stem: stem.to_owned(),
+            stamp: stamp.parse().ok()?,
+            boot,
+            released,
+        })
     }
-    for (name, path) in quarantined_files(dir) {
-        let stem = name.split(QUARANTINE_MARK).next().unwrap_or_default();
-        let Some(claim) = stem
-            .strip_suffix(RECORD_SUFFIX)
-            .and_then(|uid| ClaimUid::parse(uid).ok())
-        else {
+
+    /// The claim of a moved-aside record, if its name names one.
+    fn claim(&self) -> Option<ClaimUid> {
+        let uid = self.stem.strip_suffix(RECORD_SUFFIX)?;
+        ClaimUid::parse(uid).ok()
+    }
+}
+
+/// The claims of the moved-aside files in `dir` (and a moved-aside
+/// version 1 file in `state_dir`) of this boot, except those whose bytes
+/// still say they are of another boot; and the files that say so.
+fn find_lost<T: Entry>(
+    dir: &Path,
+    state_dir: &Path,
+    boot_id: &str,
+) -> (Lost<T>, std::collections::BTreeSet<PathBuf>) {
+    let mut lost = Lost::default();
+    let mut marking = std::collections::BTreeSet::new();
+    let of_this_boot = |m: &Moved| !m.released && m.boot.as_deref().is_none_or(|b| b == boot_id);
+    for moved in moved_files(state_dir) {
+        lost.unnamed |= moved.stem == LEGACY_FILE && of_this_boot(&moved);
+    }
+    for moved in moved_files(dir).into_iter().filter(of_this_boot) {
+        let Some(claim) = moved.claim() else {
             lost.unnamed = true;
+            marking.insert(moved.path);
             continue;
         };
-        match salvage::<T>(&fs::read(&path).unwrap_or_default(), boot_id) {
-            Salvage::OtherBoot => {}
-            Salvage::Entry(entry) => {
+        let bytes = fs::read(&moved.path).unwrap_or_else(|e| {
+            tracing::warn!(
+                "cannot read the moved-aside record {}: {e}; its claim is lost with nothing salvaged",
+                moved.path.display()
+            );
+            Vec::new()
+        });
+        match salvage::<T>(&bytes, boot_id) {
+            Salvage::OtherBoot => continue,
+            Salvage::Whole(entry) => {
                 lost.claims.insert(claim, Some(entry));
             }
-            Salvage::Nothing => {
-                lost.claims.entry(claim).or_insert(None);
+            Salvage::InPart(entry) => {
+                lost.claims.insert(claim.clone(), entry);
+                lost.in_part.insert(claim);
             }
         }
+        marking.insert(moved.path);
     }
-    lost
+    (lost, marking)
 }
 
 /// What can still be read from a moved-aside record.
@@ -397,62 +536,67 @@ enum Salvage<T> {
     /// Its own bytes say it is of another boot: nothing it names exists.
     OtherBoot,
     /// The entry decodes (its checksum is not trusted).
-    Entry(T),
-    Nothing,
+    Whole(T),
+    /// Only parts of it decode ([`Entry::salvage`]), or nothing.
+    InPart(Option<T>),
 }
 
-fn salvage<T: DeserializeOwned>(bytes: &[u8], boot_id: &str) -> Salvage<T> {
+fn salvage<T: Entry>(bytes: &[u8], boot_id: &str) -> Salvage<T> {
     let Ok(record) = serde_json::from_slice::<serde_json::Value>(bytes) else {
-        return Salvage::Nothing;
+        return Salvage::InPart(None);
     };
     if record["bootId"].as_str().is_some_and(|b| b != boot_id) {
         return Salvage::OtherBoot;
     }
-    match record["entry"].as_str().map(serde_json::from_str::<T>) {
-        Some(Ok(entry)) => Salvage::Entry(entry),
-        _ => Salvage::Nothing,
+    let Some(text) = record["entry"].as_str() else {
+        return Salvage::InPart(None);
+    };
+    if let Ok(entry) = serde_json::from_str::<T>(text) {
+        return Salvage::Whole(entry);
     }
+    let parts = serde_json::from_str::<serde_json::Value>(text).ok();
+    Salvage::InPart(parts.as_ref().and_then(T::salvage))
 }
 
-/// Moved-aside files in `dir`, oldest first: name and path.
-fn quarantined_files(dir: &Path) -> Vec<(String, PathBuf)> {
+/// Moved-aside files in `dir`, oldest first.
+fn moved_files(dir: &Path) -> Vec<Moved> {
     let Ok(listing) = fs::read_dir(dir) else {
         return Vec::new();
     };
-    let mut files: Vec<(u64, String, PathBuf)> = listing
+    let mut files: Vec<Moved> = listing
         .filter_map(Result::ok)
-        .filter_map(|e| {
-            let name = e.file_name().to_str()?.to_owned();
-            let stamp = name.split(QUARANTINE_MARK).nth(1)?.parse().ok()?;
-            Some((stamp, name, e.path()))
-        })
+        .filter_map(|e| Moved::parse(e.file_name().to_str()?, e.path()))
         .collect();
-    files.sort();
-    files.into_iter().map(|(_, n, p)| (n, p)).collect()
+    files.sort_by(|a, b| (a.stamp, &a.name).cmp(&(b.stamp, &b.name)));
+    files
 }
 
-/// Removes all but the newest `keep` moved-aside records.
-fn prune_quarantined(dir: &Path, keep: usize) {
-    let files = quarantined_files(dir);
+/// Removes all but the newest `keep` moved-aside records of those that no
+/// longer say a claim is lost (`marking` are those that do).
+fn prune_quarantined(dir: &Path, keep: usize, marking: &std::collections::BTreeSet<PathBuf>) {
+    let files: Vec<Moved> = (moved_files(dir).into_iter())
+        .filter(|m| !marking.contains(&m.path))
+        .collect();
     let excess = files.len().saturating_sub(keep);
-    for (_, path) in files.into_iter().take(excess) {
-        if let Err(e) = remove_if_present(&path) {
+    for moved in files.into_iter().take(excess) {
+        if let Err(e) = remove_if_present(&moved.path) {
             tracing::warn!(
                 "cannot remove the old moved-aside record {}: {e}",
-                path.display()
+                moved.path.display()
             );
         }
     }
 }
 
-/// Moves an unreadable file aside for inspection; where it went.
-fn quarantine(path: &Path) -> Result<PathBuf, CheckpointError> {
+/// Moves an unreadable file aside for inspection, naming the boot it was
+/// found in; where it went.
+fn quarantine(path: &Path, boot_id: &str) -> Result<PathBuf, CheckpointError> {
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or_default();
     let mut moved_to = path.as_os_str().to_owned();
-    moved_to.push(format!("{QUARANTINE_MARK}{stamp}"));
+    moved_to.push(format!("{QUARANTINE_MARK}{stamp}.{boot_id}"));
     let moved_to = PathBuf::from(moved_to);
     fs::rename(path, &moved_to).map_err(|source| CheckpointError::Quarantine {
         path: path.to_owned(),
@@ -489,26 +633,155 @@ fn verify(version: u32, expected: u32, crc32: u32, text: &str) -> Result<(), Str
     Ok(())
 }
 
+/// Why a record was not read.
+#[derive(Debug)]
+enum RecordError {
+    /// Reading the file failed (EIO, EMFILE, ...): its bytes may be fine.
+    Io(std::io::Error),
+    /// The bytes are not a valid record; the reason.
+    Invalid(String),
+}
+
+impl std::fmt::Display for RecordError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordError::Io(e) => write!(f, "cannot read it: {e}"),
+            RecordError::Invalid(why) => f.write_str(why),
+        }
+    }
+}
+
+/// One record as read.
+struct ReadRecord<T> {
+    claim: ClaimUid,
+    boot: String,
+    entry: T,
+    /// Fields of the entry this version does not know.
+    unknown: Vec<String>,
+}
+
 /// Reads the record file `path` named `<stem>.json`: its claim (the file
-/// name), boot and entry; `Err` with a reason.
-fn read_record<T: DeserializeOwned>(
+/// name), boot and entry.
+fn read_record<T: DeserializeOwned + Serialize>(
     stem: &str,
     path: &Path,
-) -> Result<(ClaimUid, String, T), String> {
-    let claim = ClaimUid::parse(stem).map_err(|e| e.to_string())?;
-    let bytes = fs::read(path).map_err(|e| format!("cannot read it: {e}"))?;
-    let (boot, entry) = decode_record(&bytes)?;
-    Ok((claim, boot, entry))
+) -> Result<ReadRecord<T>, RecordError> {
+    let claim = ClaimUid::parse(stem).map_err(|e| RecordError::Invalid(e.to_string()))?;
+    let bytes = read_retrying(path).map_err(RecordError::Io)?;
+    let (boot, entry, unknown) = decode_known(&bytes).map_err(RecordError::Invalid)?;
+    Ok(ReadRecord {
+        claim,
+        boot,
+        entry,
+        unknown,
+    })
+}
+
+/// Reads a file, trying again after a failure that may pass (a process
+/// out of file descriptors, an interrupted or timed-out device read).
+fn read_retrying(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut attempt = 1;
+    loop {
+        match read_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound && attempt < READ_ATTEMPTS => {
+                tracing::warn!("reading {} failed (attempt {attempt}): {e}", path.display());
+                std::thread::sleep(std::time::Duration::from_millis(20 << attempt));
+                attempt += 1;
+            }
+            read => return read,
+        }
+    }
+}
+
+#[cfg(not(test))]
+fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    fs::read(path)
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Errors the next reads of records on this thread fail with, in order.
+    static READ_FAULTS: std::cell::RefCell<std::collections::VecDeque<i32>> =
+        Default::default();
+}
+
+#[cfg(test)]
+fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    match READ_FAULTS.with(|f| f.borrow_mut().pop_front()) {
+        Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+        None => fs::read(path),
+    }
 }
 
 /// Decodes one claim's record: its boot and entry.
-pub(crate) fn decode_record<T: DeserializeOwned>(bytes: &[u8]) -> Result<(String, T), String> {
+pub(crate) fn decode_record<T: DeserializeOwned + Serialize>(
+    bytes: &[u8],
+) -> Result<(String, T), String> {
+    decode_known(bytes).map(|(boot, entry, _)| (boot, entry))
+}
+
+/// Decodes one claim's record: its boot, its entry, and the fields of the
+/// entry this version does not know (ignored by the decode).
+fn decode_known<T: DeserializeOwned + Serialize>(
+    bytes: &[u8],
+) -> Result<(String, T, Vec<String>), String> {
     let record: Record =
         serde_json::from_slice(bytes).map_err(|e| format!("not a checkpoint record: {e}"))?;
     verify(record.version, FORMAT_VERSION, record.crc32, &record.entry)?;
-    let entry = serde_json::from_str(&record.entry)
+    let written: serde_json::Value = serde_json::from_str(&record.entry)
         .map_err(|e| format!("checkpoint entry does not decode: {e}"))?;
-    Ok((record.boot_id, entry))
+    let entry: T = serde_json::from_value(written.clone())
+        .map_err(|e| format!("checkpoint entry does not decode: {e}"))?;
+    let known = serde_json::to_value(&entry).unwrap_or_default();
+    let mut unknown = Vec::new();
+    unknown_fields(&written, &known, "entry", &mut unknown);
+    Ok((record.boot_id, entry, unknown))
+}
+
+/// Paths of what `written` has and `known` (the same entry as this version
+/// decoded it and would write it) lacks: fields, or list items, a newer
+/// version added. Empty values are what this version leaves out itself.
+fn unknown_fields(
+    written: &serde_json::Value,
+    known: &serde_json::Value,
+    path: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value;
+    match (written, known) {
+        (Value::Object(w), Value::Object(k)) => {
+            for (key, value) in w {
+                let here = format!("{path}.{key}");
+                match k.get(key) {
+                    Some(known) => unknown_fields(value, known, &here, out),
+                    None if is_empty(value) => {}
+                    None => out.push(here),
+                }
+            }
+        }
+        (Value::Array(w), Value::Array(k)) if w.len() == k.len() => {
+            for (i, (value, known)) in w.iter().zip(k).enumerate() {
+                unknown_fields(value, known, &format!("{path}[{i}]"), out);
+            }
+        }
+        (Value::Array(w), Value::Array(k)) => out.push(format!(
+            "{path} ({} of {} items)",
+            w.len().saturating_sub(k.len()),
+            w.len()
+        )),
+        (Value::Array(w), _) if !w.is_empty() => out.push(path.to_owned()),
+        (Value::Object(w), _) if !w.is_empty() => out.push(path.to_owned()),
+        _ => {}
+    }
+}
+
+fn is_empty(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Null => true,
+        serde_json::Value::Array(a) => a.is_empty(),
+        serde_json::Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
 }
 
 /// Decodes a version 1 file: its boot and every claim's entry.
@@ -545,7 +818,7 @@ pub struct Snapshot<T> {
 
 /// Reads the records under `state_dir` (and a version 1 file not yet
 /// migrated), keeping those of boot `boot_id` (all when `None`).
-pub fn read_snapshot<T: DeserializeOwned>(
+pub fn read_snapshot<T: DeserializeOwned + Serialize>(
     state_dir: &Path,
     boot_id: Option<&str>,
 ) -> Result<Snapshot<T>, String> {
@@ -564,7 +837,7 @@ pub fn read_snapshot<T: DeserializeOwned>(
     }
     for (stem, path) in record_files(&state_dir.join(RECORDS_DIR))? {
         match read_record::<T>(&stem, &path) {
-            Ok((claim, boot, entry)) => read.push((boot, claim, entry)),
+            Ok(r) => read.push((r.boot, r.claim, r.entry)),
             // Removed by the node process between listing and reading.
             Err(_) if !path.exists() => {}
             Err(why) => unreadable.push(format!("{}: {why}", path.display())),
@@ -619,6 +892,8 @@ mod tests {
     struct Entry {
         device: String,
     }
+
+    impl super::Entry for Entry {}
 
     struct Fixture {
         dir: tempfile::TempDir,
@@ -819,9 +1094,12 @@ mod tests {
         let (cp, outcome) = f.open();
         assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
         assert!(cp.lost().may_hold(&uid(1)));
-        assert_eq!(cp.release_lost(&uid(1)), Some(Some(entry("gpu-9"))));
+        assert_eq!(
+            cp.release_lost(&uid(1)).unwrap(),
+            Some(Some(entry("gpu-9")))
+        );
         assert!(!cp.lost().may_hold(&uid(1)));
-        assert_eq!(cp.release_lost(&uid(1)), None);
+        assert_eq!(cp.release_lost(&uid(1)).unwrap(), None);
     }
 
     #[test]
@@ -847,23 +1125,138 @@ mod tests {
         assert!(f.open().0.lost().unnamed);
     }
 
+    /// A moved-aside record's name, as start-up gives it in `boot`.
+    fn moved_name(claim: &ClaimUid, stamp: u64, boot: &str) -> String {
+        format!("{}.json{QUARANTINE_MARK}{stamp}.{boot}", claim.as_str())
+    }
+
     #[test]
-    fn only_the_newest_moved_aside_records_are_kept() {
+    fn moved_aside_records_that_mark_no_lost_claim_are_pruned_to_the_newest() {
         let f = Fixture::new();
         let records = f.state().join(RECORDS_DIR);
         fs::create_dir_all(&records).unwrap();
         let total = QUARANTINE_KEPT + 5;
+        // Of an earlier boot: nothing they name exists.
         for n in 0..total {
-            let name = format!("{}.json{QUARANTINE_MARK}{}", uid(1).as_str(), 1000 + n);
+            let name = moved_name(&uid(1), 1000 + n as u64, "boot-old");
             fs::write(records.join(name), b"x").unwrap();
         }
         f.open();
-        let left = quarantined_files(&records);
+        let left = moved_files(&records);
         assert_eq!(left.len(), QUARANTINE_KEPT);
+        assert_eq!(left[0].stamp, 1005, "the oldest go first");
+    }
+
+    #[test]
+    fn seventy_moved_aside_records_are_seventy_lost_claims_across_restarts() {
+        let f = Fixture::new();
+        let records = f.state().join(RECORDS_DIR);
+        fs::create_dir_all(&records).unwrap();
+        for n in 0..70u8 {
+            fs::write(
+                f.record(&uid(n)),
+                b"{\"version\":2,\"bootId\":\"boot-a\",\"crc",
+            )
+            .unwrap();
+        }
+        let (cp, outcome) = f.open();
         assert!(
-            left[0].0.ends_with(&format!("{QUARANTINE_MARK}{}", 1005)),
-            "{left:?}"
+            matches!(outcome, LoadOutcome::Quarantined { .. }),
+            "{outcome:?}"
         );
+        assert_eq!(cp.lost().claims.len(), 70);
+        let (cp, _) = f.open();
+        assert_eq!(cp.lost().claims.len(), 70, "none pruned at the next start");
+        assert_eq!(moved_files(&records).len(), 70);
+    }
+
+    #[test]
+    fn seventy_records_with_a_newer_field_are_kept_with_what_is_known() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        for n in 0..70u8 {
+            cp.put(uid(n), entry(&format!("gpu-{n}"))).unwrap();
+        }
+        drop(cp);
+        // What a newer version writes: the same version, one more field.
+        for n in 0..70u8 {
+            let text = format!(r#"{{"device":"gpu-{n}","partition":{{"slices":2}}}}"#);
+            let record = serde_json::json!({
+                "version": FORMAT_VERSION,
+                "bootId": "boot-a",
+                "crc32": crc32fast::hash(text.as_bytes()),
+                "entry": text,
+            });
+            fs::write(f.record(&uid(n)), record.to_string()).unwrap();
+        }
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 70 });
+        assert_eq!(cp.lock()[&uid(7)], entry("gpu-7"));
+        let lost = cp.lost();
+        assert!(lost.claims.is_empty() && !lost.unnamed);
+        let newer = cp.with_unknown_fields();
+        assert_eq!(newer.len(), 70);
+        assert_eq!(newer[&uid(7)], ["entry.partition"]);
+        assert!(cp.remove(&uid(7)).unwrap().is_some());
+        assert_eq!(cp.unknown_fields(&uid(7)), None);
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_read_is_retried_and_never_lost() {
+        let f = Fixture::new();
+        let (cp, _) = f.open();
+        cp.put(uid(1), entry("gpu-0")).unwrap();
+        drop(cp);
+        let fail_next = |errnos: &[i32]| READ_FAULTS.with(|q| q.borrow_mut().extend(errnos));
+
+        // Out of file descriptors once: read again.
+        fail_next(&[libc::EMFILE]);
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
+        assert!(cp.lost().claims.is_empty());
+        drop(cp);
+
+        // The disk keeps failing: start-up fails, the record stays as it is.
+        fail_next(&[libc::EIO; READ_ATTEMPTS as usize]);
+        let err = Checkpoint::<Entry>::open(&f.state(), &f.boot).unwrap_err();
+        assert!(matches!(err, CheckpointError::Read { .. }), "{err}");
+        assert!(err.to_string().contains(uid(1).as_str()), "{err}");
+        assert!(f.record(&uid(1)).exists());
+        assert!(moved_files(&f.state().join(RECORDS_DIR)).is_empty());
+
+        let (cp, outcome) = f.open();
+        assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
+        assert!(!cp.lost().may_hold(&uid(1)));
+    }
+
+    #[test]
+    fn a_released_lost_claim_stays_released_after_a_restart() {
+        let f = Fixture::new();
+        f.two_claims_first_flipped();
+        let (cp, _) = f.open();
+        assert_eq!(
+            cp.release_lost(&uid(1)).unwrap(),
+            Some(Some(entry("gpu-9")))
+        );
+        let (cp, _) = f.open();
+        assert!(!cp.lost().may_hold(&uid(1)), "released for this boot");
+        // Still there for inspection.
+        let moved = moved_files(&f.state().join(RECORDS_DIR));
+        assert!(moved.len() == 1 && moved[0].released, "{:?}", moved[0].name);
+    }
+
+    #[test]
+    fn a_record_moved_aside_in_an_earlier_boot_marks_no_claim_lost() {
+        let f = Fixture::new();
+        let records = f.state().join(RECORDS_DIR);
+        fs::create_dir_all(&records).unwrap();
+        // Unreadable bytes: only the name tells the boot.
+        fs::write(records.join(moved_name(&uid(1), 5, "boot-old")), b"\xff").unwrap();
+        fs::write(records.join(moved_name(&uid(2), 5, "boot-a")), b"\xff").unwrap();
+        let lost = f.open().0.lost();
+        assert!(!lost.may_hold(&uid(1)));
+        assert_eq!(lost.claims.get(&uid(2)), Some(&None));
+        assert!(lost.in_part.contains(&uid(2)));
     }
 
     #[test]

@@ -39,6 +39,9 @@ use crate::prepare::state::{ClaimEntry, EntryState};
 
 /// The shortest time between two reads of one claim's consumers.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(10);
+/// Claim reads waiting for the reader at most: while the API server is slow
+/// the rest are asked at a later render, not queued without bound.
+const REFRESH_QUEUE: usize = 256;
 
 /// A claim on one GPU: the labels of its series.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -197,14 +200,14 @@ fn key(e: &ClaimEntry, gpu: &str) -> ClaimGpu {
 pub struct Consumers {
     known: Mutex<BTreeMap<String, Vec<String>>>,
     asked: Mutex<BTreeMap<ClaimUid, Instant>>,
-    requests: mpsc::UnboundedSender<(ClaimUid, String, String)>,
+    requests: mpsc::Sender<(ClaimUid, String, String)>,
 }
 
 impl Consumers {
     /// Starts the task that reads claims from `source` (on the current
     /// runtime: never on the render thread).
     pub fn spawn(source: Arc<dyn ClaimSource>) -> Arc<Consumers> {
-        let (requests, mut asked) = mpsc::unbounded_channel::<(ClaimUid, String, String)>();
+        let (requests, mut asked) = mpsc::channel::<(ClaimUid, String, String)>(REFRESH_QUEUE);
         let consumers = Arc::new(Consumers {
             known: Mutex::default(),
             asked: Mutex::default(),
@@ -260,10 +263,12 @@ impl Consumers {
             let Some((_, e)) = entries.iter().find(|(u, _)| *u == uid) else {
                 continue;
             };
-            asked.insert(uid.clone(), now);
-            let _ = self
-                .requests
-                .send((uid, e.namespace.clone(), e.name.clone()));
+            let request = (uid.clone(), e.namespace.clone(), e.name.clone());
+            if self.requests.try_send(request).is_err() {
+                // Full: not asked, so a later render asks again.
+                break;
+            }
+            asked.insert(uid, now);
         }
     }
 }
@@ -276,6 +281,48 @@ mod tests {
 
     const POD: &str = "0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f";
     const LATER_POD: &str = "11111111-2222-4333-8444-555555555555";
+
+    /// A claim source that never answers (an API server that hangs).
+    struct Hanging;
+
+    impl ClaimSource for Hanging {
+        fn get<'a>(&'a self, _: &'a str, _: &'a str) -> crate::prepare::claims::FetchFuture<'a> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    #[tokio::test]
+    async fn refreshes_wait_in_a_bounded_queue_and_the_rest_are_asked_later() {
+        let consumers = Consumers::spawn(Arc::new(Hanging));
+        let entries: Vec<(ClaimUid, ClaimEntry)> = (0..4 * REFRESH_QUEUE)
+            .map(|n| {
+                let uid = ClaimUid::parse(&format!("{n:08x}-0000-4000-8000-000000000000"));
+                let entry = ClaimEntry {
+                    namespace: "ns".into(),
+                    name: format!("c{n}"),
+                    state: EntryState::Completed,
+                    actions: Vec::new(),
+                    devices: Vec::new(),
+                    spec: None,
+                    status: Vec::new(),
+                };
+                (uid.unwrap(), entry)
+            })
+            .collect();
+        let stale: BTreeSet<ClaimUid> = entries.iter().map(|(u, _)| u.clone()).collect();
+        consumers.refresh(stale.clone(), &entries);
+        let asked = consumers.asked.lock().unwrap().len();
+        assert_eq!(asked, REFRESH_QUEUE, "queued at most the bound");
+        // The reader takes one (and hangs on it): the next render asks one
+        // of the claims not yet asked.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while consumers.requests.capacity() == 0 {
+            assert!(Instant::now() < deadline, "the reader never took a request");
+            tokio::task::yield_now().await;
+        }
+        consumers.refresh(stale, &entries);
+        assert_eq!(consumers.asked.lock().unwrap().len(), REFRESH_QUEUE + 1);
+    }
 
     #[test]
     fn pods_are_found_in_cgroupfs_and_systemd_paths_v1_and_v2() {

@@ -26,6 +26,11 @@ const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=
 /// How long one connection may take (slow or idle scrapers are dropped).
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Connections served at once (scrapers and probes need a few); one more is
+/// answered 503 and closed, so idle connections cannot pile up tasks and
+/// sockets until each times out.
+const MAX_CONNECTIONS: usize = 32;
+
 /// How long a scrape waits for its render (NVML can hang on a failing GPU).
 const RENDER_WAIT: Duration = Duration::from_secs(10);
 
@@ -43,6 +48,15 @@ pub fn parse_address(flag: &str) -> anyhow::Result<Option<SocketAddr>> {
 /// Binds `address` and serves in the background until the runtime ends;
 /// returns the bound address (port 0 picks a free port).
 pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<SocketAddr> {
+    serve_at_most(address, metrics, MAX_CONNECTIONS).await
+}
+
+async fn serve_at_most(
+    address: SocketAddr,
+    metrics: Arc<Metrics>,
+    connections: usize,
+) -> anyhow::Result<SocketAddr> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(connections));
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| {
@@ -60,8 +74,14 @@ pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result
                     continue;
                 }
             };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                debug!(%peer, "metrics endpoint: {connections} connections open; refused");
+                tokio::spawn(refuse(stream));
+                continue;
+            };
             let metrics = metrics.clone();
             tokio::spawn(async move {
+                let _slot = slot;
                 let service = hyper::service::service_fn(move |request| {
                     let metrics = metrics.clone();
                     async move { Ok::<_, Infallible>(answer(request, metrics).await) }
@@ -77,6 +97,28 @@ pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result
         }
     });
     Ok(bound)
+}
+
+/// Answers a connection over the limit with a 503 (briefly: a peer that
+/// does not read is dropped) and closes it.
+async fn refuse(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = "too many connections to the metrics endpoint; retry\n";
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(answer.as_bytes()).await?;
+        stream.shutdown().await?;
+        // Read what the peer sent until it closes: closing with its request
+        // unread would reset the connection before it reads the answer.
+        let mut sink = [0u8; 4096];
+        while tokio::io::AsyncReadExt::read(&mut stream, &mut sink).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
 }
 
 async fn answer(request: Request<Incoming>, metrics: Arc<Metrics>) -> Response<Full<Bytes>> {
@@ -275,6 +317,34 @@ mod tests {
             let samples = gate.samples.load(SeqCst);
             assert!(samples <= 2, "{SCRAPES} scrapes took {samples} samples");
         });
+    }
+
+    /// Idle connections hold at most the limit; one more is refused at
+    /// once, and a slot freed serves again.
+    #[tokio::test]
+    async fn connections_over_the_limit_are_refused() {
+        let metrics = Arc::new(Metrics::new());
+        let address = serve_at_most("127.0.0.1:0".parse().unwrap(), metrics, 2)
+            .await
+            .unwrap();
+        let idle_one = tokio::net::TcpStream::connect(address).await.unwrap();
+        let _idle_two = tokio::net::TcpStream::connect(address).await.unwrap();
+        // Accepted in order: both idle ones hold their slots by now.
+        let refused = get_async(address, "/healthz").await;
+        assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+        drop(idle_one);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let status = get_async(address, "/nope").await;
+            if status.starts_with("HTTP/1.1 404") {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never served: {status}"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 
     /// A gauge the test sets, sampled into `tessera_prepared_claims`.

@@ -10,8 +10,10 @@
 //!
 //! * standby (another process holds the state lock): ready when the
 //!   pre-flight checks pass ([`PreFlight`]: NVML loads and lists the GPUs,
-//!   the API server answers), i.e. ready to take over; a broken new version
-//!   never turns Ready, so the roll stops with the old pod serving;
+//!   the API server answers, the prepared-claim records of this boot decode
+//!   as takeover will read them, read-only), i.e. ready to take over; a
+//!   broken new version (or one that would move every record aside) never
+//!   turns Ready, so the roll stops with the old pod serving;
 //! * active (holds the lock): ready once the first slice model is built
 //!   (prepare can resolve device names).
 //!
@@ -57,6 +59,47 @@ pub enum Phase {
 pub struct PreFlight {
     pub nvml: Result<String, String>,
     pub api_server: Result<String, String>,
+    /// Whether this version reads the records it would take over.
+    pub records: Result<String, String>,
+}
+
+/// Where the records a takeover reads are.
+#[derive(Clone, Debug)]
+pub struct Takeover {
+    pub state_dir: PathBuf,
+    pub boot_id_file: PathBuf,
+}
+
+impl Takeover {
+    /// Reads the prepared-claim records of this boot as start-up will,
+    /// changing nothing (the active process owns them).
+    pub fn check_records(&self) -> Result<String, String> {
+        let boot = std::fs::read_to_string(&self.boot_id_file).map_err(|e| {
+            format!(
+                "cannot read the boot id {}: {e}",
+                self.boot_id_file.display()
+            )
+        })?;
+        let snapshot = crate::checkpoint::read_snapshot::<crate::prepare::state::ClaimEntry>(
+            &self.state_dir,
+            Some(boot.trim()),
+        )
+        .map_err(|e| format!("cannot read the prepared-claim records: {e}"))?;
+        if !snapshot.unreadable.is_empty() {
+            return Err(format!(
+                "{} prepared-claim record(s) do not decode in this version ({}); taking over \
+                 would set their claims aside as lost. Fix: roll back to the version serving \
+                 now, or check the records under {}",
+                snapshot.unreadable.len(),
+                snapshot.unreadable.join("; "),
+                self.state_dir.display()
+            ));
+        }
+        Ok(format!(
+            "{} prepared-claim record(s) decode",
+            snapshot.claims.len()
+        ))
+    }
 }
 
 impl PreFlight {
@@ -68,6 +111,7 @@ impl PreFlight {
         nvml: &OnceLock<Arc<Nvml>>,
         client: &Client,
         timeout: Duration,
+        takeover: &Takeover,
     ) -> PreFlight {
         let gpus = async {
             let loaded = match nvml.get() {
@@ -89,17 +133,25 @@ impl PreFlight {
                 Err(_) => Err(format!("the API server did not answer within {timeout:?}")),
             }
         };
-        let (nvml, api_server) = tokio::join!(gpus, api_server);
-        PreFlight { nvml, api_server }
+        let records = {
+            let takeover = takeover.clone();
+            async move { blocking(move || takeover.check_records()).await? }
+        };
+        let (nvml, api_server, records) = tokio::join!(gpus, api_server, records);
+        PreFlight {
+            nvml,
+            api_server,
+            records,
+        }
     }
 
     pub fn passed(&self) -> bool {
-        self.nvml.is_ok() && self.api_server.is_ok()
+        self.nvml.is_ok() && self.api_server.is_ok() && self.records.is_ok()
     }
 
     /// One line: the failures if any, else what was found.
     pub fn describe(&self) -> String {
-        let checks = [&self.nvml, &self.api_server];
+        let checks = [&self.nvml, &self.api_server, &self.records];
         let failed: Vec<&str> = checks
             .iter()
             .filter_map(|c| c.as_ref().err())
@@ -148,11 +200,12 @@ pub async fn standby(
     timeout: Duration,
     readiness: Arc<Readiness>,
     period: Duration,
+    takeover: Takeover,
 ) {
     readiness.set(Phase::Standby(None));
     let mut passed = None;
     loop {
-        let checks = PreFlight::run(&nvml_library, &nvml, &client, timeout).await;
+        let checks = PreFlight::run(&nvml_library, &nvml, &client, timeout, &takeover).await;
         if passed != Some(checks.passed()) {
             if checks.passed() {
                 info!("standby: ready to take over ({})", checks.describe());
@@ -403,7 +456,47 @@ mod tests {
         PreFlight {
             nvml: nvml.map(str::to_owned).map_err(str::to_owned),
             api_server: Ok("the API server (v1.37.2) answers".into()),
+            records: Ok("0 prepared-claim record(s) decode".into()),
         }
+    }
+
+    /// A standby whose version cannot decode the records it would take
+    /// over is not Ready: taking over would set their claims aside.
+    #[test]
+    fn a_standby_that_cannot_decode_the_records_is_not_ready() {
+        let dir = tempfile::tempdir().unwrap();
+        let boot_id_file = dir.path().join("boot_id");
+        std::fs::write(&boot_id_file, "boot-a\n").unwrap();
+        let takeover = Takeover {
+            state_dir: dir.path().join("state"),
+            boot_id_file,
+        };
+        let records = dir
+            .path()
+            .join("state")
+            .join(crate::checkpoint::RECORDS_DIR);
+        std::fs::create_dir_all(&records).unwrap();
+        let record = records.join("0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e.json");
+        std::fs::write(
+            &record,
+            r#"{"version":3,"bootId":"boot-a","crc32":0,"entry":"{}"}"#,
+        )
+        .unwrap();
+
+        let r = Readiness::default();
+        let mut preflight = checks(Ok("NVML 580 lists 2 GPUs"));
+        preflight.records = takeover.check_records();
+        r.set(Phase::Standby(Some(preflight)));
+        let answer = r.ready();
+        assert!(!answer.ok, "{answer:?}");
+        assert!(
+            answer.text.contains("version 3 is not supported"),
+            "{answer:?}"
+        );
+        assert!(record.exists(), "read only: nothing moved aside");
+
+        std::fs::remove_file(&record).unwrap();
+        assert!(takeover.check_records().is_ok());
     }
 
     #[test]

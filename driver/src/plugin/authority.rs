@@ -25,9 +25,10 @@
 //! HPACK dynamic-table consistency: a rewritten field keeps its representation
 //! (incremental indexing stays incremental indexing), so client and server
 //! add an entry at the same position; later indexed references resolve to
-//! `localhost` on the server. The server's entry is smaller than the client's,
-//! so the server evicts no earlier than the client does and every index the
-//! client uses still names the same entry.
+//! the replacement on the server. The server's entry is never larger than the
+//! client's (an authority shorter than `localhost` is replaced by as much of
+//! `localhost` as fits in it), so the server evicts no earlier than the client
+//! does and every index the client uses still names the same entry.
 
 use std::io;
 use std::pin::Pin;
@@ -442,21 +443,40 @@ fn rewrite_authority(block: &[u8]) -> Option<Vec<u8>> {
             false
         };
         let value_start = pos;
-        decode_string(block, &mut pos)?;
-        if name_index == AUTHORITY_INDEX || literal_authority_name {
+        let (huffman, value) = decode_string(block, &mut pos)?;
+        let indexed = pattern == 0x40;
+        let replacement = replacement(huffman, value, indexed);
+        if (name_index == AUTHORITY_INDEX || literal_authority_name) && !replacement.is_empty() {
             if name_index == 0 {
                 out.push(pattern);
                 out.extend_from_slice(&block[name_start..value_start]);
             } else {
                 encode_int(&mut out, pattern, prefix_bits, AUTHORITY_INDEX);
             }
-            encode_int(&mut out, 0, 7, REPLACEMENT.len() as u64);
-            out.extend_from_slice(REPLACEMENT);
+            encode_int(&mut out, 0, 7, replacement.len() as u64);
+            out.extend_from_slice(replacement);
         } else {
             out.extend_from_slice(&block[start..pos]);
         }
     }
     Some(out)
+}
+
+/// The authority written in place of `value`. A field added to the dynamic
+/// table (`indexed`) must not make the server's entry larger than the
+/// client's, whose size counts the decoded value: as much of `localhost` as
+/// the value surely decodes to. Empty: left as it is.
+fn replacement(huffman: bool, value: &[u8], indexed: bool) -> &'static [u8] {
+    if !indexed {
+        return REPLACEMENT;
+    }
+    let decoded_at_least = if huffman {
+        // Huffman codes are 5 to 30 bits long, the padding under 8 bits.
+        (value.len() * 8).saturating_sub(7).div_ceil(30)
+    } else {
+        value.len()
+    };
+    &REPLACEMENT[..decoded_at_least.min(REPLACEMENT.len())]
 }
 
 /// HPACK integer with an N-bit prefix (RFC 7541 section 5.1).
@@ -544,6 +564,51 @@ mod tests {
         assert_eq!(rewritten, expected);
     }
 
+    /// The size HPACK counts for a `:authority` table entry of a value
+    /// (RFC 7541 section 4.1), raw or Huffman-coded (its fewest symbols).
+    fn entry_size(huffman: bool, raw_len: usize) -> usize {
+        let decoded = if huffman {
+            (raw_len * 8).saturating_sub(7).div_ceil(30)
+        } else {
+            raw_len
+        };
+        ":authority".len() + decoded + 32
+    }
+
+    #[test]
+    fn an_indexed_authority_never_grows_the_servers_table() {
+        for len in 1..40 {
+            for huffman in [false, true] {
+                let value = vec![b'a'; len];
+                let mut block = vec![0x41]; // incremental indexing, name 1
+                encode_int(&mut block, if huffman { 0x80 } else { 0 }, 7, len as u64);
+                block.extend_from_slice(&value);
+                let out = rewrite_authority(&block).unwrap();
+                let mut pos = 1;
+                let (out_huffman, written) = decode_string(&out, &mut pos).unwrap();
+                assert!(!out_huffman);
+                assert!(
+                    entry_size(false, written.len()) <= entry_size(huffman, len),
+                    "len {len} huffman {huffman}: wrote {:?}",
+                    String::from_utf8_lossy(written)
+                );
+                assert!(REPLACEMENT.starts_with(written));
+            }
+        }
+        // A short one written raw: as much of localhost as fits.
+        let mut block = vec![0x41];
+        string(&mut block, b"a.sock");
+        let mut expected = vec![0x41];
+        string(&mut expected, b"localh");
+        assert_eq!(rewrite_authority(&block).unwrap(), expected);
+        // Not added to the table: any size goes.
+        let mut block = vec![0x01]; // without indexing, name 1
+        string(&mut block, b"a");
+        let mut expected = vec![0x01];
+        string(&mut expected, b"localhost");
+        assert_eq!(rewrite_authority(&block).unwrap(), expected);
+    }
+
     #[test]
     fn literal_name_and_never_indexed_forms_are_rewritten() {
         let mut block = vec![0x10]; // never indexed, new name
@@ -625,7 +690,11 @@ mod tests {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut client, server) = tokio::io::duplex(64);
         let mut input = PREFACE.to_vec();
-        input.extend(headers_frame(FLAG_END_HEADERS, 1, &grpc_go_block(b"p%2Fq")));
+        input.extend(headers_frame(
+            FLAG_END_HEADERS,
+            1,
+            &grpc_go_block(b"run%2Fx.sock"),
+        ));
         let writer = tokio::spawn(async move {
             client.write_all(&input).await.unwrap();
             client.shutdown().await.unwrap();

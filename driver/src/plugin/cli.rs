@@ -547,6 +547,10 @@ async fn take_state_lock(
         timeout,
         readiness.clone(),
         PREFLIGHT_PERIOD,
+        readiness::Takeover {
+            state_dir: args.state_dir.clone(),
+            boot_id_file: args.boot_id_file.clone(),
+        },
     ));
     let lock = loop {
         match StateLock::try_acquire(dir).with_context(locking) {

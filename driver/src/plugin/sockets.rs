@@ -68,16 +68,33 @@ pub fn bind(path: &Path) -> io::Result<std::os::unix::net::UnixListener> {
         // (practically impossible) could have left it.
         std::fs::remove_file(path)?;
     }
-    // SAFETY: umask(2) only swaps the process file mode mask. Sockets are
-    // bound at start-up, before any other file is created by this process.
-    let old = unsafe { libc::umask(0o177) };
-    let listener = std::os::unix::net::UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    let listener = listener?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    listener.set_nonblocking(true)?;
-    Ok(listener)
+    // Bound in a directory of its own that only the owner can enter, made
+    // private (0600), then moved into place: open to nobody else from the
+    // first moment, without the process-wide umask, which would also
+    // narrow or widen files other threads create meanwhile.
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let private = dir.join(format!(".bind-{}-{}", std::process::id(), next_bind()));
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let inner = private.join("s");
+    let bound = (|| {
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
+        let listener = std::os::unix::net::UnixListener::bind(&inner)?;
+        #[cfg(test)]
+        tests::AFTER_BIND.with(|hook| hook.take().map(|f| f()));
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&inner, path)?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_file(&inner);
+    let _ = std::fs::remove_dir(&private);
+    bound
+}
+
+/// A number unique to each bind of this process (two may run at once).
+fn next_bind() -> usize {
+    static BINDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    BINDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Removes sockets in `dir` named `<prefix>...<suffix>` that no process
@@ -117,6 +134,42 @@ pub fn remove_stale(dir: &Path, prefix: &str, suffix: &str, keep: &Path) -> Vec<
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt;
+
+    thread_local! {
+        /// Runs once right after the next socket is bound.
+        pub(super) static AFTER_BIND: std::cell::Cell<Option<Box<dyn FnOnce()>>> =
+            std::cell::Cell::new(None);
+    }
+
+    /// The process's file mode mask, as the kernel reports it.
+    fn umask() -> String {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        line.to_owned()
+    }
+
+    /// Other threads create files while a socket is bound: the process's
+    /// umask must stay as it is throughout.
+    #[test]
+    fn binding_a_socket_leaves_the_process_umask_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.sock");
+        let before = umask();
+        let during = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let seen = during.clone();
+        AFTER_BIND.with(|hook| {
+            hook.set(Some(Box::new(move || {
+                *seen.lock().unwrap() = Some(umask());
+            })))
+        });
+        let listener = bind(&path).unwrap();
+        assert_eq!(during.lock().unwrap().as_deref(), Some(before.as_str()));
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        std::os::unix::net::UnixStream::connect(&path).expect("reachable where it was moved");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "no private directory left: {left:?}");
+        drop(listener);
+    }
 
     #[test]
     fn names_are_per_instance_and_sockets_private() {

@@ -5,6 +5,7 @@
 
 use tracing::info;
 
+use super::provider::{Report, Undo};
 use super::state::ClaimEntry;
 use super::{Preparer, UndoError};
 use crate::checkpoint::Lost;
@@ -43,22 +44,56 @@ impl Preparer {
     /// lost, what it may still hold goes now: every MPS daemon of the claim,
     /// what the salvaged entry names (undone as a record would be: a MIG
     /// device only where its GPU instance id and UUID both match), its CDI
-    /// spec and its status entries. Otherwise only a stray spec.
+    /// spec and its status entries; then it is no longer lost, for good,
+    /// and its GPUs' MIG modes are settled without its holds. What could not
+    /// be read of its record is reported (a Node Event). Otherwise only a
+    /// stray spec.
     pub(super) fn release_lost(&self, uid: &ClaimUid) -> Result<(), UndoError> {
         let lost = self.checkpoint.lost();
         if !lost.may_hold(uid) {
             return self.specs.remove(uid).map_err(UndoError::Spec);
         }
         (self.deps.mps.release_claim(uid)).map_err(UndoError::LostDaemons)?;
-        match lost.claims.get(uid) {
-            Some(Some(salvaged)) => self.undo_now(uid, salvaged)?,
-            _ => self.specs.remove(uid).map_err(UndoError::Spec)?,
+        let salvaged = lost.claims.get(uid).cloned().flatten();
+        let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
+        for action in salvaged.iter().flat_map(|e| e.actions.iter().rev()) {
+            (self.providers.undo(&cx, action)).map_err(|source| UndoError::Action {
+                action: Box::new(action.clone()),
+                source,
+            })?;
         }
+        self.specs.remove(uid).map_err(UndoError::Spec)?;
         if let Some(writer) = &self.deps.status {
             writer.remove_marked(uid.as_str());
         }
-        self.checkpoint.release_lost(uid);
+        if lost.claims.contains_key(uid) && (salvaged.is_none() || lost.in_part.contains(uid)) {
+            cx.report(unreadable_part(uid));
+        }
+        self.checkpoint
+            .release_lost(uid)
+            .map_err(UndoError::Record)?;
+        // Its holds are gone only now: settle what no claim holds any more.
+        if let Some(entry) = &salvaged {
+            self.release(&cx, entry);
+        }
+        self.tell_operator(cx.into_reports());
         info!(claim = %uid, "released what a claim whose record was lost held");
         Ok(())
+    }
+}
+
+/// What a lost claim may have held beyond what could be read of its record.
+fn unreadable_part(uid: &ClaimUid) -> Report {
+    Report {
+        reason: "LostClaimPartlyReleased",
+        action: format!("ReleaseLostClaim {uid}"),
+        message: format!(
+            "claim {uid}: its record was unreadable and decoded only in part (or not at all); \
+             its MPS daemons, CDI spec, status entries and whatever the readable part named \
+             were released, but it may also have held a MIG device it created, a GPU's MIG \
+             mode or a GPU's time slice. Fix: list MIG devices no Pod uses (nvidia-smi mig \
+             -lgi) and destroy them, and reset time slices no claim needs (nvidia-smi \
+             compute-policy --set-timeslice=0)"
+        ),
     }
 }

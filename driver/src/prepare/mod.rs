@@ -178,6 +178,9 @@ pub struct Preparer {
     /// answered, still to settle ([`Preparer::settle_later`]).
     unsettled: Mutex<Unsettled>,
     observer: OnceLock<Arc<dyn PrepareObserver>>,
+    /// What was told to the operator (tests).
+    #[cfg(test)]
+    reported: Mutex<Vec<provider::Report>>,
 }
 
 /// One claim's answer.
@@ -210,6 +213,8 @@ impl Preparer {
             consumers: Consumers::default(),
             hardware: HardwareLock::default(),
             observer: OnceLock::new(),
+            #[cfg(test)]
+            reported: Mutex::default(),
         });
         let recovery = preparer.clone().recover(outcome).await?;
         Ok((preparer, recovery))
@@ -542,6 +547,9 @@ impl Preparer {
     /// entry stays for a later retry.
     fn undo_now(&self, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
         let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
+        if let Some(fields) = self.checkpoint.unknown_fields(uid) {
+            cx.report(newer_fields(uid, &fields));
+        }
         for action in entry.actions.iter().rev() {
             self.providers
                 .undo(&cx, action)
@@ -627,6 +635,11 @@ impl Preparer {
     /// Logs each report and records it as a Node Event (in the background:
     /// this runs on a blocking thread of the runtime).
     fn tell_operator(&self, reports: Vec<provider::Report>) {
+        #[cfg(test)]
+        self.reported
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(reports.iter().cloned());
         for report in reports {
             warn!(reason = report.reason, "{}", report.message);
             if let (Some(events), Ok(runtime)) = (
@@ -638,6 +651,21 @@ impl Preparer {
                 });
             }
         }
+    }
+}
+
+/// A record a newer version wrote: what this one did not know of it stays.
+fn newer_fields(uid: &ClaimUid, fields: &[String]) -> provider::Report {
+    provider::Report {
+        reason: "NewerRecordFieldsLeft",
+        action: format!("UnprepareClaim {uid}"),
+        message: format!(
+            "claim {uid}: its record was written by a newer version of the driver with fields \
+             this one does not know ({}); what they describe, if anything, was not undone. \
+             Fix: roll forward to the version that wrote it, or check the claim's GPUs by hand \
+             (nvidia-smi)",
+            fields.join(", ")
+        ),
     }
 }
 

@@ -63,8 +63,9 @@ impl Preparer {
                     "{} prepared-claim record(s) were unreadable ({reason}) and were moved to {}; \
                      {restored} other claim(s) restored. What the claims of the unreadable \
                      records may still use (CDI specs, MPS daemons, MIG devices, status \
-                     entries) is kept until the kubelet unprepares them; the most recent \
-                     {QUARANTINE_KEPT} moved-aside records are kept for inspection",
+                     entries) is kept until the kubelet unprepares them; moved-aside records \
+                     stay while their claims are lost, and the most recent {QUARANTINE_KEPT} \
+                     of the others are kept for inspection",
                     moved.len(),
                     moved.join(", ")
                 );
@@ -80,6 +81,27 @@ impl Preparer {
             }
             LoadOutcome::Restored { claims } => info!("checkpoint restored: {claims} claims"),
             LoadOutcome::Fresh => info!("no checkpoint yet"),
+        }
+
+        let newer = self.checkpoint.with_unknown_fields();
+        if !newer.is_empty() {
+            let claims: Vec<String> = (newer.iter())
+                .map(|(uid, fields)| format!("{uid} ({})", fields.join(", ")))
+                .collect();
+            let message = format!(
+                "{} prepared-claim record(s) were written by a newer version of the driver with \
+                 fields this one does not know: {}. The claims are kept with what this version \
+                 knows; what the unknown fields describe is not undone at their unprepare. Fix: \
+                 roll forward, or finish the rollback once those claims are unprepared",
+                newer.len(),
+                claims.join("; ")
+            );
+            warn!("{message}");
+            if let Some(events) = &self.deps.events {
+                events
+                    .warning("CheckpointNewerFields", "LoadCheckpoint", &message)
+                    .await;
+            }
         }
 
         // Temp files of writes a kill interrupted (specs, checkpoint).

@@ -11,6 +11,11 @@
 //! * `Unpreparing` is written before unprepare removes anything, so a crash
 //!   in the middle of an unprepare is finished at start-up rather than
 //!   leaving a `Completed` entry whose spec is gone.
+//!
+//! Fields are added, never repurposed: an older version reading a newer
+//! entry (a rollback) ignores the fields, actions and spec it does not know
+//! and keeps the claim with the rest; the checkpoint reports what it
+//! ignored ([`crate::checkpoint::Checkpoint::unknown_fields`]).
 
 use serde::{Deserialize, Serialize};
 use tessera_api::config::{Limits, Quantity};
@@ -27,19 +32,29 @@ pub enum EntryState {
 
 /// One prepared (or being prepared) claim.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct ClaimEntry {
     pub namespace: String,
     pub name: String,
     pub state: EntryState,
     /// Side effects made (or about to be made) for this claim, in order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Kinds a newer version added are left out here.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "known_actions"
+    )]
     pub actions: Vec<Action>,
     /// The answer returned to the kubelet (set when `Completed`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<PreparedDevice>,
-    /// The CDI spec written for the claim (set when `Completed`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// The CDI spec written for the claim (set when `Completed`); `None`
+    /// where a newer version wrote one this version cannot read.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "known_spec"
+    )]
     pub spec: Option<Spec>,
     /// What was (or will be) written to `status.devices`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -51,8 +66,7 @@ pub struct ClaimEntry {
 #[serde(
     tag = "type",
     rename_all = "camelCase",
-    rename_all_fields = "camelCase",
-    deny_unknown_fields
+    rename_all_fields = "camelCase"
 )]
 pub enum Action {
     /// The claim's own MPS daemon for one request on a GPU (or MIG
@@ -86,11 +100,55 @@ pub enum Action {
 
 /// The identity of a MIG device the driver created.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct MigRecord {
     pub gpu_instance_id: u32,
     pub compute_instance_id: u32,
     pub mig_uuid: String,
+}
+
+/// The actions this version knows; the others (a newer version's) are
+/// reported by the checkpoint as unknown and left alone.
+fn known_actions<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Action>, D::Error> {
+    let items = Vec::<serde_json::Value>::deserialize(d)?;
+    Ok(items.into_iter().filter_map(decoded).collect())
+}
+
+fn known_spec<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Spec>, D::Error> {
+    Ok(Option::<serde_json::Value>::deserialize(d)?.and_then(decoded))
+}
+
+fn decoded<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Option<T> {
+    serde_json::from_value(value).ok()
+}
+
+/// Each item of the list `field` that decodes.
+fn items<T: serde::de::DeserializeOwned>(entry: &serde_json::Value, field: &str) -> Vec<T> {
+    let items = entry.get(field).and_then(serde_json::Value::as_array);
+    (items.into_iter().flatten())
+        .filter_map(|v| decoded(v.clone()))
+        .collect()
+}
+
+impl crate::checkpoint::Entry for ClaimEntry {
+    /// Of a damaged entry: the actions, devices and status entries that
+    /// still decode one by one (what to release), never its spec.
+    fn salvage(entry: &serde_json::Value) -> Option<Self> {
+        let text = |field: &str| {
+            let value = entry.get(field).and_then(serde_json::Value::as_str);
+            value.unwrap_or_default().to_owned()
+        };
+        entry.as_object()?;
+        Some(ClaimEntry {
+            namespace: text("namespace"),
+            name: text("name"),
+            state: (entry.get("state").cloned().and_then(decoded)).unwrap_or(EntryState::Completed),
+            actions: items(entry, "actions"),
+            devices: items(entry, "devices"),
+            spec: None,
+            status: items(entry, "status"),
+        })
+    }
 }
 
 impl Action {
@@ -134,7 +192,7 @@ impl ClaimEntry {
 
 /// One entry of the kubelet's answer: a device and its CDI ids.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct PreparedDevice {
     pub request_names: Vec<String>,
     pub pool_name: String,
@@ -144,7 +202,7 @@ pub struct PreparedDevice {
 
 /// One `status.devices[]` entry of ours.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct DeviceStatus {
     pub pool: String,
     pub device: String,
@@ -157,7 +215,7 @@ pub struct DeviceStatus {
 /// enforced on it. Answers "which GPU did my pod get" from
 /// `kubectl get resourceclaim -o yaml`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct DeviceData {
     /// `gpu`, `mig` or `share`.
     #[serde(rename = "type")]
@@ -193,7 +251,7 @@ pub struct DeviceData {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct LimitsData {
     /// Device memory per process, as a quantity (`4Gi`).
     pub memory: String,
@@ -213,7 +271,7 @@ impl From<&Limits> for LimitsData {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename_all = "camelCase")]
 pub struct ConsumedData {
     pub memory_bytes: u64,
     pub cores_percent: u32,

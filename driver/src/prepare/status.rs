@@ -255,10 +255,17 @@ impl StatusWriter {
     /// Queue the removal of this driver's entries of the claim's status;
     /// nothing, if none were ever written and no write is in flight.
     pub fn remove(&self, namespace: &str, name: &str, uid: &str) {
+        #[cfg(test)]
+        tests::BEFORE_REMOVE.with(|hook| hook.take().map(|f| f()));
+        let mut queue = self.lock();
+        // Read under the queue lock: a write that settles meanwhile marks
+        // the ledger before it leaves `busy`, so one of the two says its
+        // entries may be there (the ledger alone, read first, may not).
         let written = self.ledger().contains(uid);
-        if self.lock().cancel_unwritten(uid, written) {
+        if queue.cancel_unwritten(uid, written) {
             return;
         }
+        drop(queue);
         self.write(namespace, name, uid, Vec::new());
     }
 
@@ -462,6 +469,12 @@ mod tests {
     use super::*;
     use crate::prepare::state::DeviceData;
 
+    thread_local! {
+        /// Runs once at the start of the next [`StatusWriter::remove`].
+        pub(super) static BEFORE_REMOVE: std::cell::Cell<Option<Box<dyn FnOnce()>>> =
+            std::cell::Cell::new(None);
+    }
+
     fn entry(device: &str) -> DeviceStatus {
         DeviceStatus {
             pool: "node".into(),
@@ -612,6 +625,29 @@ mod tests {
         };
         let (written, finished) = tokio::join!(write, finish);
         assert_eq!(written - finished, QUIET, "the call ended: QUIET after it");
+    }
+
+    /// A write that settles while an unprepare asks for the removal: the
+    /// removal is queued, never skipped as if nothing had been written.
+    #[tokio::test]
+    async fn a_removal_is_not_skipped_while_the_write_settles() {
+        let dir = tempfile::tempdir().unwrap();
+        let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None);
+        writer.write("ns", "c", "a", vec![entry("gpu-0")]);
+        let (uid, taken) = writer.lock().take(Instant::now()).unwrap();
+        let settling = writer.clone();
+        BEFORE_REMOVE.with(|hook| {
+            hook.set(Some(Box::new(move || {
+                let settled = settling.settle(&uid, taken, Ok(Applied::Written));
+                // A written outcome awaits nothing.
+                futures::FutureExt::now_or_never(settled).expect("settles at once");
+            })))
+        });
+        writer.remove("ns", "c", "a");
+        assert!(writer.ledger().contains("a"), "the write settled");
+        let q = writer.lock();
+        let removal = q.wants.get("a").expect("the removal is queued");
+        assert!(removal.devices.is_empty());
     }
 
     /// At start: a prepared claim the ledger does not name is written, one

@@ -681,6 +681,158 @@ async fn unprepare_of_a_claim_whose_record_was_lost_releases_what_it_held() {
     assert!(!preparer.lost_claims().may_hold(&lost));
 }
 
+/// Makes claim `n`'s record fail its checksum, its entry text changed by
+/// `damage`.
+fn damage_record(path: &std::path::Path, damage: impl Fn(String) -> String) {
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let text = damage(record["entry"].as_str().unwrap().to_owned());
+    record["entry"] = json!(text);
+    std::fs::write(path, record.to_string()).unwrap();
+}
+
+/// Rewrites claim `n`'s record as a newer version would, valid, its entry
+/// changed by `newer`.
+fn rewrite_as_newer(path: &std::path::Path, newer: impl Fn(&mut serde_json::Value)) {
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let mut entry: serde_json::Value =
+        serde_json::from_str(record["entry"].as_str().unwrap()).unwrap();
+    newer(&mut entry);
+    let text = entry.to_string();
+    record["crc32"] = json!(crc32fast::hash(text.as_bytes()));
+    record["entry"] = json!(text);
+    std::fs::write(path, record.to_string()).unwrap();
+}
+
+fn reasons(preparer: &Preparer) -> Vec<&'static str> {
+    (preparer.reported.lock().unwrap().iter())
+        .map(|r| r.reason)
+        .collect()
+}
+
+/// A record damaged beyond a whole decode still names what it created:
+/// that goes at unprepare, and the operator hears that more may remain.
+#[tokio::test]
+async fn an_unsalvageable_record_still_destroys_the_mig_device_it_names() {
+    let f = Fixture::new(false);
+    let created = Action::MigCreate {
+        gpu_uuid: GPU.into(),
+        profile_id: 19,
+        placement: MigPlacement { start: 3, size: 1 },
+        instance: Some(state::MigRecord {
+            gpu_instance_id: 5,
+            compute_instance_id: 0,
+            mig_uuid: "MIG-5".into(),
+        }),
+    };
+    let path = f.record(5, EntryState::Completed, vec![created]);
+    damage_record(&path, |t| t.replacen("Completed", "Compl", 1));
+    // Nothing of claim 6's entry decodes.
+    let path = f.record(6, EntryState::Completed, Vec::new());
+    damage_record(&path, |_| "{\"namesp".into());
+    let mig = MigRecorder::new(true, 1);
+    let (preparer, _) = f.open_with(Vec::new(), catalog(), mig.clone()).await;
+    let lost = preparer.lost_claims();
+    assert!(lost.may_hold(&ClaimUid::parse(&uid(5)).unwrap()));
+
+    let results = preparer.unprepare(vec![claim_ref(5), claim_ref(6)]).await;
+    assert!(results.iter().all(|(_, r)| r.is_ok()), "{results:?}");
+    let destroyed: Vec<_> = (mig.switches().into_iter())
+        .filter(|c| c.contains("destroy"))
+        .collect();
+    assert_eq!(
+        destroyed,
+        [format!(
+            "{GPU} destroy MigPlacement {{ start: 3, size: 1 }}"
+        )]
+    );
+    assert_eq!(
+        reasons(&preparer),
+        ["LostClaimPartlyReleased", "LostClaimPartlyReleased"]
+    );
+    assert!(preparer.lost_claims().claims.is_empty());
+}
+
+/// A lost claim's time slice holds the GPU's slice like a record's does.
+#[tokio::test]
+async fn the_time_slice_stays_while_a_lost_claim_holds_it() {
+    let f = Fixture::new(false);
+    let slice = || {
+        vec![Action::TimeSlice {
+            gpu_uuid: GPU.into(),
+        }]
+    };
+    let path = f.record(5, EntryState::Completed, slice());
+    damage_record(&path, |t| t.replacen("c5", "c6", 1));
+    f.record(7, EntryState::Completed, slice());
+    let (preparer, _) = f.open(Vec::new()).await;
+    let reset = format!("reset timeslice {GPU}");
+
+    let results = preparer.unprepare(vec![claim_ref(7)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert!(
+        !f.sharing.calls().contains(&reset),
+        "{:?}",
+        f.sharing.calls()
+    );
+    let results = preparer.unprepare(vec![claim_ref(5)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert!(
+        f.sharing.calls().contains(&reset),
+        "{:?}",
+        f.sharing.calls()
+    );
+}
+
+/// After a rollback, a record with an action kind and a field this
+/// version does not know keeps its claim prepared (not lost, its spec
+/// kept); its unprepare undoes what is known and says what is not.
+#[tokio::test]
+async fn a_newer_versions_record_keeps_its_claim_with_what_is_known() {
+    let f = Fixture::new(false);
+    let daemon = Action::Mps {
+        gpu_uuid: GPU.into(),
+        mig_uuid: None,
+        request: Some("gpu".into()),
+    };
+    let path = f.record(5, EntryState::Completed, vec![daemon]);
+    rewrite_as_newer(&path, |entry| {
+        entry["actions"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"type": "gpuPartition", "gpuUuid": GPU}));
+        entry["priority"] = json!("high");
+    });
+    let claim = ClaimUid::parse(&uid(5)).unwrap();
+    let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+    SpecDir::new(f.config().cdi_dir)
+        .write(&claim, &spec)
+        .unwrap();
+    let (preparer, recovery) = f.open(Vec::new()).await;
+    assert_eq!(
+        recovery.outcome,
+        crate::checkpoint::LoadOutcome::Restored { claims: 1 }
+    );
+    assert!(preparer.entry(&claim).is_some());
+    assert!(!preparer.lost_claims().may_hold(&claim));
+    assert_eq!(f.cdi_files(), 1, "its spec is kept");
+
+    let results = preparer.unprepare(vec![claim_ref(5)]).await;
+    assert!(results[0].1.is_ok(), "{:?}", results[0].1);
+    assert!(
+        f.sharing
+            .calls()
+            .contains(&format!("release {claim} {GPU}"))
+    );
+    assert_eq!(reasons(&preparer), ["NewerRecordFieldsLeft"]);
+    let reported = preparer.reported.lock().unwrap()[0].message.clone();
+    assert!(
+        reported.contains("entry.actions (1 of 2 items)") && reported.contains("entry.priority"),
+        "{reported}"
+    );
+}
+
 #[test]
 fn fuzz_seed_is_a_valid_checkpoint() {
     let seed = include_bytes!("../../fuzz/seeds/two_claims.json");

@@ -251,11 +251,18 @@ impl<'a> Undo<'a> {
         self.reports.into_inner().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether a claim other than this one has an action matching `f`.
+    /// Whether a claim other than this one has an action matching `f`: in
+    /// its record, or in what was salvaged of its lost record (its Pod may
+    /// still run).
     pub fn held_by_other(&self, f: impl Fn(&Action) -> bool) -> bool {
-        self.records
-            .lock()
-            .iter()
+        let lost = self.records.lost();
+        let records = self.records.lock();
+        (records.iter())
+            .chain(
+                lost.claims
+                    .iter()
+                    .filter_map(|(id, e)| Some((id, e.as_ref()?))),
+            )
             .any(|(id, e)| id != self.uid && e.actions.iter().any(&f))
     }
 

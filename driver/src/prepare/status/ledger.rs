@@ -9,6 +9,11 @@
 //! When dead lines outnumber the live ones the file is rewritten with the
 //! live ones alone (atomically, so a crash leaves the old or the new file).
 //!
+//! Every change is on disk (fsynced, and the directory once the file is
+//! created) before it counts: the ledger must survive a reboot or power
+//! loss, unlike the records of prepared claims, since the entries it names
+//! stay on the API server.
+//!
 //! A line torn by a crash is dropped at replay: a torn `written` means the
 //! entries are written again (an apply is idempotent), a torn `removed`
 //! that they are removed again; neither loses anything.
@@ -131,7 +136,7 @@ impl Ledger {
             None => self.file.insert(open_for_append(&self.path)?),
         };
         // One write per line: with O_APPEND it lands whole after the last.
-        let written = file.write_all(&bytes);
+        let written = file.write_all(&bytes).and_then(|()| sync(file));
         if written.is_err() {
             self.file = None;
         }
@@ -152,7 +157,7 @@ impl Ledger {
             encode(&mut bytes, &line)?;
         }
         self.file = None;
-        crate::cdi::write_for_this_boot(&self.path, &bytes)?;
+        crate::cdi::write_atomically(&self.path, &bytes)?;
         self.lines = self.marked.len();
         self.torn = false;
         Ok(())
@@ -201,8 +206,22 @@ fn encode(bytes: &mut Vec<u8>, line: &Line) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Opens the file for appending; a file it creates is made durable in its
+/// directory too.
 fn open_for_append(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+    let existed = path.exists();
+    let file = OpenOptions::new().create(true).append(true).open(path)?;
+    if !existed && let Some(dir) = path.parent() {
+        sync(&File::open(dir)?)?;
+    }
+    Ok(file)
+}
+
+/// fsync: what was written survives a power loss.
+fn sync(file: &File) -> std::io::Result<()> {
+    #[cfg(test)]
+    tests::SYNCS.with(|n| n.set(n.get() + 1));
+    file.sync_all()
 }
 
 /// What the file at `path` says: the live claims, how many lines it has,
@@ -249,6 +268,24 @@ struct Replayed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    thread_local! {
+        /// fsyncs made on this thread.
+        pub(super) static SYNCS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    #[test]
+    fn every_change_is_synced_before_it_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ledger = Ledger::open(dir.path());
+        let before = SYNCS.with(|n| n.get());
+        ledger.written("a", marked("a")).unwrap();
+        let after_write = SYNCS.with(|n| n.get());
+        // The line, and the directory entry of the new file.
+        assert_eq!(after_write - before, 2);
+        ledger.removed("a").unwrap();
+        assert_eq!(SYNCS.with(|n| n.get()) - after_write, 1);
+    }
 
     fn marked(name: &str) -> Marked {
         Marked {
