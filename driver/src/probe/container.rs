@@ -218,7 +218,10 @@ fn kind_of(meta: &Metadata) -> &'static str {
 /// (nothing to resolve, so what is checked is what is used).
 fn plain_absolute(path: &str) -> bool {
     path.strip_prefix('/').is_some_and(|rest| {
-        !rest.is_empty() && rest.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
+        !rest.is_empty()
+            && rest
+                .split('/')
+                .all(|c| !c.is_empty() && c != "." && c != "..")
     }) && !path.contains('\0')
 }
 
@@ -329,7 +332,11 @@ pub fn enter(edits: &Edits, driver_root: &Path) -> Result<(ProbeContainer, Optio
     }
     for n in &e.device_nodes {
         let target = dev_target(device, "device node path", &n.path)?;
-        let host = host_source(device, "device node hostPath", n.host_path.as_deref().unwrap_or(&n.path))?;
+        let host = host_source(
+            device,
+            "device node hostPath",
+            n.host_path.as_deref().unwrap_or(&n.path),
+        )?;
         nodes.push(Node::of(target, host)?);
         view.device_nodes.push(n.path.clone());
     }
@@ -557,8 +564,12 @@ impl OwnDev {
             open_at(&dir, name, flags | libc::O_CLOEXEC).map(drop)
         };
         made.with_context(|| format!("making the mount target /dev/{target}"))?;
-        let at = open_at(&dir, name, libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .with_context(|| format!("opening the mount target /dev/{target}"))?;
+        let at = open_at(
+            &dir,
+            name,
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+        .with_context(|| format!("opening the mount target /dev/{target}"))?;
         // Both ends by descriptor: the bind lands on what was just made.
         mount(
             Some(&fd_path(&source.fd)),
@@ -699,7 +710,10 @@ mod tests {
         });
         // Refused before unshare(2): nothing of this test process changes.
         let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
-        assert!(e.contains("\"/tmp/nvidia0\" is not a plain path under /dev"), "{e}");
+        assert!(
+            e.contains("\"/tmp/nvidia0\" is not a plain path under /dev"),
+            "{e}"
+        );
         edits.edits.device_nodes.clear();
         edits.edits.mounts.push(Mount {
             host_path: "/dev/shm".into(),
@@ -708,7 +722,10 @@ mod tests {
             mount_type: None,
         });
         let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
-        assert!(e.contains("\"/dev/../tmp/x\" is not a plain absolute path"), "{e}");
+        assert!(
+            e.contains("\"/dev/../tmp/x\" is not a plain absolute path"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -743,7 +760,11 @@ mod tests {
         );
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = find(dir.path(), "gpu.tessera.dev/claim=u-0").unwrap_err();
-        assert!(e.to_string().contains("writable by its group or others (mode 777)"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("writable by its group or others (mode 777)"),
+            "{e}"
+        );
         assert!(e.to_string().contains("chmod go-w"), "{e}");
     }
 
@@ -778,7 +799,10 @@ mod tests {
         std::fs::remove_file(&b).unwrap();
         std::os::unix::fs::symlink(dir.path().join("a.json"), &b).unwrap();
         let e = refused(dir.path());
-        assert!(e.contains("b.json: opening it (symlinks are not followed"), "{e}");
+        assert!(
+            e.contains("b.json: opening it (symlinks are not followed"),
+            "{e}"
+        );
 
         // A FIFO is refused at once, not read (which would block).
         std::fs::remove_file(&b).unwrap();
