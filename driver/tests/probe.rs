@@ -564,6 +564,7 @@ fn cdi_device_probes_as_that_devices_container() {
     let shm = "/dev/shm";
     let cdi = m.dir.path().join("cdi");
     std::fs::create_dir_all(&cdi).unwrap();
+    let (driver_root, libcuda) = driver_root_with_libcuda(&m);
     let spec = serde_json::json!({
         "cdiVersion": "0.5.0",
         "kind": "gpu.tessera.dev/claim",
@@ -572,7 +573,7 @@ fn cdi_device_probes_as_that_devices_container() {
             "deviceNodes": [{ "path": "/dev/nvidia3", "hostPath": host_dev.join("nvidia3") }],
             "mounts": [
                 { "hostPath": shm, "containerPath": "/dev/shm", "options": ["rbind", "rw"] },
-                { "hostPath": fake_cuda_dir().join("libcuda.so.1"),
+                { "hostPath": libcuda,
                   "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "options": ["ro", "bind"] },
             ],
         }}],
@@ -583,15 +584,14 @@ fn cdi_device_probes_as_that_devices_container() {
         cdi.to_str().unwrap(),
         "--cdi-device",
         "gpu.tessera.dev/claim=c-0",
+        "--driver-root",
+        driver_root.to_str().unwrap(),
     ];
     let mut args = cdi_args.to_vec();
     args.extend(["--alloc", "6Gi"]);
     // No LD_LIBRARY_PATH: the library is the one the spec mounts.
     let report = m.probe_ok(&args, &[("LD_LIBRARY_PATH", "/nonexistent")]);
-    assert_eq!(
-        report.library,
-        fake_cuda_dir().join("libcuda.so.1").to_str().unwrap()
-    );
+    assert_eq!(report.library, libcuda.to_str().unwrap());
     assert_eq!(
         summary(&report),
         [(uuids[3].clone(), 32, Some(4 * GIB))],
@@ -613,6 +613,180 @@ fn cdi_device_probes_as_that_devices_container() {
     // Without the device, the same process sees no GPU at all in /dev.
     let (_, bare) = m.probe(&[], &[("TESSERA_FAKE_NVML_DEV_ROOT", "/nonexistent-dev")]);
     assert!(bare.devices.is_empty(), "{bare:#?}");
+}
+
+/// A driver root under `m` whose `libcuda.so.1` is the simulated one, as
+/// the node process mounts it: (the root, the library's real path).
+fn driver_root_with_libcuda(m: &Machine) -> (PathBuf, PathBuf) {
+    let root = m.dir.path().join("driver-root");
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).unwrap();
+    let real = std::fs::canonicalize(fake_cuda_dir().join("libcuda.so.1")).unwrap();
+    std::os::unix::fs::symlink(&real, lib.join("libcuda.so.1")).unwrap();
+    (root, real)
+}
+
+/// `tessera probe --cdi-device c-0` with `edits` as the device's edits,
+/// given at most `WAIT` (a probe that blocks is killed and fails the test).
+fn probe_edits(m: &Machine, edits: serde_json::Value) -> Output {
+    const WAIT: Duration = Duration::from_secs(20);
+    let cdi = m.dir.path().join("cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    let spec = serde_json::json!({
+        "cdiVersion": "0.5.0",
+        "kind": "gpu.tessera.dev/claim",
+        "devices": [{ "name": "c-0", "containerEdits": edits }],
+    });
+    std::fs::write(cdi.join("gpu.tessera.dev-claim_c.json"), spec.to_string()).unwrap();
+    let mut child = clean(Command::new(env!("CARGO_BIN_EXE_tessera")))
+        .args([
+            "probe",
+            "--cdi-device",
+            "gpu.tessera.dev/claim=c-0",
+            "--cdi-dir",
+        ])
+        .arg(&cdi)
+        .env("LD_LIBRARY_PATH", fake_cuda_dir())
+        .env(TOPOLOGY_ENV, &m.topology)
+        .env(STATE_ENV, &m.state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running tessera probe");
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("tessera probe --cdi-device still runs after {WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn refused_with(out: &Output, words: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the probe ran: {stderr}");
+    assert!(stderr.contains(words), "want {words:?} in:\n{stderr}");
+}
+
+fn needs_root(test: &str) -> bool {
+    // SAFETY: a plain syscall.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        println!("*** SKIPPED {test}: a mount namespace needs root");
+    }
+    root
+}
+
+/// A spec cannot make the probe change the host: no file truncated
+/// through `/dev/..`, nothing made inside a host directory an earlier
+/// edit bound under `/dev`, no node made outside `/dev`.
+#[test]
+fn cdi_device_makes_nothing_outside_its_own_dev() {
+    if !needs_root("cdi-device confinement test") {
+        return;
+    }
+    let m = Machine::new();
+    let victim = m.dir.path().join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let source = m.dir.path().join("source");
+    std::fs::write(&source, "").unwrap();
+    let through_dotdot = format!("/dev/..{}", victim.display());
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "mounts": [
+            { "hostPath": source, "containerPath": through_dotdot, "options": ["bind"] },
+        ]}),
+    );
+    refused_with(&out, "is not a plain absolute path");
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+
+    // /dev/shm binds a host directory; a target below it would be made there.
+    let host_dir = m.dir.path().join("host-shm");
+    std::fs::create_dir(&host_dir).unwrap();
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "mounts": [
+            { "hostPath": host_dir, "containerPath": "/dev/shm", "options": ["rbind"] },
+            { "hostPath": source, "containerPath": "/dev/shm/sub/file", "options": ["bind"] },
+        ]}),
+    );
+    refused_with(
+        &out,
+        "shm is an earlier edit's mount, not the probe's own /dev",
+    );
+    assert_eq!(
+        std::fs::read_dir(&host_dir).unwrap().count(),
+        0,
+        "made in the host directory"
+    );
+
+    let outside = m.dir.path().join("node");
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "deviceNodes": [{ "path": outside, "hostPath": "/dev/null" }] }),
+    );
+    refused_with(&out, "is not a plain path under /dev");
+    assert!(!outside.exists(), "a node was made outside /dev");
+}
+
+/// Host paths are not followed through a final symlink nor opened: a FIFO
+/// as a mount source or node is refused at once (opening one would block),
+/// a symlink to a device is not taken for the device.
+#[test]
+fn cdi_device_sources_are_checked_without_following_or_opening_them() {
+    if !needs_root("cdi-device source test") {
+        return;
+    }
+    let m = Machine::new();
+    let fifo = m.dir.path().join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "mounts": [
+            { "hostPath": fifo, "containerPath": "/dev/shm", "options": ["bind"] },
+        ]}),
+    );
+    refused_with(&out, "is a FIFO; a mount under /dev binds");
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "deviceNodes": [{ "path": "/dev/nvidia0", "hostPath": fifo }] }),
+    );
+    refused_with(&out, "is a FIFO, not a character device");
+
+    let link = m.dir.path().join("null-link");
+    std::os::unix::fs::symlink("/dev/null", &link).unwrap();
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "deviceNodes": [{ "path": "/dev/nvidia0", "hostPath": link }] }),
+    );
+    refused_with(&out, "is a symlink, not a character device");
+}
+
+/// The spec's `libcuda.so.1` is loaded only when it is the driver root's.
+#[test]
+fn cdi_device_loads_libcuda_only_from_the_driver_root() {
+    if !needs_root("cdi-device library test") {
+        return;
+    }
+    let m = Machine::new();
+    let real = std::fs::canonicalize(fake_cuda_dir().join("libcuda.so.1")).unwrap();
+    // The default driver root (/) has no such library.
+    let out = probe_edits(
+        &m,
+        serde_json::json!({ "mounts": [
+            { "hostPath": real, "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+              "options": ["ro", "bind"] },
+        ]}),
+    );
+    refused_with(
+        &out,
+        "which is not the driver's library below --driver-root /",
+    );
 }
 
 /// MIG devices are CUDA devices of their own: the probe prints their MIG

@@ -208,6 +208,9 @@ impl Node {
             .arg("--cdi-dir")
             .arg(self.cdi_dir())
             .args(["--cdi-device", cdi_device])
+            // The probe loads the spec's libcuda.so.1 only if it is this driver's.
+            .arg("--driver-root")
+            .arg(self.driver_root())
             .args(args);
         cmd
     }

@@ -9,16 +9,36 @@
 //! daemon's `/dev/shm`). Mounts elsewhere are the driver's files or a pipe
 //! directory at its host path: the host's own file at that path serves (the
 //! probe has no root filesystem of its own), except `libcuda.so.1`, which
-//! is loaded from the path the spec names. Needs root (`CAP_SYS_ADMIN`);
-//! nothing outside the probe's own mount namespace changes.
+//! is loaded from the path the spec names, and only if it is the library
+//! the driver root holds (`--driver-root`, as `tessera plugin` finds it).
+//! Needs root (`CAP_SYS_ADMIN`).
+//!
+//! The probe runs as root on what a spec file says, so nothing outside its
+//! own mount namespace changes, whatever the spec:
+//!
+//! * the CDI directory and every `*.json` in it must be owned by root (or
+//!   the probe's user) and not writable by group or others; spec files are
+//!   regular files (symlinks are not followed) of at most
+//!   [`MAX_SPEC_BYTES`];
+//! * device-node and `/dev` mount paths are absolute and plain (no `.`,
+//!   `..` or empty component): `/dev/../x` is refused, not resolved;
+//! * host paths are opened without following a final symlink and without
+//!   opening the file itself (`O_PATH`), so a FIFO cannot block; a node
+//!   must be a character device, a mount source a directory, regular file
+//!   or character device;
+//! * every node and mount target is made in the probe's own `/dev` tmpfs,
+//!   component by component relative to it: a path that would lead into an
+//!   earlier mount (a host directory) is refused.
 
-use std::ffi::CString;
-use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::ffi::{CString, OsStr};
+use std::fs::{File, Metadata};
+use std::io::Read;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use tessera_api::probe::ProbeContainer;
 
 use crate::cdi::{ContainerEdits, Spec};
@@ -26,6 +46,10 @@ use crate::cdi::{ContainerEdits, Spec};
 /// Where container runtimes read CDI specs by default (and where
 /// `tessera plugin` writes them unless told otherwise).
 pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
+
+/// Largest spec file read. A claim's spec is a few KiB; one naming every
+/// GPU of a node with all of the driver's libraries stays far below this.
+pub const MAX_SPEC_BYTES: u64 = 1 << 20;
 
 /// Device nodes every container gets.
 const STANDARD_NODES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
@@ -43,16 +67,24 @@ pub fn find(dir: &Path, qualified: &str) -> Result<Edits> {
     let Some((kind, name)) = qualified.split_once('=') else {
         bail!("--cdi-device {qualified:?}: want VENDOR/CLASS=NAME, as a CDI device is named");
     };
-    let entries = std::fs::read_dir(dir)
+    let dir_fd = open_spec_dir(dir)?;
+    // Listed through the checked descriptor, not the path again.
+    let entries = std::fs::read_dir(fd_path(&dir_fd))
         .with_context(|| format!("--cdi-dir {}: reading the CDI specs", dir.display()))?;
+    let mut names = entries
+        .map(|e| Ok(e?.file_name()))
+        .collect::<std::io::Result<Vec<_>>>()
+        .with_context(|| format!("--cdi-dir {}: reading the CDI specs", dir.display()))?;
+    names.sort();
     let mut found = Vec::new();
-    for entry in entries {
-        let path = entry?.path();
-        if path.extension().and_then(|e| e.to_str()) != Some("json") {
+    for file in names {
+        if Path::new(&file).extension().and_then(|e| e.to_str()) != Some("json") {
             continue;
         }
+        let path = dir.join(&file);
+        let bytes = read_spec(&dir_fd, &file, &path)?;
         // Other drivers' specs may use fields this driver never writes.
-        let Ok(spec) = serde_json::from_slice::<Spec>(&std::fs::read(&path)?) else {
+        let Ok(spec) = serde_json::from_slice::<Spec>(&bytes) else {
             continue;
         };
         if spec.kind != kind {
@@ -92,7 +124,134 @@ pub fn find(dir: &Path, qualified: &str) -> Result<Edits> {
     }
 }
 
-/// A device node as the host has it.
+/// The CDI directory, once it is known that only root (or this user) can
+/// have put files there.
+fn open_spec_dir(dir: &Path) -> Result<OwnedFd> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+        .with_context(|| format!("--cdi-dir {}: opening it", dir.display()))?;
+    let meta = file.metadata()?;
+    if let Some(why) = untrusted(&meta) {
+        bail!(
+            "--cdi-dir {}: {why}, so anyone could add a spec the probe would apply as root; \
+             fix: chown root and chmod go-w the directory",
+            dir.display()
+        );
+    }
+    Ok(file.into())
+}
+
+/// Reads spec `file` of the directory `dir` (at `path`): a regular file
+/// only root (or this user) can write, of at most [`MAX_SPEC_BYTES`].
+fn read_spec(dir: &OwnedFd, file: &OsStr, path: &Path) -> Result<Vec<u8>> {
+    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
+    let fd = open_at(dir, file, flags).with_context(|| {
+        format!(
+            "CDI spec {}: opening it (symlinks are not followed: put the spec itself there)",
+            path.display()
+        )
+    })?;
+    let file = File::from(fd);
+    let meta = file.metadata()?;
+    ensure!(
+        meta.is_file(),
+        "CDI spec {}: not a regular file ({}); remove it from the CDI directory",
+        path.display(),
+        kind_of(&meta)
+    );
+    if let Some(why) = untrusted(&meta) {
+        bail!(
+            "CDI spec {}: {why}; fix: chown root and chmod go-w it",
+            path.display()
+        );
+    }
+    let too_big = || {
+        anyhow!(
+            "CDI spec {}: larger than {MAX_SPEC_BYTES} bytes, more than any driver's spec; \
+             remove it from the CDI directory",
+            path.display()
+        )
+    };
+    if meta.len() > MAX_SPEC_BYTES {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_SPEC_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("CDI spec {}: reading it", path.display()))?;
+    if bytes.len() as u64 > MAX_SPEC_BYTES {
+        return Err(too_big());
+    }
+    Ok(bytes)
+}
+
+/// Why a file (or directory) the probe acts on as root might hold what
+/// someone else wrote: not owned by root or this process's user, or
+/// writable by its group or others. `None` when neither.
+fn untrusted(meta: &Metadata) -> Option<String> {
+    // SAFETY: a plain syscall.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != 0 && meta.uid() != me {
+        return Some(format!("owned by uid {}, not root", meta.uid()));
+    }
+    let mode = meta.mode() & 0o7777;
+    (mode & 0o022 != 0).then(|| format!("writable by its group or others (mode {mode:o})"))
+}
+
+fn kind_of(meta: &Metadata) -> &'static str {
+    let kind = meta.file_type();
+    match () {
+        () if kind.is_dir() => "a directory",
+        () if kind.is_file() => "a regular file",
+        () if kind.is_symlink() => "a symlink",
+        () if kind.is_char_device() => "a character device",
+        () if kind.is_block_device() => "a block device",
+        () if kind.is_fifo() => "a FIFO",
+        () if kind.is_socket() => "a socket",
+        () => "an unknown kind of file",
+    }
+}
+
+/// `path` written plainly: absolute, with no empty, `.` or `..` component
+/// (nothing to resolve, so what is checked is what is used).
+fn plain_absolute(path: &str) -> bool {
+    path.strip_prefix('/').is_some_and(|rest| {
+        !rest.is_empty()
+            && rest
+                .split('/')
+                .all(|c| !c.is_empty() && c != "." && c != "..")
+    }) && !path.contains('\0')
+}
+
+/// The part of `path` below `/dev` (`shm` of `/dev/shm`), if it is a plain
+/// absolute path under `/dev`.
+fn below_dev(path: &str) -> Option<&str> {
+    path.strip_prefix("/dev/").filter(|_| plain_absolute(path))
+}
+
+/// A container path the probe makes in its own `/dev`: checked before
+/// anything is made.
+fn dev_target<'a>(device: &str, what: &str, path: &'a str) -> Result<&'a str> {
+    below_dev(path).ok_or_else(|| {
+        anyhow!(
+            "CDI device {device}: {what} {path:?} is not a plain path under /dev (absolute, \
+             without `.`, `..` or `//`); the probe makes nothing outside its own /dev"
+        )
+    })
+}
+
+fn host_source<'a>(device: &str, what: &str, path: &'a str) -> Result<&'a str> {
+    ensure!(
+        plain_absolute(path),
+        "CDI device {device}: {what} {path:?} is not a plain absolute host path (without \
+         `.`, `..` or `//`)"
+    );
+    Ok(path)
+}
+
+/// A device node as the host has it, to be made at `path` below `/dev`.
 struct Node {
     path: String,
     mode: u32,
@@ -100,17 +259,16 @@ struct Node {
 }
 
 impl Node {
-    fn of(container_path: &str, host_path: &Path) -> Result<Node> {
-        let meta = std::fs::metadata(host_path)
-            .with_context(|| format!("device node {}", host_path.display()))?;
-        let kind = meta.file_type();
+    fn of(below_dev: &str, host_path: &str) -> Result<Node> {
+        let fd = open_path(host_path)?;
+        let meta = File::from(fd).metadata()?;
         ensure!(
-            kind.is_char_device() || kind.is_block_device(),
-            "{} is not a device node",
-            host_path.display()
+            meta.file_type().is_char_device(),
+            "device node {host_path} is {}, not a character device",
+            kind_of(&meta)
         );
         Ok(Node {
-            path: container_path.to_owned(),
+            path: below_dev.to_owned(),
             mode: meta.mode(),
             rdev: meta.rdev(),
         })
@@ -120,6 +278,7 @@ impl Node {
 /// A bind mount under `/dev`.
 struct DevMount<'a> {
     source: &'a str,
+    /// Below `/dev`.
     target: &'a str,
     read_only: bool,
 }
@@ -128,15 +287,37 @@ struct DevMount<'a> {
 /// probe's namespace: mount(2) binds only mounts of the caller's).
 struct OpenSource<'a> {
     mount: &'a DevMount<'a>,
-    file: File,
+    fd: OwnedFd,
     is_dir: bool,
+}
+
+impl<'a> OpenSource<'a> {
+    fn open(mount: &'a DevMount<'a>) -> Result<Self> {
+        let fd = open_path(mount.source)?;
+        let meta = File::from(fd.try_clone()?).metadata()?;
+        let kind = meta.file_type();
+        ensure!(
+            kind.is_dir() || kind.is_file() || kind.is_char_device(),
+            "mount source {} is {}; a mount under /dev binds a directory, regular file or \
+             character device",
+            mount.source,
+            kind_of(&meta)
+        );
+        Ok(OpenSource {
+            mount,
+            fd,
+            is_dir: kind.is_dir(),
+        })
+    }
 }
 
 /// Enters the container of `edits` (this process only) and sets its
 /// environment. Returns what was applied, and the `libcuda.so.1` the spec
-/// mounts (the library to load unless one was named).
-pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
+/// mounts (the library to load unless one was named), which must be one
+/// the driver below `driver_root` has.
+pub fn enter(edits: &Edits, driver_root: &Path) -> Result<(ProbeContainer, Option<PathBuf>)> {
     let e = &edits.edits;
+    let device = edits.device.as_str();
     let mut view = ProbeContainer {
         cdi_device: edits.device.clone(),
         ..ProbeContainer::default()
@@ -146,45 +327,47 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
     for name in STANDARD_NODES {
         let path = format!("/dev/{name}");
         if Path::new(&path).exists() {
-            nodes.push(Node::of(&path, Path::new(&path))?);
+            nodes.push(Node::of(name, &path)?);
         }
     }
     for n in &e.device_nodes {
-        let host = n.host_path.as_deref().unwrap_or(&n.path);
-        nodes.push(Node::of(&n.path, Path::new(host))?);
+        let target = dev_target(device, "device node path", &n.path)?;
+        let host = host_source(
+            device,
+            "device node hostPath",
+            n.host_path.as_deref().unwrap_or(&n.path),
+        )?;
+        nodes.push(Node::of(target, host)?);
         view.device_nodes.push(n.path.clone());
     }
     let mut dev_mounts = Vec::new();
     let mut libcuda = None;
     for m in &e.mounts {
-        if under_dev(&m.container_path) {
+        let path = &m.container_path;
+        ensure!(
+            plain_absolute(path),
+            "CDI device {device}: mount containerPath {path:?} is not a plain absolute path \
+             (without `.`, `..` or `//`)"
+        );
+        if let Some(target) = below_dev(path) {
             dev_mounts.push(DevMount {
-                source: &m.host_path,
-                target: &m.container_path,
+                source: host_source(device, "mount hostPath", &m.host_path)?,
+                target,
                 read_only: m.options.iter().any(|o| o == "ro"),
             });
-            view.mounts.push(m.container_path.clone());
+            view.mounts.push(path.clone());
         } else {
-            if m.container_path.rsplit('/').next() == Some("libcuda.so.1") {
-                libcuda = Some(PathBuf::from(&m.host_path));
+            if path.rsplit('/').next() == Some("libcuda.so.1") {
+                libcuda = Some(driver_library(device, driver_root, m)?);
             }
-            view.from_host.push(m.container_path.clone());
+            view.from_host.push(path.clone());
         }
     }
 
     private_mount_namespace()?;
     let sources = dev_mounts
         .iter()
-        .map(|mount| {
-            let file = File::open(mount.source)
-                .with_context(|| format!("mount source {}", mount.source))?;
-            let is_dir = file.metadata()?.is_dir();
-            Ok(OpenSource {
-                mount,
-                file,
-                is_dir,
-            })
-        })
+        .map(OpenSource::open)
         .collect::<Result<Vec<_>>>()?;
     mount(
         Some("tmpfs"),
@@ -193,18 +376,16 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
         libc::MS_NOSUID,
         Some("mode=755"),
     )?;
+    let dev = OwnDev::open()?;
     for node in &nodes {
-        make_node(node)?;
+        dev.make_node(node)?;
     }
     for source in &sources {
-        bind(source)?;
+        dev.bind(source)?;
     }
     for var in &e.env {
         let Some((name, value)) = var.split_once('=') else {
-            bail!(
-                "CDI env entry {var:?} of {} is not NAME=VALUE",
-                edits.device
-            );
+            bail!("CDI env entry {var:?} of {device} is not NAME=VALUE");
         };
         // SAFETY: `tessera probe` runs on the main thread only and has not
         // started any other; nothing reads the environment concurrently.
@@ -214,8 +395,22 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
     Ok((view, libcuda))
 }
 
-fn under_dev(path: &str) -> bool {
-    path.starts_with("/dev/")
+/// The spec's `libcuda.so.1` mount `m`, if the driver below `driver_root`
+/// has that very file at that path (what `tessera plugin` would mount):
+/// the probe loads a library as root, never one a spec alone names.
+fn driver_library(device: &str, driver_root: &Path, m: &crate::cdi::Mount) -> Result<PathBuf> {
+    let ours = crate::prepare::spec::discover_driver_files(driver_root);
+    ensure!(
+        ours.iter()
+            .any(|d| d.host_path == m.host_path && d.container_path == m.container_path),
+        "CDI device {device}: the spec mounts {} as {}, which is not the driver's library \
+         below --driver-root {}; the probe loads libcuda.so.1 only from the driver root \
+         (point --driver-root at the driver the node process uses)",
+        m.host_path,
+        m.container_path,
+        driver_root.display()
+    );
+    Ok(PathBuf::from(&m.host_path))
 }
 
 /// This process's own mount namespace, with nothing propagating back.
@@ -256,57 +451,152 @@ fn mount(
     Ok(())
 }
 
-fn make_parent(path: &str) -> Result<()> {
-    if let Some(parent) = Path::new(path).parent() {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
-    }
-    Ok(())
+fn cstring(name: &OsStr) -> std::io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| std::io::ErrorKind::InvalidInput.into())
 }
 
-fn make_node(node: &Node) -> Result<()> {
-    make_parent(&node.path)?;
-    let path = CString::new(node.path.as_str()).context("a path with a NUL byte")?;
-    // SAFETY: a NUL-terminated path; mode and device as the host's node has them.
-    if unsafe { libc::mknod(path.as_ptr(), node.mode, node.rdev) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("mknod {}", node.path));
+/// openat(2) of `name` in directory `dir`.
+fn open_at(dir: &OwnedFd, name: &OsStr, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+    let name = cstring(name)?;
+    // SAFETY: a valid directory descriptor and a NUL-terminated name; the
+    // descriptor returned is owned here alone.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, 0o644) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
     }
-    // mknod(2) applies the umask; the node keeps the host's permissions.
-    std::fs::set_permissions(
-        &node.path,
-        std::fs::Permissions::from_mode(node.mode & 0o7777),
-    )
-    .with_context(|| format!("chmod {}", node.path))
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn bind(source: &OpenSource) -> Result<()> {
-    let target = source.mount.target;
-    make_parent(target)?;
-    if source.is_dir {
-        std::fs::create_dir_all(target)
-    } else {
-        File::create(target).map(drop)
+/// A host path, without following a final symlink and without opening
+/// the file itself (`O_PATH`: a FIFO does not block, a device is not
+/// opened).
+fn open_path(path: &str) -> Result<OwnedFd> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("{path}: opening it (a final symlink is not followed)"))?;
+    Ok(file.into())
+}
+
+fn fd_path(fd: &OwnedFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+/// The probe's own `/dev` tmpfs, where every node and mount target is made.
+struct OwnDev {
+    root: OwnedFd,
+    /// The tmpfs's device number: a directory with another is some other
+    /// file system (an earlier bind mount of a host directory).
+    st_dev: u64,
+}
+
+impl OwnDev {
+    fn open() -> Result<Self> {
+        let root = open_path("/dev")?;
+        let st_dev = File::from(root.try_clone()?).metadata()?.dev();
+        Ok(OwnDev { root, st_dev })
     }
-    .with_context(|| format!("creating {target}"))?;
-    let fd = format!("/proc/self/fd/{}", source.file.as_raw_fd());
-    mount(Some(&fd), target, None, libc::MS_BIND | libc::MS_REC, None)?;
-    if source.mount.read_only {
+
+    /// The directory `target`'s last component goes in, made as needed
+    /// one component at a time, each in this tmpfs and none a symlink;
+    /// and that last component.
+    fn parent_of<'t>(&self, target: &'t str) -> Result<(OwnedFd, &'t OsStr)> {
+        let (dirs, name) = match target.rsplit_once('/') {
+            Some((dirs, name)) => (Some(dirs), name),
+            None => (None, target),
+        };
+        let mut dir = self.root.try_clone()?;
+        for part in dirs.into_iter().flat_map(|d| d.split('/')) {
+            let c = cstring(OsStr::new(part))?;
+            // SAFETY: a valid directory descriptor and a NUL-terminated name.
+            if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::AlreadyExists {
+                    return Err(e).with_context(|| format!("making /dev/{target}"));
+                }
+            }
+            let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+            let next = open_at(&dir, OsStr::new(part), flags)
+                .with_context(|| format!("making /dev/{target}: {part} is not a directory"))?;
+            ensure!(
+                File::from(next.try_clone()?).metadata()?.dev() == self.st_dev,
+                "/dev/{target}: {part} is an earlier edit's mount, not the probe's own /dev; \
+                 a node or mount target inside a mount would be made in a host directory"
+            );
+            dir = next;
+        }
+        Ok((dir, OsStr::new(name)))
+    }
+
+    fn make_node(&self, node: &Node) -> Result<()> {
+        let (dir, name) = self.parent_of(&node.path)?;
+        let c = cstring(name)?;
+        // SAFETY: a valid directory descriptor and a NUL-terminated name;
+        // mode and device as the host's node has them.
+        if unsafe { libc::mknodat(dir.as_raw_fd(), c.as_ptr(), node.mode, node.rdev) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("mknod /dev/{}", node.path));
+        }
+        // mknod(2) applies the umask; the node keeps the host's permissions.
+        // SAFETY: as above; the name was just made a device node.
+        if unsafe { libc::fchmodat(dir.as_raw_fd(), c.as_ptr(), node.mode & 0o7777, 0) } != 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("chmod /dev/{}", node.path));
+        }
+        Ok(())
+    }
+
+    fn bind(&self, source: &OpenSource) -> Result<()> {
+        let target = source.mount.target;
+        let (dir, name) = self.parent_of(target)?;
+        let c = cstring(name)?;
+        let made = if source.is_dir {
+            // SAFETY: a valid directory descriptor and a NUL-terminated name.
+            if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) } == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        } else {
+            let flags = libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY;
+            open_at(&dir, name, flags | libc::O_CLOEXEC).map(drop)
+        };
+        made.with_context(|| format!("making the mount target /dev/{target}"))?;
+        let at = open_at(
+            &dir,
+            name,
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+        .with_context(|| format!("opening the mount target /dev/{target}"))?;
+        // Both ends by descriptor: the bind lands on what was just made.
         mount(
+            Some(&fd_path(&source.fd)),
+            &fd_path(&at),
             None,
-            target,
+            libc::MS_BIND | libc::MS_REC,
             None,
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
-            None,
-        )?;
+        )
+        .with_context(|| format!("binding {} on /dev/{target}", source.mount.source))?;
+        if source.mount.read_only {
+            mount(
+                None,
+                &format!("/dev/{target}"),
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
+                None,
+            )?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cdi::{Device, DeviceNode, Mount};
+    use std::os::unix::fs::PermissionsExt;
 
     fn spec(kind: &str, devices: &[(&str, &str)]) -> Spec {
         Spec {
@@ -385,9 +675,165 @@ mod tests {
     }
 
     #[test]
-    fn only_mounts_under_dev_are_made() {
-        assert!(under_dev("/dev/shm"));
-        assert!(!under_dev("/dev"));
-        assert!(!under_dev("/tmp/tessera-mps/x/pipe"));
+    fn only_plain_paths_under_dev_are_made_there() {
+        assert_eq!(below_dev("/dev/shm"), Some("shm"));
+        assert_eq!(below_dev("/dev/dri/card0"), Some("dri/card0"));
+        for path in [
+            "/dev",
+            "/dev/",
+            "/dev/../etc/passwd",
+            "/dev/shm/../../x",
+            "/dev/./shm",
+            "/dev//shm",
+            "/dev/shm/",
+            "dev/shm",
+            "/tmp/tessera-mps/x/pipe",
+        ] {
+            assert_eq!(below_dev(path), None, "{path}");
+        }
+        assert!(plain_absolute("/usr/lib/libcuda.so.1"));
+        assert!(!plain_absolute("/usr/lib/../../etc"));
+        assert!(!plain_absolute("relative"));
+        assert!(!plain_absolute("/"));
+    }
+
+    #[test]
+    fn a_device_node_or_dev_mount_outside_dev_is_refused_before_anything_is_made() {
+        let mut edits = Edits {
+            device: "gpu.tessera.dev/claim=c-0".into(),
+            edits: ContainerEdits::default(),
+        };
+        edits.edits.device_nodes.push(DeviceNode {
+            path: "/tmp/nvidia0".into(),
+            host_path: Some("/dev/null".into()),
+            permissions: None,
+        });
+        // Refused before unshare(2): nothing of this test process changes.
+        let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
+        assert!(
+            e.contains("\"/tmp/nvidia0\" is not a plain path under /dev"),
+            "{e}"
+        );
+        edits.edits.device_nodes.clear();
+        edits.edits.mounts.push(Mount {
+            host_path: "/dev/shm".into(),
+            container_path: "/dev/../tmp/x".into(),
+            options: Vec::new(),
+            mount_type: None,
+        });
+        let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
+        assert!(
+            e.contains("\"/dev/../tmp/x\" is not a plain absolute path"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn libcuda_is_loaded_only_from_the_driver_root() {
+        let root = tempfile::tempdir().unwrap();
+        let lib = root.path().join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libcuda.so.1"), "").unwrap();
+        let real = std::fs::canonicalize(lib.join("libcuda.so.1")).unwrap();
+        let mount = |host: &Path| Mount {
+            host_path: host.to_str().unwrap().into(),
+            container_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.1".into(),
+            options: Vec::new(),
+            mount_type: None,
+        };
+        let got = driver_library("d", root.path(), &mount(&real)).unwrap();
+        assert_eq!(got, real);
+        let elsewhere = tempfile::tempdir().unwrap();
+        let evil = elsewhere.path().join("libcuda.so.1");
+        std::fs::write(&evil, "").unwrap();
+        let e = driver_library("d", root.path(), &mount(&evil)).unwrap_err();
+        assert!(e.to_string().contains("not the driver's library"), "{e}");
+    }
+
+    #[test]
+    fn a_cdi_dir_others_can_write_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        write(
+            dir.path(),
+            "a.json",
+            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = find(dir.path(), "gpu.tessera.dev/claim=u-0").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("writable by its group or others (mode 777)"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("chmod go-w"), "{e}");
+    }
+
+    /// A spec dir holding `a.json` (device u-0) beside `b.json`, which the
+    /// test spoils.
+    fn beside_a_good_spec() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        write(
+            dir.path(),
+            "a.json",
+            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
+        );
+        dir
+    }
+
+    fn refused(dir: &Path) -> String {
+        find(dir, "gpu.tessera.dev/claim=u-0")
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn spec_files_are_regular_not_writable_by_others_and_small() {
+        let dir = beside_a_good_spec();
+        let b = dir.path().join("b.json");
+        std::fs::write(&b, "{}").unwrap();
+        std::fs::set_permissions(&b, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let e = refused(dir.path());
+        assert!(e.contains("b.json: writable by its group or others"), "{e}");
+
+        std::fs::remove_file(&b).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("a.json"), &b).unwrap();
+        let e = refused(dir.path());
+        assert!(
+            e.contains("b.json: opening it (symlinks are not followed"),
+            "{e}"
+        );
+
+        // A FIFO is refused at once, not read (which would block).
+        std::fs::remove_file(&b).unwrap();
+        let c = CString::new(b.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+        let e = refused(dir.path());
+        assert!(e.contains("b.json: not a regular file (a FIFO)"), "{e}");
+
+        std::fs::remove_file(&b).unwrap();
+        let big = File::create(&b).unwrap();
+        big.set_len(MAX_SPEC_BYTES + 1).unwrap();
+        let e = refused(dir.path());
+        assert!(e.contains("b.json: larger than 1048576 bytes"), "{e}");
+
+        std::fs::remove_file(&b).unwrap();
+        assert!(find(dir.path(), "gpu.tessera.dev/claim=u-0").is_ok());
+    }
+
+    #[test]
+    fn a_spec_owned_by_another_user_is_refused() {
+        // SAFETY: plain syscalls.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("*** SKIPPED: giving a file to another user needs root");
+            return;
+        }
+        let dir = beside_a_good_spec();
+        let b = dir.path().join("b.json");
+        std::fs::write(&b, "{}").unwrap();
+        std::os::unix::fs::chown(&b, Some(65534), None).unwrap();
+        let e = refused(dir.path());
+        assert!(e.contains("b.json: owned by uid 65534, not root"), "{e}");
     }
 }

@@ -76,9 +76,16 @@ pub struct ProbeArgs {
     #[arg(long, value_name = "VENDOR/CLASS=NAME")]
     pub cdi_device: Option<String>,
 
-    /// Where --cdi-device's spec is.
+    /// Where --cdi-device's spec is: a directory only root can write, as
+    /// its spec files must be.
     #[arg(long, default_value = container::DEFAULT_CDI_DIR)]
     pub cdi_dir: std::path::PathBuf,
+
+    /// Root of the NVIDIA driver installation, as `tessera plugin` has it:
+    /// the `libcuda.so.1` a --cdi-device's spec mounts is loaded only if it
+    /// is this driver's.
+    #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: std::path::PathBuf,
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -104,7 +111,7 @@ pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
     let mut entered = None;
     if let Some(device) = &args.cdi_device {
         let edits = container::find(&args.cdi_dir, device)?;
-        entered = Some(container::enter(&edits)?);
+        entered = Some(container::enter(&edits, &args.driver_root)?);
     }
     for (name, value) in &args.set_env {
         // SAFETY: `tessera probe` runs on the main thread only and has not

@@ -102,7 +102,9 @@ pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
     })
 }
 
-/// The part of an AdmissionReview request the webhook reads.
+/// The part of an AdmissionReview request the webhook reads. Decoded into
+/// these types alone (everything else of the object is skipped, not
+/// kept), so a request costs little more memory than its body.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct ReviewRequest {
@@ -118,9 +120,9 @@ struct ReviewRequest {
     #[serde(default)]
     namespace: String,
     #[serde(default)]
-    object: Value,
+    object: Option<Object>,
     #[serde(default)]
-    old_object: Value,
+    old_object: Option<Object>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -137,6 +139,131 @@ struct Review {
     api_version: String,
     kind: String,
     request: Option<ReviewRequest>,
+}
+
+/// What is read of a claim or template.
+#[derive(Debug, Default, Deserialize)]
+struct Object {
+    #[serde(default)]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    spec: Option<ObjectSpec>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ObjectMeta {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    generate_name: Option<String>,
+}
+
+/// A claim's spec (`devices`), or a template's (`spec`, holding a claim's).
+#[derive(Debug, Default, Deserialize, PartialEq)]
+struct ObjectSpec {
+    #[serde(default)]
+    devices: Option<Devices>,
+    #[serde(default)]
+    spec: Option<Box<ObjectSpec>>,
+}
+
+/// A claim spec's `devices`: what the checks read of it.
+#[derive(Debug, Default, Deserialize, PartialEq)]
+pub struct Devices {
+    #[serde(default, deserialize_with = "capped::<_, _, MAX_LIST>")]
+    requests: Vec<DeviceRequest>,
+    #[serde(default, deserialize_with = "capped::<_, _, MAX_LIST>")]
+    config: Vec<ConfigEntry>,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct DeviceRequest {
+    #[serde(default)]
+    name: String,
+    #[serde(default, deserialize_with = "capped::<_, _, MAX_LIST>")]
+    first_available: Vec<DeviceRequest>,
+    #[serde(default)]
+    exactly: Option<Box<DeviceRequest>>,
+    #[serde(default)]
+    device_class_name: Option<String>,
+    #[serde(default)]
+    admin_access: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+struct ConfigEntry {
+    #[serde(default, deserialize_with = "capped::<_, _, MAX_LIST>")]
+    requests: Vec<String>,
+    #[serde(default)]
+    opaque: Option<Opaque>,
+}
+
+#[derive(Debug, Default, Deserialize, PartialEq)]
+struct Opaque {
+    #[serde(default)]
+    driver: String,
+    /// Kept as text: decoded only for this driver's entries.
+    #[serde(default)]
+    parameters: Option<RawJson>,
+}
+
+/// JSON kept as the text it was sent as.
+#[derive(Debug, Deserialize)]
+#[serde(transparent)]
+struct RawJson(Box<serde_json::value::RawValue>);
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.get() == other.0.get()
+    }
+}
+
+/// Longest list read (requests, subrequests, config entries, a config's
+/// requests). The API server refuses objects with more than 32 requests
+/// or configs before a webhook sees them; a longer list did not come from
+/// it, and is refused while it is read, before it takes memory.
+const MAX_LIST: usize = 256;
+
+/// Largest `opaque.parameters` decoded: the API server's own limit for
+/// the field (10 KiB).
+pub const MAX_PARAMETERS_BYTES: usize = 10 * 1024;
+
+/// A list of at most `N` items (`null` reads as none).
+fn capped<'de, D, T, const N: usize>(d: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Capped<T, const N: usize>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>, const N: usize> serde::de::Visitor<'de> for Capped<T, N> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "a list of at most {N} items")
+        }
+
+        fn visit_unit<E>(self) -> Result<Vec<T>, E> {
+            Ok(Vec::new())
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut items = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                if items.len() == N {
+                    return Err(serde::de::Error::custom(format!(
+                        "a list of more than {N} items, more than the API server admits"
+                    )));
+                }
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+    d.deserialize_any(Capped::<T, N>(std::marker::PhantomData))
 }
 
 /// The webhook's verdict on one request.
@@ -166,10 +293,12 @@ impl Checked {
         }
     }
 
-    fn spec(self, object: &Value) -> &Value {
+    /// The claim spec's `devices` of `object`, if it has one.
+    fn devices(self, object: Option<&Object>) -> Option<&Devices> {
+        let spec = object?.spec.as_ref()?;
         match self {
-            Checked::Claim => &object["spec"],
-            Checked::Template => &object["spec"]["spec"],
+            Checked::Claim => spec.devices.as_ref(),
+            Checked::Template => spec.spec.as_ref()?.devices.as_ref(),
         }
     }
 
@@ -238,22 +367,21 @@ fn decide(driver: &str, request: &ReviewRequest) -> Verdict {
     if !request.sub_resource.is_empty() {
         return Verdict::Allow;
     }
+    let object = request.object.as_ref();
+    let devices = checked.devices(object);
     match request.operation.as_str() {
         "CREATE" => {}
-        "UPDATE" if checked.spec(&request.object) != checked.spec(&request.old_object) => {}
+        "UPDATE" if devices != checked.devices(request.old_object.as_ref()) => {}
         _ => return Verdict::Allow,
     }
-    let namespace = match request.object["metadata"]["namespace"].as_str() {
-        Some(ns) if !ns.is_empty() => ns,
-        _ => &request.namespace,
-    };
-    let name = match request.object["metadata"]["name"].as_str() {
-        Some(n) if !n.is_empty() => n.to_owned(),
-        _ if !request.name.is_empty() => request.name.clone(),
-        _ => format!(
+    let meta = object.map(|o| &o.metadata);
+    let namespace = given(meta.and_then(|m| m.namespace.as_deref())).unwrap_or(&request.namespace);
+    let name = match given(meta.and_then(|m| m.name.as_deref())) {
+        Some(n) => n.to_owned(),
+        None if !request.name.is_empty() => request.name.clone(),
+        None => format!(
             "{}<generated>",
-            request.object["metadata"]["generateName"]
-                .as_str()
+            meta.and_then(|m| m.generate_name.as_deref())
                 .unwrap_or_default()
         ),
     };
@@ -261,19 +389,28 @@ fn decide(driver: &str, request: &ReviewRequest) -> Verdict {
         Checked::Claim => format!("{namespace}/{name}"),
         Checked::Template => format!("template {namespace}/{name}"),
     };
-    check(driver, checked, &label, &request.object)
+    check(
+        driver,
+        checked,
+        &label,
+        devices.unwrap_or(&Devices::default()),
+    )
 }
 
-/// Checks one claim or template object (its JSON as the API server sends
-/// it). `label` names it in messages.
-pub fn check(driver: &str, checked: Checked, label: &str, object: &Value) -> Verdict {
-    let devices = &checked.spec(object)["devices"];
+/// A name field, unless absent or empty.
+fn given(field: Option<&str>) -> Option<&str> {
+    field.filter(|s| !s.is_empty())
+}
+
+/// Checks the claim spec's `devices` of one claim or template. `label`
+/// names it in messages.
+pub fn check(driver: &str, checked: Checked, label: &str, devices: &Devices) -> Verdict {
     let mut problems = config_problems(driver, checked, label, devices);
     problems.extend(
         work_class_admin_access(
             driver,
             &format!("claim {label}"),
-            devices,
+            &requests_json(&devices.requests),
             checked.devices_path(),
         )
         .iter()
@@ -286,57 +423,76 @@ pub fn check(driver: &str, checked: Checked, label: &str, object: &Value) -> Ver
     }
 }
 
+/// The requests as JSON (`{"requests": [...]}`) in the shape the admin
+/// access check reads: only the fields it looks at, so small.
+fn requests_json(requests: &[DeviceRequest]) -> Value {
+    fn one(r: &DeviceRequest) -> Value {
+        let mut v = json!({ "name": r.name });
+        if let Some(class) = &r.device_class_name {
+            v["deviceClassName"] = json!(class);
+        }
+        if let Some(admin) = r.admin_access {
+            v["adminAccess"] = json!(admin);
+        }
+        if let Some(exact) = &r.exactly {
+            v["exactly"] = one(exact);
+        }
+        v
+    }
+    json!({ "requests": requests.iter().map(one).collect::<Vec<_>>() })
+}
+
 /// What prepare would refuse in the configs for this driver, one message
 /// each.
-fn config_problems(driver: &str, checked: Checked, label: &str, devices: &Value) -> Vec<String> {
-    let sources: Vec<ConfigSource> = devices["config"]
-        .as_array()
-        .map(Vec::as_slice)
-        .unwrap_or_default()
-        .iter()
-        .enumerate()
-        .filter(|(_, entry)| entry["opaque"]["driver"].as_str() == Some(driver))
-        .map(|(index, entry)| ConfigSource {
+fn config_problems(driver: &str, checked: Checked, label: &str, devices: &Devices) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut sources = Vec::new();
+    for (index, entry) in devices.config.iter().enumerate() {
+        let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver == driver) else {
+            continue;
+        };
+        let text = opaque.parameters.as_ref().map_or("null", |p| p.0.get());
+        if text.len() > MAX_PARAMETERS_BYTES {
+            problems.push(format!(
+                "claim {label}: {}[{index}].opaque.parameters: {} bytes, more than the \
+                 {MAX_PARAMETERS_BYTES} the API allows; fix: shorten the parameters",
+                checked.configs_path(),
+                text.len()
+            ));
+            continue;
+        }
+        sources.push(ConfigSource {
             origin: Origin::Claim,
-            requests: strings(&entry["requests"]),
+            requests: entry.requests.clone(),
             index,
-            parameters: entry["opaque"]["parameters"].clone(),
-        })
-        .collect();
-    if sources.is_empty() {
-        return Vec::new();
+            parameters: serde_json::from_str(text).unwrap_or(Value::Null),
+        });
     }
-    check_claim_spec(label, &request_names(devices), &sources)
-        .iter()
-        .map(|e| e.admission_message(checked.configs_path()))
-        .collect()
+    if !sources.is_empty() {
+        problems.extend(
+            check_claim_spec(label, &request_names(&devices.requests), &sources)
+                .iter()
+                .map(|e| e.admission_message(checked.configs_path())),
+        );
+    }
+    problems
 }
 
 /// Every request name of a claim spec's `devices`: `name`, and
 /// `name/subrequest` for each `firstAvailable` alternative.
-fn request_names(devices: &Value) -> Vec<String> {
+fn request_names(requests: &[DeviceRequest]) -> Vec<String> {
     let mut names = Vec::new();
-    for request in devices["requests"].as_array().into_iter().flatten() {
-        let Some(name) = request["name"].as_str() else {
-            continue;
-        };
-        names.push(name.to_owned());
-        for sub in request["firstAvailable"].as_array().into_iter().flatten() {
-            if let Some(sub) = sub["name"].as_str() {
-                names.push(format!("{name}/{sub}"));
-            }
+    for request in requests.iter().filter(|r| !r.name.is_empty()) {
+        names.push(request.name.clone());
+        for sub in request
+            .first_available
+            .iter()
+            .filter(|s| !s.name.is_empty())
+        {
+            names.push(format!("{}/{}", request.name, sub.name));
         }
     }
     names
-}
-
-fn strings(value: &Value) -> Vec<String> {
-    value
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| v.as_str().map(str::to_owned))
-        .collect()
 }
 
 #[cfg(test)]

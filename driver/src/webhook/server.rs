@@ -12,25 +12,36 @@
 //! A pair that does not load (half-written, key and certificate not
 //! matching) is logged and the last good one kept.
 //!
-//! At most `max_connections` connections are served at once; the next one
-//! waits in the listen backlog until one ends (each is bounded by a
-//! timeout), so a flood of idle connections cannot grow the tasks and
-//! buffers held without bound.
+//! At most `max_connections` connections are held at once, so a flood
+//! cannot grow the tasks and buffers held without bound. Holding one costs
+//! the holder nothing, so an idle connection (in its TLS handshake, which
+//! must end within [`HANDSHAKE_TIMEOUT`], or between requests) gives its
+//! slot to the next connection when all are taken, oldest first: idle or
+//! slow-handshake connections cannot keep the API server's review waiting.
+//! A connection in a request keeps its slot (a request must be read and
+//! answered within [`REQUEST_TIMEOUT`]); only when every slot is in a
+//! request does the next connection wait in the listen backlog.
+//!
+//! A body is read up to [`MAX_BODY_BYTES`]; a longer one (or one whose
+//! Content-Length says so, before any of it is read) is answered 413.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicU8, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
-use http_body_util::{BodyExt as _, Full, Limited};
+use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::Notify;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::rustls::crypto::{CryptoProvider, ring};
@@ -40,12 +51,22 @@ use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
 use tracing::{debug, info, warn};
 
-/// Largest AdmissionReview read (the API server's objects are at most a
-/// few MiB, old and new object together).
-pub const MAX_BODY_BYTES: usize = 16 << 20;
+/// Largest AdmissionReview read. The API server takes request bodies of at
+/// most 3 MiB, so an UPDATE's review holds at most two such objects (new
+/// and old) beside a small envelope: 7 MiB is more than any review it
+/// sends, and bounds what one connection can make the webhook buffer.
+pub const MAX_BODY_BYTES: usize = 7 << 20;
 
-/// How long one connection may take, TLS handshake included.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a TLS handshake may take: the API server's takes milliseconds.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long one request may take from its first header byte to the
+/// answer (the API server's own webhook timeout is at most 30 s, 10 s by
+/// default).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one connection may last at all.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A TLS config offering HTTP/1.1 with the certificate chain and key of
 /// these PEM files, re-read when they change; fails if they do not load now.
@@ -199,17 +220,9 @@ pub async fn serve(
     );
     let acceptor = TlsAcceptor::from(tls);
     let driver: Arc<str> = driver.into();
-    let slots = Arc::new(Semaphore::new(max_connections));
+    let slots = Slots::new(max_connections);
     tokio::pin!(shutdown);
     loop {
-        // A free slot first: beyond the cap, connections wait unaccepted.
-        let slot = tokio::select! {
-            () = &mut shutdown => {
-                info!("stopping");
-                return Ok(());
-            }
-            slot = slots.clone().acquire_owned() => slot?,
-        };
         let (stream, peer) = tokio::select! {
             () = &mut shutdown => {
                 info!("stopping");
@@ -224,41 +237,189 @@ pub async fn serve(
                 }
             },
         };
+        // A slot for it (an idle connection's, if need be): while every
+        // slot is in a request, it waits and the next stay unaccepted.
+        let slot = tokio::select! {
+            () = &mut shutdown => {
+                info!("stopping");
+                return Ok(());
+            }
+            slot = slots.take() => slot,
+        };
         let acceptor = acceptor.clone();
         let driver = driver.clone();
         tokio::spawn(async move {
-            let _slot = slot;
+            let state = slot.state.clone();
             let connection = async {
-                let stream = acceptor
-                    .accept(stream)
+                let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream))
                     .await
+                    .map_err(|_| "TLS handshake timed out".to_owned())?
                     .map_err(|e| format!("TLS handshake: {e}"))?;
                 let service = hyper::service::service_fn(move |request| {
                     let driver = driver.clone();
-                    async move { Ok::<_, Infallible>(answer(request, &driver).await) }
+                    let state = state.clone();
+                    async move {
+                        let Some(_busy) = state.busy() else {
+                            return Ok(plain(StatusCode::SERVICE_UNAVAILABLE, "evicted\n"));
+                        };
+                        let answer =
+                            tokio::time::timeout(REQUEST_TIMEOUT, answer(request, &driver))
+                                .await
+                                .unwrap_or_else(|_| {
+                                    plain(StatusCode::REQUEST_TIMEOUT, "request timed out\n")
+                                });
+                        Ok::<_, Infallible>(answer)
+                    }
                 });
                 hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(REQUEST_TIMEOUT)
                     .serve_connection(TokioIo::new(stream), service)
                     .await
                     .map_err(|e| e.to_string())
             };
-            match tokio::time::timeout(CONNECTION_TIMEOUT, connection).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => debug!(%peer, "connection: {e}"),
-                Err(_) => debug!(%peer, "connection timed out"),
+            tokio::select! {
+                done = tokio::time::timeout(CONNECTION_TIMEOUT, connection) => match done {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => debug!(%peer, "connection: {e}"),
+                    Err(_) => debug!(%peer, "connection timed out"),
+                },
+                () = slot.state.evicted.notified() => {
+                    debug!(%peer, "idle connection closed for a new one");
+                }
             }
+            drop(slot);
         });
+    }
+}
+
+/// The connection slots, oldest connection first.
+struct Slots {
+    cap: usize,
+    held: Mutex<BTreeMap<u64, Arc<ConnectionState>>>,
+    next: AtomicU64,
+    /// A slot was given up.
+    freed: Notify,
+}
+
+/// Whether a connection is in a request; how it is told to close.
+#[derive(Default)]
+struct ConnectionState {
+    /// IDLE, BUSY or EVICTED.
+    phase: AtomicU8,
+    evicted: Notify,
+}
+
+const IDLE: u8 = 0;
+const BUSY: u8 = 1;
+const EVICTED: u8 = 2;
+
+impl ConnectionState {
+    /// Marks the connection in a request until the guard drops; `None`
+    /// once it was evicted.
+    fn busy(self: &Arc<Self>) -> Option<Busy> {
+        (self.phase.compare_exchange(IDLE, BUSY, SeqCst, SeqCst)).ok()?;
+        Some(Busy(self.clone()))
+    }
+
+    /// Evicts it unless it is in a request.
+    fn evict(&self) -> bool {
+        let evicted = self
+            .phase
+            .compare_exchange(IDLE, EVICTED, SeqCst, SeqCst)
+            .is_ok();
+        if evicted {
+            self.evicted.notify_one();
+        }
+        evicted
+    }
+}
+
+struct Busy(Arc<ConnectionState>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let _ = (self.0.phase).compare_exchange(BUSY, IDLE, SeqCst, SeqCst);
+    }
+}
+
+/// One connection's hold on a slot, given up when dropped.
+struct Slot {
+    id: u64,
+    state: Arc<ConnectionState>,
+    slots: Arc<Slots>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.slots.lock().remove(&self.id);
+        self.slots.freed.notify_one();
+    }
+}
+
+impl Slots {
+    fn new(cap: usize) -> Arc<Slots> {
+        Arc::new(Slots {
+            cap,
+            held: Mutex::new(BTreeMap::new()),
+            next: AtomicU64::new(0),
+            freed: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<ConnectionState>>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A slot: a free one, else the oldest idle connection's, else the
+    /// first given up.
+    async fn take(self: &Arc<Self>) -> Slot {
+        loop {
+            let freed = self.freed.notified();
+            {
+                let mut held = self.lock();
+                if held.len() >= self.cap {
+                    let idle = held.iter().find(|(_, s)| s.evict()).map(|(id, _)| *id);
+                    if let Some(id) = idle {
+                        held.remove(&id);
+                    }
+                }
+                if held.len() < self.cap {
+                    let id = self.next.fetch_add(1, SeqCst);
+                    let state = Arc::new(ConnectionState::default());
+                    held.insert(id, state.clone());
+                    return Slot {
+                        id,
+                        state,
+                        slots: self.clone(),
+                    };
+                }
+            }
+            freed.await;
+        }
     }
 }
 
 async fn answer(request: Request<Incoming>, driver: &str) -> Response<Full<Bytes>> {
     match (request.method(), request.uri().path()) {
         (&Method::POST, "/validate") => {
+            let too_large = || {
+                plain(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    &format!("an AdmissionReview is at most {MAX_BODY_BYTES} bytes\n"),
+                )
+            };
+            let declared = request.headers().get(hyper::header::CONTENT_LENGTH);
+            let declared = declared.and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+                return too_large();
+            }
             let body = match Limited::new(request.into_body(), MAX_BODY_BYTES)
                 .collect()
                 .await
             {
                 Ok(body) => body.to_bytes(),
+                Err(e) if e.is::<LengthLimitError>() => return too_large(),
                 Err(e) => {
                     return plain(
                         StatusCode::BAD_REQUEST,
@@ -469,34 +630,158 @@ mod tests {
         );
     }
 
+    /// A review the webhook allows (a claim with no config of its driver).
+    fn allowed_review() -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u-1",
+                "resource": {"group": "resource.k8s.io", "version": "v1", "resource": "resourceclaims"},
+                "operation": "CREATE",
+                "object": {"metadata": {"name": "c", "namespace": "ns"}, "spec": {"devices": {}}},
+            }
+        }))
+        .unwrap()
+    }
+
+    /// Sends `head` (request line and headers, without the blank line)
+    /// and `body`, and reads the answer to the end: its status and text.
+    async fn exchange(tls: &mut TlsStream<TcpStream>, head: &str, body: &[u8]) -> (u16, String) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let head = format!("{head}\r\nHost: webhook\r\nConnection: close\r\n\r\n");
+        tls.write_all(head.as_bytes()).await.unwrap();
+        // The server may answer (and close) before taking all of a body.
+        let _ = tls.write_all(body).await;
+        let mut answer = Vec::new();
+        let _ = tls.read_to_end(&mut answer).await;
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let status = answer
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no HTTP answer: {answer:?}"));
+        (status, answer)
+    }
+
+    async fn post_review(client: &TlsConnector, address: SocketAddr) -> (u16, String) {
+        let mut tls = served_stream(client, address).await;
+        let body = allowed_review();
+        let head = format!("POST /validate HTTP/1.1\r\nContent-Length: {}", body.len());
+        exchange(&mut tls, &head, &body).await
+    }
+
     #[tokio::test]
-    async fn connections_beyond_the_cap_wait_until_one_ends() {
+    async fn idle_and_slow_handshake_connections_do_not_delay_a_review() {
         let dir = tempfile::tempdir().unwrap();
         certificates(dir.path(), &["first"]);
         install(dir.path(), "first");
         let address = start(dir.path(), 2).await;
         let client = connector(dir.path());
-        // Two connections hold both slots (a TLS session each, kept open).
-        let one = served_stream(&client, address).await;
-        let _two = served_stream(&client, address).await;
+        // Every slot taken: one connection that never starts its handshake
+        // and one that finished it and sends nothing.
+        let _silent = TcpStream::connect(address).await.unwrap();
+        let _idle = served_stream(&client, address).await;
+        let mut more_silent = Vec::new();
+        for _ in 0..4 {
+            more_silent.push(TcpStream::connect(address).await.unwrap());
+        }
 
-        // A third is not taken on: its handshake gets no answer.
-        let mut third = tokio::spawn({
+        let started = std::time::Instant::now();
+        let (status, answer) = tokio::time::timeout(WAIT, post_review(&client, address))
+            .await
+            .expect("the review is answered");
+        assert_eq!(status, 200, "{answer}");
+        assert!(answer.contains(r#""allowed":true"#), "{answer}");
+        assert!(
+            started.elapsed() < HANDSHAKE_TIMEOUT / 2,
+            "the review waited {:?} behind idle connections",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_connection_in_a_request_keeps_its_slot() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        certificates(dir.path(), &["first"]);
+        install(dir.path(), "first");
+        let address = start(dir.path(), 1).await;
+        let client = connector(dir.path());
+        // In a request: its headers sent, its body not yet. The server
+        // asks for the body (100 Continue) once the request is being served.
+        let mut busy = served_stream(&client, address).await;
+        let head = "POST /validate HTTP/1.1\r\nHost: w\r\nContent-Length: 100\r\n\
+                    Expect: 100-continue\r\n\r\n";
+        busy.write_all(head.as_bytes()).await.unwrap();
+        busy.flush().await.unwrap();
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains("100 Continue") {
+            let mut byte = [0u8; 1];
+            let n = tokio::time::timeout(WAIT, busy.read(&mut byte))
+                .await
+                .expect("100 Continue in time")
+                .unwrap();
+            assert_eq!(n, 1, "closed before asking for the body: {seen:?}");
+            seen.push(byte[0]);
+        }
+
+        let mut next = tokio::spawn({
             let client = client.clone();
             async move { handshake(&client, address).await }
         });
-        let early = tokio::time::timeout(Duration::from_millis(500), &mut third).await;
+        let early = tokio::time::timeout(Duration::from_millis(500), &mut next).await;
+        assert!(early.is_err(), "a request in flight lost its slot");
+
+        drop(busy);
+        let next = tokio::time::timeout(WAIT, next)
+            .await
+            .expect("the next connection is served once the request ends");
+        assert!(next.unwrap().is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_oversized_body_is_refused_without_being_buffered() {
+        let dir = tempfile::tempdir().unwrap();
+        certificates(dir.path(), &["first"]);
+        install(dir.path(), "first");
+        let address = start(dir.path(), 4).await;
+        let client = connector(dir.path());
+        let sixteen_mib = 16 << 20;
+
+        // Declared: refused before a byte of the body is sent.
+        let mut tls = served_stream(&client, address).await;
+        let head = format!("POST /validate HTTP/1.1\r\nContent-Length: {sixteen_mib}");
+        let (status, answer) = tokio::time::timeout(WAIT, exchange(&mut tls, &head, b""))
+            .await
+            .expect("answered without the body");
+        assert_eq!(status, 413, "{answer}");
+
+        // Chunked: read only up to the cap, then refused.
+        let mut body = Vec::new();
+        let chunk = vec![b' '; 1 << 20];
+        for _ in 0..sixteen_mib >> 20 {
+            body.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+            body.extend_from_slice(&chunk);
+            body.extend_from_slice(b"\r\n");
+        }
+        body.extend_from_slice(b"0\r\n\r\n");
+        let mut tls = served_stream(&client, address).await;
+        let head = "POST /validate HTTP/1.1\r\nTransfer-Encoding: chunked";
+        let (status, answer) = tokio::time::timeout(WAIT, exchange(&mut tls, head, &body))
+            .await
+            .expect("answered");
+        assert_eq!(status, 413, "{answer}");
         assert!(
-            early.is_err(),
-            "a third connection was served beyond the cap of 2"
+            answer.contains(&format!("at most {MAX_BODY_BYTES} bytes")),
+            "{answer}"
         );
 
-        // One ends: the third is served.
-        drop(one);
-        let third = tokio::time::timeout(WAIT, third)
+        // And the server still answers reviews.
+        let (status, _) = tokio::time::timeout(WAIT, post_review(&client, address))
             .await
-            .expect("the third connection is served once a slot is free");
-        assert!(third.unwrap().is_ok());
+            .expect("answered");
+        assert_eq!(status, 200);
     }
 
     async fn served_stream(connector: &TlsConnector, address: SocketAddr) -> TlsStream<TcpStream> {

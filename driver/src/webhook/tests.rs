@@ -354,3 +354,31 @@ fn a_bad_config_and_admin_access_on_a_work_class_are_both_listed() {
         "{message}"
     );
 }
+
+#[test]
+fn parameters_beyond_the_apis_limit_are_denied_without_decoding() {
+    let long = "x".repeat(MAX_PARAMETERS_BYTES);
+    let object = claim_object(json!([ours(json!({ "note": long }))]));
+    let (allowed, message) = answer(&request("resourceclaims", "CREATE", object, Value::Null));
+    assert!(!allowed);
+    assert!(
+        message.contains("spec.devices.config[0].opaque.parameters: ")
+            && message.contains("more than the 10240 the API allows"),
+        "{message}"
+    );
+}
+
+#[test]
+fn lists_longer_than_any_the_api_server_admits_are_refused_while_read() {
+    let requests: Vec<Value> = (0..=MAX_LIST)
+        .map(|i| json!({ "name": format!("r{i}") }))
+        .collect();
+    let mut object = claim_object(json!([]));
+    object["spec"]["devices"]["requests"] = json!(requests);
+    let err = review(
+        DRIVER,
+        &request("resourceclaims", "CREATE", object, Value::Null),
+    )
+    .unwrap_err();
+    assert!(err.contains("more than 256 items"), "{err}");
+}
