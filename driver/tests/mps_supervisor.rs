@@ -1298,6 +1298,7 @@ fn other_limits_replace_a_daemon_of_an_earlier_run() {
     let other = ClientLimits {
         memory_bytes: 16 << 30,
         thread_percent: 50,
+        shm_bytes: None,
     };
     let d = after.ensure(&k, other).unwrap();
     assert_ne!(d.pid, first, "the daemon with the old limits was adopted");

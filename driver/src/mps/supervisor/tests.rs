@@ -11,6 +11,7 @@ const GPU: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const LIMITS: ClientLimits = ClientLimits {
     memory_bytes: 8 << 30,
     thread_percent: 25,
+    shm_bytes: None,
 };
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -166,6 +167,7 @@ fn a_pass_never_restarts_a_daemon_whose_ensure_failed() {
         let unusable = ClientLimits {
             memory_bytes: 1000,
             thread_percent: 10,
+            shm_bytes: None,
         };
         let err = sup.ensure(k, unusable).unwrap_err();
         assert!(matches!(err, MpsError::Limits { .. }), "{err}");
