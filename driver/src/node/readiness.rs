@@ -61,6 +61,8 @@ pub struct PreFlight {
     pub api_server: Result<String, String>,
     /// Whether this version reads the records it would take over.
     pub records: Result<String, String>,
+    /// Whether it could place MPS daemons where they outlive it.
+    pub placement: Result<String, String>,
 }
 
 /// Where the records a takeover reads are.
@@ -68,9 +70,29 @@ pub struct PreFlight {
 pub struct Takeover {
     pub state_dir: PathBuf,
     pub boot_id_file: PathBuf,
+    /// The host cgroup MPS daemons move into (`--mps-cgroup-fs`,
+    /// `--mps-cgroup`), when the node is configured with one.
+    pub mps_cgroup: Option<(PathBuf, String)>,
 }
 
 impl Takeover {
+    /// Whether a daemon could be placed in the host cgroup, as start-up
+    /// will check (a forked child joins it and exits); nothing to check
+    /// without one.
+    pub fn check_placement(&self) -> Result<String, String> {
+        let Some((fs, name)) = &self.mps_cgroup else {
+            return Ok("MPS daemons stay in this process's cgroup".into());
+        };
+        let cgroup = crate::mps::HostCgroup::open(fs, name)
+            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
+        std::sync::Arc::new(cgroup)
+            .check()
+            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
+        Ok(format!(
+            "MPS daemons can be placed in the host cgroup {name}"
+        ))
+    }
+
     /// Reads the prepared-claim records of this boot as start-up will,
     /// changing nothing (the active process owns them).
     pub fn check_records(&self) -> Result<String, String> {
@@ -137,21 +159,31 @@ impl PreFlight {
             let takeover = takeover.clone();
             async move { blocking(move || takeover.check_records()).await? }
         };
-        let (nvml, api_server, records) = tokio::join!(gpus, api_server, records);
+        let placement = {
+            let takeover = takeover.clone();
+            async move { blocking(move || takeover.check_placement()).await? }
+        };
+        let (nvml, api_server, records, placement) =
+            tokio::join!(gpus, api_server, records, placement);
         PreFlight {
             nvml,
             api_server,
             records,
+            placement,
         }
     }
 
     pub fn passed(&self) -> bool {
-        self.nvml.is_ok() && self.api_server.is_ok() && self.records.is_ok()
+        self.checks().iter().all(|c| c.is_ok())
+    }
+
+    fn checks(&self) -> [&Result<String, String>; 4] {
+        [&self.nvml, &self.api_server, &self.records, &self.placement]
     }
 
     /// One line: the failures if any, else what was found.
     pub fn describe(&self) -> String {
-        let checks = [&self.nvml, &self.api_server, &self.records];
+        let checks = self.checks();
         let failed: Vec<&str> = checks
             .iter()
             .filter_map(|c| c.as_ref().err())
@@ -457,7 +489,33 @@ mod tests {
             nvml: nvml.map(str::to_owned).map_err(str::to_owned),
             api_server: Ok("the API server (v1.37.2) answers".into()),
             records: Ok("0 prepared-claim record(s) decode".into()),
+            placement: Ok("MPS daemons stay in this process's cgroup".into()),
         }
+    }
+
+    /// A standby that could not place MPS daemons in the host cgroup is
+    /// not Ready: taking over, it would exit at its start.
+    #[test]
+    fn a_standby_that_cannot_place_daemons_is_not_ready() {
+        let dir = tempfile::tempdir().unwrap();
+        let takeover = |cgroup: Option<(PathBuf, String)>| Takeover {
+            state_dir: dir.path().join("state"),
+            boot_id_file: dir.path().join("boot_id"),
+            mps_cgroup: cgroup,
+        };
+        assert!(takeover(None).check_placement().is_ok());
+        // A directory that is no cgroup filesystem.
+        let r = Readiness::default();
+        let mut preflight = checks(Ok("NVML 580 lists 2 GPUs"));
+        preflight.placement =
+            takeover(Some((dir.path().into(), "tessera-mps".into()))).check_placement();
+        r.set(Phase::Standby(Some(preflight)));
+        let answer = r.ready();
+        assert!(!answer.ok, "{answer:?}");
+        assert!(
+            answer.text.contains("cannot place MPS daemons"),
+            "{answer:?}"
+        );
     }
 
     /// A standby whose version cannot decode the records it would take
@@ -470,6 +528,7 @@ mod tests {
         let takeover = Takeover {
             state_dir: dir.path().join("state"),
             boot_id_file,
+            mps_cgroup: None,
         };
         let records = dir
             .path()

@@ -550,6 +550,7 @@ async fn take_state_lock(
         readiness::Takeover {
             state_dir: args.state_dir.clone(),
             boot_id_file: args.boot_id_file.clone(),
+            mps_cgroup: args.mps_cgroup_fs.clone().zip(args.mps_cgroup.clone()),
         },
     ));
     let lock = loop {
