@@ -116,6 +116,59 @@ fn hostile_script() -> String {
     .join("; ")
 }
 
+/// The MPS control daemons below `mps_dir` (their environment names a
+/// pipe directory there and carries a launch id).
+fn daemons_below(mps_dir: &str) -> Vec<i32> {
+    let pipe = format!("CUDA_MPS_PIPE_DIRECTORY={mps_dir}/");
+    let launch = format!("{}=", tessera_driver::mps::LAUNCH_ID_ENV);
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            let vars: Vec<&[u8]> = env.split(|b| *b == 0).collect();
+            vars.iter().any(|v| v.starts_with(pipe.as_bytes()))
+                && vars.iter().any(|v| v.starts_with(launch.as_bytes()))
+        })
+        .collect()
+}
+
+/// A daemon keeps only the capabilities MPS needs, for good, and sees
+/// none of the node's own directories.
+fn confined(pid: i32, node_dirs: &[String]) -> Result<()> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(str::trim)
+            .with_context(|| format!("no {name} for daemon {pid}"))
+    };
+    let kept = tessera_driver::mps::kept_mask();
+    for caps in ["CapEff", "CapBnd"] {
+        let value = u64::from_str_radix(field(caps)?, 16)?;
+        ensure!(
+            value == kept,
+            "daemon {pid}: {caps} {value:x}, want {kept:x}"
+        );
+    }
+    ensure!(
+        field("NoNewPrivs")? == "1",
+        "daemon {pid} may gain privileges"
+    );
+    let root = format!("/proc/{pid}/root");
+    for dir in node_dirs {
+        ensure!(
+            !Path::new(&format!("{root}{dir}")).exists(),
+            "daemon {pid} sees {dir}"
+        );
+    }
+    Ok(())
+}
+
 /// SMs, and whether the allocation worked, on the one device the probe
 /// printed after `tag` saw.
 fn seen(log: &str, tag: &str) -> Result<(i32, bool)> {
@@ -204,6 +257,25 @@ async fn run(
         seen(&before, "PROBE")? == (66, true),
         "the neighbour before: {before}"
     );
+
+    // The claims' daemons are confined: few capabilities, no node state.
+    let mps_dir = vars
+        .get("TESSERA_NODE_MPS_DIR")
+        .context("cluster.sh env has no TESSERA_NODE_MPS_DIR")?;
+    let daemons = daemons_below(mps_dir);
+    ensure!(
+        daemons.len() >= 2,
+        "want the daemons of both claims below {mps_dir}: {daemons:?}"
+    );
+    let node_dirs = [
+        env.state_dir.display().to_string(),
+        "/var/lib/kubelet".to_owned(),
+        "/var/run/cdi".to_owned(),
+        "/etc/cdi".to_owned(),
+    ];
+    for pid in daemons {
+        confined(pid, &node_dirs)?;
+    }
 
     // 1. Leaving MPS: killed.
     let go = Instant::now();
