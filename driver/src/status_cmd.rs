@@ -1,8 +1,9 @@
 //! `tessera status`: an operator's view of one node, per GPU: its MIG
 //! mode, the mode its claims use it in (whole, MIG, Isolated shares and
 //! their provider, Shared shares), its health, the claims prepared on it
-//! (device, kind, limits) with the Pods they are reserved for, and the
-//! memory allocated to them next to the memory NVML reports used.
+//! (device, kind, limits) with the Pods they are reserved for, the
+//! memory allocated to them next to the memory NVML reports used, and why
+//! a GPU gets no Isolated shares where it predates Volta.
 //!
 //! Read-only and lock-free: it reads the claim records in
 //! `<state dir>/prepared-claims/` (the node process replaces each by
@@ -23,6 +24,7 @@ use std::time::Duration;
 use clap::ValueEnum;
 use serde::Serialize;
 use tessera_api::inventory::{Inventory, Mig};
+use tessera_controller::model::plan;
 use tessera_driver::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
@@ -109,6 +111,10 @@ pub struct GpuStatus {
     /// Memory NVML reports used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_used_bytes: Option<u64>,
+    /// Why the node offers no Isolated shares served by MPS on this GPU
+    /// (it predates Volta); absent where it offers them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub isolated_shares: Option<String>,
     pub claims: Vec<ClaimOnGpu>,
 }
 
@@ -413,6 +419,7 @@ pub fn build(
             memory_total_bytes: Some(g.memory_bytes),
             memory_allocated_bytes: allocated.get(&g.uuid).copied().unwrap_or(0),
             memory_used_bytes: used.get(&g.uuid).copied(),
+            isolated_shares: plan::mps_isolation_unsupported(g),
             claims: claims.remove(g.uuid.as_str()).unwrap_or_default(),
             mode: String::new(),
             health: None,
@@ -427,6 +434,7 @@ pub fn build(
             memory_total_bytes: None,
             memory_allocated_bytes: allocated.get(uuid).copied().unwrap_or(0),
             memory_used_bytes: None,
+            isolated_shares: None,
             claims: on,
             mode: String::new(),
             health: None,
@@ -486,6 +494,9 @@ fn text(report: &Report) -> String {
             opt(gpu.memory_used_bytes),
             opt(gpu.memory_total_bytes)
         );
+        if let Some(why) = &gpu.isolated_shares {
+            let _ = writeln!(out, "  {why}");
+        }
         if gpu.claims.is_empty() {
             out.push_str("  no claims\n\n");
             continue;
@@ -563,6 +574,40 @@ mod tests {
     use tessera_driver::prepare::state::{ConsumedData, DeviceData, DeviceStatus};
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_gpu_before_volta_says_why_it_has_no_isolated_shares() {
+        let gpu = |uuid: &str, architecture: &str, capability: &str| Gpu {
+            uuid: uuid.into(),
+            product_name: format!("a {architecture} GPU"),
+            brand: "Nvidia".into(),
+            architecture: architecture.into(),
+            cuda_compute_capability: capability.into(),
+            pci_bus_id: "0000:07:00.0".into(),
+            memory_bytes: 16 * GIB,
+            multiprocessors: 56,
+            minor: 0,
+            mig: Mig::NotSupported,
+        };
+        let inventory = Inventory {
+            driver_version: "535".into(),
+            cuda_driver_version: "12.2".into(),
+            gpus: vec![gpu("GPU-p", "pascal", "6.1"), gpu("GPU-v", "volta", "7.0")],
+        };
+        let report = build("cp".into(), &[], &inventory, &BTreeMap::new(), Vec::new());
+        let why = report.gpus[0].isolated_shares.as_deref().unwrap();
+        assert!(
+            why.contains("compute capability 6.1 is before Volta"),
+            "{why}"
+        );
+        assert_eq!(report.gpus[1].isolated_shares, None);
+        let shown = text(&report);
+        assert!(shown.contains(&format!("  {why}\n")), "{shown}");
+        assert_eq!(shown.matches("no Isolated shares").count(), 1, "{shown}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["gpus"][0]["isolatedShares"], why);
+        assert!(json["gpus"][1].get("isolatedShares").is_none());
+    }
 
     #[test]
     fn claims_are_listed_under_their_gpu_with_allocated_and_used_memory() {

@@ -120,9 +120,14 @@ impl Machine {
 
     /// A machine of a shipped topology.
     fn of(name: &str) -> Machine {
+        Machine::at(topology(name))
+    }
+
+    /// A machine of the topology file `topology`.
+    fn at(topology: PathBuf) -> Machine {
         Machine {
             dir: tempfile::Builder::new().prefix("probe").tempdir().unwrap(),
-            topology: topology(name),
+            topology,
             state: fresh_state("probe"),
         }
     }
@@ -135,6 +140,22 @@ impl Machine {
     /// `LD_LIBRARY_PATH` and `env` (CUDA variables; the pipe directory
     /// defaults to one without a daemon).
     fn probe(&self, args: &[&str], env: &[(&str, &str)]) -> (Output, ProbeReport) {
+        let out = self
+            .probe_command(args, env)
+            .output()
+            .expect("running tessera probe");
+        let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "tessera probe printed no report ({e}):\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        (out, report)
+    }
+
+    /// The `tessera probe` command [`Machine::probe`] runs.
+    fn probe_command(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut cmd = clean(Command::new(env!("CARGO_BIN_EXE_tessera")));
         cmd.arg("probe")
             .args(args)
@@ -147,15 +168,7 @@ impl Machine {
             .env(TOPOLOGY_ENV, &self.topology)
             .env(STATE_ENV, &self.state)
             .envs(env.iter().copied());
-        let out = cmd.output().expect("running tessera probe");
-        let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "tessera probe printed no report ({e}):\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-        (out, report)
+        cmd
     }
 
     /// A probe that must succeed.
@@ -882,4 +895,170 @@ fn busy_runs_kernels_on_every_device_holding_the_memory_until_it_ends() {
     for d in &report.devices {
         assert!(d.kernels.is_some_and(|k| k > 0), "no kernels ran: {d:?}");
     }
+}
+
+// ------------------------------------------------- claims and MPS servers
+
+/// One 2 GiB GPU: a handful of Isolated claims fill it.
+const SMALL_GPU: &str = "\
+driverVersion: \"535.183.01\"
+cudaDriverVersion: \"12.2\"
+gpus:
+  - model:
+      name: Small GPU
+      brand: nvidia
+      architecture: turing
+      computeCapability: \"7.5\"
+      pciDeviceId: 0x1EB810DE
+      pciSubSystemId: 0x12A210DE
+      memoryMiB: 2048
+      multiprocessors: 40
+      cudaCores: 2560
+    uuid: GPU-5e1a11a0-0000-4000-8000-000000002048
+    pciBusId: \"00000000:00:04.0\"
+";
+const SMALL_GPU_UUID: &str = "GPU-5e1a11a0-0000-4000-8000-000000002048";
+const SHARE_STEP: u64 = 256 * MIB;
+
+/// The `memory` the node publishes on the Isolated share of `topology`
+/// (`tessera slices`, the node's publish path) under `policy`.
+fn isolated_capacity(topology: &Path, policy: &str) -> u64 {
+    let file = write_topology("isolated-capacity-policy.yaml", policy);
+    let out = tessera(
+        topology,
+        &["slices", "--node-name", "node-a", "-o", "json", "--policy"]
+            .into_iter()
+            .chain([file.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let device = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["spec"]["devices"].as_array().into_iter().flatten())
+        .find(|d| d["name"] == "gpu-0-isolated")
+        .expect("an Isolated share is published")
+        .clone();
+    let value = device["capacity"]["memory"]["value"].as_str().unwrap();
+    let quantity = k8s_openapi::apimachinery::pkg::api::resource::Quantity(value.to_owned());
+    tessera_controller::model::quantity::parse_integer(&quantity).expect("memory in bytes")
+}
+
+/// Runs `claims` Isolated claims of one memory step each the way prepare
+/// serves them (a daemon of its own per claim, its limit the claim's
+/// memory), one client per claim allocating all of it and holding it. Each
+/// client starts after the one before holds its memory or gave up. Returns
+/// whether each client got its memory, and the daemons and clients, still
+/// running.
+fn fill(m: &Machine, claims: u64) -> (Vec<bool>, Vec<Daemon>, Vec<Child>) {
+    let limit = format!("0={}M", SHARE_STEP / MIB);
+    let alloc = format!("{}", SHARE_STEP);
+    let (mut got, mut daemons, mut clients) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..claims {
+        let daemon = Daemon::start(
+            m,
+            &format!("claim-{i}"),
+            &[
+                ("CUDA_VISIBLE_DEVICES", SMALL_GPU_UUID),
+                ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", &limit),
+                ("TESSERA_FAKE_NVML_LOAD", "1"),
+            ],
+        );
+        let mut client = m
+            .probe_command(
+                &["--alloc", &alloc, "--busy", "120"],
+                &[
+                    ("CUDA_MPS_PIPE_DIRECTORY", daemon.pipe()),
+                    ("TESSERA_FAKE_NVML_LOAD", "1"),
+                ],
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting tessera probe");
+        let pid = client.id();
+        let mut memory = None;
+        wait_until("the client holds its memory or gives up", || {
+            let exited = client.try_wait().unwrap().is_some();
+            memory = held_by(pid).filter(|(_, busy)| *busy).map(|(m, _)| m);
+            memory.is_some() || exited
+        });
+        got.push(memory == Some(SHARE_STEP));
+        daemons.push(daemon);
+        clients.push(client);
+    }
+    (got, daemons, clients)
+}
+
+/// What process `pid` holds on the small GPU, and whether its kernels run
+/// (it reached `--busy`, holding its memory), by the fake NVML's records.
+fn held_by(pid: u32) -> Option<(u64, bool)> {
+    let live = tessera_fake_nvml::load::live();
+    let record = &live.iter().find(|l| l.pid == pid)?.record;
+    let d = record.devices.iter().find(|d| d.uuid == SMALL_GPU_UUID)?;
+    Some((d.memory_bytes, d.busy_until_ms > 0))
+}
+
+/// Memory held on the small GPU by every running process, servers included.
+fn used_on_small_gpu() -> u64 {
+    tessera_fake_nvml::load::live()
+        .iter()
+        .flat_map(|l| &l.record.devices)
+        .filter(|d| d.uuid == SMALL_GPU_UUID)
+        .map(|d| d.memory_bytes)
+        .sum()
+}
+
+fn stop(daemons: Vec<Daemon>, clients: Vec<Child>) {
+    for mut c in clients {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    drop(daemons);
+}
+
+/// Every Isolated claim the published capacity admits gets its memory with
+/// its MPS server beside it: the node keeps each server's context (48 MiB
+/// in the simulation, 64 reserved by default) out of what it publishes.
+/// Published without the reserve (what the node did before), the claims
+/// the scheduler would place do not all fit.
+#[test]
+fn every_isolated_claim_the_node_publishes_fits_beside_its_mps_server() {
+    let m = Machine::at(write_topology("small-gpu.yaml", SMALL_GPU));
+    let total = 2048 * MIB;
+    let capacity = isolated_capacity(&m.topology, "");
+    assert!(capacity < total, "{capacity} published of {total}");
+    let claims = capacity / SHARE_STEP;
+    assert!(claims >= 2, "{capacity}");
+    let (got, daemons, clients) = fill(&m, claims);
+    let used = used_on_small_gpu();
+    stop(daemons, clients);
+    assert!(
+        got.iter().all(|g| *g),
+        "claims without their memory: {got:?}"
+    );
+    assert!(used <= total, "{used} bytes used of {total}");
+    assert!(
+        used >= claims * SHARE_STEP,
+        "the servers' contexts count: {used}"
+    );
+
+    let m = Machine::at(write_topology("small-gpu.yaml", SMALL_GPU));
+    let unreserved = isolated_capacity(
+        &m.topology,
+        "gpus: [{select: {all: true}, mpsServerReserveMiB: 0}]",
+    );
+    assert_eq!(unreserved, total);
+    let (got, daemons, clients) = fill(&m, unreserved / SHARE_STEP);
+    stop(daemons, clients);
+    assert!(
+        got.iter().any(|g| !*g),
+        "every claim fitted without a reserve: {got:?}"
+    );
 }

@@ -129,3 +129,58 @@ fn yaml_output_is_documents_with_quoted_pci_ids() {
         "PCI bus id not quoted:\n{text}"
     );
 }
+
+/// A GPU from before Volta (a P100): MPS gives its clients neither address
+/// spaces of their own nor limits there, so no Isolated share is published,
+/// and `tessera status` says why.
+#[test]
+fn pre_volta_gpu_publishes_no_isolated_share_and_status_says_why() {
+    let slices = slices_json("p100.yaml", &[]);
+    let names: Vec<&str> = devices(&slices)
+        .iter()
+        .filter_map(|d| d["name"].as_str())
+        .collect();
+    assert!(names.contains(&"gpu-0"), "{names:?}");
+    assert!(names.contains(&"gpu-0-shared"), "{names:?}");
+    assert!(!names.contains(&"gpu-0-isolated"), "{names:?}");
+
+    let state_dir = scratch_dir("status-pre-volta");
+    let boot_id = state_dir.join("boot_id");
+    std::fs::write(&boot_id, "boot\n").unwrap();
+    let out = tessera(
+        &topology("p100.yaml"),
+        &[
+            "status",
+            "--no-api",
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+            "--boot-id-file",
+            boot_id.to_str().unwrap(),
+        ],
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(
+            "no Isolated shares: compute capability 6.0 is before Volta (7.0), where MPS gives \
+             its clients neither address spaces of their own nor limits"
+        ),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A Volta-or-newer GPU says nothing of the kind.
+    let t4 = tessera(
+        &topology("t4.yaml"),
+        &[
+            "status",
+            "--no-api",
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+            "--boot-id-file",
+            boot_id.to_str().unwrap(),
+        ],
+    );
+    let text = String::from_utf8_lossy(&t4.stdout);
+    assert!(text.contains("Tesla T4"), "{text}");
+    assert!(!text.contains("no Isolated shares"), "{text}");
+    let _ = std::fs::remove_dir_all(&state_dir);
+}

@@ -181,10 +181,54 @@ pub fn monitor(name: &str, gpu: &Gpu, facts: &GpuFacts) -> Device {
     device
 }
 
+/// The most claims one share device can hold: each consumes at least one
+/// percent of its `cores` (and at least one memory step).
+pub const MAX_SHARE_CLAIMS: u64 = 100;
+
+/// GPU memory an MPS server of a claim of `level` takes beside the claim:
+/// the policy's reserve for an Isolated share served by MPS, nothing
+/// otherwise (HAMi-core and Shared shares run no server).
+pub fn server_reserve(level: IsolationLevel, policy: &GpuPolicy) -> u64 {
+    match (level, policy.isolation_provider) {
+        (IsolationLevel::Isolated, IsolationProvider::Mps) => policy.mps_server_reserve_bytes,
+        _ => 0,
+    }
+}
+
+/// Most claims a share device publishing `memory` bytes can hold at once.
+pub fn max_share_claims(memory: u64) -> u64 {
+    (memory / SHARE_MEMORY_STEP).min(MAX_SHARE_CLAIMS)
+}
+
+/// The `memory` an Isolated share device publishes on a GPU of
+/// `gpu_memory` bytes when each claim's MPS server takes `reserve` bytes
+/// that no counter sees: the most, in whole steps, such that the claims
+/// the scheduler can place (their consumed memory adding up to at most
+/// that, each at least one step and one percent of cores) fit together
+/// with a server each. The claims still get all the memory they consume.
+///
+/// Two bounds, each safe on its own, the larger one is the answer: at most
+/// [`MAX_SHARE_CLAIMS`] servers (capacity + 100 reserves), or at most one
+/// server per step (capacity x (1 + reserve / step)).
+/// Without a reserve it is the GPU's memory.
+pub fn isolated_share_memory(gpu_memory: u64, reserve: u64) -> u64 {
+    if reserve == 0 {
+        return gpu_memory;
+    }
+    let step = SHARE_MEMORY_STEP;
+    let whole_steps = |bytes: u64| bytes / step * step;
+    let by_cores = whole_steps(gpu_memory.saturating_sub(MAX_SHARE_CLAIMS * reserve));
+    let by_steps =
+        u128::from(gpu_memory) * u128::from(step) / (u128::from(step) + u128::from(reserve));
+    by_cores.max(whole_steps(by_steps as u64))
+}
+
 /// A share device of `level`, multi-allocatable, with consumable `memory`
 /// (bytes, in steps of [`SHARE_MEMORY_STEP`]) and `cores` (percent, 1..=100).
 /// A claim that names neither consumes the policy's default share of both.
-/// Returns `None` when the GPU has too little memory for one step.
+/// An Isolated share served by MPS publishes less memory than the GPU has:
+/// what its claims' servers take is kept out ([`isolated_share_memory`]).
+/// Returns `None` when that leaves too little memory for one step.
 pub fn share(
     name: &str,
     gpu: &Gpu,
@@ -194,11 +238,12 @@ pub fn share(
     consumes: Option<Consumption>,
 ) -> Option<Device> {
     let step = SHARE_MEMORY_STEP;
+    let memory = isolated_share_memory(gpu.memory_bytes, server_reserve(level, policy));
     // The API wants min + step <= capacity.
-    if gpu.memory_bytes < 2 * step {
+    if memory < 2 * step {
         return None;
     }
-    let max = gpu.memory_bytes / step * step;
+    let max = memory / step * step;
     let pct = u64::from(policy.default_share_percent.clamp(1, 100));
     let share = u64::try_from(u128::from(gpu.memory_bytes) * u128::from(pct) / 100).unwrap_or(max);
     let default_memory = (share / step * step).clamp(step, max);
@@ -209,7 +254,7 @@ pub fn share(
     capacity.insert(
         cap::MEMORY.into(),
         DeviceCapacity {
-            value: quantity::bytes(gpu.memory_bytes),
+            value: quantity::bytes(memory),
             request_policy: Some(CapacityRequestPolicy {
                 default: Some(quantity::bytes(default_memory)),
                 valid_range: Some(CapacityRequestPolicyRange {
@@ -254,7 +299,11 @@ pub fn replica(
     let mut capacity = BTreeMap::new();
     capacity.insert(
         cap::MEMORY.into(),
-        fixed(quantity::bytes(replica_memory(gpu, replicas))),
+        fixed(quantity::bytes(replica_memory(
+            gpu,
+            replicas,
+            server_reserve(level, policy),
+        ))),
     );
     capacity.insert(
         cap::CORES.into(),
@@ -263,10 +312,12 @@ pub fn replica(
     device(name, attributes, capacity, None, false)
 }
 
-/// Memory of one replica: an even split, rounded down to whole MiB.
-pub fn replica_memory(gpu: &Gpu, replicas: u32) -> u64 {
+/// Memory of one replica: an even split, less what the replica's MPS
+/// server takes beside it (`reserve`, see [`server_reserve`]), rounded
+/// down to whole MiB.
+pub fn replica_memory(gpu: &Gpu, replicas: u32, reserve: u64) -> u64 {
     let mib = 1024 * 1024;
-    gpu.memory_bytes / u64::from(replicas.max(1)) / mib * mib
+    (gpu.memory_bytes / u64::from(replicas.max(1))).saturating_sub(reserve) / mib * mib
 }
 
 /// Compute percent of one replica.

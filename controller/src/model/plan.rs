@@ -76,7 +76,7 @@ use super::counters::GpuCounters;
 use super::devices::{self, DeviceKind, DeviceRef, GpuFacts, IsolationLevel, MigSpec};
 use super::held::{HeldOnGpu, Use, overlaps};
 use super::naming;
-use super::policy::{GpuPolicy, Mode, StaticMode};
+use super::policy::{GpuPolicy, IsolationProvider, Mode, StaticMode};
 use super::{Capabilities, Note};
 
 /// Inputs for one GPU.
@@ -113,6 +113,26 @@ pub fn mig_switch_without_reset(architecture: &str) -> bool {
     )
 }
 
+/// The first compute capability (Volta) on which MPS gives each client an
+/// address space of its own and applies execution and memory limits to it.
+pub const MPS_ISOLATION_SINCE: (u32, u32) = (7, 0);
+
+/// Why `gpu` gets no Isolated shares served by MPS, where it gets none:
+/// before Volta MPS clients share one address space and run without
+/// limits, so an "Isolated" share there would isolate nothing. A compute
+/// capability that does not parse says nothing either way.
+pub fn mps_isolation_unsupported(gpu: &Gpu) -> Option<String> {
+    let (major, minor) = gpu.cuda_compute_capability.trim().split_once('.')?;
+    let capability = (major.parse::<u32>().ok()?, minor.parse::<u32>().ok()?);
+    (capability < MPS_ISOLATION_SINCE).then(|| {
+        format!(
+            "no Isolated shares: compute capability {}.{} is before Volta ({}.{}), where MPS \
+             gives its clients neither address spaces of their own nor limits",
+            capability.0, capability.1, MPS_ISOLATION_SINCE.0, MPS_ISOLATION_SINCE.1
+        )
+    })
+}
+
 /// What both planners know about one GPU before deciding.
 struct Context<'a> {
     facts: GpuFacts,
@@ -132,6 +152,15 @@ impl<'a> GpuInput<'a> {
         !matches!(self.gpu.mig, Mig::NotSupported)
             && self.policy.mig_mode_switch
             && mig_switch_without_reset(&self.gpu.architecture)
+    }
+
+    /// Why this GPU offers no Isolated shares although the policy allows
+    /// them: the policy's provider is MPS and the GPU predates Volta.
+    fn isolated_refused(&self) -> Option<String> {
+        if self.policy.isolation_provider != IsolationProvider::Mps {
+            return None;
+        }
+        mps_isolation_unsupported(self.gpu)
     }
 
     fn reference(&self, kind: DeviceKind) -> DeviceRef {
@@ -271,7 +300,11 @@ impl<'a> GpuInput<'a> {
                 level,
                 index: i,
                 replicas,
-                memory_bytes: devices::replica_memory(self.gpu, replicas),
+                memory_bytes: devices::replica_memory(
+                    self.gpu,
+                    replicas,
+                    devices::server_reserve(level, &self.policy),
+                ),
                 cores: devices::replica_cores(replicas),
                 provider,
                 time_slice,
@@ -504,16 +537,30 @@ pub fn plan_full(input: &GpuInput<'_>, notes: &mut Vec<Note>) -> GpuOutput {
 
     let whole_name = naming::whole_device(n);
     let offer_whole = held.whole || (non_mig_possible && input.policy.allows(Mode::Whole));
+    let isolated_refused = input.isolated_refused();
     let share_levels: Vec<IsolationLevel> = [
         (IsolationLevel::Isolated, Mode::Isolated),
         (IsolationLevel::Shared, Mode::Shared),
     ]
     .into_iter()
     .filter(|(level, mode)| {
-        held.shares.contains(level) || (non_mig_possible && input.policy.allows(*mode))
+        let offered = non_mig_possible && input.policy.allows(*mode);
+        let refused = *level == IsolationLevel::Isolated && isolated_refused.is_some();
+        held.shares.contains(level) || (offered && !refused)
     })
     .map(|(level, _)| level)
     .collect();
+    if let Some(why) = isolated_refused
+        && non_mig_possible
+        && input.policy.allows(Mode::Isolated)
+    {
+        let kept = if held.shares.contains(&IsolationLevel::Isolated) {
+            " (the held Isolated share stays published until it is released)"
+        } else {
+            ""
+        };
+        notes.push(Note::gpu(gpu, format!("{why}{kept}")));
+    }
     if !non_mig_possible && (held.whole || !held.shares.is_empty()) {
         notes.push(Note::gpu(
             gpu,
@@ -805,9 +852,11 @@ fn resolve_static_mode(
     notes: &mut Vec<Note>,
 ) -> Option<Mode> {
     let gpu = input.gpu;
+    let isolated_refused = input.isolated_refused();
     let first_non_mig = || {
         [Mode::Whole, Mode::Isolated, Mode::Shared]
             .into_iter()
+            .filter(|m| *m != Mode::Isolated || isolated_refused.is_none())
             .find(|m| input.policy.allows(*m))
     };
     let wanted = match input.policy.static_mode {
@@ -837,6 +886,11 @@ fn resolve_static_mode(
         StaticMode::Shared => Mode::Shared,
     };
     match wanted {
+        Mode::Isolated if isolated_refused.is_some() => {
+            let why = isolated_refused.unwrap_or_default();
+            notes.push(Note::gpu(gpu, format!("static mode isolated: {why}")));
+            None
+        }
         Mode::Mig if mig_possible => Some(Mode::Mig),
         Mode::Mig if non_mig_possible => {
             notes.push(Note::gpu(

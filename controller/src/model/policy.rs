@@ -15,6 +15,8 @@
 //!   - select: {uuid: GPU-5d2c...}
 //!     isolationProvider: hami-core
 //!     static: {mode: shared, replicas: 8}
+//!   - select: {product: "NVIDIA H100*"}
+//!     mpsServerReserveMiB: 128       # each Isolated claim's MPS server
 //! claimGuard:                        # node-wide; these are the defaults
 //!   action: enforce                  # enforce | report
 //!   periodMillis: 1000
@@ -44,6 +46,14 @@ pub const POLICY_API_VERSION: &str = "tessera.dev/v1alpha1";
 pub const POLICY_KIND: &str = "NodePolicy";
 
 const MAX_REPLICAS: u32 = 64;
+
+/// GPU memory reserved by default for each Isolated claim's MPS server
+/// (see [`GpuRule::mps_server_reserve_mib`]).
+pub const DEFAULT_MPS_SERVER_RESERVE_MIB: u64 = 64;
+/// The largest reserve a policy may set: far above any server context, low
+/// enough that a typo cannot silently take every Isolated share off a GPU.
+pub const MAX_MPS_SERVER_RESERVE_MIB: u64 = 8192;
+const MIB: u64 = 1 << 20;
 
 /// The whole policy document.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -223,6 +233,13 @@ pub struct GpuRule {
     /// model (no partitionable devices or no consumable capacity).
     #[serde(default, rename = "static")]
     pub static_mode: Option<StaticRule>,
+    /// GPU memory, in MiB, that each Isolated claim's MPS server takes for
+    /// its own context beside the claim's memory. No counter sees it, so the
+    /// Isolated share device publishes less memory than the GPU has: as much
+    /// as lets every set of claims the scheduler can place fit together with
+    /// one server each (see `devices::isolated_share_memory`).
+    #[serde(default, rename = "mpsServerReserveMiB")]
+    pub mps_server_reserve_mib: Option<u64>,
 }
 
 /// Selects GPUs; exactly one field must be set.
@@ -331,6 +348,8 @@ pub struct GpuPolicy {
     pub default_share_percent: u32,
     pub static_mode: StaticMode,
     pub replicas: u32,
+    /// Bytes each Isolated claim's MPS server takes on the GPU.
+    pub mps_server_reserve_bytes: u64,
 }
 
 impl Default for GpuPolicy {
@@ -344,6 +363,7 @@ impl Default for GpuPolicy {
             default_share_percent: 10,
             static_mode: StaticMode::Auto,
             replicas: 4,
+            mps_server_reserve_bytes: DEFAULT_MPS_SERVER_RESERVE_MIB * MIB,
         }
     }
 }
@@ -463,6 +483,17 @@ impl GpuRule {
                 format!("must be between 1 and {MAX_REPLICAS}, not {r}"),
             ));
         }
+        if let Some(mib) = self.mps_server_reserve_mib
+            && mib > MAX_MPS_SERVER_RESERVE_MIB
+        {
+            return Err(invalid(
+                format!("{path}.mpsServerReserveMiB"),
+                format!(
+                    "must be at most {MAX_MPS_SERVER_RESERVE_MIB} (MiB of GPU memory per MPS \
+                     server), not {mib}"
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -495,6 +526,9 @@ impl GpuRule {
             if let Some(r) = s.replicas {
                 into.replicas = r;
             }
+        }
+        if let Some(mib) = self.mps_server_reserve_mib {
+            into.mps_server_reserve_bytes = mib * MIB;
         }
     }
 }
@@ -586,6 +620,32 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mps_server_reserve_is_bounded_and_named_when_wrong() {
+        let ok = NodePolicy::from_yaml(
+            "gpus:\n- select: {all: true}\n  mpsServerReserveMiB: 0\n- select: {index: 1}\n  mpsServerReserveMiB: 8192\n",
+        )
+        .unwrap();
+        assert_eq!(ok.gpus[1].mps_server_reserve_mib, Some(8192));
+        let err = NodePolicy::from_yaml(
+            "gpus:\n- select: {all: true}\n- select: {index: 1}\n  mpsServerReserveMiB: 8193\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "node policy: gpus[1].mpsServerReserveMiB: must be at most 8192 (MiB of GPU memory \
+             per MPS server), not 8193"
+        );
+        let err =
+            NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  mpsServerReserveMiB: -1\n")
+                .unwrap_err();
+        assert!(err.to_string().contains("mpsServerReserveMiB"), "{err}");
+        assert_eq!(
+            GpuPolicy::default().mps_server_reserve_bytes,
+            DEFAULT_MPS_SERVER_RESERVE_MIB << 20
+        );
+    }
 
     #[test]
     fn glob() {

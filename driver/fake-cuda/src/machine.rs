@@ -12,7 +12,7 @@ use std::ffi::{CStr, c_char, c_uint};
 use std::ptr;
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlDeviceAttributes_t, nvmlMemory_t, nvmlPciInfo_t,
+    nvmlDevice_t, nvmlDeviceAttributes_t, nvmlMemory_v2_t, nvmlPciInfo_t,
     nvmlReturn_enum_NVML_ERROR_GPU_IS_LOST, nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
 };
 use tessera_fake_nvml as nvml;
@@ -208,11 +208,16 @@ fn name(d: nvmlDevice_t) -> Result<String, nvmlReturn_t> {
     text(|b, n| unsafe { nvml::nvmlDeviceGetName(d, b, n) })
 }
 
+/// The device's memory and what its driver reserves. Not v1's `used`:
+/// that also counts what running processes hold, which the library counts
+/// itself, at the moment it asks rather than at cuInit.
 fn memory(d: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
-    let mut m: nvmlMemory_t = unsafe_zeroed();
-    // SAFETY: a valid out-pointer.
-    ok(unsafe { nvml::nvmlDeviceGetMemoryInfo(d, &mut m) })?;
-    Ok((m.total, m.used))
+    let mut m: nvmlMemory_v2_t = unsafe_zeroed();
+    // nvml.h's nvmlMemory_v2: the struct's size with version 2 on top.
+    m.version = std::mem::size_of::<nvmlMemory_v2_t>() as u32 | (2 << 24);
+    // SAFETY: a valid out-pointer with its version set.
+    ok(unsafe { nvml::nvmlDeviceGetMemoryInfo_v2(d, &mut m) })?;
+    Ok((m.total, m.reserved))
 }
 
 fn compute_capability(d: nvmlDevice_t) -> Result<(i32, i32), nvmlReturn_t> {

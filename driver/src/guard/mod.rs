@@ -76,9 +76,84 @@ pub struct Finding {
 
 /// Memory each pid held at the last look, and what was already said.
 #[derive(Default)]
-struct Memory {
+pub struct Memory {
     before: BTreeMap<u32, u64>,
     reported: BTreeSet<(u32, u64, Rule)>,
+}
+
+/// What one pass found and did: the violations to tell (each with
+/// `killed` or `reported`), and the claims whose Pods must be read.
+#[derive(Debug, Default)]
+pub struct Pass {
+    pub told: Vec<(Violation, &'static str)>,
+    pub unknown: BTreeSet<ClaimUid>,
+}
+
+/// One look at the GPUs that hold the `guarded` claims: NVML's processes
+/// sampled, each attributed to its Pod through `proc` (the host's
+/// `/proc`), judged, and killed where `action` and the rule say so. What
+/// [`ClaimGuard`] runs every period; public for the benchmark
+/// (`driver/benches/claim_guard.rs`).
+pub fn pass(
+    nvml: &Nvml,
+    action: GuardAction,
+    proc: &Path,
+    guarded: &[Guarded],
+    memory: &mut Memory,
+) -> Pass {
+    if guarded.is_empty() {
+        memory.before.clear();
+        return Pass::default();
+    }
+    let own_pod = own_pod(proc);
+    let gpus: BTreeSet<&str> = guarded.iter().map(|g| g.gpu.as_str()).collect();
+    let mut ids: BTreeMap<u32, ProcessId> = BTreeMap::new();
+    let mut observed = Vec::new();
+    for gpu in gpus {
+        for mut p in sample(nvml, gpu) {
+            p.pod = pod_of(proc, p.pid);
+            p.ours = p.pod.is_some() && p.pod == own_pod;
+            if let Some(id) = ProcessId::of(p.pid as i32) {
+                ids.insert(p.pid, id);
+            }
+            observed.push(p);
+        }
+    }
+    let Judgement {
+        violations,
+        unknown,
+    } = judge::judge(guarded, &observed, &memory.before);
+    memory.before = observed.iter().map(|p| (p.pid, p.memory_bytes)).collect();
+    let told = violations
+        .into_iter()
+        .filter_map(|v| {
+            let id = ids.get(&v.pid)?;
+            let first = memory.reported.insert((v.pid, id.start_time, v.rule));
+            let outcome = act(action, &v, id);
+            // Reported once per process and rule unless killed again.
+            (first || outcome == "killed").then_some((v, outcome))
+        })
+        .collect();
+    memory
+        .reported
+        .retain(|(pid, _, _)| observed.iter().any(|p| p.pid == *pid));
+    Pass { told, unknown }
+}
+
+/// Kills the process when the policy and the rule say so.
+fn act(action: GuardAction, v: &Violation, id: &ProcessId) -> &'static str {
+    if action != GuardAction::Enforce || !v.rule.enforceable() {
+        return "reported";
+    }
+    match Pidfd::open(id).and_then(|fd| fd.map(|fd| fd.kill()).transpose()) {
+        Ok(Some(())) => "killed",
+        // Gone already: nothing left to end.
+        Ok(None) => "killed",
+        Err(e) => {
+            warn!(pid = v.pid, "claim guard cannot kill the process: {e}");
+            "reported"
+        }
+    }
 }
 
 impl ClaimGuard {
@@ -120,78 +195,31 @@ impl ClaimGuard {
         let pods = self.preparer.consumer_pods();
         let read = self.consumers.known(&entries);
         let guarded = guarded(&entries, &pods, &read);
-        if guarded.is_empty() {
-            memory.before.clear();
-            return Vec::new();
-        }
         let started = Instant::now();
         let proc = Path::new("/proc");
-        let own_pod = own_pod(proc);
-        let gpus: BTreeSet<&str> = guarded.iter().map(|g| g.gpu.as_str()).collect();
-        let mut ids: BTreeMap<u32, ProcessId> = BTreeMap::new();
-        let mut observed = Vec::new();
-        for gpu in gpus {
-            for mut p in processes(&self.nvml, gpu) {
-                p.pod = pod_of(proc, p.pid);
-                p.ours = p.pod.is_some() && p.pod == own_pod;
-                if let Some(id) = ProcessId::of(p.pid as i32) {
-                    ids.insert(p.pid, id);
-                }
-                observed.push(p);
-            }
+        let Pass { told, unknown } = pass(&self.nvml, self.policy.action, proc, &guarded, memory);
+        if guarded.is_empty() {
+            return Vec::new();
         }
-        let Judgement {
-            violations,
-            unknown,
-        } = judge::judge(&guarded, &observed, &memory.before);
         self.consumers.refresh(unknown, &entries);
-        memory.before = observed.iter().map(|p| (p.pid, p.memory_bytes)).collect();
         let names = claim_names(&entries);
-        let findings: Vec<Finding> = violations
-            .into_iter()
-            .filter_map(|v| {
-                let id = ids.get(&v.pid)?;
-                let first = memory.reported.insert((v.pid, id.start_time, v.rule));
-                let outcome = self.act(&v, id);
-                // Reported once per process and rule unless killed again.
-                (first || outcome == "killed").then(|| Finding {
-                    command: command(proc, v.pid),
-                    claims: v
-                        .claims
-                        .iter()
-                        .filter_map(|c| names.get(c).cloned())
-                        .collect(),
-                    pod: pod_name(&entries, &pods, &v),
-                    outcome,
-                    violation: v,
-                })
-            })
-            .collect();
-        memory
-            .reported
-            .retain(|(pid, _, _)| observed.iter().any(|p| p.pid == *pid));
         debug!(
             took_us = started.elapsed().as_micros() as u64,
-            processes = observed.len(),
             "claim guard pass"
         );
-        findings
-    }
-
-    /// Kills the process when the policy and the rule say so.
-    fn act(&self, v: &Violation, id: &ProcessId) -> &'static str {
-        if self.policy.action != GuardAction::Enforce || !v.rule.enforceable() {
-            return "reported";
-        }
-        match Pidfd::open(id).and_then(|fd| fd.map(|fd| fd.kill()).transpose()) {
-            Ok(Some(())) => "killed",
-            // Gone already: nothing left to end.
-            Ok(None) => "killed",
-            Err(e) => {
-                warn!(pid = v.pid, "claim guard cannot kill the process: {e}");
-                "reported"
-            }
-        }
+        told.into_iter()
+            .map(|(v, outcome)| Finding {
+                command: command(proc, v.pid),
+                claims: v
+                    .claims
+                    .iter()
+                    .filter_map(|c| names.get(c).cloned())
+                    .collect(),
+                pod: pod_name(&entries, &pods, &v),
+                outcome,
+                violation: v,
+            })
+            .collect()
     }
 
     /// Logs, counts and records an Event for each finding.
@@ -228,7 +256,7 @@ impl ClaimGuard {
 
 /// The Isolated (MPS) claims prepared here, per GPU, with their Pods where
 /// known (from prepare, else as read since).
-fn guarded(
+pub fn guarded(
     entries: &[(ClaimUid, ClaimEntry)],
     pods: &BTreeMap<String, Vec<PodRef>>,
     read: &BTreeMap<String, Vec<String>>,
@@ -270,8 +298,8 @@ fn guarded(
 }
 
 /// What NVML lists on one GPU: processes with a context of their own and
-/// MPS clients (a pid in both is a client).
-fn processes(nvml: &Nvml, gpu: &str) -> Vec<Observed> {
+/// MPS clients (a pid in both is a client), not attributed yet.
+pub fn sample(nvml: &Nvml, gpu: &str) -> Vec<Observed> {
     let Ok(device) = nvml.device_by_uuid(gpu) else {
         debug!(%gpu, "claim guard: NVML does not find the GPU");
         return Vec::new();

@@ -197,3 +197,20 @@ pub fn h100_instance(uuid: &str, profile_name: &str, start: u32) -> MigInstance 
         engines: p.engines,
     }
 }
+
+/// A Tesla P100 16GB (Pascal, compute capability 6.0): MPS there gives
+/// its clients neither address spaces of their own nor limits.
+pub fn p100() -> Gpu {
+    Gpu {
+        uuid: "GPU-0100p100-3333-4333-8333-000000000001".into(),
+        product_name: "Tesla P100-PCIE-16GB".into(),
+        brand: "tesla".into(),
+        architecture: "pascal".into(),
+        cuda_compute_capability: "6.0".into(),
+        pci_bus_id: "00000000:04:00.0".into(),
+        memory_bytes: 16384 * MIB,
+        multiprocessors: 56,
+        minor: 0,
+        mig: Mig::NotSupported,
+    }
+}

@@ -12,6 +12,7 @@ use tessera_api::inventory::{Inventory, Mig};
 
 use super::counters::memory_slice;
 use super::devices::{SHARE_MEMORY_STEP, attr, cap};
+use super::plan::mps_isolation_unsupported;
 use super::quantity::parse_integer;
 use super::slices::check_pool;
 use super::*;
@@ -234,13 +235,16 @@ fn share_devices_have_levels_and_consumable_capacity() {
             Some(inv.gpus[0].uuid.as_str())
         );
         assert_eq!(capacity(d, cap::CORES), 100);
-        assert_eq!(capacity(d, cap::MEMORY), 81559 * MIB);
         // Only consumable capacities: anything without a policy would be
         // consumed in full by every claim.
         for (name, c) in d.capacity.as_ref().unwrap() {
             assert!(c.request_policy.is_some(), "{name} has no request policy");
         }
     }
+    // Shared: the whole card. Isolated: less the default 64 MiB for each of
+    // the (at most 100) claims' MPS servers, in whole steps.
+    assert_eq!(capacity(shr, cap::MEMORY), 81559 * MIB);
+    assert_eq!(capacity(iso, cap::MEMORY), 75008 * MIB);
     assert_eq!(string_attr(iso, attr::ISOLATION_LEVEL), Some("Isolated"));
     assert_eq!(string_attr(iso, attr::ISOLATION_PROVIDER), Some("mps"));
     assert_eq!(string_attr(iso, attr::TIME_SLICE), None);
@@ -521,6 +525,202 @@ fn share_levels_never_mix_and_pack_until_capacity() {
     );
     sim.release("gpu-0-isolated");
     sim.allocate("gpu-0-shared", &[]).unwrap();
+}
+
+/// The Isolated claims the scheduler can place on `gpu` (by the allocator
+/// stand-in) at their worst for the GPU's memory: as many claims as the
+/// device admits, each of one step and one percent of cores, then the
+/// memory left as one more claim. Returns (claims, memory they consumed).
+fn worst_isolated_claims(model: &Model) -> (u64, u64) {
+    let mut sim = Sim::new(&model.slices);
+    let published = capacity(device(model, "gpu-0-isolated"), cap::MEMORY);
+    let (mut claims, mut used) = (0, 0);
+    // Keep one percent of cores for the last claim.
+    while claims < 99
+        && sim
+            .allocate(
+                "gpu-0-isolated",
+                &[(cap::MEMORY, SHARE_MEMORY_STEP), (cap::CORES, 1)],
+            )
+            .is_ok()
+    {
+        claims += 1;
+        used += SHARE_MEMORY_STEP;
+    }
+    let memory_left = published - used;
+    if memory_left >= SHARE_MEMORY_STEP {
+        sim.allocate(
+            "gpu-0-isolated",
+            &[(cap::MEMORY, memory_left), (cap::CORES, 1)],
+        )
+        .expect("the memory left fits one claim");
+        claims += 1;
+        used += memory_left;
+    }
+    assert!(
+        sim.allocate(
+            "gpu-0-isolated",
+            &[(cap::MEMORY, SHARE_MEMORY_STEP), (cap::CORES, 1)]
+        )
+        .is_err(),
+        "the device is full"
+    );
+    (claims, used)
+}
+
+#[test]
+fn every_set_of_isolated_claims_fits_the_gpu_with_their_mps_servers() {
+    for gpu in [h100(0, Mig::NotSupported), a100(Mig::NotSupported), t4()] {
+        for reserve_mib in [1, 64, 300, 2048, 8192] {
+            let inv = inventory(vec![gpu.clone()]);
+            let pol = policy(&format!(
+                "gpus: [{{select: {{all: true}}, mpsServerReserveMiB: {reserve_mib}}}]"
+            ));
+            let model = build(&inv, &pol, Capabilities::full());
+            let ctx = format!("{} with {reserve_mib} MiB per server", gpu.product_name);
+            if devices::isolated_share_memory(gpu.memory_bytes, reserve_mib * MIB)
+                < 2 * SHARE_MEMORY_STEP
+            {
+                // Not even two steps left: no Isolated share at all.
+                assert!(!names(&model).contains("gpu-0-isolated"), "{ctx}");
+                continue;
+            }
+            let published = capacity(device(&model, "gpu-0-isolated"), cap::MEMORY);
+            let (claims, used) = worst_isolated_claims(&model);
+            // Each claim gets what it consumed, each runs one server.
+            let needed = used + claims * reserve_mib * MIB;
+            assert!(
+                needed <= gpu.memory_bytes,
+                "{ctx}: {claims} claims of {used} bytes and their servers need {needed} bytes, \
+                 the GPU has {}",
+                gpu.memory_bytes
+            );
+            // And no more than needed is held back: one step more and the
+            // claims the scheduler could then place would not fit.
+            let more = published + SHARE_MEMORY_STEP;
+            let servers = devices::max_share_claims(more);
+            assert!(
+                more + servers * reserve_mib * MIB > gpu.memory_bytes,
+                "{ctx}: {published} bytes published, {more} would still fit"
+            );
+            // The Shared share keeps the whole card.
+            assert_eq!(
+                capacity(device(&model, "gpu-0-shared"), cap::MEMORY),
+                gpu.memory_bytes
+            );
+        }
+    }
+}
+
+#[test]
+fn isolated_share_memory_has_no_reserve_without_mps_servers() {
+    let inv = inventory(vec![t4()]);
+    let hami = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, isolationProvider: hami-core}]"),
+        Capabilities::full(),
+    );
+    assert_eq!(
+        capacity(device(&hami, "gpu-0-isolated"), cap::MEMORY),
+        t4().memory_bytes
+    );
+    let none = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, mpsServerReserveMiB: 0}]"),
+        Capabilities::full(),
+    );
+    assert_eq!(
+        capacity(device(&none, "gpu-0-isolated"), cap::MEMORY),
+        t4().memory_bytes
+    );
+    // A reserve that leaves less than two steps publishes no Isolated share.
+    let mut small = t4();
+    small.memory_bytes = 1024 * MIB;
+    let inv = inventory(vec![small]);
+    let model = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, mpsServerReserveMiB: 8192}]"),
+        Capabilities::full(),
+    );
+    assert!(!names(&model).contains("gpu-0-isolated"));
+    assert!(names(&model).contains("gpu-0-shared"));
+}
+
+#[test]
+fn static_isolated_replicas_leave_room_for_their_servers() {
+    let inv = inventory(vec![t4()]);
+    let pol = policy(
+        "gpus:\n- select: {all: true}\n  static: {mode: isolated, replicas: 4}\n  mpsServerReserveMiB: 100\n",
+    );
+    let model = build(&inv, &pol, Capabilities::legacy());
+    for i in 0..4 {
+        let name = format!("gpu-0-isolated-{i}");
+        assert_eq!(capacity(device(&model, &name), cap::MEMORY), 3740 * MIB);
+        match &model.devices[&name].kind {
+            DeviceKind::Replica { memory_bytes, .. } => assert_eq!(*memory_bytes, 3740 * MIB),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(4 * (3740 + 100) * MIB <= t4().memory_bytes);
+}
+
+#[test]
+fn pre_volta_gpus_get_no_isolated_shares_and_say_why() {
+    let inv = inventory(vec![p100()]);
+    let model = full(&inv);
+    assert_eq!(
+        names(&model),
+        BTreeSet::from(["gpu-0".to_string(), "gpu-0-shared".to_string()])
+    );
+    let why = mps_isolation_unsupported(&p100()).expect("a P100 predates Volta");
+    assert!(
+        why.contains("compute capability 6.0 is before Volta (7.0)"),
+        "{why}"
+    );
+    assert!(
+        model.notes.iter().any(|n| n.message == why),
+        "{:?}",
+        model.notes
+    );
+    assert_eq!(mps_isolation_unsupported(&t4()), None);
+    assert_eq!(mps_isolation_unsupported(&h100(0, Mig::NotSupported)), None);
+
+    // Static mode: isolated asked for, nothing offered; auto skips it.
+    let static_isolated = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, static: {mode: isolated}}]"),
+        Capabilities::legacy(),
+    );
+    assert!(names(&static_isolated).is_empty());
+    assert!(
+        static_isolated.notes.iter().any(|n| n
+            .message
+            .starts_with("static mode isolated: no Isolated shares")),
+        "{:?}",
+        static_isolated.notes
+    );
+    let auto = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, modes: [isolated, shared]}]"),
+        Capabilities::legacy(),
+    );
+    assert!(names(&auto).iter().all(|n| n.starts_with("gpu-0-shared")));
+    assert!(!names(&auto).is_empty());
+
+    // HAMi-core runs no MPS: its Isolated shares are offered there.
+    let hami = build(
+        &inv,
+        &policy("gpus: [{select: {all: true}, isolationProvider: hami-core}]"),
+        Capabilities::full(),
+    );
+    assert!(names(&hami).contains("gpu-0-isolated"));
+
+    // A share a claim holds stays published until it is released.
+    let held = SliceModel::new(&inv, &NodePolicy::default(), Capabilities::full(), "node-a")
+        .held_devices(["gpu-0-isolated".to_string()])
+        .build()
+        .unwrap();
+    assert!(names(&held).contains("gpu-0-isolated"));
 }
 
 #[test]
@@ -1400,6 +1600,7 @@ fn invalid_policy_built_in_code_is_refused_by_the_model() {
             isolation_provider: None,
             default_share_percent: None,
             static_mode: None,
+            mps_server_reserve_mib: None,
         }],
         ..NodePolicy::default()
     };

@@ -39,7 +39,18 @@
 //!   environment can only lower its limits (that rule is applied by the
 //!   simulated CUDA library, `driver/fake-cuda`).
 //!
-//! Only the GPU-side effects are absent. Test knobs, read when the daemon
+//! - The MPS server: the real daemon starts one at its first client, and
+//!   the server's context takes GPU memory on each device it serves until
+//!   the daemon quits. So does this one, with load recording on
+//!   (`TESSERA_FAKE_NVML_LOAD`, see the library's `load` module): from the
+//!   first client's connection the daemon process holds a context of
+//!   [`SERVER_CONTEXT_MIB`] MiB (or `TESSERA_FAKE_MPS_SERVER_CONTEXT_MIB`)
+//!   on every GPU or MIG device its `CUDA_VISIBLE_DEVICES` names by UUID,
+//!   listed by NVML as a process with a context of its own and counted in
+//!   the device's used memory, where clients find it gone from what they
+//!   can allocate.
+//!
+//! Nothing else happens on the GPU. Test knobs, read when the daemon
 //! starts: `TESSERA_FAKE_MPS_READY_DELAY_MS` delays creating `control` (the
 //! pid file is already there, so a supervisor must wait for the endpoint),
 //! `TESSERA_FAKE_MPS_IGNORE_QUIT=1` makes the daemon acknowledge `quit` and
@@ -62,6 +73,8 @@
 #[path = "fake_mps_control/protocol.rs"]
 mod protocol;
 
+use tessera_fake_nvml::load;
+
 use std::fs::{self, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -74,6 +87,13 @@ const CONTROL: &str = "control";
 const READY_DELAY_ENV: &str = "TESSERA_FAKE_MPS_READY_DELAY_MS";
 const IGNORE_QUIT_ENV: &str = "TESSERA_FAKE_MPS_IGNORE_QUIT";
 const LISTEN_DELAY_ENV: &str = "TESSERA_FAKE_MPS_LISTEN_DELAY_MS";
+const SERVER_CONTEXT_ENV: &str = "TESSERA_FAKE_MPS_SERVER_CONTEXT_MIB";
+
+/// GPU memory the simulated MPS server's context takes on each device it
+/// serves, in MiB: below the node policy's default reserve per server
+/// (`mpsServerReserveMiB`, 64), as a real server's must be for Isolated
+/// claims to get what the scheduler promised.
+const SERVER_CONTEXT_MIB: u64 = 48;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -249,6 +269,7 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
     let segment = shared_memory(pid)?;
     defaults.config.shared_memory = segment.name.clone();
+    let mut server = Server::new(defaults.config.devices.as_deref());
     let listener = bind_then_listen(&control, millis_from_env(LISTEN_DELAY_ENV))?;
     log(log_dir, "Control daemon ready");
     for stream in listener.incoming() {
@@ -259,6 +280,11 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         }
         let command = line.trim();
         log(log_dir, &format!("Command: {command}"));
+        if command == protocol::CLIENT_CONFIG_COMMAND
+            && let Some(started) = server.start()
+        {
+            log(log_dir, &started);
+        }
         let reply = match defaults.handle(command) {
             Reply::Quit if ignore_quit => {
                 log(log_dir, "quit ignored (test knob)");
@@ -338,6 +364,70 @@ fn bind_then_listen(path: &Path, delay: Duration) -> std::io::Result<UnixListene
         return Err(std::io::Error::last_os_error());
     }
     Ok(listener)
+}
+
+/// The simulated MPS server: its context's memory on the daemon's devices,
+/// held in this process's load record from the first client on (the
+/// record goes with the process, as a server's context goes with it).
+struct Server {
+    devices: Vec<String>,
+    context_bytes: u64,
+    channel: Option<load::Channel>,
+}
+
+impl Server {
+    /// The server the daemon would start for `devices` (its
+    /// `CUDA_VISIBLE_DEVICES` entries; only UUIDs name a device without
+    /// asking NVML).
+    fn new(devices: Option<&[String]>) -> Server {
+        let mib = std::env::var(SERVER_CONTEXT_ENV)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(SERVER_CONTEXT_MIB);
+        Server {
+            devices: devices
+                .unwrap_or_default()
+                .iter()
+                .filter(|d| d.starts_with("GPU-") || d.starts_with("MIG-"))
+                .cloned()
+                .collect(),
+            context_bytes: mib << 20,
+            channel: None,
+        }
+    }
+
+    /// Starts the server at the first client: its context is charged to
+    /// each device from now on. Returns what to log, the first time only.
+    fn start(&mut self) -> Option<String> {
+        if self.channel.is_some() || !load::enabled_from_env() || self.devices.is_empty() {
+            return None;
+        }
+        let record = load::Record {
+            devices: self
+                .devices
+                .iter()
+                .map(|uuid| load::DeviceLoad {
+                    uuid: uuid.clone(),
+                    memory_bytes: self.context_bytes,
+                    busy_until_ms: 0,
+                    sm_percent: 0,
+                    mps_client: false,
+                })
+                .collect(),
+            ..load::Record::for_this_process()?
+        };
+        let channel = load::Channel::open().ok()?;
+        let logged = match channel.publish(&record) {
+            Ok(()) => format!(
+                "Server started: context {} MiB on {}",
+                self.context_bytes >> 20,
+                self.devices.join(",")
+            ),
+            Err(e) => format!("Server started; recording its context failed: {e}"),
+        };
+        self.channel = Some(channel);
+        Some(logged)
+    }
 }
 
 /// The daemon's segment in its `/dev/shm`, removed when the daemon quits.
