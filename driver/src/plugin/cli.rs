@@ -362,6 +362,7 @@ pub async fn start(nvml_library: &OsStr, args: &PluginArgs) -> anyhow::Result<No
     };
     let mut mps_config = MpsConfig::new(&args.driver_root, args.mps_dir.clone());
     mps_config.shm = ShmPolicy::from(&policy.mps);
+    mps_config.dev_root = config.layout.dev_root.clone();
     if let (Some(fs), Some(name)) = (&args.mps_cgroup_fs, &args.mps_cgroup) {
         let cgroup = Arc::new(HostCgroup::open(fs, name).context("--mps-cgroup")?);
         cgroup.check().context("--mps-cgroup")?;
