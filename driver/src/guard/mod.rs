@@ -414,3 +414,46 @@ fn note(f: &Finding) -> String {
 fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / f64::from(1u32 << 30))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::guard::judge::Rule;
+
+    fn violation(rule: Rule, pid: u32) -> Violation {
+        Violation {
+            rule,
+            pid,
+            gpu: "GPU-0".into(),
+            pod: "pod".into(),
+            memory_bytes: 1 << 30,
+            claims: Vec::new(),
+            over: None,
+        }
+    }
+
+    /// `report` leaves the process alone; `enforce` ends it, but never for
+    /// a rule that is only reported.
+    #[test]
+    fn only_enforce_kills_and_only_for_enforceable_rules() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let id = ProcessId::of(pid as i32).unwrap();
+        let alive = |child: &mut std::process::Child| child.try_wait().unwrap().is_none();
+        let left = violation(Rule::LeftMps, pid);
+        assert_eq!(act(GuardAction::Report, &left, &id), "reported");
+        assert!(alive(&mut child), "report killed the process");
+        let stray = violation(Rule::NoClaim, pid);
+        assert_eq!(act(GuardAction::Enforce, &stray, &id), "reported");
+        assert!(alive(&mut child), "a report-only rule killed the process");
+        assert_eq!(act(GuardAction::Enforce, &left, &id), "killed");
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+    }
+}
