@@ -207,7 +207,7 @@ impl Machine {
             std::fs::create_dir_all(root.join(d))?;
         }
         std::fs::create_dir_all(m.dir.path().join("state"))?;
-        std::fs::create_dir_all(m.dir.path().join("mps"))?;
+        m.share_mps_dir()?;
         let b = binaries();
         std::fs::copy(&b.fake_nvml, root.join(NVML_IN_ROOT))?;
         let bin_dir = b.tessera.parent().context("tessera has no directory")?;
@@ -233,6 +233,23 @@ impl Machine {
             )?;
         }
         Ok(m)
+    }
+
+    fn mps_dir(&self) -> PathBuf {
+        self.dir.path().join("mps")
+    }
+
+    /// The chart mounts mpsDir with Bidirectional propagation (the node
+    /// process mounts each daemon's tmpfs there for the runtime to see),
+    /// which the runtime refuses below a private mount: "/" is private on
+    /// this machine (no systemd), so mpsDir becomes a shared mount of its
+    /// own, as it is below a systemd host's shared "/".
+    fn share_mps_dir(&self) -> Result<()> {
+        let dir = self.mps_dir();
+        std::fs::create_dir_all(&dir)?;
+        run(Command::new("mount").arg("--bind").arg(&dir).arg(&dir))?;
+        run(Command::new("mount").arg("--make-shared").arg(&dir))?;
+        Ok(())
     }
 
     /// The GPUs' minors, as `tessera inventory` on this machine reports them.
@@ -274,6 +291,14 @@ impl Machine {
     }
 }
 
+impl Drop for Machine {
+    /// Lazily, with whatever a daemon left mounted below it: the directory
+    /// goes with the TempDir after.
+    fn drop(&mut self) {
+        let _ = run(Command::new("umount").arg("--lazy").arg(self.mps_dir()));
+    }
+}
+
 /// The chart's values for this cluster: the test's image, driver name and
 /// host paths, the node's simulated machine, the API server on loopback
 /// (no Service network here; the pod runs on the host network).
@@ -303,7 +328,7 @@ fn values(
         // plugin writes it while this test runs (checked at the start).
         "cdiDir": path(cluster.state_dir().join("node/cdi")),
         "stateDir": path(machine.dir.path().join("state")),
-        "mpsDir": path(machine.dir.path().join("mps")),
+        "mpsDir": path(machine.mps_dir()),
         "mpsHostCgroup": mps_cgroup,
         "driverRoot": path(machine.driver_root()),
         "nvmlLibrary": NVML_IN_ROOT,
@@ -1107,7 +1132,7 @@ async fn chart_case(case: Case) -> Result<()> {
                 chart: &chart,
                 values: &values_file,
                 tags: (&tag1, &tag2),
-                mps_dir: &machine.dir.path().join("mps"),
+                mps_dir: &machine.mps_dir(),
                 cgroup: &mps_cgroup,
             };
             survival::run(&install).await
@@ -1165,7 +1190,7 @@ async fn chart_case(case: Case) -> Result<()> {
     .await;
     // Pods gone from the API are not yet unprepared: wait until the node
     // process has stopped their MPS daemons, which outlive it by design.
-    let mps_dir = machine.dir.path().join("mps");
+    let mps_dir = machine.mps_dir();
     let _ = wait_for("the workloads' MPS daemons stopped", TIMEOUT, || async {
         Ok(survival::daemons_left(&mps_dir).is_empty().then_some(()))
     })
