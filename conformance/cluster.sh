@@ -475,6 +475,9 @@ EOF
 	# The API server reaches the kubelet (logs, exec) by the node's name, which
 	# only its own hosts file maps to the kubelet's loopback address: a node
 	# address may not be loopback, and nothing here listens elsewhere.
+	# No kube-proxy serves ClusterIPs here: --enable-aggregator-routing makes
+	# the API server call webhooks (and aggregated APIs) of a Service at a
+	# Ready endpoint's pod address, which the host reaches on the pod bridge.
 	grep -v "[[:space:]]$NODE_NAME\$" /etc/hosts >"$DIR/apiserver-hosts" || true
 	echo "127.0.0.1 $NODE_NAME" >>"$DIR/apiserver-hosts"
 	start_external kube-apiserver unshare --mount --propagation private -- \
@@ -492,7 +495,7 @@ EOF
 		--kubelet-preferred-address-types Hostname \
 		--service-account-issuer https://kubernetes.default.svc.cluster.local \
 		--service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
-		--service-cluster-ip-range 10.0.0.0/24 \
+		--service-cluster-ip-range 10.0.0.0/24 --enable-aggregator-routing=true \
 		--authorization-mode Node,RBAC --allow-privileged=true \
 		--cert-dir "$DIR/apiserver" \
 		--feature-gates "$FEATURE_GATES" --runtime-config "$RUNTIME_CONFIG" \

@@ -62,11 +62,25 @@ ensure_containerd() {
 
 # A bridge and subnet of this state dir's own (several clusters may run on one
 # machine): no gateway, no masquerading, so pod traffic stays on the bridge.
+# The host holds the subnet's first address (host-local never hands it out),
+# so the kubelet's HTTP probes and the API server's webhook calls reach pods.
 pod_network() {
 	local h
 	h=$(printf '%s' "$DIR" | sha256sum | cut -c1-6)
 	POD_BRIDGE="tess${h:0:4}"
 	POD_SUBNET="10.$((100 + 0x${h:0:2} % 100)).$((0x${h:2:2})).0/24"
+	POD_HOST_ADDRESS="${POD_SUBNET%.0/24}.1/24"
+}
+
+# The bridge, made before the first pod (the CNI plugin adopts it), with the
+# host's address on it.
+ensure_pod_bridge() {
+	pod_network
+	ip link show "$POD_BRIDGE" >/dev/null 2>&1 || ip link add name "$POD_BRIDGE" type bridge ||
+		die "could not create the pod bridge $POD_BRIDGE"
+	ip addr replace "$POD_HOST_ADDRESS" dev "$POD_BRIDGE" ||
+		die "could not give the pod bridge $POD_BRIDGE the host's address $POD_HOST_ADDRESS"
+	ip link set "$POD_BRIDGE" up
 }
 
 write_containerd_config() {
@@ -246,6 +260,7 @@ start_containerd() {
 	# built containerd before anything started.
 	CTRD_BIN=${CTRD_BIN:-$(ensure_containerd)}
 	write_containerd_config
+	ensure_pod_bridge
 	# containerd finds the shim on PATH.
 	PATH="$CTRD_BIN:$PATH" start_external containerd "$CTRD_BIN/containerd" --config "$(ctrd_dir)/config.toml"
 }

@@ -56,11 +56,11 @@ node    | runc           | file:$RUNC | containerd runs the pods' containers wit
 node    | containernetworking-plugins |$cni | the pods' network (bridge, host-local, loopback)
 node    | busybox-static | file:/bin/busybox | the shell and tools of the local images (probe, pause)
 node    | python3        | cmd:python3 | writes containerd's base OCI spec
-node    | iproute2       | cmd:ip | deletes the pod bridge at stop
+node    | iproute2       | cmd:ip | makes the pod bridge with the host's address at start, deletes it at stop
 node    | libc-bin       | cmd:ldconfig | finds the host's glibc for the probe image
 node    | tar            | cmd:tar | packs the local images
 tests   | podman         | cmd:podman | the CDI consumer test (driver/tests/cdi_podman.rs) runs a container with it
-tests   | openssl        | cmd:openssl | the webhook test makes its CA and serving certificate
+tests   | openssl        | cmd:openssl | the webhook tests (webhook.rs, helm_install.rs) make their CA and serving certificates
 EOF
 }
 

@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod procs;
 pub mod selftest;
 pub mod suite;
+pub mod tls;
 
 pub use cluster::{
     ClusterEnv, DEFAULT_TIMEOUT, KubeletDirs, PluginCall, TestCluster, TestDraPlugin,

@@ -18,6 +18,14 @@
 //!   pod waits for the state lock while the old one serves); a pod created
 //!   during the roll runs without a failed prepare, the slices are not
 //!   rewritten, and the new pod unprepares and prepares claims afterwards;
+//! * the webhook as deployed (in the same install): its Deployment runs with
+//!   a certificate for its Service's name from a Secret, the API server
+//!   calls it through the Service (`failurePolicy: Fail`), a claim with a bad
+//!   config for the driver is refused with the webhook's words, a good one
+//!   admitted;
+//! * rendered only (no cluster): the node pod mounts `<kubeletDir>/plugins/
+//!   <driverName>` and no directory above it, and `admissionPolicy.enabled:
+//!   false` fails to render for an API server before 1.36, renders on 1.36;
 //! * with `nvidiaCompatibleNames: true` (a second case, on eight simulated
 //!   H100s): the driver is `gpu.nvidia.com`, its DeviceClasses are
 //!   `gpu.nvidia.com`, `mig.nvidia.com`, ... (those of
@@ -48,13 +56,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::SelfSubjectReview;
-use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod, Secret};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, LogParams, PostParams};
 use kube::{Api, Client};
+use serde::Deserialize;
 use serde_json::{Value, json};
+use tessera_api::config::{API_VERSION, decode_value};
 use tessera_conformance::procs::run;
+use tessera_conformance::tls::serving_certificate;
 use tessera_conformance::{
     TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
@@ -194,7 +207,7 @@ impl Machine {
             std::fs::create_dir_all(root.join(d))?;
         }
         std::fs::create_dir_all(m.dir.path().join("state"))?;
-        std::fs::create_dir_all(m.dir.path().join("mps"))?;
+        m.share_mps_dir()?;
         let b = binaries();
         std::fs::copy(&b.fake_nvml, root.join(NVML_IN_ROOT))?;
         let bin_dir = b.tessera.parent().context("tessera has no directory")?;
@@ -220,6 +233,23 @@ impl Machine {
             )?;
         }
         Ok(m)
+    }
+
+    fn mps_dir(&self) -> PathBuf {
+        self.dir.path().join("mps")
+    }
+
+    /// The chart mounts mpsDir with Bidirectional propagation (the node
+    /// process mounts each daemon's tmpfs there for the runtime to see),
+    /// which the runtime refuses below a private mount: "/" is private on
+    /// this machine (no systemd), so mpsDir becomes a shared mount of its
+    /// own, as it is below a systemd host's shared "/".
+    fn share_mps_dir(&self) -> Result<()> {
+        let dir = self.mps_dir();
+        std::fs::create_dir_all(&dir)?;
+        run(Command::new("mount").arg("--bind").arg(&dir).arg(&dir))?;
+        run(Command::new("mount").arg("--make-shared").arg(&dir))?;
+        Ok(())
     }
 
     /// The GPUs' minors, as `tessera inventory` on this machine reports them.
@@ -261,6 +291,14 @@ impl Machine {
     }
 }
 
+impl Drop for Machine {
+    /// Lazily, with whatever a daemon left mounted below it: the directory
+    /// goes with the TempDir after.
+    fn drop(&mut self) {
+        let _ = run(Command::new("umount").arg("--lazy").arg(self.mps_dir()));
+    }
+}
+
 /// The chart's values for this cluster: the test's image, driver name and
 /// host paths, the node's simulated machine, the API server on loopback
 /// (no Service network here; the pod runs on the host network).
@@ -290,7 +328,7 @@ fn values(
         // plugin writes it while this test runs (checked at the start).
         "cdiDir": path(cluster.state_dir().join("node/cdi")),
         "stateDir": path(machine.dir.path().join("state")),
-        "mpsDir": path(machine.dir.path().join("mps")),
+        "mpsDir": path(machine.mps_dir()),
         "mpsHostCgroup": mps_cgroup,
         "driverRoot": path(machine.driver_root()),
         "nvmlLibrary": NVML_IN_ROOT,
@@ -317,10 +355,13 @@ fn values(
     }))
 }
 
-/// Pods of the release, with the image tag each runs.
+/// The DaemonSet's pods of the release (not its webhook's), with the image
+/// tag each runs.
 async fn daemon_pods(pods: &Api<Pod>, release: &str) -> Result<Vec<(Pod, String)>> {
     let list = pods
-        .list(&ListParams::default().labels(&format!("app.kubernetes.io/instance={release}")))
+        .list(&ListParams::default().labels(&format!(
+            "app.kubernetes.io/instance={release},app.kubernetes.io/component!=webhook"
+        )))
         .await?;
     Ok(list
         .items
@@ -743,6 +784,176 @@ async fn check_admission(
     Ok(())
 }
 
+/// The chart's `<fullname>-webhook` (its Deployment, Service and the name
+/// its certificate is for); the fullname is `<release>-tessera` for a
+/// release whose name does not contain the chart's.
+fn webhook_name(release: &str) -> Result<String> {
+    let name = format!("{release}-tessera-webhook");
+    ensure!(
+        !release.contains("tessera") && name.len() <= 63,
+        "release {release}: the chart names its webhook otherwise"
+    );
+    Ok(name)
+}
+
+/// Turns the webhook on in the values file: a certificate for its Service's
+/// DNS name in a `kubernetes.io/tls` Secret of the release namespace, its
+/// CA as the caBundle, one replica, and `failurePolicy: Fail`, so that
+/// every claim with a config for the driver is admitted only by its answer.
+async fn enable_webhook(ns: &TestNamespace, release: &str, values_file: &Path) -> Result<()> {
+    let name = webhook_name(release)?;
+    let dir = values_file
+        .parent()
+        .context("values dir")?
+        .join("webhook-tls");
+    std::fs::create_dir_all(&dir)?;
+    let certs = serving_certificate(&dir, &format!("DNS:{name}.{}.svc", ns.name()))?;
+    let secret_name = format!("{name}-tls");
+    let secret: Secret = serde_json::from_value(json!({
+        "metadata": { "name": secret_name },
+        "type": "kubernetes.io/tls",
+        "data": {
+            "tls.crt": ByteString(std::fs::read(&certs.cert)?),
+            "tls.key": ByteString(std::fs::read(&certs.key)?),
+        },
+    }))?;
+    ns.api::<Secret>()
+        .create(&PostParams::default(), &secret)
+        .await
+        .context("creating the webhook's TLS Secret")?;
+    // The API's base64, as the chart wants the caBundle.
+    let ca_bundle = serde_json::to_value(ByteString(std::fs::read(&certs.ca)?))?;
+    let mut values: Value = serde_json::from_slice(&std::fs::read(values_file)?)?;
+    values["webhook"] = json!({
+        "enabled": true,
+        "replicas": 1,
+        "failurePolicy": "Fail",
+        "tls": { "secretName": secret_name, "caBundle": ca_bundle },
+    });
+    std::fs::write(values_file, serde_json::to_vec_pretty(&values)?)?;
+    Ok(())
+}
+
+/// A claim of `class` whose one config is `parameters` for `driver`.
+fn configured_claim(
+    name: &str,
+    class: &str,
+    driver: &str,
+    parameters: Value,
+) -> Result<ResourceClaim> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": name },
+        "spec": { "devices": {
+            "requests": [{ "name": "share", "exactly": { "deviceClassName": class } }],
+            "config": [{ "opaque": { "driver": driver, "parameters": parameters } }],
+        } },
+    }))?)
+}
+
+/// The webhook as the chart deploys it: its Deployment available, the API
+/// server calling it through its Service, a claim with an unknown field in
+/// its ShareConfig refused with the webhook's words, a good one admitted.
+async fn check_webhook(
+    ns: &TestNamespace,
+    release: &str,
+    driver: &str,
+    domain: &str,
+) -> Result<()> {
+    let webhook = webhook_name(release)?;
+    let pods: Api<Pod> = ns.api();
+    let selector = ListParams::default().labels(&format!(
+        "app.kubernetes.io/instance={release},app.kubernetes.io/component=webhook"
+    ));
+    let deployments: Api<Deployment> = ns.api();
+    let t0 = Instant::now();
+    wait_for("the webhook's Deployment available", TIMEOUT, || async {
+        for pod in pods.list(&selector).await?.items {
+            stuck(&pod)?;
+        }
+        let available = deployments
+            .get(&webhook)
+            .await?
+            .status
+            .and_then(|s| s.available_replicas)
+            .unwrap_or(0);
+        Ok((available > 0).then_some(()))
+    })
+    .await?;
+    eprintln!("the webhook's Deployment available in {:?}", t0.elapsed());
+
+    let class = format!("gpu-isolated.{domain}");
+    let bad_share = json!({ "apiVersion": API_VERSION, "kind": "ShareConfig",
+                            "processLimit": { "memory": "4Gi" } });
+    let problem = decode_value(&bad_share)
+        .err()
+        .context("the ShareConfig with an unknown field decodes")?;
+    let field = match problem.field.as_str() {
+        "parameters" => String::new(),
+        f => format!(".{f}"),
+    };
+    let want = format!(
+        "admission webhook \"claims.{driver}\" denied the request: claim {}/bad-share: \
+         spec.devices.config[0].opaque.parameters{field}: {}; fix: {}",
+        ns.name(),
+        problem.message,
+        problem.fix
+    );
+    let claims: Api<ResourceClaim> = ns.api();
+    let bad = configured_claim("bad-share", &class, driver, bad_share)?;
+    // The Service's endpoint reaches the API server a moment after the
+    // pod is Ready: until then the call fails (failurePolicy: Fail).
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let last = std::sync::Mutex::new(String::new());
+    wait_for("the API server calling the webhook", TIMEOUT, || async {
+        match claims.create(&dry, &bad).await {
+            Err(kube::Error::Api(s)) if s.message.contains("denied the request") => Ok(Some(())),
+            Ok(_) => bail!("the claim with a bad config was admitted (dry run)"),
+            Err(e) => {
+                *last.lock().unwrap() = e.to_string();
+                Ok(None)
+            }
+        }
+    })
+    .await
+    .with_context(|| format!("last answer: {}", last.lock().unwrap()))?;
+    let message = match claims.create(&PostParams::default(), &bad).await {
+        Err(kube::Error::Api(s)) => s.message,
+        Err(e) => return Err(e).context("creating the claim with a bad config"),
+        Ok(_) => bail!("the claim with a bad config was admitted"),
+    };
+    ensure!(
+        message.contains(&want),
+        "refusal {message:?} does not contain {want:?}"
+    );
+    ensure!(
+        claims.get_opt("bad-share").await?.is_none(),
+        "the refused claim exists"
+    );
+    let good = json!({ "apiVersion": API_VERSION, "kind": "ShareConfig",
+                       "processLimits": { "memory": "4Gi", "computePercent": 50 } });
+    claims
+        .create(
+            &PostParams::default(),
+            &configured_claim("good-share", &class, driver, good)?,
+        )
+        .await
+        .context("a claim with a good ShareConfig, through the webhook")?;
+    // The deployed pod answered (not some other webhook of the name).
+    let mut logged = String::new();
+    for pod in pods.list(&selector).await?.items {
+        logged.push_str(&logs(&pods, &name(&pod)).await);
+    }
+    ensure!(
+        logged.contains(&format!("denied: claim {}/bad-share", ns.name())),
+        "the webhook's pod logged no denial of the claim:\n{logged}"
+    );
+    eprintln!("the deployed webhook refused: {message}");
+    Ok(())
+}
+
 /// Records the longest time no registration socket of `driver` was in the
 /// kubelet's registry (a measurement, printed; nothing waits on it).
 struct GapMeter {
@@ -921,7 +1132,7 @@ async fn chart_case(case: Case) -> Result<()> {
                 chart: &chart,
                 values: &values_file,
                 tags: (&tag1, &tag2),
-                mps_dir: &machine.dir.path().join("mps"),
+                mps_dir: &machine.mps_dir(),
                 cgroup: &mps_cgroup,
             };
             survival::run(&install).await
@@ -979,7 +1190,7 @@ async fn chart_case(case: Case) -> Result<()> {
     .await;
     // Pods gone from the API are not yet unprepared: wait until the node
     // process has stopped their MPS daemons, which outlive it by design.
-    let mps_dir = machine.dir.path().join("mps");
+    let mps_dir = machine.mps_dir();
     let _ = wait_for("the workloads' MPS daemons stopped", TIMEOUT, || async {
         Ok(survival::daemons_left(&mps_dir).is_empty().then_some(()))
     })
@@ -1055,6 +1266,9 @@ async fn install_and_roll(
             .context("tag")?
             .to_owned();
 
+    // The webhook as deployed, in the same release (an install costs minutes).
+    enable_webhook(ns, release, values_file).await?;
+
     // Lint, and the optional PodMonitor.
     helm.run(&["lint", "--strict", chart]).await?;
     helm.run(&["lint", "--strict", chart, "-f", values]).await?;
@@ -1107,6 +1321,7 @@ async fn install_and_roll(
     eprintln!("example pod ran with {example_gpu} in {:?}", t0.elapsed());
 
     check_admission(cluster, ns, release, &first, driver).await?;
+    check_webhook(ns, release, driver, domain).await?;
 
     // Upgrade to the second tag: a surge pod beside the old one.
     let gap = GapMeter::start(kubelet.registry.clone(), driver.to_owned());
@@ -1483,4 +1698,140 @@ fn run_suite(
     let stdout = run(&mut c)?;
     eprintln!("{stdout}");
     std::fs::read_to_string(&junit).context("reading the JUnit report")
+}
+
+/// `helm template` of the chart with `args`, by the helm client
+/// `conformance/cluster/image.sh helm` builds (cached); no cluster needed.
+fn render(args: &[&str]) -> Result<String> {
+    let helm = run(Command::new(repo_root().join("conformance/cluster/image.sh")).arg("helm"))?;
+    let home = tempfile::tempdir()?;
+    run(Command::new(helm.trim())
+        .args(["template", "t"])
+        .arg(chart())
+        .args(args)
+        .env("HELM_CACHE_HOME", home.path().join("cache"))
+        .env("HELM_CONFIG_HOME", home.path().join("config"))
+        .env("HELM_DATA_HOME", home.path().join("data")))
+}
+
+/// The rendered DaemonSet's pod spec.
+fn daemon_pod_spec(args: &[&str]) -> Result<Value> {
+    let yaml = render(&[args, &["--show-only", "templates/daemonset.yaml"]].concat())?;
+    let daemonset = Value::deserialize(serde_yaml::Deserializer::from_str(&yaml))?;
+    Ok(daemonset["spec"]["template"]["spec"].clone())
+}
+
+/// The node pod holds the kubelet's plugins directory of its own driver,
+/// `<kubeletDir>/plugins/<driverName>`, where the node process serves its
+/// socket, and no directory above it: other drivers' sockets beside it stay
+/// out of its reach.
+#[test]
+fn the_node_pod_mounts_only_its_own_kubelet_plugin_directory() -> Result<()> {
+    for (args, kubelet, driver) in [
+        (vec![], "/var/lib/kubelet", "gpu.tessera.dev"),
+        (
+            vec![
+                "--set",
+                "kubeletDir=/srv/kubelet/",
+                "--set",
+                "driverName=gpu.example.com",
+            ],
+            "/srv/kubelet",
+            "gpu.example.com",
+        ),
+        (
+            vec!["--set", "nvidiaCompatibleNames=true"],
+            "/var/lib/kubelet",
+            "gpu.nvidia.com",
+        ),
+    ] {
+        let spec = daemon_pod_spec(&args)?;
+        let plugins = Path::new(kubelet).join("plugins");
+        let own = plugins.join(driver);
+        let host_paths: BTreeMap<&str, &str> = spec["volumes"]
+            .as_array()
+            .context("no volumes")?
+            .iter()
+            .filter_map(|v| Some((v["name"].as_str()?, v["hostPath"]["path"].as_str()?)))
+            .collect();
+        let above: Vec<_> = host_paths
+            .iter()
+            .filter(|(_, path)| plugins.starts_with(path))
+            .collect();
+        ensure!(
+            above.is_empty(),
+            "{args:?}: the node pod mounts {above:?}, which holds every driver's plugin \
+             directory, not only {}",
+            own.display()
+        );
+        let container = &spec["containers"][0];
+        let mounted = container["volumeMounts"]
+            .as_array()
+            .context("no volumeMounts")?
+            .iter()
+            .any(|m| {
+                m["mountPath"].as_str() == own.to_str()
+                    && m["name"]
+                        .as_str()
+                        .and_then(|n| host_paths.get(n))
+                        .is_some_and(|p| Path::new(p) == own)
+            });
+        ensure!(
+            mounted,
+            "{args:?}: the node pod does not mount {} at its own path; host paths: {host_paths:?}",
+            own.display()
+        );
+        // The node process serves its socket in exactly that directory.
+        let container_args: Vec<&str> = container["args"]
+            .as_array()
+            .context("no args")?
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        for want in [
+            format!("--kubelet-plugins-dir={}", plugins.display()),
+            format!("--driver-name={driver}"),
+        ] {
+            ensure!(
+                container_args.contains(&want.as_str()),
+                "{args:?}: no {want} in {container_args:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Before 1.36 the API server checks nothing of which node writes a claim's
+/// status: the chart's admission policies are all that does, so turning them
+/// off fails the render there, and only there.
+#[test]
+fn the_admission_policies_cannot_be_turned_off_before_kubernetes_1_36() -> Result<()> {
+    const POLICY: &str = "kind: ValidatingAdmissionPolicy\n";
+    let off = ["--set", "admissionPolicy.enabled=false"];
+    for kube in ["1.34.0", "1.35.0"] {
+        let refused = render(&[&off[..], &["--kube-version", kube]].concat());
+        let error = match refused {
+            Ok(_) => bail!("admissionPolicy.enabled=false rendered on Kubernetes {kube}"),
+            Err(e) => format!("{e:#}"),
+        };
+        ensure!(
+            error.contains("admissionPolicy.enabled: false on Kubernetes")
+                && error.contains("keep admissionPolicy.enabled: true"),
+            "on Kubernetes {kube} the render must fail naming admissionPolicy.enabled: {error}"
+        );
+        let on = render(&["--kube-version", kube])?;
+        ensure!(
+            on.contains(POLICY),
+            "the policies are not rendered on {kube}"
+        );
+    }
+    for kube in ["1.36.0", "1.37.0"] {
+        let rendered = render(&[&off[..], &["--kube-version", kube]].concat())
+            .with_context(|| format!("admissionPolicy.enabled=false on Kubernetes {kube}"))?;
+        ensure!(
+            !rendered.contains(POLICY) && rendered.contains("kind: DaemonSet"),
+            "admissionPolicy.enabled=false on {kube}: no policy, the rest rendered"
+        );
+    }
+    Ok(())
 }

@@ -35,93 +35,12 @@ use tessera_api::classes::{ADMIN_ACCESS_LABEL, work_class_admin_access};
 use tessera_api::config::{API_VERSION, decode_value};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::procs::run;
+use tessera_conformance::tls::{Certificates, serving_certificate};
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// The label that scopes the webhook configuration to this test's namespace.
 const SCOPE_LABEL: &str = "tessera.dev/webhook-test";
-
-/// A CA and a serving certificate for 127.0.0.1 signed by it (openssl CLI).
-struct Certificates {
-    ca: PathBuf,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
-fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .context("running openssl (the CLI must be installed)")?;
-    ensure!(
-        out.status.success(),
-        "openssl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
-fn certificates(dir: &Path) -> Result<Certificates> {
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    openssl(
-        dir,
-        &[
-            &[
-                "req",
-                "-x509",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=tessera-webhook-test-ca",
-            ][..],
-            &ec,
-            &["-keyout", "ca.key", "-out", "ca.crt"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
-    )?;
-    openssl(
-        dir,
-        &[
-            &["req", "-new", "-nodes", "-subj", "/CN=127.0.0.1"][..],
-            &ec,
-            &["-keyout", "tls.key", "-out", "tls.csr"],
-        ]
-        .concat(),
-    )?;
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n\
-         keyUsage=critical,digitalSignature\nbasicConstraints=CA:FALSE\n",
-    )?;
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "tls.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-            "-out",
-            "tls.crt",
-        ],
-    )?;
-    Ok(Certificates {
-        ca: dir.join("ca.crt"),
-        cert: dir.join("tls.crt"),
-        key: dir.join("tls.key"),
-    })
-}
 
 /// The running `tessera webhook`; killed on drop.
 struct Webhook {
@@ -240,7 +159,7 @@ async fn bad_configs_are_refused_at_create_time() -> Result<()> {
                 &Patch::Merge(json!({"metadata": {"labels": {SCOPE_LABEL: ns.name()}}})),
             )
             .await?;
-        let certs = certificates(dir.path())?;
+        let certs = serving_certificate(dir.path(), "IP:127.0.0.1")?;
         let mut webhook = Webhook::start(dir.path(), &certs, &driver)?;
         let port = webhook.port().await?;
 
@@ -461,7 +380,7 @@ async fn admin_access_on_a_work_class_is_refused_by_the_charts_webhook() -> Resu
                     SCOPE_LABEL: ns.name(), ADMIN_ACCESS_LABEL: "true"}}})),
             )
             .await?;
-        let certs = certificates(dir.path())?;
+        let certs = serving_certificate(dir.path(), "IP:127.0.0.1")?;
         let mut webhook = Webhook::start(dir.path(), &certs, &driver)?;
         let port = webhook.port().await?;
 
