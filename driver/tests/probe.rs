@@ -135,6 +135,22 @@ impl Machine {
     /// `LD_LIBRARY_PATH` and `env` (CUDA variables; the pipe directory
     /// defaults to one without a daemon).
     fn probe(&self, args: &[&str], env: &[(&str, &str)]) -> (Output, ProbeReport) {
+        let out = self
+            .command(args, env)
+            .output()
+            .expect("running tessera probe");
+        let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "tessera probe printed no report ({e}):\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+        (out, report)
+    }
+
+    /// The `tessera probe` command of [`Machine::probe`].
+    fn command(&self, args: &[&str], env: &[(&str, &str)]) -> Command {
         let mut cmd = clean(Command::new(env!("CARGO_BIN_EXE_tessera")));
         cmd.arg("probe")
             .args(args)
@@ -147,15 +163,7 @@ impl Machine {
             .env(TOPOLOGY_ENV, &self.topology)
             .env(STATE_ENV, &self.state)
             .envs(env.iter().copied());
-        let out = cmd.output().expect("running tessera probe");
-        let report = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-            panic!(
-                "tessera probe printed no report ({e}):\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-        (out, report)
+        cmd
     }
 
     /// A probe that must succeed.
@@ -613,6 +621,46 @@ fn cdi_device_probes_as_that_devices_container() {
     // Without the device, the same process sees no GPU at all in /dev.
     let (_, bare) = m.probe(&[], &[("TESSERA_FAKE_NVML_DEV_ROOT", "/nonexistent-dev")]);
     assert!(bare.devices.is_empty(), "{bare:#?}");
+
+    // The GPU's own node withheld: the container keeps the rest of the
+    // edits, and the simulated driver (which reads /dev) gives no GPU.
+    let mut withheld = cdi_args.to_vec();
+    withheld.push("--withhold-gpu-nodes");
+    let (_, without) = m.probe(&withheld, &[]);
+    let container = without.container.as_ref().expect("what it applied");
+    assert!(container.device_nodes.is_empty(), "{container:?}");
+    assert_eq!(container.mounts, ["/dev/shm"]);
+    assert!(without.devices.is_empty(), "{without:#?}");
+
+    // With a Pod's hosts file bound as the kubelet binds it, the node's
+    // attribution (metrics, claim guard) maps the probe to that Pod.
+    let pod = "0f3c8b7e-5d2a-4c61-9e8f-7a6b5c4d3e21";
+    let hosts = m
+        .dir
+        .path()
+        .join("kubelet/pods")
+        .join(pod)
+        .join("etc-hosts");
+    std::fs::create_dir_all(hosts.parent().unwrap()).unwrap();
+    std::fs::write(&hosts, "127.0.0.1 localhost\n").unwrap();
+    let mut held = cdi_args.to_vec();
+    held.extend(["--pod-hosts-file", hosts.to_str().unwrap()]);
+    held.extend(["--alloc", "1Gi", "--busy", "60"]);
+    let mut child = m
+        .command(&held, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut seen = None;
+    wait_until("the probe runs as the Pod's process", || {
+        seen = tessera_driver::metrics::claims::pod_of(Path::new("/proc"), pid);
+        seen.is_some() || child.try_wait().unwrap().is_some()
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(seen.as_deref(), Some(pod), "the probe ended unattributed");
 }
 
 /// MIG devices are CUDA devices of their own: the probe prints their MIG

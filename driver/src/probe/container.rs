@@ -11,6 +11,11 @@
 //! probe has no root filesystem of its own), except `libcuda.so.1`, which
 //! is loaded from the path the spec names. Needs root (`CAP_SYS_ADMIN`);
 //! nothing outside the probe's own mount namespace changes.
+//!
+//! Two departures from the spec, each asked for ([`Shape`]): the GPUs' own
+//! nodes can be withheld (does an MPS client need them?), and a Pod's hosts
+//! file bound on `/etc/hosts`, as the kubelet binds it, so that the node
+//! process maps the probe to that Pod as it maps a container's processes.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -29,6 +34,26 @@ pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
 
 /// Device nodes every container gets.
 const STANDARD_NODES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+
+/// How the probe's container differs from the one the CDI device makes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Shape {
+    /// Leave the GPUs' own device nodes (`/dev/nvidia<N>`) out, keeping
+    /// `/dev/nvidiactl`, `/dev/nvidia-uvm` and the rest of the edits.
+    pub withhold_gpu_nodes: bool,
+    /// A file bound on `/etc/hosts`. The kubelet binds each container's
+    /// from `<kubelet dir>/pods/<pod UID>/etc-hosts`, and that is how the
+    /// node's attribution (metrics, claim guard) finds the Pod of a process
+    /// whose cgroup does not name it.
+    pub pod_hosts: Option<PathBuf>,
+}
+
+/// Whether `path` is a GPU's own device node (`/dev/nvidia<N>`), not the
+/// driver's control, UVM or capability nodes.
+pub fn is_gpu_node(path: &str) -> bool {
+    path.strip_prefix("/dev/nvidia")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
 
 /// A device's edits, ready to apply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,10 +157,11 @@ struct OpenSource<'a> {
     is_dir: bool,
 }
 
-/// Enters the container of `edits` (this process only) and sets its
-/// environment. Returns what was applied, and the `libcuda.so.1` the spec
-/// mounts (the library to load unless one was named).
-pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
+/// Enters the container of `edits`, as `shape` changes it (this process
+/// only), and sets its environment. Returns what was applied, and the
+/// `libcuda.so.1` the spec mounts (the library to load unless one was
+/// named).
+pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<PathBuf>)> {
     let e = &edits.edits;
     let mut view = ProbeContainer {
         cdi_device: edits.device.clone(),
@@ -150,6 +176,9 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
         }
     }
     for n in &e.device_nodes {
+        if shape.withhold_gpu_nodes && is_gpu_node(&n.path) {
+            continue;
+        }
         let host = n.host_path.as_deref().unwrap_or(&n.path);
         nodes.push(Node::of(&n.path, Path::new(host))?);
         view.device_nodes.push(n.path.clone());
@@ -173,6 +202,9 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
     }
 
     private_mount_namespace()?;
+    if let Some(hosts) = &shape.pod_hosts {
+        bind_hosts(hosts)?;
+    }
     let sources = dev_mounts
         .iter()
         .map(|mount| {
@@ -212,6 +244,19 @@ pub fn enter(edits: &Edits) -> Result<(ProbeContainer, Option<PathBuf>)> {
         view.env.push(name.to_owned());
     }
     Ok((view, libcuda))
+}
+
+/// Binds `file` on `/etc/hosts` (in the probe's own mount namespace).
+fn bind_hosts(file: &Path) -> Result<()> {
+    let source = file
+        .to_str()
+        .with_context(|| format!("--pod-hosts-file {}: not a UTF-8 path", file.display()))?;
+    ensure!(
+        file.is_file(),
+        "--pod-hosts-file {source}: no such file (the Pod's hosts file, as the kubelet keeps \
+         it in <kubelet dir>/pods/<pod UID>/etc-hosts)"
+    );
+    mount(Some(source), "/etc/hosts", None, libc::MS_BIND, None)
 }
 
 fn under_dev(path: &str) -> bool {
@@ -382,6 +427,25 @@ mod tests {
         );
         let e = find(dir.path(), "gpu.tessera.dev/claim=u-0").unwrap_err();
         assert!(e.to_string().contains("2 specs"), "{e}");
+    }
+
+    #[test]
+    fn only_a_gpus_own_node_is_withheld() {
+        for gpu in ["/dev/nvidia0", "/dev/nvidia7", "/dev/nvidia15"] {
+            assert!(is_gpu_node(gpu), "{gpu}");
+        }
+        for other in [
+            "/dev/nvidia",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-modeset",
+            "/dev/nvidia-caps/nvidia-cap21",
+            "/dev/nvidia0x",
+            "/dev/dri/card0",
+        ] {
+            assert!(!is_gpu_node(other), "{other}");
+        }
     }
 
     #[test]
