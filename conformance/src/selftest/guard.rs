@@ -3,7 +3,10 @@
 //! that together hold more than its memory. Each process is a probe of the
 //! claim's container, bound to its Pod as the kubelet binds a container (so
 //! the node maps it to the Pod), holding what it allocated for a while;
-//! what counts is how it ended and the guard's Event on the Pod.
+//! what counts is how it ended, the node's log naming it, and the guard's
+//! Event on the Pod (the first of each rule there: the API's event
+//! recorder folds repeats of one rule on one Pod into a series that keeps
+//! the first note).
 //!
 //! And, on real GPUs only, a question for the driver whose answer could
 //! close the gap without a guard: does an MPS client run without its GPU's
@@ -143,7 +146,7 @@ pub(super) async fn leave_mps(
     let over = a.limits.memory_bytes + a.limits.memory_bytes / 2;
     let running = Running::start(ctx, node, a, over, &elsewhere(ctx)?, Some(HOLD), &[])?;
     let ended = running.end(HOLD + ctx.args.timeout).await?;
-    let (got, problems) = must_be_stopped(ctx, a, ended).await;
+    let (got, problems) = must_be_stopped(ctx, node, a, ended, Said::LogAndEvent).await;
     table.push(
         "leaves MPS holding 1.5x its memory: the guard kills it",
         a.name,
@@ -165,7 +168,8 @@ pub(super) async fn after_quit(
     let over = a.limits.memory_bytes + a.limits.memory_bytes / 2;
     let running = Running::start(ctx, node, a, over, &[], Some(HOLD), &[])?;
     let ended = running.end(HOLD + ctx.args.timeout).await?;
-    let (got, problems) = must_be_stopped(ctx, a, ended).await;
+    // Its Event is the leave-MPS step's, repeated.
+    let (got, problems) = must_be_stopped(ctx, node, a, ended, Said::Log).await;
     table.push(
         "after its daemon quit, holding 1.5x its memory",
         a.name,
@@ -175,17 +179,29 @@ pub(super) async fn after_quit(
     Ok(())
 }
 
+/// Where the guard must have said that it killed a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    /// The node's log.
+    Log,
+    /// The node's log and an Event on the Pod naming the process.
+    LogAndEvent,
+}
+
 /// A process that may not keep more than `t`'s share: killed by the guard
-/// (and said on the Pod), limited by MPS, or given no GPU at all.
-async fn must_be_stopped(ctx: &Ctx<'_>, t: &Tenant, ended: Ended) -> (String, Vec<String>) {
+/// (and said), limited by MPS, or given no GPU at all.
+async fn must_be_stopped(
+    ctx: &Ctx<'_>,
+    node: &Node,
+    t: &Tenant,
+    ended: Ended,
+    said: Said,
+) -> (String, Vec<String>) {
     match ended {
         Ended::Killed { pid, after } => {
-            let said = guard_event(ctx, t, "left-mps", pid).await;
             let got = format!("process {pid} killed {:.1}s after it started", secs(after));
-            match said {
-                Ok(note) => (format!("{got}; Event: {note}"), Vec::new()),
-                Err(e) => (got, vec![format!("{e:#}")]),
-            }
+            let (note, problems) = guard_said(ctx, node, t, "left-mps", pid, said).await;
+            (format!("{got}{note}"), problems)
         }
         Ended::Reported(report) => {
             let got = isolation::describe(&report);
@@ -234,18 +250,23 @@ pub(super) async fn many_processes(
             &[],
         )?);
     }
-    let mut ends = Vec::new();
-    for r in running {
-        ends.push(r.end(TOGETHER + ctx.args.timeout).await?);
-    }
+    // Waited for together: each one's end is seen when it comes.
+    let within = TOGETHER + ctx.args.timeout;
+    let ends: Vec<Ended> = futures::future::join_all(running.into_iter().map(|r| r.end(within)))
+        .await
+        .into_iter()
+        .collect::<Result<_>>()?;
     let (mut got, mut problems) = too_many(&ends, each);
-    for e in &ends {
-        if let Ended::Killed { pid, .. } = e {
-            match guard_event(ctx, a, "claim-memory", *pid).await {
-                Ok(note) => got.push_str(&format!("; Event: {note}")),
-                Err(e) => problems.push(format!("{e:#}")),
-            }
-        }
+    let killed = ends.iter().filter_map(|e| match e {
+        Ended::Killed { pid, .. } => Some(*pid),
+        Ended::Reported(_) => None,
+    });
+    for (i, pid) in killed.enumerate() {
+        // One Event per rule and Pod (see the module's note).
+        let said = if i == 0 { Said::LogAndEvent } else { Said::Log };
+        let (note, more) = guard_said(ctx, node, a, "claim-memory", pid, said).await;
+        got.push_str(&note);
+        problems.extend(more);
     }
     table.push(
         format!(
@@ -309,6 +330,53 @@ fn too_many(ends: &[Ended], each: u64) -> (String, Vec<String>) {
         ));
     }
     (got, problems)
+}
+
+/// Whether the guard said it killed process `pid` of `t` for `rule`: what
+/// to add to the row (the Event's note) and the problems.
+async fn guard_said(
+    ctx: &Ctx<'_>,
+    node: &Node,
+    t: &Tenant,
+    rule: &str,
+    pid: u32,
+    said: Said,
+) -> (String, Vec<String>) {
+    let mut problems = Vec::new();
+    if let Err(e) = guard_logged(ctx, node, rule, pid).await {
+        problems.push(format!("{e:#}: killed, but not by the claim guard?"));
+    }
+    if said == Said::Log {
+        return (String::new(), problems);
+    }
+    match guard_event(ctx, t, rule, pid).await {
+        Ok(note) => (format!("; Event: {note}"), problems),
+        Err(e) => {
+            problems.push(format!("{e:#}"));
+            (String::new(), problems)
+        }
+    }
+}
+
+/// Waits until the node's log has the guard's line for `rule` naming
+/// process `pid`.
+async fn guard_logged(ctx: &Ctx<'_>, node: &Node, rule: &str, pid: u32) -> Result<()> {
+    let log = node.dir.join("plugin.log");
+    let (rule_field, pid_field) = (format!("rule=\"{rule}\""), format!("pid={pid}"));
+    wait_for(
+        &format!("the node's log to name process {pid} ({rule})"),
+        ctx.args.timeout,
+        || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let found = text.lines().any(|l| {
+                l.contains("tessera_driver::guard")
+                    && l.contains(&rule_field)
+                    && l.split_whitespace().any(|w| w == pid_field)
+            });
+            async move { Ok(found.then_some(())) }
+        },
+    )
+    .await
 }
 
 /// The note of the guard's Event on `t`'s Pod for `rule` naming process
