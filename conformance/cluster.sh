@@ -5,7 +5,7 @@
 # runs real containers through containerd + runc (conformance/cluster/containerd.sh).
 # See docs/development.md.
 #
-# usage: conformance/cluster.sh build|start|stop|status|env|add-nodes N|logs [component] [-f]
+# usage: conformance/cluster.sh build|kube-bin|start|stop|status|env|add-nodes N|logs [component] [-f]
 #        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS]
 #        conformance/cluster.sh node-stop
 #   node-start runs Tessera's node process (tessera plugin: kubelet plugin and
@@ -15,6 +15,8 @@
 #   reuses its topology, policy and driver name. `stop` stops it too.
 #   TESSERA_KUBE_VERSION=v1.36.3 builds and starts that release instead of
 #   the default (conformance/cluster/go.mod; others: go-1.<minor>.mod).
+#   kube-bin prints the control plane binary's path (built when needed),
+#   without containerd: what a start without a kubelet needs.
 set -euo pipefail
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -1017,7 +1019,7 @@ cmd_logs() {
 source "$SRC/containerd.sh"
 
 usage() {
-	sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
 	cat <<EOF
 
 state dir: $DIR (TESSERA_CLUSTER_DIR)
@@ -1030,6 +1032,7 @@ main() {
 	[[ $# -gt 0 ]] && shift
 	case "$cmd" in
 	build) cmd_build ;;
+	kube-bin) ensure_binary ;;
 	start) cmd_start ;;
 	stop) cmd_stop ;;
 	status) cmd_status ;;

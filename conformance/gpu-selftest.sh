@@ -7,9 +7,13 @@
 # libnvidia-ml with its sockets in a directory of its own, lets the real
 # scheduler allocate two Isolated claims on one GPU, prepares them over the
 # plugin's socket, probes what a CUDA process gets under each claim's CDI
-# edits (also raising its environment, quitting its daemon, leaving MPS),
-# unprepares, prints a table and removes everything it made. It never
-# changes MIG mode, compute mode or clocks. See docs/isolation.md.
+# edits (also raising its environment, quitting its daemon), has the node's
+# claim guard stop a process that leaves MPS and processes that together
+# overfill their claim, asks (real GPUs) whether MPS clients need
+# /dev/nvidia<N>, unprepares, prints a table and removes everything it made.
+# It never changes MIG mode, compute mode or clocks. See docs/isolation.md.
+# conformance/gpu-kit.sh packs all it needs for a machine without Go, Rust
+# or network.
 #
 # usage: conformance/gpu-selftest.sh [--simulated TOPOLOGY] [-- TESSERA-SELFTEST FLAGS]
 #   --simulated FILE  the simulated machine of a topology
@@ -20,6 +24,7 @@
 # environment:
 #   TESSERA_BIN_DIR   prebuilt tessera and tessera-selftest (and, simulated,
 #                     the fakes) instead of building them with cargo
+#   TESSERA_FAKES_DIR where the prebuilt fakes are (default: TESSERA_BIN_DIR)
 #   TESSERA_PROFILE   cargo profile to build and use (default release)
 #   TESSERA_KUBE_BIN  a prebuilt control plane binary (conformance/cluster.sh
 #                     builds one from Kubernetes' Go modules otherwise)
@@ -48,7 +53,7 @@ while (($#)); do
 		break
 		;;
 	-h | --help)
-		sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+		sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
 		exit 0
 		;;
 	*) die "unknown argument '$1' (usage: $0 [--simulated TOPOLOGY] [-- TESSERA-SELFTEST FLAGS])" ;;
@@ -67,8 +72,9 @@ else
 	[[ -z "$simulated" ]] || packages+=(-p tessera-fake-nvml -p tessera-fake-cuda)
 	log "building ${packages[*]} ($profile)"
 	(cd "$REPO_ROOT" && cargo build --profile "$profile" "${packages[@]}" --bins --lib -q)
+	if [[ "$profile" == dev ]]; then bin=${bin%/dev}/debug; fi
 fi
-if [[ "$profile" == dev ]]; then bin=${bin%/dev}/debug; fi
+fakes=${TESSERA_FAKES_DIR:-$bin}
 for f in tessera tessera-selftest; do
 	[[ -x "$bin/$f" ]] || die "missing $bin/$f (build it, or set TESSERA_BIN_DIR)"
 done
@@ -96,6 +102,6 @@ TESSERA_FAKE_NODE_PREFIX=${NODE%0} "$REPO_ROOT/conformance/cluster.sh" add-nodes
 	apply -f "$REPO_ROOT/deploy/deviceclasses.yaml" >/dev/null
 
 args=(--kubeconfig "$TESSERA_CLUSTER_DIR/kubeconfig" --node "$NODE" --tessera "$bin/tessera" --work-dir "$work/node")
-[[ -z "$simulated" ]] || args+=(--simulated "$simulated" --fakes "$bin")
+[[ -z "$simulated" ]] || args+=(--simulated "$simulated" --fakes "$fakes")
 log "running tessera-selftest on node $NODE ($([[ -n "$simulated" ]] && echo "simulated: $(basename "$simulated")" || echo "real GPUs"))"
 "$bin/tessera-selftest" "${args[@]}" "$@"

@@ -78,9 +78,12 @@ say "Rust build done ($((SECONDS - t0))s)"
 # --- hook: Helm chart -------------------------------------------------------
 # conformance/tests/helm_install.rs installs deploy/helm/tessera with helm
 # (built from its Go module, cached) and the node image of the release
-# binary (conformance/cluster/image.sh imports it into the cluster).
+# binary (conformance/cluster/image.sh imports it into the cluster). The GPU
+# kit (step 4c) packs the same release build, with the self-test and the
+# simulated GPU built here too.
 t0=$SECONDS
-cargo build --release -p tessera-driver --bin tessera
+cargo build --release -p tessera-driver --bin tessera -p tessera-conformance --bin tessera-selftest \
+	-p tessera-fake-nvml --bin fake-mps-control --bin nvidia-smi --lib -p tessera-fake-cuda
 conformance/cluster/image.sh helm >/dev/null
 say "release binary and helm ready ($((SECONDS - t0))s)"
 
@@ -173,13 +176,39 @@ for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	TESSERA_CLUSTER_DIR="$vdir-degraded" "$CLUSTER" stop || tests_rc=1
 done
 
-# --- 4c. the GPU self-test, on the simulated machine -------------------------
-# What a user runs on a real GPU node (docs/isolation.md): its own control
-# plane without a kubelet, the node process, two Isolated claims, the probe
-# under each claim's CDI edits, the hostile steps, nothing left behind.
-say "running the GPU self-test on simulated H100s"
-TESSERA_PROFILE=dev conformance/gpu-selftest.sh --simulated driver/fake-nvml/topologies/h100x8.yaml ||
-	tests_rc=1
+# --- 4c. the GPU self-test from the GPU kit, on the simulated machine --------
+# What a user runs on a real GPU node (docs/isolation.md), from what they
+# would copy there: the kit (conformance/gpu-kit.sh: the release binaries,
+# the cached control plane binary, the scripts) unpacked in a directory of
+# its own and run from there alone, with an empty environment and a PATH of
+# only the prerequisite table's base and cluster commands (no cargo, no go).
+# Its own control plane without a kubelet, the node process, two Isolated
+# claims, the probe under each claim's CDI edits, the hostile steps against
+# the claim guard, nothing left behind. The archive must stay within 60 MiB.
+KIT_MAX_BYTES=$((60 << 20))
+selftest_from_kit() {
+	local kit="$STATE/kit" archive bytes
+	mkdir -p "$kit/unpacked" || return 1
+	# TESSERA_KUBE_BIN (cluster.sh env) is the main cluster's binary.
+	archive=$(conformance/gpu-kit.sh --out "$kit/tessera-gpu-kit.tar.xz") || return 1
+	bytes=$(stat -c %s "$archive") || return 1
+	say "GPU kit: $((bytes >> 20)) MiB ($bytes bytes; limit $((KIT_MAX_BYTES >> 20)) MiB)"
+	((bytes <= KIT_MAX_BYTES)) || {
+		say "the GPU kit is over its limit"
+		return 1
+	}
+	tar -xJf "$archive" -C "$kit/unpacked" || return 1
+	(
+		cd "$kit/unpacked/tessera-gpu-kit" &&
+			env -i HOME="$HOME" TMPDIR="${TMPDIR:-/tmp}" PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+				conformance/cluster/prereqs.sh confine cluster -- \
+				./run-selftest.sh --simulated topologies/h100x8.yaml
+	)
+}
+say "building the GPU kit and running its self-test on simulated H100s"
+t0=$SECONDS
+selftest_from_kit || tests_rc=1
+say "GPU kit self-test done ($((SECONDS - t0))s)"
 ((tests_rc == 0)) || exit "$tests_rc"
 
 # --- 5. bounded fuzzing of the untrusted-input decoders --------------------

@@ -626,6 +626,46 @@ fn cdi_device_probes_as_that_devices_container() {
     // Without the device, the same process sees no GPU at all in /dev.
     let (_, bare) = m.probe(&[], &[("TESSERA_FAKE_NVML_DEV_ROOT", "/nonexistent-dev")]);
     assert!(bare.devices.is_empty(), "{bare:#?}");
+
+    // The GPU's own node withheld: the container keeps the rest of the
+    // edits, and the simulated driver (which reads /dev) gives no GPU.
+    let mut withheld = cdi_args.to_vec();
+    withheld.push("--withhold-gpu-nodes");
+    let (_, without) = m.probe(&withheld, &[]);
+    let container = without.container.as_ref().expect("what it applied");
+    assert!(container.device_nodes.is_empty(), "{container:?}");
+    assert_eq!(container.mounts, ["/dev/shm"]);
+    assert!(without.devices.is_empty(), "{without:#?}");
+
+    // With a Pod's hosts file bound as the kubelet binds it, the node's
+    // attribution (metrics, claim guard) maps the probe to that Pod.
+    let pod = "0f3c8b7e-5d2a-4c61-9e8f-7a6b5c4d3e21";
+    let hosts = m
+        .dir
+        .path()
+        .join("kubelet/pods")
+        .join(pod)
+        .join("etc-hosts");
+    std::fs::create_dir_all(hosts.parent().unwrap()).unwrap();
+    std::fs::write(&hosts, "127.0.0.1 localhost\n").unwrap();
+    let mut held = cdi_args.to_vec();
+    held.extend(["--pod-hosts-file", hosts.to_str().unwrap()]);
+    held.extend(["--alloc", "1Gi", "--busy", "60"]);
+    let mut child = m
+        .probe_command(&held, &[])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut seen = None;
+    wait_until("the probe runs as the Pod's process", || {
+        seen = tessera_driver::metrics::claims::pod_of(Path::new("/proc"), pid);
+        seen.is_some() || child.try_wait().unwrap().is_some()
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(seen.as_deref(), Some(pod), "the probe ended unattributed");
 }
 
 /// A driver root under `m` whose `libcuda.so.1` is the simulated one, as

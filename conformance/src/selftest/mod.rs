@@ -14,23 +14,29 @@
 //! 2. each claim's probe sees its GPU alone, at most its SMs and memory,
 //!    cannot allocate more, also with its environment raised, and can
 //!    allocate within its memory;
-//! 3. `a` quits the one daemon it can reach (its own): `b`'s daemon and
-//!    limits are untouched;
-//! 4. a process of `a` that leaves MPS (its pipe directory pointed
-//!    elsewhere) and `a` after its daemon quit: what they get is reported;
-//!    on this driver generation nothing stops a process outside MPS in
-//!    Default compute mode (docs/isolation.md), so that is not a failure;
-//! 5. unprepare stops both daemons and removes the specs and records; the
+//! 3. against the node's claim guard ([`guard`]), each probe bound to its
+//!    claim's Pod as the kubelet binds a container: a process of `a` that
+//!    leaves MPS (its pipe directory pointed elsewhere) and holds more than
+//!    `a`'s memory is killed; 3 processes of `a` that together hold more
+//!    than its memory lose one, the others finish;
+//! 4. `a` quits the one daemon it can reach (its own): `b`'s daemon and
+//!    limits are untouched; a process of `a` after its quit gets no more
+//!    than `a`'s share, or is killed;
+//! 5. on real GPUs, a question for the driver: does an MPS client of `b`
+//!    run without `/dev/nvidia<N>` (keeping `/dev/nvidiactl` and
+//!    `/dev/nvidia-uvm`) while a process outside MPS there fails?
+//! 6. unprepare stops both daemons and removes the specs and records; the
 //!    node process stops; no GPU's MIG mode changed.
 //!
 //! Prints a table; exit status 0 iff every step held.
 
+mod guard;
 pub mod node;
 pub mod table;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -100,6 +106,9 @@ struct Tenant {
     name: &'static str,
     limits: Limits,
     uid: String,
+    /// Its Pod's hosts file, bound on each probe's `/etc/hosts` as the
+    /// kubelet binds it: the node process maps the probe to the Pod.
+    pod_hosts: PathBuf,
     cdi_device: String,
     pipe: PathBuf,
     mounts: Vec<String>,
@@ -231,11 +240,12 @@ async fn steps(
     let mut tenants = Vec::new();
     for (name, percent, most) in [("a", 25, 4 * GIB), ("b", 50, 8 * GIB)] {
         let limits = limits(percent, most);
-        let uid = ctx.claim_for_pod(name, &limits, attr).await?;
+        let (uid, pod_hosts) = ctx.claim_for_pod(name, &limits, attr).await?;
         tenants.push(Tenant {
             name,
             limits,
             uid,
+            pod_hosts,
             cdi_device: String::new(),
             pipe: PathBuf::new(),
             mounts: Vec::new(),
@@ -368,8 +378,14 @@ async fn clean_api(client: &Client, ns: &str) {
 
 impl Ctx<'_> {
     /// A claim of an Isolated share with `limits` on the GPU and a Pod on
-    /// the node using it; returns the claim's UID.
-    async fn claim_for_pod(&self, name: &str, limits: &Limits, attr: &str) -> Result<String> {
+    /// the node using it; returns the claim's UID and the Pod's hosts file
+    /// (where the kubelet would keep it: `pods/<pod UID>/etc-hosts`).
+    async fn claim_for_pod(
+        &self,
+        name: &str,
+        limits: &Limits,
+        attr: &str,
+    ) -> Result<(String, PathBuf)> {
         let class = self.args.isolated_class.clone().unwrap_or_else(|| {
             format!(
                 "gpu-isolated.{}",
@@ -416,11 +432,22 @@ impl Ctx<'_> {
             Some(&source),
             vec![container],
         ))?;
-        Api::<Pod>::namespaced(self.client.clone(), &self.namespace)
+        let pod = Api::<Pod>::namespaced(self.client.clone(), &self.namespace)
             .create(&PostParams::default(), &pod)
             .await
             .with_context(|| format!("creating pod {name}"))?;
-        claim.metadata.uid.context("the claim has no UID")
+        let pod_uid = pod.metadata.uid.context("the pod has no UID")?;
+        let hosts = self
+            .args
+            .work_dir
+            .join("pods")
+            .join(pod_uid)
+            .join("etc-hosts");
+        std::fs::create_dir_all(hosts.parent().context("a hosts file's directory")?)?;
+        std::fs::write(&hosts, "127.0.0.1 localhost\n")
+            .with_context(|| format!("writing {}", hosts.display()))?;
+        let uid = claim.metadata.uid.context("the claim has no UID")?;
+        Ok((uid, hosts))
     }
 
     /// Waits until the scheduler has allocated every tenant's claim and
@@ -495,16 +522,37 @@ impl Ctx<'_> {
         }
     }
 
-    /// `tessera probe` under the tenant's CDI edits, allocating `alloc`
-    /// bytes, `env` set in its own environment first.
-    fn probe(&self, node: &Node, t: &Tenant, alloc: u64, env: &[String]) -> Result<ProbeReport> {
-        let mut args = vec!["--alloc".to_owned(), alloc.to_string()];
+    /// `tessera probe` as a process of the tenant's container: under its
+    /// CDI edits, its Pod's hosts file bound, allocating `alloc` bytes,
+    /// `env` set in its own environment first, then `extra` flags.
+    fn probe_command(
+        &self,
+        node: &Node,
+        t: &Tenant,
+        alloc: u64,
+        env: &[String],
+        extra: &[String],
+    ) -> Command {
+        let mut args = vec![
+            "--alloc".to_owned(),
+            alloc.to_string(),
+            "--pod-hosts-file".to_owned(),
+            t.pod_hosts.display().to_string(),
+        ];
         for e in env {
             args.extend(["--set-env".to_owned(), e.clone()]);
         }
-        let out = node
-            .probe_cmd(&t.cdi_device, &args)
-            .stdin(Stdio::null())
+        args.extend_from_slice(extra);
+        let mut cmd = node.probe_cmd(&t.cdi_device, &args);
+        cmd.stdin(Stdio::null());
+        cmd
+    }
+
+    /// The report of a probe of the tenant's container (see
+    /// [`Ctx::probe_command`]) that runs to its end.
+    fn probe(&self, node: &Node, t: &Tenant, alloc: u64, env: &[String]) -> Result<ProbeReport> {
+        let out = self
+            .probe_command(node, t, alloc, env, &[])
             .output()
             .context("running tessera probe")?;
         serde_json::from_slice(&out.stdout).with_context(|| {
@@ -564,12 +612,29 @@ fn own_daemons(tenants: &[Tenant], table: &mut Table) {
     );
 }
 
-/// Steps 3 and 4: `a` quits its daemon; `b` keeps its own and its limits;
-/// what a process of `a` outside MPS gets.
+/// Steps 3 to 5: the claim guard against `a`; `a` quits its daemon while
+/// `b` keeps its own and its limits; the question of the GPU's node.
 async fn hostile(ctx: &Ctx<'_>, node: &Node, tenants: &[Tenant], table: &mut Table) -> Result<()> {
     let [a, b] = tenants else {
         bail!("two tenants expected");
     };
+    guard::leave_mps(ctx, node, a, table).await?;
+    guard::many_processes(ctx, node, a, table).await?;
+    // Filling the claim's /dev/shm goes here, a step of its own: while
+    // `a`'s daemon (whose shared memory it is) still runs.
+    quit_own_daemon(ctx, node, a, b, table).await?;
+    guard::after_quit(ctx, node, a, table).await?;
+    guard::gpu_node_question(ctx, node, b, table).await
+}
+
+/// `a` quits the one daemon it can reach; `b` keeps its own and its limits.
+async fn quit_own_daemon(
+    ctx: &Ctx<'_>,
+    node: &Node,
+    a: &Tenant,
+    b: &Tenant,
+    table: &mut Table,
+) -> Result<()> {
     let quit = std::process::Command::new(node.mps_control())
         .env_clear()
         .envs(node.process_env())
@@ -634,31 +699,10 @@ async fn hostile(ctx: &Ctx<'_>, node: &Node, tenants: &[Tenant], table: &mut Tab
             )),
         );
     }
-    let elsewhere = ctx.args.work_dir.join("no-daemon");
-    std::fs::create_dir_all(&elsewhere)?;
-    let over = a.limits.memory_bytes + a.limits.memory_bytes / 2;
-    let leave = [format!("{MPS_PIPE_DIRECTORY}={}", elsewhere.display())];
-    for (step, env) in [
-        ("after its daemon quit, probe", &[][..]),
-        ("leaves MPS (pipe directory elsewhere)", &leave[..]),
-    ] {
-        let report = ctx.probe(node, a, over, env)?;
-        let problems = isolation::check_report(&ctx.gpu, &a.limits, false, &report);
-        let verdict = if problems.is_empty() {
-            Verdict::Holds
-        } else {
-            Verdict::NotEnforced(format!(
-                "{}: a process that reaches no MPS daemon runs outside MPS, and Default \
-                 compute mode lets it beside the MPS server (docs/isolation.md)",
-                problems.join("; ")
-            ))
-        };
-        table.push(step, a.name, isolation::describe(&report), verdict);
-    }
     Ok(())
 }
 
-/// Step 5: unprepare stops both daemons and removes specs and records.
+/// Step 6: unprepare stops both daemons and removes specs and records.
 async fn unprepare(
     ctx: &Ctx<'_>,
     node: &Node,

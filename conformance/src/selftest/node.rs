@@ -163,7 +163,14 @@ impl Node {
         self.driver_root().join(MPS_CONTROL)
     }
 
-    /// The simulated machine's state, as every process on it sees it.
+    /// Whether the GPUs are the simulated machine's.
+    pub fn simulated(&self) -> bool {
+        matches!(self.gpus, Gpus::Simulated { .. })
+    }
+
+    /// The simulated machine's state, as every process on it sees it, and
+    /// each process's load recorded (the claim guard sees what processes
+    /// hold through it, as NVML lists them on a real GPU).
     fn simulated_env(&self) -> Vec<(&'static str, OsString)> {
         match &self.gpus {
             Gpus::Simulated { topology, .. } => vec![
@@ -172,6 +179,7 @@ impl Node {
                     "TESSERA_FAKE_NVML_STATE",
                     self.dir.join("nvml.state").into(),
                 ),
+                (tessera_fake_nvml::load::LOAD_ENV, "1".into()),
             ],
             Gpus::Real { .. } => Vec::new(),
         }

@@ -12,6 +12,9 @@ pub enum Verdict {
     /// Outside what this driver generation can enforce (said in
     /// docs/isolation.md); reported, not a failure.
     NotEnforced(String),
+    /// A question about the driver, not a promise: its answer (`None`: not
+    /// measured here); never a failure.
+    Answer(Option<bool>),
 }
 
 impl Verdict {
@@ -29,6 +32,9 @@ impl Verdict {
             Verdict::Holds => "holds",
             Verdict::Fails(_) => "FAILS",
             Verdict::NotEnforced(_) => "not enforced on this generation",
+            Verdict::Answer(Some(true)) => "answer: yes",
+            Verdict::Answer(Some(false)) => "answer: no",
+            Verdict::Answer(None) => "not measured",
         }
     }
 }
@@ -119,8 +125,29 @@ mod tests {
             "132 SMs".into(),
             Verdict::NotEnforced("Default compute mode".into()),
         );
-        assert!(t.passed());
+        t.push(
+            "MPS client without /dev/nvidia<N>",
+            "b",
+            "not measured (simulated)".into(),
+            Verdict::Answer(None),
+        );
+        t.push(
+            "the same, on a GPU",
+            "b",
+            "ran".into(),
+            Verdict::Answer(Some(false)),
+        );
+        assert!(t.passed(), "a question's answer is never a failure");
         let text = t.render();
+        let question = text
+            .lines()
+            .find(|l| l.starts_with("MPS client without"))
+            .expect("the question's row");
+        assert!(
+            question.contains("  not measured  ") && question.ends_with("(simulated)"),
+            "{text}"
+        );
+        assert!(text.contains("answer: no"), "{text}");
         assert!(text.contains("not enforced on this generation"), "{text}");
         assert!(text.contains("-> Default compute mode"), "{text}");
         t.push(

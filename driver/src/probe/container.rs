@@ -29,6 +29,11 @@
 //! * every node and mount target is made in the probe's own `/dev` tmpfs,
 //!   component by component relative to it: a path that would lead into an
 //!   earlier mount (a host directory) is refused.
+//!
+//! Two departures from the spec, each asked for ([`Shape`]): the GPUs' own
+//! nodes can be withheld (does an MPS client need them?), and a Pod's hosts
+//! file bound on `/etc/hosts`, as the kubelet binds it, so that the node
+//! process maps the probe to that Pod as it maps a container's processes.
 
 use std::ffi::{CString, OsStr};
 use std::fs::{File, Metadata};
@@ -53,6 +58,29 @@ pub const MAX_SPEC_BYTES: u64 = 1 << 20;
 
 /// Device nodes every container gets.
 const STANDARD_NODES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+
+/// How the probe's container differs from the one the CDI device makes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Shape {
+    /// Leave the GPUs' own device nodes (`/dev/nvidia<N>`) out, keeping
+    /// `/dev/nvidiactl`, `/dev/nvidia-uvm` and the rest of the edits.
+    pub withhold_gpu_nodes: bool,
+    /// A file bound on `/etc/hosts`. The kubelet binds each container's
+    /// from `<kubelet dir>/pods/<pod UID>/etc-hosts`, and that is how the
+    /// node's attribution (metrics, claim guard) finds the Pod of a process
+    /// whose cgroup does not name it.
+    pub pod_hosts: Option<PathBuf>,
+    /// Root of the driver installation `tessera plugin` uses: the spec's
+    /// `libcuda.so.1` is loaded only if it is this driver's.
+    pub driver_root: PathBuf,
+}
+
+/// Whether `path` is a GPU's own device node (`/dev/nvidia<N>`), not the
+/// driver's control, UVM or capability nodes.
+pub fn is_gpu_node(path: &str) -> bool {
+    path.strip_prefix("/dev/nvidia")
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
 
 /// A device's edits, ready to apply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -311,11 +339,12 @@ impl<'a> OpenSource<'a> {
     }
 }
 
-/// Enters the container of `edits` (this process only) and sets its
-/// environment. Returns what was applied, and the `libcuda.so.1` the spec
-/// mounts (the library to load unless one was named), which must be one
-/// the driver below `driver_root` has.
-pub fn enter(edits: &Edits, driver_root: &Path) -> Result<(ProbeContainer, Option<PathBuf>)> {
+/// Enters the container of `edits`, as `shape` changes it (this process
+/// only), and sets its environment. Returns what was applied, and the
+/// `libcuda.so.1` the spec mounts (the library to load unless one was
+/// named), which must be one the driver below `shape.driver_root` has.
+pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<PathBuf>)> {
+    let driver_root = shape.driver_root.as_path();
     let e = &edits.edits;
     let device = edits.device.as_str();
     let mut view = ProbeContainer {
@@ -331,6 +360,9 @@ pub fn enter(edits: &Edits, driver_root: &Path) -> Result<(ProbeContainer, Optio
         }
     }
     for n in &e.device_nodes {
+        if shape.withhold_gpu_nodes && is_gpu_node(&n.path) {
+            continue;
+        }
         let target = dev_target(device, "device node path", &n.path)?;
         let host = host_source(
             device,
@@ -365,6 +397,9 @@ pub fn enter(edits: &Edits, driver_root: &Path) -> Result<(ProbeContainer, Optio
     }
 
     private_mount_namespace()?;
+    if let Some(hosts) = &shape.pod_hosts {
+        bind_hosts(hosts)?;
+    }
     let sources = dev_mounts
         .iter()
         .map(OpenSource::open)
@@ -411,6 +446,19 @@ fn driver_library(device: &str, driver_root: &Path, m: &crate::cdi::Mount) -> Re
         driver_root.display()
     );
     Ok(PathBuf::from(&m.host_path))
+}
+
+/// Binds `file` on `/etc/hosts` (in the probe's own mount namespace).
+fn bind_hosts(file: &Path) -> Result<()> {
+    let source = file
+        .to_str()
+        .with_context(|| format!("--pod-hosts-file {}: not a UTF-8 path", file.display()))?;
+    ensure!(
+        file.is_file(),
+        "--pod-hosts-file {source}: no such file (the Pod's hosts file, as the kubelet keeps \
+         it in <kubelet dir>/pods/<pod UID>/etc-hosts)"
+    );
+    mount(Some(source), "/etc/hosts", None, libc::MS_BIND, None)
 }
 
 /// This process's own mount namespace, with nothing propagating back.
@@ -709,7 +757,15 @@ mod tests {
             permissions: None,
         });
         // Refused before unshare(2): nothing of this test process changes.
-        let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
+        let e = enter(
+            &edits,
+            &Shape {
+                driver_root: "/".into(),
+                ..Shape::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("\"/tmp/nvidia0\" is not a plain path under /dev"),
             "{e}"
@@ -721,7 +777,15 @@ mod tests {
             options: Vec::new(),
             mount_type: None,
         });
-        let e = enter(&edits, Path::new("/")).unwrap_err().to_string();
+        let e = enter(
+            &edits,
+            &Shape {
+                driver_root: "/".into(),
+                ..Shape::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("\"/dev/../tmp/x\" is not a plain absolute path"),
             "{e}"
@@ -835,5 +899,24 @@ mod tests {
         std::os::unix::fs::chown(&b, Some(65534), None).unwrap();
         let e = refused(dir.path());
         assert!(e.contains("b.json: owned by uid 65534, not root"), "{e}");
+    }
+
+    #[test]
+    fn only_a_gpus_own_node_is_withheld() {
+        for gpu in ["/dev/nvidia0", "/dev/nvidia7", "/dev/nvidia15"] {
+            assert!(is_gpu_node(gpu), "{gpu}");
+        }
+        for other in [
+            "/dev/nvidia",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+            "/dev/nvidia-modeset",
+            "/dev/nvidia-caps/nvidia-cap21",
+            "/dev/nvidia0x",
+            "/dev/dri/card0",
+        ] {
+            assert!(!is_gpu_node(other), "{other}");
+        }
     }
 }

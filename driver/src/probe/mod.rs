@@ -86,6 +86,19 @@ pub struct ProbeArgs {
     /// is this driver's.
     #[arg(long, env = "TESSERA_DRIVER_ROOT", default_value = "/")]
     pub driver_root: std::path::PathBuf,
+
+    /// Leave the GPUs' own device nodes (`/dev/nvidia<N>`) out of
+    /// --cdi-device's container, keeping `/dev/nvidiactl`, `/dev/nvidia-uvm`
+    /// and the rest: whether a process gets a GPU without its node.
+    #[arg(long, requires = "cdi_device")]
+    pub withhold_gpu_nodes: bool,
+
+    /// Bind this file on `/etc/hosts` in --cdi-device's container, as the
+    /// kubelet binds a Pod's `<kubelet dir>/pods/<pod UID>/etc-hosts`: the
+    /// node process then counts the probe as that Pod's process (metrics,
+    /// claim guard).
+    #[arg(long, value_name = "FILE", requires = "cdi_device")]
+    pub pod_hosts_file: Option<std::path::PathBuf>,
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -111,7 +124,12 @@ pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
     let mut entered = None;
     if let Some(device) = &args.cdi_device {
         let edits = container::find(&args.cdi_dir, device)?;
-        entered = Some(container::enter(&edits, &args.driver_root)?);
+        let shape = container::Shape {
+            withhold_gpu_nodes: args.withhold_gpu_nodes,
+            pod_hosts: args.pod_hosts_file.clone(),
+            driver_root: args.driver_root.clone(),
+        };
+        entered = Some(container::enter(&edits, &shape)?);
     }
     for (name, value) in &args.set_env {
         // SAFETY: `tessera probe` runs on the main thread only and has not
