@@ -620,11 +620,76 @@ async fn hostile(ctx: &Ctx<'_>, node: &Node, tenants: &[Tenant], table: &mut Tab
     };
     guard::leave_mps(ctx, node, a, table).await?;
     guard::many_processes(ctx, node, a, table).await?;
-    // Filling the claim's /dev/shm goes here, a step of its own: while
-    // `a`'s daemon (whose shared memory it is) still runs.
+    fill_shm(a, table);
     quit_own_daemon(ctx, node, a, b, table).await?;
     guard::after_quit(ctx, node, a, table).await?;
     guard::gpu_node_question(ctx, node, b, table).await
+}
+
+/// The most the self-test writes into a claim's `/dev/shm`: the node
+/// policy's largest default is far below; a directory that takes this much
+/// is not bounded.
+const SHM_FILL_CAP: u64 = 1 << 30;
+
+/// `a` fills its `/dev/shm` (while its daemon, whose shared memory it is,
+/// runs): a tmpfs of its own, so it ends in ENOSPC at the claim's size and
+/// reaches nothing else; the file goes again afterwards. The neighbour's
+/// probes after this show `b` unaffected.
+fn fill_shm(a: &Tenant, table: &mut Table) {
+    use std::os::unix::fs::MetadataExt;
+    let shm = a.pipe.with_file_name("shm");
+    let file = shm.join("tessera-selftest-fill");
+    let own_fs = match (
+        std::fs::metadata(&shm),
+        a.pipe.parent().map(std::fs::metadata),
+    ) {
+        (Ok(s), Some(Ok(p))) => Ok(s.dev() != p.dev()),
+        _ => Err(format!("cannot look at {}", shm.display())),
+    };
+    let filled = fill(&file);
+    let _ = std::fs::remove_file(&file);
+    let mut problems = Vec::new();
+    let seen = match (&own_fs, &filled) {
+        (Ok(own), Ok((bytes, err))) => {
+            if !own {
+                problems.push(format!("{} is no file system of its own", shm.display()));
+            }
+            if err.raw_os_error() != Some(libc::ENOSPC) {
+                problems.push(format!("writing ended with {err}, not ENOSPC"));
+            }
+            format!("{} MiB written, then: {err}", bytes >> 20)
+        }
+        (Err(e), _) => {
+            problems.push(e.clone());
+            e.clone()
+        }
+        (_, Err(e)) => {
+            problems.push(e.clone());
+            e.clone()
+        }
+    };
+    table.push("a fills its /dev/shm", "a", seen, Verdict::of(problems));
+}
+
+/// Writes `file` until the file system refuses; the bytes written and why
+/// it stopped (an error past [`SHM_FILL_CAP`] means unbounded).
+fn fill(file: &Path) -> std::result::Result<(u64, std::io::Error), String> {
+    use std::io::Write;
+    let mut out =
+        std::fs::File::create(file).map_err(|e| format!("creating {}: {e}", file.display()))?;
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut written = 0u64;
+    while written < SHM_FILL_CAP {
+        match out.write(&chunk) {
+            Ok(n) => written += n as u64,
+            Err(e) => return Ok((written, e)),
+        }
+    }
+    Err(format!(
+        "{} took {} MiB without ENOSPC: not bounded",
+        file.display(),
+        SHM_FILL_CAP >> 20
+    ))
 }
 
 /// `a` quits the one daemon it can reach; `b` keeps its own and its limits.
