@@ -260,8 +260,9 @@ async fn full_model_on(pool: &Pool, topo: Topology) -> Result<()> {
         device_capacity(&slices, &iso_device, "memory").context("share device without memory")?;
     let share = round_gib(memory / 4);
     let rest = memory - 3 * share;
-    let too_big = share * 3 / 2;
+    // Whole GiB: a GiB more than what is left is refused, what is left fits.
     let fits = floor_gib(rest);
+    let too_big = fits + GIB_BYTES;
     ensure!(
         too_big > rest && too_big <= memory && fits >= GIB_BYTES,
         "sizes for {memory} bytes"
