@@ -19,8 +19,9 @@
 //! claim's request, and such a container may run as root. So nothing found
 //! there is trusted:
 //!
-//! - The control daemon's pid file there ([`PID_FILE`]) is never read. The
-//!   daemon runs in the foreground (`nvidia-cuda-mps-control -f`) as the
+//! - The control daemon's pid file there
+//!   ([`PID_FILE`](super::paths::PID_FILE)) is never read. The daemon
+//!   runs in the foreground (`nvidia-cuda-mps-control -f`) as the
 //!   driver's direct child, so the driver holds its [`Child`] handle; a
 //!   daemon that outlived a driver restart is the process recorded as PID +
 //!   start time + boot id in the host-only record, and is signalled and
@@ -59,36 +60,19 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::config::{MpsConfig, MpsError};
 use super::launch;
 use super::limits::{self, ClientLimits};
+use super::paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, RECORD, ignore_missing};
 use super::process::{self, Handle, Pidfd, ProcessId};
-use super::supervisor::{MpsConfig, MpsError};
 use super::tmpfs::{self, ClientDir};
 use super::view::{Role, View, ViewSpec};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
 
-/// File the control daemon writes its PID to, in its pipe directory. A
-/// container can write it: the driver never reads it.
-pub const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
-/// The control endpoint the daemon creates in its pipe directory when ready.
-pub const CONTROL: &str = "control";
-/// Environment variable carrying a daemon's secret launch id (see the
-/// module documentation).
-pub const LAUNCH_ID_ENV: &str = "TESSERA_MPS_LAUNCH_ID";
-/// The daemon's standard output and error, in its (host-only) log directory;
-/// the previous run's is kept as `launcher.log.1`.
-pub const LAUNCHER_LOG: &str = "launcher.log";
-/// The host-only record of a daemon, in its directory.
-pub const RECORD: &str = "daemon.json";
-
 const POLL: Duration = Duration::from_millis(10);
 /// How long a daemon may take to die after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// Longest pipe directory accepted: Unix socket paths are limited to 107
-/// bytes, and MPS puts sockets with names of a dozen or so characters in it.
-pub const MAX_PIPE_DIR: usize = 90;
-
 /// Mount options for a pipe or shared memory directory in a client
 /// container: clients connect to sockets, open pipes and map segments
 /// there, they never need to execute or open a device node from it.
@@ -652,13 +636,6 @@ pub(super) fn endpoint_ready(pipe_dir: &Path) -> bool {
         let t = m.file_type();
         t.is_socket() || t.is_fifo()
     })
-}
-
-pub(super) fn ignore_missing(result: std::io::Result<()>) -> std::io::Result<()> {
-    match result {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        other => other,
-    }
 }
 
 #[cfg(test)]

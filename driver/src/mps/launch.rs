@@ -271,7 +271,7 @@ pub(super) fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut previous: std::ffi::OsString = path.as_os_str().to_owned();
     previous.push(".1");
-    super::daemon::ignore_missing(std::fs::rename(path, &previous))?;
+    super::paths::ignore_missing(std::fs::rename(path, &previous))?;
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)

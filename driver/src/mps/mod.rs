@@ -20,28 +20,27 @@
 //! `driver/fake-nvml`, which behaves like the real tool's daemon and client
 //! modes.
 
+mod config;
 mod daemon;
 pub mod generation;
 mod launch;
 mod limits;
+mod paths;
 mod process;
 mod sharing;
 mod supervisor;
 mod tmpfs;
 mod view;
 
-pub use daemon::{
-    CONTROL, DaemonKey, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, MpsDaemon, PID_FILE,
-    PIPE_MOUNT_OPTIONS, RECORD,
-};
+pub use config::{DEFAULT_CONTROL_BINARY, MpsConfig, MpsError};
+pub use daemon::{DaemonKey, MpsDaemon, PIPE_MOUNT_OPTIONS};
 pub use launch::{HostCgroup, HostCgroupError};
 pub use limits::{
     ACTIVE_THREAD_PERCENTAGE, ClientLimits, LOG_DIRECTORY, LimitError, PINNED_DEVICE_MEM_LIMIT,
     PIPE_DIRECTORY, client_limit_env, daemon_default_commands, is_device_uuid,
 };
+pub use paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, PID_FILE, RECORD};
 pub use process::{Pidfd, ProcessId};
-pub use supervisor::{
-    DEFAULT_CONTROL_BINARY, MpsConfig, MpsError, MpsSupervisor, SupervisionReport, Watchdog,
-};
+pub use supervisor::{MpsSupervisor, SupervisionReport, Watchdog};
 pub use tmpfs::{DirBounds, ShmPolicy};
 pub use view::{KEPT as KEPT_CAPABILITIES, kept_mask};

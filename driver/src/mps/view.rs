@@ -221,7 +221,7 @@ impl View {
                 b.dirs(&spec.pipe_dir)?;
                 let pipe = inside(&b.root, &spec.pipe_dir);
                 b.steps.push(Step::Tmpfs(c(&pipe)?));
-                let control = spec.pipe_dir.join(super::daemon::CONTROL);
+                let control = spec.pipe_dir.join(super::paths::CONTROL);
                 let to = c(&inside(&b.root, &control))?;
                 b.steps.push(Step::Touch(to.clone()));
                 b.steps.push(Step::Endpoint {
