@@ -45,7 +45,7 @@ use tessera_driver::mps::{MpsConfig, MpsSupervisor, PID_FILE, ProcessId};
 use tessera_driver::prepare::catalog::{Catalog, DeviceCatalog};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use tessera_driver::prepare::host::{MpsControl, Unsupported};
-use tessera_driver::prepare::spec::Layout;
+use tessera_driver::prepare::layout::Layout;
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 
 const NODE: &str = "podman-node";

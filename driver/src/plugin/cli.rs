@@ -28,8 +28,8 @@ use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
 use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
+use crate::prepare::layout::{Layout, discover_driver_files};
 use crate::prepare::provider::time_slice::NvidiaSmiTimeSlice;
-use crate::prepare::spec::{Layout, discover_driver_files};
 use crate::prepare::status::StatusWriter;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer};
 

@@ -34,6 +34,7 @@
 pub mod catalog;
 pub mod claims;
 pub mod host;
+pub mod layout;
 mod lost;
 pub mod provider;
 mod recovery;
@@ -60,8 +61,8 @@ use crate::node::events::NodeEvents;
 use catalog::DeviceCatalog;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use host::{MigManager, MpsControl, TimeSliceControl};
+use layout::Layout;
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
-use spec::Layout;
 use state::{Action, ClaimEntry, EntryState, PreparedDevice};
 use status::StatusWriter;
 use validate::validate;

@@ -28,8 +28,8 @@ use tessera_api::config::EffectiveConfig;
 
 use super::claims::{ClaimError, ClaimRef};
 use super::host::{MigManager, MpsClient, MpsControl, SharingError, TimeSliceControl};
+use super::layout::Layout;
 use super::resolve::Resolved;
-use super::spec::Layout;
 use super::state::{Action, ClaimEntry, DeviceData};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::{Checkpoint, CheckpointError};

@@ -9,9 +9,11 @@ use tessera_controller::model::policy::IsolationProvider;
 use super::*;
 use crate::prepare::claims::Selected;
 use crate::prepare::host::{MpsClient, Unsupported};
+use crate::prepare::layout::discover_driver_files;
 use crate::prepare::provider::{Hosts, mig_caps, mps};
 use crate::prepare::resolve::Resolved;
 use crate::prepare::state::Action;
+use std::path::PathBuf;
 
 fn providers() -> Providers {
     Providers::new(Hosts {
