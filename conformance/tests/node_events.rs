@@ -1,4 +1,4 @@
-//! Node Events (`tessera_driver::node::events::NodeEvents`) against the real
+//! Node Events (`tessera_driver::state::events::NodeEvents`) against the real
 //! API server, without a kubelet: a warning repeated is one Event whose
 //! series counts the repeats, as both the `events.k8s.io/v1` and the core
 //! `v1` Events API show it (tests and `kubectl describe node` read the
@@ -13,7 +13,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Api;
 use kube::api::ListParams;
 use tessera_conformance::{TestCluster, unique_name, wait_for};
-use tessera_driver::node::events::NodeEvents;
+use tessera_driver::state::events::NodeEvents;
 
 const TIMEOUT: Duration = Duration::from_secs(30);
 

@@ -17,4 +17,5 @@ pub mod node;
 pub mod plugin;
 pub mod prepare;
 pub mod probe;
+pub mod state;
 pub mod webhook;

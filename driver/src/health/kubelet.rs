@@ -13,7 +13,7 @@ use tracing::info;
 use super::{
     HEALTH_CHECK_TIMEOUT_SECONDS, Health, HealthMap, HealthTracker, RESEND, fatal_meaning,
 };
-use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::state::catalog::{Catalog, DeviceCatalog};
 
 /// Every published device of `catalog` with its GPU's health.
 pub fn report(pool: &str, catalog: Option<&Catalog>, health: &HealthMap) -> Vec<h::DeviceHealth> {

@@ -50,8 +50,8 @@ use tracing::{info, warn};
 
 use tessera_controller::model::Unhealthy;
 
-use crate::node::events::NodeEvents;
-use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::state::catalog::{Catalog, DeviceCatalog};
+use crate::state::events::NodeEvents;
 
 mod kubelet;
 pub use kubelet::{HealthService, report};

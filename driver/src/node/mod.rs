@@ -21,7 +21,6 @@
 //!   answers its own probes ([`readiness`]): standby, ready to take over
 //!   when its pre-flight checks pass.
 
-pub mod events;
 pub mod readiness;
 pub mod state_lock;
 
@@ -44,7 +43,7 @@ use crate::discovery;
 use crate::health::HealthTracker;
 use crate::prepare::NodeChange;
 use crate::prepare::Preparer;
-use crate::prepare::catalog::{Catalog, DeviceCatalog};
+use crate::state::catalog::{Catalog, DeviceCatalog};
 
 /// The GPU numbering's file in the state directory.
 pub const GPU_INDICES_FILE: &str = "gpu-indices.json";

@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 
 use crate::discovery;
 use crate::metrics::server::plain;
-use crate::prepare::catalog::DeviceCatalog;
+use crate::state::catalog::DeviceCatalog;
 
 /// What this instance is doing, for its probes.
 #[derive(Clone, Default)]
@@ -482,7 +482,7 @@ pub fn ask(socket: &Path, path: &str, timeout: Duration) -> anyhow::Result<(u16,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prepare::catalog::Catalog;
+    use crate::state::catalog::Catalog;
 
     fn checks(nvml: Result<&str, &str>) -> PreFlight {
         PreFlight {

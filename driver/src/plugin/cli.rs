@@ -22,16 +22,16 @@ use crate::flags::CapabilityChoice;
 use crate::health::{self, HealthService, HealthTracker, XidPolicy};
 use crate::mig::NvmlMig;
 use crate::mps::{HostCgroup, MpsConfig, MpsSupervisor, ShmPolicy, SupervisionReport};
-use crate::node::events::NodeEvents;
 use crate::node::readiness::{self, Phase, Readiness};
 use crate::node::state_lock::StateLock;
 use crate::node::{NodeTruth, Observer};
-use crate::prepare::catalog::DeviceCatalog;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::layout::{Layout, discover_driver_files};
 use crate::prepare::provider::time_slice::NvidiaSmiTimeSlice;
 use crate::prepare::status::StatusWriter;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer};
+use crate::state::catalog::DeviceCatalog;
+use crate::state::events::NodeEvents;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PluginArgs {

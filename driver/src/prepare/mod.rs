@@ -31,7 +31,6 @@
 //!
 //! One bad claim never fails the others: every claim gets its own answer.
 
-pub mod catalog;
 pub mod claims;
 pub mod host;
 pub mod layout;
@@ -57,8 +56,8 @@ use crate::cdi::SpecDir;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 
-use crate::node::events::NodeEvents;
-use catalog::DeviceCatalog;
+use crate::state::catalog::DeviceCatalog;
+use crate::state::events::NodeEvents;
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use host::{MigManager, MpsControl, TimeSliceControl};
 use layout::Layout;

@@ -1,5 +1,5 @@
 //! Resolve: what each allocated device is, through the node's slice model
-//! ([`super::catalog`]), before its config is merged and any provider runs.
+//! ([`crate::state::catalog`]), before its config is merged and any provider runs.
 
 use tessera_api::config::{
     DeviceTarget, DeviceType, Holdings, IsolationLevel, Quantity, TimeSliceInterval,
@@ -9,8 +9,8 @@ use tessera_api::names;
 use tessera_controller::model::DeviceKind;
 use tessera_controller::model::policy::{IsolationProvider, TimeSlice};
 
-use super::catalog::Catalog;
 use super::claims::{ClaimError, ClaimRef, Selected};
+use crate::state::catalog::Catalog;
 
 /// What an allocated device is, resolved through the catalog.
 #[derive(Debug, Clone)]

@@ -44,7 +44,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::state::DeviceStatus;
-use crate::node::events::NodeEvents;
+use crate::state::events::NodeEvents;
 
 mod ledger;
 use ledger::{Ledger, Marked};

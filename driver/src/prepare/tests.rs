@@ -12,7 +12,6 @@ use tessera_api::config::{Limits, TimeSliceInterval};
 use tessera_api::inventory::{Gpu, Inventory, Mig, MigPlacement};
 use tessera_controller::model::{DeviceKind, DeviceRef};
 
-use super::catalog::{Catalog, DeviceCatalog};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use super::host::{
     CreateError, MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl,
@@ -20,6 +19,7 @@ use super::host::{
 };
 use super::provider::time_slice::NvidiaSmiTimeSlice;
 use super::*;
+use crate::state::catalog::{Catalog, DeviceCatalog};
 
 const NODE: &str = "node-a";
 const DRIVER: &str = "gpu.tessera.dev";

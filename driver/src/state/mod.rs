@@ -1,0 +1,7 @@
+//! What the whole node shares, below every part that uses it: the catalog
+//! of published devices prepare resolves allocations through, and the
+//! Events the node writes. Nothing here imports the prepare engine, the
+//! kubelet servers or the node's wiring.
+
+pub mod catalog;
+pub mod events;
