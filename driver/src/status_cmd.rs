@@ -30,7 +30,7 @@ use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
 use tessera_driver::metrics::memory;
 use tessera_driver::mps::generation::{self, IsolationSupport};
-use tessera_driver::prepare::state::{ClaimEntry, EntryState, LimitsData};
+use tessera_driver::state::records::{ClaimEntry, EntryState, LimitsData};
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
@@ -571,7 +571,7 @@ fn text(report: &Report) -> String {
 mod tests {
     use super::*;
     use tessera_api::inventory::Gpu;
-    use tessera_driver::prepare::state::{ConsumedData, DeviceData, DeviceStatus};
+    use tessera_driver::state::records::{ConsumedData, DeviceData, DeviceStatus};
 
     const GIB: u64 = 1 << 30;
 

@@ -470,7 +470,7 @@ fn child_prepare_trait() {
     use tessera_driver::mig::NvmlMig;
     use tessera_driver::prepare::host::CreateError;
     use tessera_driver::prepare::host::MigManager;
-    use tessera_driver::prepare::state::MigRecord;
+    use tessera_driver::state::records::MigRecord;
 
     let Some(nvml) = child_nvml() else { return };
     let nvml = Arc::new(nvml);

@@ -42,9 +42,9 @@ use crate::claim_uid::ClaimUid;
 use crate::metrics::Metrics;
 use crate::metrics::claims::{Consumers, pod_of};
 use crate::mps::{Pidfd, ProcessId};
-use crate::prepare::state::{ClaimEntry, EntryState};
 use crate::prepare::{PodRef, Preparer};
 use crate::state::events::NodeEvents;
+use crate::state::records::{ClaimEntry, EntryState};
 
 /// The Event reason on a Pod whose process broke a rule.
 pub const REASON: &str = "IsolatedClaimViolated";

@@ -35,7 +35,7 @@ use tracing::debug;
 use super::gpus::GpuReading;
 use crate::claim_uid::ClaimUid;
 use crate::prepare::claims::{ClaimSource, FetchError};
-use crate::prepare::state::{ClaimEntry, EntryState};
+use crate::state::records::{ClaimEntry, EntryState};
 
 /// The shortest time between two reads of one claim's consumers.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(10);
@@ -277,7 +277,7 @@ impl Consumers {
 mod tests {
     use super::*;
     use crate::metrics::gpus::ProcessUse;
-    use crate::prepare::state::{DeviceData, DeviceStatus};
+    use crate::state::records::{DeviceData, DeviceStatus};
 
     const POD: &str = "0f3c1d2e-4b5a-4c6d-8e7f-9a0b1c2d3e4f";
     const LATER_POD: &str = "11111111-2222-4333-8444-555555555555";

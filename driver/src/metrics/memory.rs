@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use tessera_api::inventory::{Gpu, Inventory};
 
-use crate::prepare::state::{ClaimEntry, DeviceData, EntryState};
+use crate::state::records::{ClaimEntry, DeviceData, EntryState};
 
 /// Bytes allocated per GPU UUID. Every GPU of `inventory` is present (0
 /// when nothing is allocated on it); GPUs that only the checkpoint knows
@@ -70,7 +70,7 @@ fn mig_memory(gpu: &Gpu, data: &DeviceData) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prepare::state::{ConsumedData, DeviceStatus};
+    use crate::state::records::{ConsumedData, DeviceStatus};
     use tessera_api::inventory::{Mig, MigEngines, MigInstance, MigPlacement, MigProfile};
 
     const GIB: u64 = 1 << 30;

@@ -35,9 +35,9 @@ use tracing::debug;
 
 use crate::health::{Health, HealthMap, HealthTracker};
 use crate::mps::MpsSupervisor;
-use crate::prepare::state::EntryState;
 use crate::prepare::{PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
+use crate::state::records::EntryState;
 
 /// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
 const LATENCY_BUCKETS: [f64; 14] = [

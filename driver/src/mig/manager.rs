@@ -12,7 +12,7 @@ use nvml_wrapper::Nvml;
 use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
 use crate::prepare::host::{CreateError, MigManager, SharingError};
-use crate::prepare::state::MigRecord;
+use crate::state::records::MigRecord;
 
 /// Dynamic MIG through NVML; profile names, memory and engines come from
 /// the inventory (what NVML reported at discovery).

@@ -102,7 +102,7 @@ impl Takeover {
                 self.boot_id_file.display()
             )
         })?;
-        let snapshot = crate::checkpoint::read_snapshot::<crate::prepare::state::ClaimEntry>(
+        let snapshot = crate::checkpoint::read_snapshot::<crate::state::records::ClaimEntry>(
             &self.state_dir,
             Some(boot.trim()),
         )

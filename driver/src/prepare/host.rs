@@ -24,8 +24,8 @@ use std::path::PathBuf;
 use tessera_api::config::{Limits, TimeSliceInterval};
 use tessera_api::inventory::{MigInstance, MigPlacement};
 
-use super::state::MigRecord;
 use crate::claim_uid::ClaimUid;
+use crate::state::records::MigRecord;
 
 /// An error of a sharing or MIG operation, shown to the user as is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

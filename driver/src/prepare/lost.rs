@@ -6,10 +6,10 @@
 use tracing::info;
 
 use super::provider::{Report, Undo};
-use super::state::ClaimEntry;
 use super::{Preparer, UndoError};
 use crate::checkpoint::Lost;
 use crate::claim_uid::ClaimUid;
+use crate::state::records::ClaimEntry;
 
 impl Preparer {
     /// Claims whose records were lost (moved aside as unreadable) and not

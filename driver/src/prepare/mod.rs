@@ -39,7 +39,6 @@ pub mod provider;
 mod recovery;
 pub mod resolve;
 pub mod spec;
-pub mod state;
 pub mod status;
 mod validate;
 
@@ -58,11 +57,11 @@ use crate::claim_uid::ClaimUid;
 
 use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
+use crate::state::records::{Action, ClaimEntry, EntryState, PreparedDevice};
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
 use host::{MigManager, MpsControl, TimeSliceControl};
 use layout::Layout;
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
-use state::{Action, ClaimEntry, EntryState, PreparedDevice};
 use status::StatusWriter;
 use validate::validate;
 

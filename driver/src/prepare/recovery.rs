@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use tracing::{error, info, warn};
 
-use super::state::{ClaimEntry, EntryState};
 use super::{Preparer, blocking};
 use crate::checkpoint::{CheckpointError, LoadOutcome, QUARANTINE_KEPT};
 use crate::claim_uid::ClaimUid;
+use crate::state::records::{ClaimEntry, EntryState};
 
 /// What start-up recovery found and did.
 #[derive(Debug, Clone, PartialEq)]

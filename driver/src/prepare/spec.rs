@@ -27,9 +27,9 @@ use super::claims::{ClaimError, ClaimRef};
 use super::layout::{Layout, is_nvml_file};
 use super::provider::{Device, Providers, Request};
 use super::resolve::Kind;
-use super::state::{ConsumedData, DeviceData, DeviceStatus, PreparedDevice};
 use crate::cdi::{self, ContainerEdits, Spec};
 use crate::claim_uid::ClaimUid;
+use crate::state::records::{ConsumedData, DeviceData, DeviceStatus, PreparedDevice};
 
 /// The CDI device name of a request of a claim.
 pub fn cdi_device_name(request: &str, claim: &ClaimUid) -> String {

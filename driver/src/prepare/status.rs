@@ -27,7 +27,7 @@
 //! claim the ledger names that is no longer prepared is a removal still to
 //! make.
 //!
-//! [`DeviceData`]: super::state::DeviceData
+//! [`DeviceData`]: crate::state::records::DeviceData
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,8 +43,8 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::state::DeviceStatus;
 use crate::state::events::NodeEvents;
+use crate::state::records::DeviceStatus;
 
 mod ledger;
 use ledger::{Ledger, Marked};
@@ -467,7 +467,7 @@ enum Applied {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::prepare::state::DeviceData;
+    use crate::state::records::DeviceData;
 
     thread_local! {
         /// Runs once at the start of the next [`StatusWriter::remove`].

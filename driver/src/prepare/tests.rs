@@ -412,7 +412,7 @@ impl MigManager for MigRecorder {
             "no MIG devices in this test".into(),
         )))
     }
-    fn exists(&self, _: &str, _: &state::MigRecord) -> Result<bool, SharingError> {
+    fn exists(&self, _: &str, _: &crate::state::records::MigRecord) -> Result<bool, SharingError> {
         Ok(false)
     }
     fn destroy(
@@ -420,7 +420,7 @@ impl MigManager for MigRecorder {
         gpu: &str,
         _: u32,
         placement: MigPlacement,
-        _: &state::MigRecord,
+        _: &crate::state::records::MigRecord,
     ) -> Result<(), SharingError> {
         self.0
             .lock()
@@ -720,7 +720,7 @@ async fn an_unsalvageable_record_still_destroys_the_mig_device_it_names() {
         gpu_uuid: GPU.into(),
         profile_id: 19,
         placement: MigPlacement { start: 3, size: 1 },
-        instance: Some(state::MigRecord {
+        instance: Some(crate::state::records::MigRecord {
             gpu_instance_id: 5,
             compute_instance_id: 0,
             mig_uuid: "MIG-5".into(),

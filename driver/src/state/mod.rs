@@ -1,7 +1,9 @@
 //! What the whole node shares, below every part that uses it: the catalog
-//! of published devices prepare resolves allocations through, and the
-//! Events the node writes. Nothing here imports the prepare engine, the
+//! of published devices prepare resolves allocations through, the records
+//! of what the node prepared (claims, MIG devices it made), and the Events
+//! the node writes. Nothing here imports the prepare engine, the
 //! kubelet servers or the node's wiring.
 
 pub mod catalog;
 pub mod events;
+pub mod records;

@@ -34,7 +34,7 @@ use tessera_controller::model::policy::IsolationProvider;
 use super::{Device, EnforceError, Provider, Request};
 use crate::cdi::{ContainerEdits, Mount};
 use crate::prepare::resolve::Kind;
-use crate::prepare::state::{DeviceData, LimitsData};
+use crate::state::records::{DeviceData, LimitsData};
 
 /// The limits HAMi-core enforces for a device: an Isolated share on a GPU
 /// whose node policy names `isolationProvider: hami-core`.

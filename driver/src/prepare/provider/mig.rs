@@ -22,7 +22,7 @@ use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
 use crate::prepare::host::{CreateError, MigManager, SharingError};
 use crate::prepare::resolve::Kind;
-use crate::prepare::state::{Action, ClaimEntry, MigRecord};
+use crate::state::records::{Action, ClaimEntry, MigRecord};
 
 pub struct Mig {
     host: Arc<dyn MigManager>,

@@ -30,10 +30,10 @@ use super::claims::{ClaimError, ClaimRef};
 use super::host::{MigManager, MpsClient, MpsControl, SharingError, TimeSliceControl};
 use super::layout::Layout;
 use super::resolve::Resolved;
-use super::state::{Action, ClaimEntry, DeviceData};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
+use crate::state::records::{Action, ClaimEntry, DeviceData};
 
 /// One allocated device with its effective config, and what the providers
 /// made for it.

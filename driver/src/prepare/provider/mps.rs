@@ -19,7 +19,7 @@ use super::{Device, Effects, EnforceError, Provider, Request, Undo};
 use crate::cdi::{ContainerEdits, Mount};
 use crate::prepare::host::{MpsControl, MpsTarget};
 use crate::prepare::resolve::{Kind, Resolved};
-use crate::prepare::state::{Action, DeviceData, LimitsData};
+use crate::state::records::{Action, DeviceData, LimitsData};
 
 /// The limits a device's config asks for, whoever enforces them.
 fn config_limits(config: &EffectiveConfig) -> Option<Limits> {

@@ -16,7 +16,7 @@ use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing, TimeSliceIn
 use super::{Device, Effects, EnforceError, Provider, Undo};
 use crate::prepare::host::{SharingError, TimeSliceControl};
 use crate::prepare::resolve::{Kind, Resolved};
-use crate::prepare::state::{Action, DeviceData};
+use crate::state::records::{Action, DeviceData};
 
 /// The time slice a device sets on its GPU: its config's `TimeSlicing`
 /// interval (whole GPUs), or the node policy's for a Shared share.

@@ -12,7 +12,7 @@ use crate::prepare::host::{MpsClient, Unsupported};
 use crate::prepare::layout::discover_driver_files;
 use crate::prepare::provider::{Hosts, mig_caps, mps};
 use crate::prepare::resolve::Resolved;
-use crate::prepare::state::Action;
+use crate::state::records::Action;
 use std::path::PathBuf;
 
 fn providers() -> Providers {
