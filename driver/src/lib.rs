@@ -10,6 +10,7 @@ pub mod discovery;
 pub mod flags;
 pub mod guard;
 pub mod health;
+pub mod host;
 pub mod metrics;
 pub mod mig;
 pub mod mps;

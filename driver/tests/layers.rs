@@ -1,7 +1,5 @@
 //! The driver crate's imports go one way: no cycle between its files, and
-//! none between its top-level modules beyond the ones still listed in
-//! [`KNOWN_MODULE_EDGES`], which only shrinks (an edge listed there that
-//! no longer exists fails too, so the list is kept exact).
+//! none between its top-level modules.
 //!
 //! Imports are read from the source text: `use crate::...`/`use super::...`
 //! trees and inline `crate::a::b` / `super::a` paths, outside test modules
@@ -10,12 +8,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-
-/// Module edges that still close a cycle between top-level modules, to be
-/// removed as the layers are put in order: the MPS adapter implements the
-/// engine's host trait, and the engine's MPS provider uses its client
-/// limits.
-const KNOWN_MODULE_EDGES: &[(&str, &str)] = &[("mps", "prepare"), ("prepare", "mps")];
 
 fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
@@ -253,23 +245,13 @@ fn no_file_imports_in_a_circle() {
 }
 
 #[test]
-fn module_cycles_only_shrink() {
+fn no_module_imports_in_a_circle() {
     let krate = Crate::read();
     let cycles = on_cycles(&krate.module_edges());
-    let known: BTreeSet<(String, String)> = KNOWN_MODULE_EDGES
-        .iter()
-        .map(|(a, b)| (a.to_string(), b.to_string()))
-        .collect();
-    let new: Vec<_> = cycles.difference(&known).collect();
     assert!(
-        new.is_empty(),
-        "imports that close a new cycle between modules (make them point down the layers): \
-         {new:?}"
-    );
-    let gone: Vec<_> = known.difference(&cycles).collect();
-    assert!(
-        gone.is_empty(),
-        "these no longer close a cycle: remove them from KNOWN_MODULE_EDGES: {gone:?}"
+        cycles.is_empty(),
+        "top-level modules importing each other in a circle (make the imports point down \
+         the layers: node-wide state in `state`, the host port in `host`): {cycles:?}"
     );
 }
 

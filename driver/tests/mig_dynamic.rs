@@ -90,7 +90,7 @@ const GONE: Recorded<'static> = Recorded {
 };
 
 fn is_mig_uuid(s: &str) -> bool {
-    s.len() == 40 && s.starts_with("MIG-") && tessera_driver::mps::is_device_uuid(s)
+    s.len() == 40 && s.starts_with("MIG-") && tessera_driver::host::mps_client::is_device_uuid(s)
 }
 
 /// The MIG device is visible to NVML by its UUID, on the right parent, with
@@ -467,9 +467,9 @@ fn the_prepare_trait_creates_and_destroys_through_nvml() {
 #[ignore = "run in a child process by the_prepare_trait_creates_and_destroys_through_nvml"]
 fn child_prepare_trait() {
     use std::sync::Arc;
+    use tessera_driver::host::CreateError;
+    use tessera_driver::host::MigManager;
     use tessera_driver::mig::NvmlMig;
-    use tessera_driver::prepare::host::CreateError;
-    use tessera_driver::prepare::host::MigManager;
     use tessera_driver::state::records::MigRecord;
 
     let Some(nvml) = child_nvml() else { return };

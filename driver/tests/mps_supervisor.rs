@@ -17,9 +17,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
+use tessera_driver::host::mps_client::ClientLimits;
 use tessera_driver::mps::{
-    CONTROL, ClientLimits, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError,
-    MpsSupervisor, PID_FILE, ProcessId, RECORD, ShmPolicy, kept_mask,
+    CONTROL, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSupervisor, PID_FILE,
+    ProcessId, RECORD, ShmPolicy, kept_mask,
 };
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
@@ -872,7 +873,7 @@ fn a_shared_daemon_of_an_earlier_version_is_retired() {
 #[test]
 fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     use tessera_api::config::Limits;
-    use tessera_driver::prepare::host::{MpsControl, MpsTarget};
+    use tessera_driver::host::{MpsControl, MpsTarget};
 
     let s = Scratch::new();
     let sharing: Arc<dyn MpsControl> = Arc::new(MpsSupervisor::new(s.config()));
@@ -892,7 +893,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     let pipe_dir = s.pipe_dir(&key(1, GPU0));
     assert_eq!(
         a,
-        tessera_driver::prepare::host::MpsClient {
+        tessera_driver::host::MpsClient {
             shm_dir: pipe_dir.with_file_name("shm"),
             pipe_dir,
             limits,
@@ -934,7 +935,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
 // driver must keep its hands off both decoys, keep file contents out of its
 // errors, and still recover.
 
-use tessera_driver::prepare::host::{MpsClient, MpsControl, MpsTarget};
+use tessera_driver::host::{MpsClient, MpsControl, MpsTarget};
 
 const SECRET: &str = "decoy-7f3a9c: the driver must never truncate, follow or show this";
 const LOG_NAMES: [&str; 3] = ["launcher.log", "control.log", "server.log"];

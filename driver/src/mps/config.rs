@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::launch::HostCgroup;
-use super::limits::LimitError;
 use super::paths::CONTROL;
 use super::tmpfs::ShmPolicy;
+use crate::host::mps_client::LimitError;
 
 /// Where the control binary is found under the driver root by default.
 pub const DEFAULT_CONTROL_BINARY: &str = "usr/bin/nvidia-cuda-mps-control";

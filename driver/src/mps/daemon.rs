@@ -62,21 +62,17 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{MpsConfig, MpsError};
 use super::launch;
-use super::limits::{self, ClientLimits};
 use super::paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, RECORD, ignore_missing};
 use super::process::{self, Handle, Pidfd, ProcessId};
 use super::tmpfs::{self, ClientDir};
 use super::view::{Role, View, ViewSpec};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
+use crate::host::mps_client::{self as limits, ClientLimits};
 
 const POLL: Duration = Duration::from_millis(10);
 /// How long a daemon may take to die after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(5);
-/// Mount options for a pipe or shared memory directory in a client
-/// container: clients connect to sockets, open pipes and map segments
-/// there, they never need to execute or open a device node from it.
-pub const PIPE_MOUNT_OPTIONS: [&str; 5] = ["rw", "nosuid", "nodev", "noexec", "bind"];
 
 /// Which daemon: the one of a request of a claim on a device (a GPU, or a
 /// MIG device). A CUDA process talks to one daemon, and a container gets

@@ -24,7 +24,6 @@ mod config;
 mod daemon;
 pub mod generation;
 mod launch;
-mod limits;
 mod paths;
 mod process;
 mod sharing;
@@ -33,12 +32,8 @@ mod tmpfs;
 mod view;
 
 pub use config::{DEFAULT_CONTROL_BINARY, MpsConfig, MpsError};
-pub use daemon::{DaemonKey, MpsDaemon, PIPE_MOUNT_OPTIONS};
+pub use daemon::{DaemonKey, MpsDaemon};
 pub use launch::{HostCgroup, HostCgroupError};
-pub use limits::{
-    ACTIVE_THREAD_PERCENTAGE, ClientLimits, LOG_DIRECTORY, LimitError, PINNED_DEVICE_MEM_LIMIT,
-    PIPE_DIRECTORY, client_limit_env, daemon_default_commands, is_device_uuid,
-};
 pub use paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, PID_FILE, RECORD};
 pub use process::{Pidfd, ProcessId};
 pub use supervisor::{MpsSupervisor, SupervisionReport, Watchdog};

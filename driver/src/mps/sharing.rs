@@ -4,10 +4,10 @@
 use tessera_api::config::Limits;
 
 use super::daemon::DaemonKey;
-use super::limits::ClientLimits;
 use super::supervisor::MpsSupervisor;
 use crate::claim_uid::ClaimUid;
-use crate::prepare::host::{MpsClient, MpsControl, MpsTarget, SharingError};
+use crate::host::mps_client::ClientLimits;
+use crate::host::{MpsClient, MpsControl, MpsTarget, SharingError};
 
 /// The daemon of a claim's target: it serves the MIG device when there is
 /// one.

@@ -32,7 +32,6 @@
 //! One bad claim never fails the others: every claim gets its own answer.
 
 pub mod claims;
-pub mod host;
 pub mod layout;
 mod lost;
 pub mod provider;
@@ -55,11 +54,11 @@ use crate::cdi::SpecDir;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 
+use crate::host::{MigManager, MpsControl, TimeSliceControl};
 use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
 use crate::state::records::{Action, ClaimEntry, EntryState, PreparedDevice};
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
-use host::{MigManager, MpsControl, TimeSliceControl};
 use layout::Layout;
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
 use status::StatusWriter;
@@ -156,7 +155,7 @@ pub enum UndoError {
     #[error("removing its checkpoint entry: {0}")]
     Record(#[source] CheckpointError),
     #[error("stopping the MPS daemons of a claim whose record was lost: {0}")]
-    LostDaemons(#[source] host::SharingError),
+    LostDaemons(#[source] crate::host::SharingError),
 }
 
 /// The prepare/unprepare engine.

@@ -13,12 +13,12 @@ use tessera_api::inventory::{Gpu, Inventory, Mig, MigPlacement};
 use tessera_controller::model::{DeviceKind, DeviceRef};
 
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use super::host::{
+use super::provider::time_slice::NvidiaSmiTimeSlice;
+use super::*;
+use crate::host::{
     CreateError, MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl,
     Unsupported,
 };
-use super::provider::time_slice::NvidiaSmiTimeSlice;
-use super::*;
 use crate::state::catalog::{Catalog, DeviceCatalog};
 
 const NODE: &str = "node-a";

@@ -17,7 +17,7 @@ use tessera_controller::model::policy::IsolationProvider;
 
 use super::{Device, Effects, EnforceError, Provider, Request, Undo};
 use crate::cdi::{ContainerEdits, Mount};
-use crate::prepare::host::{MpsControl, MpsTarget};
+use crate::host::{MpsControl, MpsTarget};
 use crate::prepare::resolve::{Kind, Resolved};
 use crate::state::records::{Action, DeviceData, LimitsData};
 
@@ -187,18 +187,18 @@ impl Provider for Mps {
             client.pipe_dir.display()
         ));
         // The daemon's own limits, again where the client reads them.
-        let limits = crate::mps::ClientLimits {
+        let limits = crate::host::mps_client::ClientLimits {
             memory_bytes: client.limits.memory_bytes,
             thread_percent: client.limits.compute_percent,
             shm_bytes: client.limits.shared_memory_bytes,
         };
-        let env = crate::mps::client_limit_env(&request.visible[0], limits).map_err(|e| {
-            EnforceError::Request {
+        let env = crate::host::mps_client::client_limit_env(&request.visible[0], limits).map_err(
+            |e| EnforceError::Request {
                 request: request.name.to_owned(),
                 problem: e.to_string(),
                 fix: None,
-            }
-        })?;
+            },
+        )?;
         edits.env.extend(env);
         // The pipe directory, and the daemon's /dev/shm where the server
         // and its clients share memory; the daemon's logs stay on the host.
@@ -208,7 +208,9 @@ impl Provider for Mps {
             edits.mounts.push(Mount {
                 host_path,
                 container_path,
-                options: crate::mps::PIPE_MOUNT_OPTIONS.map(String::from).to_vec(),
+                options: crate::host::mps_client::PIPE_MOUNT_OPTIONS
+                    .map(String::from)
+                    .to_vec(),
                 mount_type: None,
             });
         }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing, TimeSliceInterval};
 
 use super::{Device, Effects, EnforceError, Provider, Undo};
-use crate::prepare::host::{SharingError, TimeSliceControl};
+use crate::host::{SharingError, TimeSliceControl};
 use crate::prepare::resolve::{Kind, Resolved};
 use crate::state::records::{Action, DeviceData};
 

@@ -19,6 +19,8 @@
 //! which prepare passes to the claim's error, and undo calls succeed
 //! (nothing was ever done).
 
+pub mod mps_client;
+
 use std::path::PathBuf;
 
 use tessera_api::config::{Limits, TimeSliceInterval};

@@ -1,4 +1,6 @@
-//! Per-client MPS limits as environment variables in the claim's CDI spec.
+//! What a claim's containers get to reach their MPS daemon: the limits as
+//! environment variables in the claim's CDI spec, and how its directories
+//! are mounted.
 //!
 //! NVIDIA's MPS documentation ("Appendix: Environment Variables") defines
 //! the two client-side limits Tessera sets:
@@ -33,6 +35,11 @@ pub const PINNED_DEVICE_MEM_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 pub const PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
 /// Name of the variable that tells the daemon where to log.
 pub const LOG_DIRECTORY: &str = "CUDA_MPS_LOG_DIRECTORY";
+
+/// Mount options for a pipe or shared memory directory in a client
+/// container: clients connect to sockets, open pipes and map segments
+/// there, they never need to execute or open a device node from it.
+pub const PIPE_MOUNT_OPTIONS: [&str; 5] = ["rw", "nosuid", "nodev", "noexec", "bind"];
 
 const MIB: u64 = 1024 * 1024;
 
@@ -86,7 +93,7 @@ impl fmt::Display for ClientLimits {
 /// the MPS daemon serving `device_uuid`, in a stable order: memory first.
 ///
 /// ```
-/// use tessera_driver::mps::{ClientLimits, client_limit_env};
+/// use tessera_driver::host::mps_client::{ClientLimits, client_limit_env};
 /// let env = client_limit_env(
 ///     "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10",
 ///     ClientLimits { memory_bytes: 10 << 30, thread_percent: 25, shm_bytes: None },
