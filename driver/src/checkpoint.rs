@@ -43,6 +43,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cdi::write_for_this_boot;
 use crate::claim_uid::ClaimUid;
+use crate::sync::Locked;
 
 const FORMAT_VERSION: u32 = 2;
 /// The directory of records, under the state directory.
@@ -222,7 +223,7 @@ impl<T: Entry> Checkpoint<T> {
         // record of the node).
         let (lost, marking) = find_lost(&checkpoint.dir, state_dir, &checkpoint.boot_id);
         prune_quarantined(&checkpoint.dir, QUARANTINE_KEPT, &marking);
-        *checkpoint.lost.lock().unwrap_or_else(|p| p.into_inner()) = lost;
+        *checkpoint.lost.locked() = lost;
         let outcome = match found {
             Found { quarantined, .. } if !quarantined.is_empty() => LoadOutcome::Quarantined {
                 reason: (quarantined.iter())
@@ -319,7 +320,7 @@ impl<T: Entry> Checkpoint<T> {
     }
 
     fn unknown_lock(&self) -> MutexGuard<'_, BTreeMap<ClaimUid, Vec<String>>> {
-        self.unknown.lock().unwrap_or_else(|p| p.into_inner())
+        self.unknown.locked()
     }
 
     /// Restored claims whose records a newer version wrote with fields this
@@ -337,7 +338,7 @@ impl<T: Entry> Checkpoint<T> {
     /// The entries in memory, for reading (every acknowledged change, and
     /// changes being written).
     pub fn lock(&self) -> MutexGuard<'_, BTreeMap<ClaimUid, T>> {
-        self.claims.lock().unwrap_or_else(|p| p.into_inner())
+        self.claims.locked()
     }
 
     /// Where the records are.
@@ -347,14 +348,12 @@ impl<T: Entry> Checkpoint<T> {
 
     /// Claims whose records were moved aside and not yet released.
     pub fn lost(&self) -> Lost<T> {
-        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.lost.locked().clone()
     }
 
     /// Whether a moved-aside record names `claim`.
     pub fn is_lost(&self, claim: &ClaimUid) -> bool {
-        (self.lost.lock().unwrap_or_else(|p| p.into_inner()))
-            .claims
-            .contains_key(claim)
+        (self.lost.locked()).claims.contains_key(claim)
     }
 
     /// Takes `claim` out of the lost ones (the kubelet unprepared it) and
@@ -362,7 +361,7 @@ impl<T: Entry> Checkpoint<T> {
     /// Its moved-aside records are marked released first, so the next start
     /// of this boot does not find it lost again.
     pub fn release_lost(&self, claim: &ClaimUid) -> Result<Option<Option<T>>, CheckpointError> {
-        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        let mut lost = self.lost.locked();
         if lost.claims.contains_key(claim) {
             for moved in moved_files(&self.dir) {
                 if moved.released || moved.claim().as_ref() != Some(claim) {

@@ -19,4 +19,5 @@ pub mod plugin;
 pub mod prepare;
 pub mod probe;
 pub mod state;
+pub mod sync;
 pub mod webhook;

@@ -52,6 +52,7 @@ use tessera_controller::model::Unhealthy;
 
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::events::NodeEvents;
+use crate::sync::Locked;
 
 mod kubelet;
 pub use kubelet::{HealthService, report};
@@ -179,7 +180,7 @@ impl HealthTracker {
 
     /// Every XID event seen so far: (GPU UUID, XID) -> count (the metrics).
     pub fn xid_counts(&self) -> BTreeMap<(String, u64), u64> {
-        self.xids.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.xids.locked().clone()
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Arc<HealthMap>> {
@@ -223,8 +224,7 @@ impl HealthTracker {
     pub fn xid(&self, uuid: &str, xid: Option<u64>, at: SystemTime) -> XidClass {
         *self
             .xids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .entry((uuid.to_owned(), xid.unwrap_or(0)))
             .or_default() += 1;
         let class = self.policy.classify(xid);

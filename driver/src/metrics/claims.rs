@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -36,6 +36,7 @@ use super::gpus::GpuReading;
 use crate::claim_uid::ClaimUid;
 use crate::prepare::claims::{ClaimSource, FetchError};
 use crate::state::records::{ClaimEntry, EntryState};
+use crate::sync::Locked;
 
 /// The shortest time between two reads of one claim's consumers.
 pub const REFRESH_EVERY: Duration = Duration::from_secs(10);
@@ -238,7 +239,7 @@ impl Consumers {
     }
 
     fn lock_known(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<String>>> {
-        self.known.lock().unwrap_or_else(PoisonError::into_inner)
+        self.known.locked()
     }
 
     /// What was read so far, for the claims still prepared (the others
@@ -254,7 +255,7 @@ impl Consumers {
     /// [`REFRESH_EVERY`].
     pub fn refresh(&self, stale: BTreeSet<ClaimUid>, entries: &[(ClaimUid, ClaimEntry)]) {
         let now = Instant::now();
-        let mut asked = self.asked.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut asked = self.asked.locked();
         asked.retain(|_, at| now.duration_since(*at) < REFRESH_EVERY);
         for uid in stale {
             if asked.contains_key(&uid) {

@@ -18,7 +18,7 @@ pub mod renders;
 pub mod server;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nvml_wrapper::Nvml;
@@ -38,6 +38,7 @@ use crate::mps::MpsSupervisor;
 use crate::prepare::{PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::records::EntryState;
+use crate::sync::Locked;
 
 /// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
 const LATENCY_BUCKETS: [f64; 14] = [
@@ -504,8 +505,7 @@ impl Sample for Sampler {
         let now = now_us();
         let since = self
             .sampled_at
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .locked()
             .replace(now)
             .unwrap_or(now.saturating_sub(1_000_000));
         let readings: Vec<gpus::GpuReading> = inventory

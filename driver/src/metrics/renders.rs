@@ -12,6 +12,7 @@
 //! right after a prepare counts that claim); scrapes that arrive during a
 //! render share the next one. Renders start at least [`MIN_GAP`] apart.
 
+use crate::sync::Locked;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
@@ -66,7 +67,7 @@ pub struct Renders {
 
 impl Renders {
     fn demand(&self) -> MutexGuard<'_, Demand> {
-        self.demand.lock().unwrap_or_else(PoisonError::into_inner)
+        self.demand.locked()
     }
 
     /// Scrapes waiting for a render now.

@@ -13,6 +13,7 @@ use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
 use crate::host::{CreateError, MigManager, SharingError};
 use crate::state::records::MigRecord;
+use crate::sync::ReadWrite;
 
 /// Dynamic MIG through NVML; profile names, memory and engines come from
 /// the inventory (what NVML reported at discovery).
@@ -38,16 +39,12 @@ impl NvmlMig {
             .iter()
             .map(|g| (g.uuid.clone(), g.mig.profiles().to_vec()))
             .collect();
-        *self
-            .profiles
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = table;
+        *self.profiles.writing() = table;
     }
 
     fn profile(&self, gpu_uuid: &str, profile_id: u32) -> Option<MigProfile> {
         self.profiles
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .reading()
             .get(gpu_uuid)?
             .iter()
             .find(|p| p.id == profile_id)

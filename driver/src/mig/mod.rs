@@ -36,6 +36,7 @@ mod state;
 
 pub use manager::NvmlMig;
 
+use crate::sync::Locked;
 use state::{
     Profile, compute_instances, compute_profiles, gpu, gpu_instances, mig_devices, mig_uuid,
     overlaps, profiles, require_mig,
@@ -189,9 +190,7 @@ fn nvml_err(gpu: &str, what: &'static str) -> impl FnOnce(NvmlError) -> MigError
 static MUTATIONS: Mutex<()> = Mutex::new(());
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
-    MUTATIONS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    MUTATIONS.locked()
 }
 
 /// Create a GPU instance of `profile_id` at `placement` on `gpu_uuid` with

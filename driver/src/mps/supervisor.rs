@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,7 @@ use super::paths::{RECORD, ignore_missing};
 use super::process::{Pidfd, ProcessId};
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{ClientLimits, is_device_uuid};
+use crate::sync::Locked;
 
 /// What one supervision pass did.
 #[derive(Debug, Default)]
@@ -87,10 +88,6 @@ type Slot = Arc<Mutex<Held>>;
 
 #[cfg(test)]
 type TestHook = Arc<dyn Fn(&DaemonKey) + Send + Sync>;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 impl MpsSupervisor {
     /// A supervisor over `config.state_dir`. Nothing is started or stopped
@@ -183,7 +180,7 @@ impl MpsSupervisor {
     fn retire(&self, key: &DaemonKey, held: &mut Held) -> Result<bool, MpsError> {
         held.released = true;
         let was_running = held.daemon.stop(&self.config)?;
-        lock(&self.daemons).remove(key);
+        self.daemons.locked().remove(key);
         remove_if_empty(&self.config.state_dir.join(key.claim.as_str()));
         Ok(was_running)
     }
@@ -253,7 +250,7 @@ impl MpsSupervisor {
             }
         };
         #[cfg(test)]
-        if let Some(hook) = lock(&self.before_lock).clone() {
+        if let Some(hook) = self.before_lock.locked().clone() {
             hook(key);
         }
         let mut held = match slot.try_lock() {
@@ -384,7 +381,7 @@ impl MpsSupervisor {
     /// (a daemon's own lock is held while it starts or stops; the map's
     /// only for lookups). For the metrics.
     pub fn supervised(&self) -> usize {
-        lock(&self.daemons).len()
+        self.daemons.locked().len()
     }
 
     // -- internals -----------------------------------------------------------
@@ -403,7 +400,7 @@ impl MpsSupervisor {
             let Some(slot) = self.slot(key, limits)? else {
                 return Ok(None);
             };
-            let mut held = lock(&slot);
+            let mut held = slot.locked();
             if self.is_current(key, &slot) {
                 return Ok(Some(f(&mut held)));
             }
@@ -413,7 +410,8 @@ impl MpsSupervisor {
     /// Whether `slot` is still the daemon of `key` (not forgotten since it
     /// was found). Called with the slot's lock held.
     fn is_current(&self, key: &DaemonKey, slot: &Slot) -> bool {
-        lock(&self.daemons)
+        self.daemons
+            .locked()
             .get(key)
             .is_some_and(|held| Arc::ptr_eq(held, slot))
     }
@@ -427,7 +425,7 @@ impl MpsSupervisor {
         if !is_device_uuid(&key.device) {
             return Err(MpsError::BadDevice(key.device.clone()));
         }
-        let mut daemons = lock(&self.daemons);
+        let mut daemons = self.daemons.locked();
         if let Some(d) = daemons.get(key) {
             return Ok(Some(Arc::clone(d)));
         }
@@ -447,7 +445,7 @@ impl MpsSupervisor {
     /// on the way (see [`retire_shared_daemon`]).
     fn known_daemons(&self, report: &mut SupervisionReport) -> Vec<DaemonKey> {
         let mut keys: std::collections::BTreeSet<DaemonKey> =
-            lock(&self.daemons).keys().cloned().collect();
+            self.daemons.locked().keys().cloned().collect();
         let Ok(claims) = fs::read_dir(&self.config.state_dir) else {
             return keys.into_iter().collect();
         };

@@ -44,6 +44,7 @@ use crate::health::HealthTracker;
 use crate::prepare::NodeChange;
 use crate::prepare::Preparer;
 use crate::state::catalog::{Catalog, DeviceCatalog};
+use crate::sync::{Locked, ReadWrite};
 
 /// The GPU numbering's file in the state directory.
 pub const GPU_INDICES_FILE: &str = "gpu-indices.json";
@@ -99,7 +100,7 @@ impl NodeTruth {
     }
 
     fn record_indices(&self, model: &GpuIndices) {
-        let mut recorded = self.indices.lock().unwrap_or_else(|p| p.into_inner());
+        let mut recorded = self.indices.locked();
         let merged = merge_indices(&recorded, model);
         if merged == *recorded {
             return;
@@ -133,10 +134,7 @@ fn merge_indices(recorded: &GpuIndices, model: &GpuIndices) -> GpuIndices {
 
 impl NodeState for NodeTruth {
     fn gpu_indices(&self) -> GpuIndices {
-        self.indices
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.indices.locked().clone()
     }
 
     fn model_built(&self, inventory: &Inventory, model: &Model) {
@@ -185,7 +183,7 @@ impl Observer {
     /// calls must not make its devices vanish from the slices).
     pub fn observe(&self, last: Option<&Inventory>) -> anyhow::Result<NodeView> {
         let lock = self.preparer.hardware_lock();
-        let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
+        let _reading = lock.reading();
         let found = discovery::discover(&self.nvml)?;
         let mut inventory = found.inventory;
         for e in &found.failed {
@@ -207,7 +205,7 @@ impl Observer {
     /// change), reading every GPU through NVML again would only cost time.
     pub fn refresh(&self, last: &NodeView) -> NodeView {
         let lock = self.preparer.hardware_lock();
-        let _reading = lock.read().unwrap_or_else(|p| p.into_inner());
+        let _reading = lock.reading();
         self.with_records(last.inventory.clone())
     }
 

@@ -25,7 +25,7 @@ use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -40,6 +40,7 @@ use tracing::{debug, info, warn};
 use crate::discovery;
 use crate::metrics::server::plain;
 use crate::state::catalog::DeviceCatalog;
+use crate::sync::Locked;
 
 /// What this instance is doing, for its probes.
 #[derive(Clone, Default)]
@@ -266,14 +267,11 @@ pub struct Answer {
 
 impl Readiness {
     pub fn set(&self, phase: Phase) {
-        *self.phase.lock().unwrap_or_else(PoisonError::into_inner) = phase;
+        *self.phase.locked() = phase;
     }
 
     fn phase(&self) -> Phase {
-        self.phase
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.phase.locked().clone()
     }
 
     /// Whether this instance is ready: to take over (standby), or to serve.

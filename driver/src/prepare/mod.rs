@@ -53,6 +53,7 @@ use tracing::{error, info, warn};
 use crate::cdi::SpecDir;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
+use crate::sync::Locked;
 
 use crate::host::{MigManager, MpsControl, TimeSliceControl};
 use crate::state::catalog::DeviceCatalog;
@@ -620,7 +621,7 @@ impl Preparer {
     }
 
     fn unsettled(&self) -> MutexGuard<'_, Unsettled> {
-        self.unsettled.lock().unwrap_or_else(|p| p.into_inner())
+        self.unsettled.locked()
     }
 
     /// Whether released MIG mode holds are still to settle (tests).
@@ -634,10 +635,7 @@ impl Preparer {
     /// this runs on a blocking thread of the runtime).
     fn tell_operator(&self, reports: Vec<provider::Report>) {
         #[cfg(test)]
-        self.reported
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(reports.iter().cloned());
+        self.reported.locked().extend(reports.iter().cloned());
         for report in reports {
             warn!(reason = report.reason, "{}", report.message);
             if let (Some(events), Ok(runtime)) = (
@@ -700,7 +698,7 @@ struct ClaimLocks(Mutex<HashMap<ClaimUid, Weak<tokio::sync::Mutex<()>>>>);
 impl ClaimLocks {
     async fn lock(&self, uid: &ClaimUid) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = {
-            let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let mut map = self.0.locked();
             map.retain(|_, w| w.strong_count() > 0);
             match map.get(uid).and_then(Weak::upgrade) {
                 Some(lock) => lock,
@@ -744,7 +742,7 @@ pub struct PodRef {
 
 impl Consumers {
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<PodRef>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.locked()
     }
 
     fn remember(&self, uid: &ClaimUid, pods: Vec<PodRef>) {

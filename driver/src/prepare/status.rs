@@ -45,6 +45,7 @@ use tracing::{debug, info, warn};
 
 use crate::state::events::NodeEvents;
 use crate::state::records::DeviceStatus;
+use crate::sync::Locked;
 
 mod ledger;
 use ledger::{Ledger, Marked};
@@ -312,11 +313,11 @@ impl StatusWriter {
     }
 
     fn lock(&self) -> MutexGuard<'_, Queue> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.locked()
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
-        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+        self.ledger.locked()
     }
 
     /// Queue `devices` as this driver's entries of the claim's status

@@ -25,6 +25,7 @@
 //! A body is read up to [`MAX_BODY_BYTES`]; a longer one (or one whose
 //! Content-Length says so, before any of it is read) is answered 413.
 
+use crate::sync::Locked;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -138,7 +139,7 @@ impl ReloadingCertificate {
 
     /// The pair to serve: re-read if either file changed since it was read.
     fn certificate(&self) -> Arc<CertifiedKey> {
-        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let mut current = self.current.locked();
         let now = [
             FileStamp::of(&self.cert_file),
             FileStamp::of(&self.key_file),
@@ -368,7 +369,7 @@ impl Slots {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<ConnectionState>>> {
-        self.held.lock().unwrap_or_else(|e| e.into_inner())
+        self.held.locked()
     }
 
     /// A slot: a free one, else the oldest idle connection's, else the

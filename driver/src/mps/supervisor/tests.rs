@@ -102,10 +102,10 @@ fn hold_pass_in_window(sup: &MpsSupervisor, key: DaemonKey) -> (Receiver<()>, mp
     let (reached_tx, reached) = channel();
     let (go, go_rx) = channel::<()>();
     let go_rx = Mutex::new(go_rx);
-    *lock(&sup.before_lock) = Some(Arc::new(move |k: &DaemonKey| {
+    *sup.before_lock.locked() = Some(Arc::new(move |k: &DaemonKey| {
         if *k == key {
             let _ = reached_tx.send(());
-            let _ = lock(&go_rx).recv_timeout(WAIT);
+            let _ = go_rx.locked().recv_timeout(WAIT);
         }
     }));
     (reached, go)
@@ -133,7 +133,7 @@ fn stopped_in_the_window_stays_stopped(stop: impl FnOnce(&MpsSupervisor, &Daemon
     assert!(!alive(pid), "the stop left the daemon running");
     drop(go);
     let report = pass.join().unwrap();
-    *lock(&sup.before_lock) = None;
+    *sup.before_lock.locked() = None;
 
     assert!(
         report.restarted.is_empty() && report.adopted.is_empty(),

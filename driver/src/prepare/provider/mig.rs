@@ -23,6 +23,7 @@ use crate::claim_uid::ClaimUid;
 use crate::host::{CreateError, MigManager, SharingError};
 use crate::prepare::resolve::Kind;
 use crate::state::records::{Action, ClaimEntry, MigRecord};
+use crate::sync::ReadWrite;
 
 pub struct Mig {
     host: Arc<dyn MigManager>,
@@ -180,7 +181,7 @@ impl Mig {
         if gpus.peek().is_none() {
             return (Vec::new(), false);
         }
-        let _hardware = hardware.write().unwrap_or_else(|p| p.into_inner());
+        let _hardware = hardware.writing();
         // Lost records' holds count too: their Pods may still run.
         let lost = records.lost();
         let held = |gpu: &str| {

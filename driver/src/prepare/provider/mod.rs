@@ -34,6 +34,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 use crate::host::{MigManager, MpsClient, MpsControl, SharingError, TimeSliceControl};
 use crate::state::records::{Action, ClaimEntry, DeviceData};
+use crate::sync::{Locked, ReadWrite};
 
 /// One allocated device with its effective config, and what the providers
 /// made for it.
@@ -240,10 +241,7 @@ impl<'a> Undo<'a> {
 
     /// Tells the operator (a Node Event) of something left in place.
     pub fn report(&self, report: Report) {
-        self.reports
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(report);
+        self.reports.locked().push(report);
     }
 
     /// What was reported, in order.
@@ -272,7 +270,7 @@ impl<'a> Undo<'a> {
 }
 
 fn write(lock: &RwLock<()>) -> RwLockWriteGuard<'_, ()> {
-    lock.write().unwrap_or_else(|p| p.into_inner())
+    lock.writing()
 }
 
 /// Why a provider could not enforce a claim's devices. Each kind says
