@@ -40,7 +40,8 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    PROBE, PodNode, cluster_env_vars, delete_pods, log_with, mps_gpu, probe_pod, probe_report,
+    PROBE, PodNode, cluster_env_vars, delete_pods, isolated_class_on, log_with, mps_gpu, probe_pod,
+    probe_report,
 };
 
 const TOPOLOGY: &str = "h100x8.yaml";
@@ -213,14 +214,7 @@ async fn run(
     .await?;
     let pp = PostParams::default();
     let classes: Api<DeviceClass> = Api::all(cluster.client());
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": format!("{id}-isolated") },
-        "spec": { "selectors": [{ "cel": { "expression": format!(
-            "device.driver == {driver:?} && device.attributes[{driver:?}].type == 'share' && \
-             device.attributes[{driver:?}].isolationLevel == 'Isolated' && \
-             device.attributes[{driver:?}].uuid == {gpu:?}"
-        ) } }] },
-    }))?;
+    let class = isolated_class_on(id, driver, &gpu)?;
     classes.create(&pp, &class).await?;
     let claims: Api<ResourceClaim> = ns.api();
     let pods: Api<Pod> = ns.api();

@@ -35,8 +35,8 @@ use tessera_conformance::{
 use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    PROBE, cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file, log_with,
-    mps_gpu, node_running, probe_pod, probe_report,
+    PROBE, cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file,
+    isolated_class_on, log_with, mps_gpu, node_running, probe_pod, probe_report,
 };
 use plugin_support::repo_root;
 
@@ -171,14 +171,7 @@ async fn run(
     let pp = PostParams::default();
     let classes: Api<DeviceClass> = Api::all(cluster.client());
     // Both claims on one GPU: the class selects its Isolated share.
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": { "name": format!("{id}-isolated") },
-        "spec": { "selectors": [{ "cel": { "expression": format!(
-            "device.driver == {driver:?} && device.attributes[{driver:?}].type == 'share' && \
-             device.attributes[{driver:?}].isolationLevel == 'Isolated' && \
-             device.attributes[{driver:?}].uuid == {gpu:?}"
-        ) } }] },
-    }))?;
+    let class = isolated_class_on(id, driver, &gpu)?;
     classes.create(&pp, &class).await?;
     let claims: Api<ResourceClaim> = ns.api();
     let pods: Api<Pod> = ns.api();

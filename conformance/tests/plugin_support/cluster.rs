@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceSlice;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams};
 use serde_json::{Value, json};
@@ -240,6 +240,19 @@ impl PodNode {
             let _ = std::fs::remove_dir_all(env.state_dir.join("node"));
         }
     }
+}
+
+/// DeviceClass `<id>-isolated`: the Isolated share of GPU `gpu` alone, so
+/// that every claim of a test lands on that one GPU.
+pub fn isolated_class_on(id: &str, driver: &str, gpu: &str) -> Result<DeviceClass> {
+    Ok(serde_json::from_value(json!({
+        "metadata": { "name": format!("{id}-isolated") },
+        "spec": { "selectors": [{ "cel": { "expression": format!(
+            "device.driver == {driver:?} && device.attributes[{driver:?}].type == 'share' && \
+             device.attributes[{driver:?}].isolationLevel == 'Isolated' && \
+             device.attributes[{driver:?}].uuid == {gpu:?}"
+        ) } }] },
+    }))?)
 }
 
 /// The UUID of a GPU whose Isolated share device is published with MPS.
