@@ -121,7 +121,7 @@ fn hostile_script() -> String {
 /// pipe directory there and carries a launch id).
 fn daemons_below(mps_dir: &str) -> Vec<i32> {
     let pipe = format!("CUDA_MPS_PIPE_DIRECTORY={mps_dir}/");
-    let launch = format!("{}=", tessera_driver::mps::LAUNCH_ID_ENV);
+    let launch = format!("{}=", tessera_driver::host::mps::LAUNCH_ID_ENV);
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -148,7 +148,7 @@ fn confined(pid: i32, node_dirs: &[String]) -> Result<()> {
             .map(str::trim)
             .with_context(|| format!("no {name} for daemon {pid}"))
     };
-    let kept = tessera_driver::mps::kept_mask();
+    let kept = tessera_driver::host::mps::kept_mask();
     for caps in ["CapEff", "CapBnd"] {
         let value = u64::from_str_radix(field(caps)?, 16)?;
         ensure!(

@@ -30,7 +30,7 @@ use tessera_api::kubelet::dra_v1;
 use plugin_support::*;
 use tessera_conformance::wait_for;
 use tessera_controller::model::DeviceKind;
-use tessera_driver::mig::{self, MigPlacement, Recorded};
+use tessera_driver::host::mig::{self, MigPlacement, Recorded};
 
 /// xorshift64*: small, deterministic, good enough to pick kill points.
 struct Rng(u64);

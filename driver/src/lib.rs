@@ -1,23 +1,24 @@
 //! Tessera's node side: GPU discovery through NVML and the kubelet DRA plugin
 //! (prepare/unprepare, CDI specs, checkpoint, sharing enforcement).
 //!
-//! The `tessera` binary is a thin command line over this library.
+//! The `tessera` binary (`src/bin/tessera`) is a thin command line over this
+//! library; [`node`] wires the node process. docs/architecture.md has the
+//! modules as layers and which may use which.
 
+pub mod apiserver;
 pub mod cdi;
 pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
-pub mod flags;
 pub mod guard;
 pub mod health;
 pub mod host;
+pub mod kubelet;
 pub mod metrics;
-pub mod mig;
-pub mod mps;
 pub mod node;
-pub mod plugin;
 pub mod prepare;
 pub mod probe;
+pub mod publish;
 pub mod state;
 pub mod sync;
 pub mod webhook;

@@ -41,10 +41,10 @@ use tessera_controller::model::{
 };
 use tessera_driver::cdi::Spec;
 use tessera_driver::claim_uid::ClaimUid;
-use tessera_driver::host::{MpsControl, Unsupported};
-use tessera_driver::mps::{MpsConfig, MpsSupervisor, PID_FILE, ProcessId};
+use tessera_driver::host::driver_root::Layout;
+use tessera_driver::host::mps::{MpsConfig, MpsSupervisor, PID_FILE, ProcessId};
+use tessera_driver::host::port::{MpsControl, Unsupported};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use tessera_driver::prepare::layout::Layout;
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 use tessera_driver::state::catalog::{Catalog, DeviceCatalog};
 

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tessera_driver::plugin::heap::{anonymous_bytes, scavenge};
+use tessera_driver::node::heap::{anonymous_bytes, scavenge};
 
 fn anonymous() -> u64 {
     anonymous_bytes().expect("/proc/self/statm")

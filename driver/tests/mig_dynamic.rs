@@ -1,4 +1,4 @@
-//! Dynamic MIG and MIG mode (`tessera_driver::mig`) against the simulated
+//! Dynamic MIG and MIG mode (`tessera_driver::host::mig`) against the simulated
 //! NVML: create, destroy what was recorded, list, adopt nothing, leave what
 //! is not ours alone, switch MIG mode where no reset is needed.
 //!
@@ -15,7 +15,9 @@ use std::process::Command;
 
 use common::*;
 use nvml_wrapper::Nvml;
-use tessera_driver::mig::{self, CreatedMig, Destroyed, MigError, MigPlacement, Recorded, raw};
+use tessera_driver::host::mig::{
+    self, CreatedMig, Destroyed, MigError, MigPlacement, Recorded, raw,
+};
 
 const CHILD_ENV: &str = "TESSERA_TEST_MIG_CHILD";
 
@@ -467,9 +469,9 @@ fn the_prepare_trait_creates_and_destroys_through_nvml() {
 #[ignore = "run in a child process by the_prepare_trait_creates_and_destroys_through_nvml"]
 fn child_prepare_trait() {
     use std::sync::Arc;
-    use tessera_driver::host::CreateError;
-    use tessera_driver::host::MigManager;
-    use tessera_driver::mig::NvmlMig;
+    use tessera_driver::host::mig::NvmlMig;
+    use tessera_driver::host::port::CreateError;
+    use tessera_driver::host::port::MigManager;
     use tessera_driver::state::records::MigRecord;
 
     let Some(nvml) = child_nvml() else { return };

@@ -17,11 +17,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
-use tessera_driver::host::mps_client::ClientLimits;
-use tessera_driver::mps::{
+use tessera_driver::host::mps::{
     CONTROL, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSupervisor, PID_FILE,
     ProcessId, RECORD, ShmPolicy, kept_mask,
 };
+use tessera_driver::host::mps_client::ClientLimits;
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const GPU1: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
@@ -873,7 +873,7 @@ fn a_shared_daemon_of_an_earlier_version_is_retired() {
 #[test]
 fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     use tessera_api::config::Limits;
-    use tessera_driver::host::{MpsControl, MpsTarget};
+    use tessera_driver::host::port::{MpsControl, MpsTarget};
 
     let s = Scratch::new();
     let sharing: Arc<dyn MpsControl> = Arc::new(MpsSupervisor::new(s.config()));
@@ -893,7 +893,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     let pipe_dir = s.pipe_dir(&key(1, GPU0));
     assert_eq!(
         a,
-        tessera_driver::host::MpsClient {
+        tessera_driver::host::port::MpsClient {
             shm_dir: pipe_dir.with_file_name("shm"),
             pipe_dir,
             limits,
@@ -935,7 +935,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
 // driver must keep its hands off both decoys, keep file contents out of its
 // errors, and still recover.
 
-use tessera_driver::host::{MpsClient, MpsControl, MpsTarget};
+use tessera_driver::host::port::{MpsClient, MpsControl, MpsTarget};
 
 const SECRET: &str = "decoy-7f3a9c: the driver must never truncate, follow or show this";
 const LOG_NAMES: [&str; 3] = ["launcher.log", "control.log", "server.log"];
@@ -1047,7 +1047,7 @@ fn container_dirs(client: &MpsClient) -> Vec<PathBuf> {
     vec![client.pipe_dir.clone(), client.shm_dir.clone()]
 }
 
-fn errors(report: &tessera_driver::mps::SupervisionReport) -> Vec<String> {
+fn errors(report: &tessera_driver::host::mps::SupervisionReport) -> Vec<String> {
     report.failed.iter().map(|(_, e)| e.to_string()).collect()
 }
 
@@ -1321,12 +1321,12 @@ fn restarts(
     sup: &Arc<MpsSupervisor>,
     every: Duration,
 ) -> (
-    tessera_driver::mps::Watchdog,
-    std::sync::mpsc::Receiver<tessera_driver::mps::SupervisionReport>,
+    tessera_driver::host::mps::Watchdog,
+    std::sync::mpsc::Receiver<tessera_driver::host::mps::SupervisionReport>,
 ) {
     let (tx, rx) = std::sync::mpsc::channel();
     let watchdog = sup.spawn_watchdog(every, move |report| {
-        let mine = tessera_driver::mps::SupervisionReport {
+        let mine = tessera_driver::host::mps::SupervisionReport {
             adopted: report.adopted.clone(),
             restarted: report.restarted.clone(),
             stopped: report.stopped.clone(),

@@ -1,6 +1,6 @@
 //! The simulated GPUs' run-time state is machine-wide, as on real hardware:
 //! a MIG device created by one process (as the node plugin does, through the
-//! driver's NVML bindings `tessera_driver::mig::raw`) is seen by another (`tessera inventory`, a
+//! driver's NVML bindings `tessera_driver::host::mig::raw`) is seen by another (`tessera inventory`, a
 //! restarted plugin), one destroyed elsewhere is gone here, the MIG
 //! capability files the kernel driver would publish come and go with it, and
 //! MIG or compute mode switched by another process is seen without a new
@@ -22,7 +22,7 @@ use common::*;
 use nvml_wrapper::enum_wrappers::device::ComputeMode;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
-use tessera_driver::mig::raw;
+use tessera_driver::host::mig::raw;
 use tessera_driver::prepare::provider::mig_caps::{self, MigCaps};
 
 const CHILD_ENV: &str = "TESSERA_TEST_MACHINE_WIDE_CHILD";

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use tessera_api::kubelet::{self, dra_v1, registration};
-use tessera_driver::plugin::authority;
+use tessera_driver::kubelet::authority;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 use tonic::transport::{Channel, Server};

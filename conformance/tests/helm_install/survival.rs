@@ -22,7 +22,7 @@ use kube::api::{DeleteParams, PostParams};
 use serde_json::{Value, json};
 use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{TestNamespace, wait_for};
-use tessera_driver::mps::ProcessId;
+use tessera_driver::host::mps::ProcessId;
 use tessera_driver::probe::ProbeReport;
 
 use super::plugin_support::cluster::probe_image;

@@ -39,9 +39,9 @@ use tracing::{debug, info, warn};
 
 use self::judge::{Guarded, Judgement, Observed, Rule, Violation};
 use crate::claim_uid::ClaimUid;
+use crate::host::mps::{Pidfd, ProcessId};
 use crate::metrics::Metrics;
 use crate::metrics::claims::{Consumers, pod_of};
-use crate::mps::{Pidfd, ProcessId};
 use crate::prepare::{PodRef, Preparer};
 use crate::state::events::NodeEvents;
 use crate::state::records::{ClaimEntry, EntryState};

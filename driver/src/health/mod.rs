@@ -54,9 +54,6 @@ use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::events::NodeEvents;
 use crate::sync::Locked;
 
-mod kubelet;
-pub use kubelet::{HealthService, report};
-
 /// XIDs that make a GPU Unhealthy, with what they mean. Each needs at least
 /// a GPU reset (or a node drain) before the GPU can be trusted again.
 pub const FATAL_XIDS: &[(u64, &str)] = &[
@@ -124,7 +121,7 @@ impl Default for XidPolicy {
     }
 }
 
-fn fatal_meaning(xid: u64) -> Option<&'static str> {
+pub fn fatal_meaning(xid: u64) -> Option<&'static str> {
     FATAL_XIDS.iter().find(|(x, _)| *x == xid).map(|(_, m)| *m)
 }
 

@@ -1,4 +1,5 @@
 use super::*;
+use crate::kubelet::health::HealthService;
 use h::dra_resource_health_server::DraResourceHealth as _;
 use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::health::v1alpha1 as h;

@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use tracing::debug;
 
 use crate::health::{Health, HealthMap, HealthTracker};
-use crate::mps::MpsSupervisor;
+use crate::host::mps::MpsSupervisor;
 use crate::prepare::{PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::records::EntryState;

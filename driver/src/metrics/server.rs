@@ -12,7 +12,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -34,20 +33,37 @@ const MAX_CONNECTIONS: usize = 32;
 /// How long a scrape waits for its render (NVML can hang on a failing GPU).
 const RENDER_WAIT: Duration = Duration::from_secs(10);
 
+/// `--metrics-address` is neither `host:port` nor `off`.
+#[derive(Debug, thiserror::Error)]
+#[error("--metrics-address {flag:?}: expected host:port (e.g. 0.0.0.0:9400), or off: {source}")]
+pub struct AddressError {
+    pub flag: String,
+    pub source: std::net::AddrParseError,
+}
+
+/// The metrics endpoint's address could not be bound.
+#[derive(Debug, thiserror::Error)]
+#[error("binding the metrics endpoint to {address} (--metrics-address): {source}")]
+pub struct BindError {
+    pub address: SocketAddr,
+    pub source: std::io::Error,
+}
+
 /// Parses `--metrics-address`: `off` or empty disables the endpoint.
-pub fn parse_address(flag: &str) -> anyhow::Result<Option<SocketAddr>> {
+pub fn parse_address(flag: &str) -> Result<Option<SocketAddr>, AddressError> {
     let flag = flag.trim();
     if flag.is_empty() || flag.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    flag.parse().map(Some).with_context(|| {
-        format!("--metrics-address {flag:?}: expected host:port (e.g. 0.0.0.0:9400), or off")
+    flag.parse().map(Some).map_err(|source| AddressError {
+        flag: flag.to_owned(),
+        source,
     })
 }
 
 /// Binds `address` and serves in the background until the runtime ends;
 /// returns the bound address (port 0 picks a free port).
-pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<SocketAddr> {
+pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> Result<SocketAddr, BindError> {
     serve_at_most(address, metrics, MAX_CONNECTIONS).await
 }
 
@@ -55,14 +71,13 @@ async fn serve_at_most(
     address: SocketAddr,
     metrics: Arc<Metrics>,
     connections: usize,
-) -> anyhow::Result<SocketAddr> {
+) -> Result<SocketAddr, BindError> {
     let slots = Arc::new(tokio::sync::Semaphore::new(connections));
+    let bind_error = |source| BindError { address, source };
     let listener = tokio::net::TcpListener::bind(address)
         .await
-        .with_context(|| {
-            format!("binding the metrics endpoint to {address} (--metrics-address)")
-        })?;
-    let bound = listener.local_addr()?;
+        .map_err(bind_error)?;
+    let bound = listener.local_addr().map_err(bind_error)?;
     info!("serving metrics on http://{bound}/metrics (readiness: /healthz)");
     tokio::spawn(async move {
         loop {

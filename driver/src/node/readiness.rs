@@ -21,23 +21,17 @@
 //! runs, and must not be killed for it.
 
 use std::convert::Infallible;
-use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use kube::Client;
-use nvml_wrapper::Nvml;
 use tracing::{debug, info, warn};
 
-use crate::discovery;
 use crate::metrics::server::plain;
 use crate::state::catalog::DeviceCatalog;
 use crate::sync::Locked;
@@ -66,114 +60,7 @@ pub struct PreFlight {
     pub placement: Result<String, String>,
 }
 
-/// Where the records a takeover reads are.
-#[derive(Clone, Debug)]
-pub struct Takeover {
-    pub state_dir: PathBuf,
-    pub boot_id_file: PathBuf,
-    /// The host cgroup MPS daemons move into (`--mps-cgroup-fs`,
-    /// `--mps-cgroup`), when the node is configured with one.
-    pub mps_cgroup: Option<(PathBuf, String)>,
-}
-
-impl Takeover {
-    /// Whether a daemon could be placed in the host cgroup, as start-up
-    /// will check (a forked child joins it and exits); nothing to check
-    /// without one.
-    pub fn check_placement(&self) -> Result<String, String> {
-        let Some((fs, name)) = &self.mps_cgroup else {
-            return Ok("MPS daemons stay in this process's cgroup".into());
-        };
-        let cgroup = crate::mps::HostCgroup::open(fs, name)
-            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
-        std::sync::Arc::new(cgroup)
-            .check()
-            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
-        Ok(format!(
-            "MPS daemons can be placed in the host cgroup {name}"
-        ))
-    }
-
-    /// Reads the prepared-claim records of this boot as start-up will,
-    /// changing nothing (the active process owns them).
-    pub fn check_records(&self) -> Result<String, String> {
-        let boot = std::fs::read_to_string(&self.boot_id_file).map_err(|e| {
-            format!(
-                "cannot read the boot id {}: {e}",
-                self.boot_id_file.display()
-            )
-        })?;
-        let snapshot = crate::checkpoint::read_snapshot::<crate::state::records::ClaimEntry>(
-            &self.state_dir,
-            Some(boot.trim()),
-        )
-        .map_err(|e| format!("cannot read the prepared-claim records: {e}"))?;
-        if !snapshot.unreadable.is_empty() {
-            return Err(format!(
-                "{} prepared-claim record(s) do not decode in this version ({}); taking over \
-                 would set their claims aside as lost. Fix: roll back to the version serving \
-                 now, or check the records under {}",
-                snapshot.unreadable.len(),
-                snapshot.unreadable.join("; "),
-                self.state_dir.display()
-            ));
-        }
-        Ok(format!(
-            "{} prepared-claim record(s) decode",
-            snapshot.claims.len()
-        ))
-    }
-}
-
 impl PreFlight {
-    /// Runs the checks (blocking NVML calls on the blocking pool: nothing
-    /// is served yet). NVML is loaded once into `nvml`, which the instance
-    /// keeps when it takes over.
-    pub async fn run(
-        nvml_library: &OsStr,
-        nvml: &OnceLock<Arc<Nvml>>,
-        client: &Client,
-        timeout: Duration,
-        takeover: &Takeover,
-    ) -> PreFlight {
-        let gpus = async {
-            let loaded = match nvml.get() {
-                Some(loaded) => loaded.clone(),
-                None => {
-                    let library = nvml_library.to_owned();
-                    let loaded = blocking(move || discovery::init(Some(&library)))
-                        .await?
-                        .map_err(|e| e.to_string())?;
-                    nvml.get_or_init(|| Arc::new(loaded)).clone()
-                }
-            };
-            blocking(move || list_gpus(&loaded)).await?
-        };
-        let api_server = async {
-            match tokio::time::timeout(timeout, client.apiserver_version()).await {
-                Ok(Ok(v)) => Ok(format!("the API server ({}) answers", v.git_version)),
-                Ok(Err(e)) => Err(format!("the API server does not answer: {e}")),
-                Err(_) => Err(format!("the API server did not answer within {timeout:?}")),
-            }
-        };
-        let records = {
-            let takeover = takeover.clone();
-            async move { blocking(move || takeover.check_records()).await? }
-        };
-        let placement = {
-            let takeover = takeover.clone();
-            async move { blocking(move || takeover.check_placement()).await? }
-        };
-        let (nvml, api_server, records, placement) =
-            tokio::join!(gpus, api_server, records, placement);
-        PreFlight {
-            nvml,
-            api_server,
-            records,
-            placement,
-        }
-    }
-
     pub fn passed(&self) -> bool {
         self.checks().iter().all(|c| c.is_ok())
     }
@@ -200,55 +87,6 @@ impl PreFlight {
         } else {
             failed.join("; ")
         }
-    }
-}
-
-/// Lists the GPUs, as the active instance will.
-fn list_gpus(nvml: &Nvml) -> Result<String, String> {
-    let found = discovery::discover(nvml).map_err(|e| format!("NVML: {e}"))?;
-    let mut line = format!(
-        "NVML {} lists {} GPUs",
-        found.inventory.driver_version,
-        found.inventory.gpus.len()
-    );
-    if !found.failed.is_empty() {
-        line += &format!(" ({} could not be read)", found.failed.len());
-    }
-    Ok(line)
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| format!("NVML check failed: {e}"))
-}
-
-/// While another process holds the state lock: runs the pre-flight checks
-/// now and every `period`, and says what they found (probes and log).
-/// Ends only when aborted (the lock is taken).
-pub async fn standby(
-    nvml_library: std::ffi::OsString,
-    nvml: Arc<OnceLock<Arc<Nvml>>>,
-    client: Client,
-    timeout: Duration,
-    readiness: Arc<Readiness>,
-    period: Duration,
-    takeover: Takeover,
-) {
-    readiness.set(Phase::Standby(None));
-    let mut passed = None;
-    loop {
-        let checks = PreFlight::run(&nvml_library, &nvml, &client, timeout, &takeover).await;
-        if passed != Some(checks.passed()) {
-            if checks.passed() {
-                info!("standby: ready to take over ({})", checks.describe());
-            } else {
-                warn!("standby: cannot take over: {}", checks.describe());
-            }
-            passed = Some(checks.passed());
-        }
-        readiness.set(Phase::Standby(Some(checks)));
-        tokio::time::sleep(period).await;
     }
 }
 
@@ -317,7 +155,7 @@ impl Readiness {
 ///
 /// * `GET /readyz` (and `/healthz`): 200 when [`Readiness::ready`], else 503;
 /// * `GET /livez`: 200 while the process answers.
-pub async fn serve(socket: &Path, readiness: Arc<Readiness>) -> anyhow::Result<()> {
+pub async fn serve(socket: &Path, readiness: Arc<Readiness>) -> Result<(), ProbeSocketError> {
     let listener = bind(socket)?;
     info!(
         "answering probes on {} (tessera health --socket {0})",
@@ -355,35 +193,65 @@ pub async fn serve(socket: &Path, readiness: Arc<Readiness>) -> anyhow::Result<(
 /// How long one probe connection may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Why the probe socket could not be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeSocketError {
+    #[error("creating {} (--health-socket): {source}", dir.display())]
+    Dir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "another process answers probes on {} (--health-socket): the socket must be in a \
+         directory of this pod alone (an emptyDir), never a host path",
+        socket.display()
+    )]
+    Taken { socket: PathBuf },
+    #[error("removing the stale socket {}: {source}", socket.display())]
+    Stale {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("binding the probe socket {} (--health-socket): {source}", socket.display())]
+    Bind {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// The socket, bound. A socket file nobody answers on is a previous run's
 /// (the container restarted in the same pod) and is replaced; one that
 /// answers is another process's.
-fn bind(socket: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+fn bind(socket: &Path) -> Result<tokio::net::UnixListener, ProbeSocketError> {
     if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating {} (--health-socket)", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| ProbeSocketError::Dir {
+            dir: dir.to_owned(),
+            source,
+        })?;
     }
-    match tokio::net::UnixListener::bind(socket) {
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+    let bind = || {
+        tokio::net::UnixListener::bind(socket).map_err(|source| ProbeSocketError::Bind {
+            socket: socket.to_owned(),
+            source,
+        })
+    };
+    match bind() {
+        Err(ProbeSocketError::Bind { source, .. })
+            if source.kind() == std::io::ErrorKind::AddrInUse =>
+        {
             if std::os::unix::net::UnixStream::connect(socket).is_ok() {
-                bail!(
-                    "another process answers probes on {} (--health-socket): the socket must \
-                     be in a directory of this pod alone (an emptyDir), never a host path",
-                    socket.display()
-                );
+                return Err(ProbeSocketError::Taken {
+                    socket: socket.to_owned(),
+                });
             }
-            std::fs::remove_file(socket)
-                .with_context(|| format!("removing the stale socket {}", socket.display()))?;
-            tokio::net::UnixListener::bind(socket)
+            std::fs::remove_file(socket).map_err(|source| ProbeSocketError::Stale {
+                socket: socket.to_owned(),
+                source,
+            })?;
+            bind()
         }
         bound => bound,
     }
-    .with_context(|| {
-        format!(
-            "binding the probe socket {} (--health-socket)",
-            socket.display()
-        )
-    })
 }
 
 fn respond(request: &Request<Incoming>, readiness: &Readiness) -> Response<Full<Bytes>> {
@@ -405,81 +273,63 @@ fn respond(request: &Request<Incoming>, readiness: &Readiness) -> Response<Full<
     plain(status, &format!("{}\n", answer.text))
 }
 
-/// `tessera health`: asks a running node process over its probe socket.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ProbeArgs {
-    /// The node process's `--health-socket`.
-    #[arg(long, env = "TESSERA_HEALTH_SOCKET")]
-    pub socket: PathBuf,
-
-    /// What to ask: `readiness` (ready to serve, or in standby ready to
-    /// take over) or `liveness` (the process answers).
-    #[arg(long, value_enum, default_value_t = Probe::Readiness)]
-    pub probe: Probe,
-
-    /// Seconds to wait for the answer.
-    #[arg(long, default_value_t = 5)]
-    pub timeout_seconds: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Probe {
-    Readiness,
-    Liveness,
-}
-
-impl Probe {
-    fn path(self) -> &'static str {
-        match self {
-            Probe::Readiness => "/readyz",
-            Probe::Liveness => "/livez",
-        }
-    }
-}
-
-/// Prints the answer; exit 0 when the probe passes, 1 when not (or no
-/// process answers).
-pub fn probe_main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
-    let timeout = Duration::from_secs(args.timeout_seconds.max(1));
-    let (status, body) = ask(&args.socket, args.probe.path(), timeout)?;
-    print!("{body}");
-    Ok(if status == 200 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+/// Why a probe got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum AskError {
+    #[error(
+        "no node process answers on {} (is `tessera plugin --health-socket {0}` running?): {source}",
+        socket.display()
+    )]
+    NoAnswer {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("asking on {}: {source}", socket.display())]
+    Io {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("not an HTTP answer: {0:?}")]
+    NotHttp(String),
 }
 
 /// `GET path` over the socket (HTTP/1.0: the server closes the connection
 /// after its answer); the status code and body.
-pub fn ask(socket: &Path, path: &str, timeout: Duration) -> anyhow::Result<(u16, String)> {
-    let mut stream = std::os::unix::net::UnixStream::connect(socket).with_context(|| {
-        format!(
-            "no node process answers on {} (is `tessera plugin --health-socket {0}` running?)",
-            socket.display()
-        )
-    })?;
-    stream.set_read_timeout(Some(timeout))?;
-    stream.set_write_timeout(Some(timeout))?;
-    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: tessera\r\n\r\n").as_bytes())?;
-    let mut answer = String::new();
+pub fn ask(socket: &Path, path: &str, timeout: Duration) -> Result<(u16, String), AskError> {
+    let io = |source| AskError::Io {
+        socket: socket.to_owned(),
+        source,
+    };
+    let mut stream =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|source| AskError::NoAnswer {
+            socket: socket.to_owned(),
+            source,
+        })?;
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)?;
     stream
-        .read_to_string(&mut answer)
-        .with_context(|| format!("reading the answer on {}", socket.display()))?;
-    let (head, body) = answer
-        .split_once("\r\n\r\n")
-        .with_context(|| format!("not an HTTP answer: {answer:?}"))?;
-    let status = head
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: tessera\r\n\r\n").as_bytes())
+        .map_err(io)?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).map_err(io)?;
+    let Some((head, body)) = answer.split_once("\r\n\r\n") else {
+        return Err(AskError::NotHttp(answer));
+    };
+    match head
         .split_whitespace()
         .nth(1)
         .and_then(|code| code.parse().ok())
-        .with_context(|| format!("no status code in {head:?}"))?;
-    Ok((status, body.to_owned()))
+    {
+        Some(status) => Ok((status, body.to_owned())),
+        None => Err(AskError::NotHttp(answer.clone())),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::config::HostCgroupPlace;
+    use crate::node::standby::Takeover;
     use crate::state::catalog::Catalog;
 
     fn checks(nvml: Result<&str, &str>) -> PreFlight {
@@ -496,7 +346,7 @@ mod tests {
     #[test]
     fn a_standby_that_cannot_place_daemons_is_not_ready() {
         let dir = tempfile::tempdir().unwrap();
-        let takeover = |cgroup: Option<(PathBuf, String)>| Takeover {
+        let takeover = |cgroup: Option<HostCgroupPlace>| Takeover {
             state_dir: dir.path().join("state"),
             boot_id_file: dir.path().join("boot_id"),
             mps_cgroup: cgroup,
@@ -505,8 +355,11 @@ mod tests {
         // A directory that is no cgroup filesystem.
         let r = Readiness::default();
         let mut preflight = checks(Ok("NVML 580 lists 2 GPUs"));
-        preflight.placement =
-            takeover(Some((dir.path().into(), "tessera-mps".into()))).check_placement();
+        preflight.placement = takeover(Some(HostCgroupPlace {
+            fs: dir.path().into(),
+            name: "tessera-mps".into(),
+        }))
+        .check_placement();
         r.set(Phase::Standby(Some(preflight)));
         let answer = r.ready();
         assert!(!answer.ok, "{answer:?}");

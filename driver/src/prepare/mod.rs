@@ -32,7 +32,6 @@
 //! One bad claim never fails the others: every claim gets its own answer.
 
 pub mod claims;
-pub mod layout;
 mod lost;
 pub mod provider;
 mod recovery;
@@ -55,12 +54,12 @@ use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 use crate::sync::Locked;
 
-use crate::host::{MigManager, MpsControl, TimeSliceControl};
+use crate::host::driver_root::Layout;
+use crate::host::port::{MigManager, MpsControl, TimeSliceControl};
 use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
 use crate::state::records::{Action, ClaimEntry, EntryState, PreparedDevice};
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
-use layout::Layout;
 use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
 use status::StatusWriter;
 use validate::validate;
@@ -156,7 +155,7 @@ pub enum UndoError {
     #[error("removing its checkpoint entry: {0}")]
     Record(#[source] CheckpointError),
     #[error("stopping the MPS daemons of a claim whose record was lost: {0}")]
-    LostDaemons(#[source] crate::host::SharingError),
+    LostDaemons(#[source] crate::host::port::SharingError),
 }
 
 /// The prepare/unprepare engine.

@@ -24,11 +24,11 @@ use std::collections::BTreeMap;
 use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing};
 
 use super::claims::{ClaimError, ClaimRef};
-use super::layout::{Layout, is_nvml_file};
 use super::provider::{Device, Providers, Request};
 use super::resolve::Kind;
 use crate::cdi::{self, ContainerEdits, Spec};
 use crate::claim_uid::ClaimUid;
+use crate::host::driver_root::{Layout, is_nvml_file};
 use crate::state::records::{ConsumedData, DeviceData, DeviceStatus, PreparedDevice};
 
 /// The CDI device name of a request of a claim.

@@ -13,12 +13,12 @@ use tessera_api::inventory::{Gpu, Inventory, Mig, MigPlacement};
 use tessera_controller::model::{DeviceKind, DeviceRef};
 
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
-use super::provider::time_slice::NvidiaSmiTimeSlice;
 use super::*;
-use crate::host::{
+use crate::host::port::{
     CreateError, MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl,
     Unsupported,
 };
+use crate::host::time_slice::NvidiaSmiTimeSlice;
 use crate::state::catalog::{Catalog, DeviceCatalog};
 
 const NODE: &str = "node-a";

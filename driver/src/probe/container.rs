@@ -434,7 +434,7 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
 /// has that very file at that path (what `tessera plugin` would mount):
 /// the probe loads a library as root, never one a spec alone names.
 fn driver_library(device: &str, driver_root: &Path, m: &crate::cdi::Mount) -> Result<PathBuf> {
-    let ours = crate::prepare::layout::discover_driver_files(driver_root);
+    let ours = crate::host::driver_root::discover_driver_files(driver_root);
     ensure!(
         ours.iter()
             .any(|d| d.host_path == m.host_path && d.container_path == m.container_path),

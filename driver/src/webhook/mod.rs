@@ -29,9 +29,6 @@
 
 pub mod server;
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tessera_api::classes::work_class_admin_access;
@@ -42,65 +39,6 @@ pub const REVIEW_API_VERSION: &str = "admission.k8s.io/v1";
 
 /// The API group of ResourceClaims.
 pub const RESOURCE_GROUP: &str = "resource.k8s.io";
-
-#[derive(Debug, Clone, clap::Args)]
-pub struct WebhookArgs {
-    /// DRA driver name: configs whose `opaque.driver` is this are checked.
-    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = tessera_api::names::DEFAULT_DRIVER_NAME)]
-    pub driver_name: String,
-
-    /// Address and port to serve HTTPS on (port 0 picks a free one; the
-    /// bound address is logged).
-    #[arg(long, env = "TESSERA_WEBHOOK_LISTEN", default_value = "0.0.0.0:8443")]
-    pub listen: SocketAddr,
-
-    /// PEM file with the serving certificate (and any intermediates). Read
-    /// at start and again when it (or the key) changes: a renewed
-    /// certificate is served from the next connection on.
-    #[arg(long, env = "TESSERA_WEBHOOK_TLS_CERT_FILE")]
-    pub tls_cert_file: PathBuf,
-
-    /// PEM file with the serving certificate's private key (PKCS#8, PKCS#1
-    /// or SEC1). Re-read with the certificate.
-    #[arg(long, env = "TESSERA_WEBHOOK_TLS_PRIVATE_KEY_FILE")]
-    pub tls_private_key_file: PathBuf,
-
-    /// Connections served at once; more wait until one ends.
-    #[arg(long, env = "TESSERA_WEBHOOK_MAX_CONNECTIONS", default_value_t = 64,
-          value_parser = clap::value_parser!(u16).range(1..))]
-    pub max_connections: u16,
-}
-
-/// `tessera webhook`.
-pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
-    use anyhow::Context as _;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
-    tessera_controller::model::DriverName::new(&args.driver_name)
-        .map_err(|e| anyhow::anyhow!("--driver-name: {e}"))?;
-    let tls = server::load_tls(&args.tls_cert_file, &args.tls_private_key_file)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    runtime.block_on(async {
-        let listener = server::bind(args.listen).await?;
-        server::serve(
-            listener,
-            tls,
-            args.driver_name.clone(),
-            usize::from(args.max_connections),
-            crate::plugin::cli::termination(),
-        )
-        .await
-    })
-}
 
 /// The part of an AdmissionReview request the webhook reads. Decoded into
 /// these types alone (everything else of the object is skipped, not

@@ -20,7 +20,7 @@ use super::{Device, Effects, EnforceError, Provider, Report, Request, Undo};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
-use crate::host::{CreateError, MigManager, SharingError};
+use crate::host::port::{CreateError, MigManager, SharingError};
 use crate::prepare::resolve::Kind;
 use crate::state::records::{Action, ClaimEntry, MigRecord};
 use crate::sync::ReadWrite;

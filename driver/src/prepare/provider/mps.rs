@@ -17,7 +17,7 @@ use tessera_controller::model::policy::IsolationProvider;
 
 use super::{Device, Effects, EnforceError, Provider, Request, Undo};
 use crate::cdi::{ContainerEdits, Mount};
-use crate::host::{MpsControl, MpsTarget};
+use crate::host::port::{MpsControl, MpsTarget};
 use crate::prepare::resolve::{Kind, Resolved};
 use crate::state::records::{Action, DeviceData, LimitsData};
 

@@ -7,14 +7,12 @@
 //! (`compute-policy -i <GPU UUID> --set-timeslice=<0..3>`), as on a real
 //! node: NVML has no call for it.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing, TimeSliceInterval};
 
 use super::{Device, Effects, EnforceError, Provider, Undo};
-use crate::host::{SharingError, TimeSliceControl};
+use crate::host::port::TimeSliceControl;
 use crate::prepare::resolve::{Kind, Resolved};
 use crate::state::records::{Action, DeviceData};
 
@@ -92,66 +90,5 @@ impl Provider for TimeSlice {
 
     fn describe(&self, device: &Device, data: &mut DeviceData) {
         data.time_slice = interval(&device.resolved, &device.config).map(|i| format!("{i:?}"));
-    }
-}
-
-/// Runs `<driver root>/usr/bin/nvidia-smi compute-policy`.
-#[derive(Debug, Clone)]
-pub struct NvidiaSmiTimeSlice {
-    tool: PathBuf,
-}
-
-impl NvidiaSmiTimeSlice {
-    pub fn new(driver_root: &Path) -> Self {
-        NvidiaSmiTimeSlice {
-            tool: driver_root.join("usr/bin/nvidia-smi"),
-        }
-    }
-
-    fn run(&self, gpu_uuid: &str, level: u32) -> Result<(), SharingError> {
-        let tool = self.tool.display();
-        if !self.tool.is_file() {
-            return Err(SharingError(format!(
-                "{tool} does not exist; fix: install the NVIDIA driver's tools at the driver \
-                 root (--driver-root), or use a config without a time slice (node policy \
-                 timeSlice: Default, sharing strategy None)"
-            )));
-        }
-        let out = Command::new(&self.tool)
-            .args(["compute-policy", "-i", gpu_uuid])
-            .arg(format!("--set-timeslice={level}"))
-            .output()
-            .map_err(|e| {
-                SharingError(format!(
-                    "cannot run {tool}: {e}; fix: check that it is executable"
-                ))
-            })?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let said = String::from_utf8_lossy(&out.stdout).trim().to_owned()
-            + " "
-            + String::from_utf8_lossy(&out.stderr).trim();
-        Err(SharingError(format!(
-            "`{tool} compute-policy -i {gpu_uuid} --set-timeslice={level}` failed ({}): {}; \
-             fix: run it by hand on the node to see why (the driver must run privileged)",
-            out.status,
-            said.trim()
-        )))
-    }
-}
-
-impl TimeSliceControl for NvidiaSmiTimeSlice {
-    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError> {
-        self.run(gpu_uuid, interval.level())
-    }
-
-    /// Back to the driver's default slice. Nothing to undo where the tool
-    /// is gone (it never set anything then).
-    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError> {
-        if !self.tool.is_file() {
-            return Ok(());
-        }
-        self.run(gpu_uuid, TimeSliceInterval::Default.level())
     }
 }

@@ -7,9 +7,9 @@ use tessera_api::inventory::{Gpu, Mig, MigEngines, MigInstance, MigPlacement};
 use tessera_controller::model::policy::IsolationProvider;
 
 use super::*;
-use crate::host::{MpsClient, Unsupported};
+use crate::host::driver_root::discover_driver_files;
+use crate::host::port::{MpsClient, Unsupported};
 use crate::prepare::claims::Selected;
-use crate::prepare::layout::discover_driver_files;
 use crate::prepare::provider::{Hosts, mig_caps, mps};
 use crate::prepare::resolve::Resolved;
 use crate::state::records::Action;

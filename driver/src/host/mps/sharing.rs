@@ -7,7 +7,7 @@ use super::daemon::DaemonKey;
 use super::supervisor::MpsSupervisor;
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::ClientLimits;
-use crate::host::{MpsClient, MpsControl, MpsTarget, SharingError};
+use crate::host::port::{MpsClient, MpsControl, MpsTarget, SharingError};
 
 /// The daemon of a claim's target: it serves the MIG device when there is
 /// one.

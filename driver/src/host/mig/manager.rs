@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use nvml_wrapper::Nvml;
 use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
-use crate::host::{CreateError, MigManager, SharingError};
+use crate::host::port::{CreateError, MigManager, SharingError};
 use crate::state::records::MigRecord;
 use crate::sync::ReadWrite;
 

@@ -10,7 +10,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use super::{
+use crate::health::{
     HEALTH_CHECK_TIMEOUT_SECONDS, Health, HealthMap, HealthTracker, RESEND, fatal_meaning,
 };
 use crate::state::catalog::{Catalog, DeviceCatalog};

@@ -25,17 +25,17 @@ mod daemon;
 pub mod generation;
 mod launch;
 mod paths;
-mod process;
+
 mod sharing;
 mod supervisor;
 mod tmpfs;
 mod view;
 
+pub use crate::host::process::{Pidfd, ProcessId};
 pub use config::{DEFAULT_CONTROL_BINARY, MpsConfig, MpsError};
 pub use daemon::{DaemonKey, MpsDaemon};
 pub use launch::{HostCgroup, HostCgroupError};
 pub use paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, PID_FILE, RECORD};
-pub use process::{Pidfd, ProcessId};
 pub use supervisor::{MpsSupervisor, SupervisionReport, Watchdog};
 pub use tmpfs::{DirBounds, ShmPolicy};
 pub use view::{KEPT as KEPT_CAPABILITIES, kept_mask};

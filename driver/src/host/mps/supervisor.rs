@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use super::config::{MpsConfig, MpsError};
 use super::daemon::{Daemon, DaemonKey, MpsDaemon, Outcome};
 use super::paths::{RECORD, ignore_missing};
-use super::process::{Pidfd, ProcessId};
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{ClientLimits, is_device_uuid};
+use crate::host::process::{Pidfd, ProcessId};
 use crate::sync::Locked;
 
 /// What one supervision pass did.

@@ -22,15 +22,19 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::ValueEnum;
+
 use serde::Serialize;
 use tessera_api::inventory::{Inventory, Mig};
 use tessera_controller::model::plan;
 use tessera_driver::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
+use tessera_driver::host::mps::generation::{self, IsolationSupport};
 use tessera_driver::metrics::memory;
-use tessera_driver::mps::generation::{self, IsolationSupport};
 use tessera_driver::state::records::{ClaimEntry, EntryState, LimitsData};
+
+use crate::flags::{DriverFlags, KubeFlags};
+use crate::inventory::{CGROUP_FS, write_stdout};
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
@@ -47,20 +51,18 @@ pub struct StatusArgs {
     #[arg(long, short, value_enum, default_value_t = Output::Text)]
     pub output: Output,
 
-    /// Kubeconfig for the Pods of each claim and the GPUs' health; without
-    /// it the usual places (KUBECONFIG, ~/.kube/config, in-cluster). Where
-    /// none is found (or `--no-api`), Pods and health are reported unknown.
-    #[arg(long)]
-    pub kubeconfig: Option<PathBuf>,
+    /// kubeconfig is found (or `--no-api`), both are reported unknown.
+    #[command(flatten)]
+    pub kube: KubeFlags,
 
     /// Read nothing from the API server.
     #[arg(long)]
     pub no_api: bool,
 
-    /// The DRA driver name the node process publishes under (its health
-    /// taints are `<driver>/unhealthy`).
-    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = "gpu.tessera.dev")]
-    pub driver_name: String,
+    // The driver the node process publishes under (its health taints are
+    // `<driver>/unhealthy`).
+    #[command(flatten)]
+    pub driver: DriverFlags,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -200,14 +202,14 @@ pub fn status(library: &OsStr, args: &StatusArgs) -> anyhow::Result<ExitCode> {
         Err(why) => report.api_unavailable = Some(why),
     }
     report.isolation = Some(generation::detect(
-        Path::new(crate::CGROUP_FS),
+        Path::new(CGROUP_FS),
         &inventory.driver_version,
     ));
     let text = match args.output {
         Output::Json => serde_json::to_string_pretty(&report)? + "\n",
         Output::Text => text(&report),
     };
-    crate::write_stdout(&text)?;
+    write_stdout(&text)?;
     for p in &report.problems {
         eprintln!("tessera: error: {p}");
     }
@@ -269,10 +271,10 @@ async fn api_view(
     use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
     use kube::api::{Api, ListParams};
 
-    let client =
-        tessera_driver::plugin::cli::client(args.kubeconfig.as_deref(), Duration::from_secs(5))
-            .await
-            .map_err(|e| format!("{e:#}"))?;
+    let client = (args.kube)
+        .client(Duration::from_secs(5))
+        .await
+        .map_err(|e| format!("{e:#}"))?;
     let lookups = entries.iter().map(|(uid, entry)| {
         let api: Api<ResourceClaim> = Api::namespaced(client.clone(), &entry.namespace);
         async move {
@@ -299,13 +301,13 @@ async fn api_view(
     let slices: Api<ResourceSlice> = Api::all(client);
     let key = format!(
         "{}/{}",
-        args.driver_name,
+        args.driver.driver_name,
         tessera_controller::model::taints::UNHEALTHY
     );
     let list = slices
-        .list(&ListParams::default().fields(&format!("spec.driver={}", args.driver_name)))
+        .list(&ListParams::default().fields(&format!("spec.driver={}", args.driver.driver_name)))
         .await
-        .map_err(|e| format!("listing ResourceSlices of {}: {e}", args.driver_name))?;
+        .map_err(|e| format!("listing ResourceSlices of {}: {e}", args.driver.driver_name))?;
     let mut unhealthy = BTreeMap::new();
     for device in list
         .items

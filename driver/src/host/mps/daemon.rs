@@ -63,12 +63,12 @@ use serde::{Deserialize, Serialize};
 use super::config::{MpsConfig, MpsError};
 use super::launch;
 use super::paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, RECORD, ignore_missing};
-use super::process::{self, Handle, Pidfd, ProcessId};
 use super::tmpfs::{self, ClientDir};
 use super::view::{Role, View, ViewSpec};
 use crate::cdi;
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{self as limits, ClientLimits};
+use crate::host::process::{self, Handle, Pidfd, ProcessId};
 
 const POLL: Duration = Duration::from_millis(10);
 /// How long a daemon may take to die after SIGKILL.

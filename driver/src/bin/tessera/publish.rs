@@ -1,9 +1,7 @@
 //! `tessera publish` and `tessera slices`: GPU discovery -> ResourceSlice
-//! model -> API server (or stdout). Part of the `tessera` binary (declared
-//! in `main.rs`); the logic lives in `tessera_controller`.
+//! model -> API server (or stdout); the logic lives in `tessera_controller`.
 
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -12,31 +10,30 @@ use anyhow::{Context as _, bail};
 use clap::ValueEnum;
 use serde::Serialize;
 use tessera_api::inventory::Inventory;
-use tessera_controller::model::{DriverName, NodePolicy, SliceModel};
+use tessera_controller::model::SliceModel;
 use tessera_controller::publisher::{
     Detected, MIN_FULL_MODEL, NodeView, Publisher, PublisherConfig, Reconciled, ServerVersion,
     WriteCounts,
 };
 use tessera_driver::discovery;
-use tessera_driver::flags::CapabilityChoice;
 
-use crate::{quote_base60_lookalikes, write_stdout};
+use crate::flags::{
+    CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, PolicyFlags, init_logging,
+};
+use crate::inventory::{quote_base60_lookalikes, write_stdout};
+use crate::signals::termination;
 
 /// Which node and driver the pool belongs to, and the node policy.
 #[derive(Debug, clap::Args)]
 pub struct PoolArgs {
-    /// Name of this node (the pool is named after it).
-    #[arg(long, env = "NODE_NAME")]
-    node_name: Option<String>,
+    #[command(flatten)]
+    node: NodeFlags,
 
-    /// DRA driver name; attributes are qualified with it.
-    #[arg(long, env = "TESSERA_DRIVER_NAME", default_value = tessera_api::names::DEFAULT_DRIVER_NAME)]
-    driver_name: String,
+    #[command(flatten)]
+    driver: DriverFlags,
 
-    /// Node policy file (YAML, kind NodePolicy); default: every mode on
-    /// every GPU.
-    #[arg(long, env = "TESSERA_POLICY")]
-    policy: Option<PathBuf>,
+    #[command(flatten)]
+    policy: PolicyFlags,
 }
 
 #[derive(Debug, clap::Args)]
@@ -44,10 +41,8 @@ pub struct PublishArgs {
     #[command(flatten)]
     pool: PoolArgs,
 
-    /// Kubeconfig file; without it the usual places (KUBECONFIG,
-    /// ~/.kube/config, the in-cluster service account).
-    #[arg(long)]
-    kubeconfig: Option<PathBuf>,
+    #[command(flatten)]
+    kube: KubeFlags,
 
     /// Reconcile once, print what was written (JSON) and exit.
     #[arg(long)]
@@ -94,30 +89,6 @@ pub enum SliceFormat {
     Json,
 }
 
-impl PoolArgs {
-    fn node(&self) -> anyhow::Result<String> {
-        match &self.node_name {
-            Some(n) if !n.is_empty() => Ok(n.clone()),
-            _ => bail!("the node name is required: --node-name or NODE_NAME"),
-        }
-    }
-
-    fn driver(&self) -> anyhow::Result<DriverName> {
-        DriverName::new(&self.driver_name).map_err(Into::into)
-    }
-
-    fn policy(&self) -> anyhow::Result<NodePolicy> {
-        match &self.policy {
-            None => Ok(NodePolicy::default()),
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading the node policy {}", path.display()))?;
-                NodePolicy::from_yaml(&text).with_context(|| path.display().to_string())
-            }
-        }
-    }
-}
-
 /// Discovers the GPUs; GPUs that fail are reported and left out.
 fn discover_once(nvml: &nvml_wrapper::Nvml) -> anyhow::Result<Inventory> {
     let found = discovery::discover(nvml)?;
@@ -129,7 +100,7 @@ fn discover_once(nvml: &nvml_wrapper::Nvml) -> anyhow::Result<Inventory> {
 
 /// `tessera slices`.
 pub fn slices(library: &OsStr, args: &SlicesArgs) -> anyhow::Result<ExitCode> {
-    let node = match args.pool.node() {
+    let node = match args.pool.node.node() {
         Ok(n) => n,
         Err(_) => hostname().context("no --node-name/NODE_NAME and no hostname")?,
     };
@@ -141,8 +112,8 @@ pub fn slices(library: &OsStr, args: &SlicesArgs) -> anyhow::Result<ExitCode> {
     let Some(capabilities) = choice.capabilities() else {
         bail!("--capabilities auto needs an API server; use `tessera publish`, or pick one");
     };
-    let policy = args.pool.policy()?;
-    let driver = args.pool.driver()?;
+    let policy = args.pool.policy.load()?;
+    let driver = args.pool.driver.driver()?;
     let nvml = discovery::init(Some(library))?;
     let inventory = discover_once(&nvml)?;
     let model = SliceModel::new(&inventory, &policy, capabilities, &node)
@@ -215,15 +186,16 @@ impl From<&Detected> for ServerReport {
 }
 
 /// A client for the publisher, which watches its slices and the claims.
-async fn client(kubeconfig: Option<&Path>) -> anyhow::Result<kube::Client> {
-    tessera_driver::plugin::cli::client(kubeconfig, Duration::from_secs(10)).await
+async fn client(kube: &KubeFlags) -> anyhow::Result<kube::Client> {
+    kube.client(Duration::from_secs(10)).await
 }
 
 /// `tessera publish`.
 pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> {
     init_logging();
-    let node = args.pool.node()?;
-    let mut config = PublisherConfig::new(&node, args.pool.driver()?, args.pool.policy()?);
+    let node = args.pool.node.node()?;
+    let mut config =
+        PublisherConfig::new(&node, args.pool.driver.driver()?, args.pool.policy.load()?);
     config.capabilities = args.capabilities.capabilities();
     config.min_full_model = args.full_model_min_version;
 
@@ -237,7 +209,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
         .context("starting the async runtime")?;
     if args.once {
         return runtime.block_on(async {
-            let mut publisher = Publisher::new(client(args.kubeconfig.as_deref()).await?, config);
+            let mut publisher = Publisher::new(client(&args.kube).await?, config);
             let counters = publisher.counters();
             let result = publisher.reconcile(&inventory.into()).await;
             let server = publisher.detected().map(ServerReport::from);
@@ -279,36 +251,13 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
         }
     });
     runtime.block_on(async {
-        let client = client(args.kubeconfig.as_deref()).await?;
+        let client = client(&args.kube).await?;
         let publisher = Publisher::new(client, config);
         tracing::info!("publishing ResourceSlices for node {node}");
-        publisher.run(rx, shutdown_signal()).await;
+        publisher.run(rx, termination()).await;
         anyhow::Ok(())
     })?;
     let _ = stop_tx.send(());
     let _ = rediscovery.join();
     Ok(ExitCode::SUCCESS)
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
-    tracing::info!("shutting down");
-}
-
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
 }

@@ -1,4 +1,4 @@
-//! The kubelet plugin server: plugin registration and the DRA node service.
+//! The kubelet plugin's servers: plugin registration and the DRA node service.
 //!
 //! Two gRPC servers on unix sockets (see [`sockets`] for names and
 //! permissions):
@@ -20,13 +20,12 @@
 //! instance), lets calls in flight finish, and removes the DRA socket.
 
 pub mod authority;
-pub mod cli;
-pub mod heap;
+pub mod health;
 pub mod sockets;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,9 +34,9 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::{error, info, warn};
 
-use crate::health::HealthService;
 use crate::prepare::Preparer;
 use crate::prepare::claims::ClaimRef;
+use health::HealthService;
 
 /// Where the plugin's sockets go.
 #[derive(Debug, Clone)]
@@ -94,71 +93,99 @@ impl Plugin {
     /// Binds both sockets, serves until `shutdown` completes, then removes
     /// the sockets. Errors only when a socket cannot be set up or a server
     /// fails.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
-        use anyhow::Context as _;
-        let driver = &self.config.driver_name;
-        let reg_path = self.config.registration_socket();
-        let dra_path = self.config.dra_socket();
-        let dra_dir = sockets::dra_socket_dir(&self.config.plugins_dir, driver);
-        sockets::ensure_private_dir(&dra_dir)
-            .with_context(|| format!("creating the DRA socket directory {}", dra_dir.display()))?;
-        if !self.config.registry_dir.is_dir() {
-            anyhow::bail!(
-                "the kubelet's plugin registry directory {} does not exist (is the kubelet's \
-                 root directory mounted into the plugin, and --kubelet-registry-dir right?)",
-                self.config.registry_dir.display()
-            );
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
+        let sockets = self.bind_sockets()?;
+        let (mut servers, stops) = self.serve(sockets.listeners);
+        info!(
+            registration = %sockets.registration.display(),
+            dra = %sockets.dra.display(),
+            "kubelet plugin {} serving", self.config.driver_name
+        );
+        let failure = servers.until_one_stops(shutdown).await;
+        // Deregister first, then drain.
+        let _ = std::fs::remove_file(&sockets.registration);
+        stops.stop();
+        servers.drain().await;
+        let _ = std::fs::remove_file(&sockets.dra);
+        info!("kubelet plugin stopped; sockets removed");
+        match failure {
+            Some(failure) => {
+                error!("{failure}");
+                Err(failure)
+            }
+            None => Ok(()),
         }
-        for stale in sockets::remove_stale(&dra_dir, "dra-", ".sock", &dra_path)
+    }
+
+    /// Prepares the socket directories (stale sockets of earlier runs
+    /// removed) and binds both sockets, the DRA one first: the kubelet may
+    /// call it right after registration.
+    fn bind_sockets(&self) -> Result<Bound, ServeError> {
+        let driver = &self.config.driver_name;
+        let registration = self.config.registration_socket();
+        let dra = self.config.dra_socket();
+        let dra_dir = sockets::dra_socket_dir(&self.config.plugins_dir, driver);
+        sockets::ensure_private_dir(&dra_dir).map_err(|source| ServeError::SocketDir {
+            dir: dra_dir.clone(),
+            source,
+        })?;
+        if !self.config.registry_dir.is_dir() {
+            return Err(ServeError::NoRegistry {
+                dir: self.config.registry_dir.clone(),
+            });
+        }
+        for stale in sockets::remove_stale(&dra_dir, "dra-", ".sock", &dra)
             .into_iter()
             .chain(sockets::remove_stale(
                 &self.config.registry_dir,
                 &format!("{driver}-"),
                 "-reg.sock",
-                &reg_path,
+                &registration,
             ))
         {
             info!("removed stale socket {}", stale.display());
         }
+        let listeners = Listeners {
+            dra: listen(&dra)?,
+            registration: listen(&registration)?,
+        };
+        Ok(Bound {
+            registration,
+            dra,
+            listeners,
+        })
+    }
 
-        // The DRA service first: the kubelet may call it right after
-        // registration.
-        let dra_listener =
-            sockets::bind(&dra_path).with_context(|| format!("binding {}", dra_path.display()))?;
-        let dra_listener = tokio::net::UnixListener::from_std(dra_listener)?;
-        let reg_listener =
-            sockets::bind(&reg_path).with_context(|| format!("binding {}", reg_path.display()))?;
-        let reg_listener = tokio::net::UnixListener::from_std(reg_listener)?;
-
+    /// Starts both servers; each stops when told through `Stops`.
+    fn serve(&self, listeners: Listeners) -> (Servers, Stops) {
         let (stop_reg, reg_stopped) = watch::channel(false);
         let (stop_dra, dra_stopped) = watch::channel(false);
         let until = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|stop| *stop).await;
         };
-
         let registration = Registration {
-            driver: driver.clone(),
-            endpoint: dra_path.to_string_lossy().into_owned(),
+            driver: self.config.driver_name.clone(),
+            endpoint: self.config.dra_socket().to_string_lossy().into_owned(),
             health: self.health.is_some(),
         };
         // Health streams end when the DRA server stops (they would hold
         // the drain up otherwise).
-        let health = self.health.map(|h| {
+        let health = self.health.clone().map(|h| {
             kubelet::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
                 h.until(dra_stopped.clone()),
             )
         });
-        let mut reg_server = tokio::spawn(
+        let registration = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(registration::registration_server::RegistrationServer::new(
                     registration,
                 ))
                 .serve_with_incoming_shutdown(
-                    authority::incoming(reg_listener),
+                    authority::incoming(listeners.registration),
                     until(reg_stopped),
                 ),
         );
-        let mut dra_server = tokio::spawn(
+        let dra = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(dra_v1::dra_plugin_server::DraPluginServer::new(DraV1(
                     self.preparer.clone(),
@@ -168,44 +195,112 @@ impl Plugin {
                 ))
                 .add_optional_service(health)
                 .serve_with_incoming_shutdown(
-                    authority::incoming(dra_listener),
+                    authority::incoming(listeners.dra),
                     until(dra_stopped),
                 ),
         );
-        info!(
-            registration = %reg_path.display(),
-            dra = %dra_path.display(),
-            "kubelet plugin {driver} serving"
-        );
+        (
+            Servers { registration, dra },
+            Stops {
+                registration: stop_reg,
+                dra: stop_dra,
+            },
+        )
+    }
+}
 
-        let mut failure = None;
+/// Why the kubelet plugin could not serve, or stopped serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("creating the DRA socket directory {}: {source}", dir.display())]
+    SocketDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the kubelet's plugin registry directory {} does not exist (is the kubelet's root \
+         directory mounted into the plugin, and --kubelet-registry-dir right?)",
+        dir.display()
+    )]
+    NoRegistry { dir: PathBuf },
+    #[error("binding {}: {source}", socket.display())]
+    Bind {
+        socket: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{which} server stopped: {why}")]
+    Stopped { which: &'static str, why: String },
+}
+
+/// Binds `socket` for the async runtime.
+fn listen(socket: &Path) -> Result<tokio::net::UnixListener, ServeError> {
+    let bind_error = |source| ServeError::Bind {
+        socket: socket.to_owned(),
+        source,
+    };
+    let listener = sockets::bind(socket).map_err(bind_error)?;
+    tokio::net::UnixListener::from_std(listener).map_err(bind_error)
+}
+
+/// Both sockets, bound.
+struct Bound {
+    registration: PathBuf,
+    dra: PathBuf,
+    listeners: Listeners,
+}
+
+struct Listeners {
+    registration: tokio::net::UnixListener,
+    dra: tokio::net::UnixListener,
+}
+
+type Server = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// The two servers, running.
+struct Servers {
+    registration: Server,
+    dra: Server,
+}
+
+/// Tells each server to stop taking calls.
+struct Stops {
+    registration: watch::Sender<bool>,
+    dra: watch::Sender<bool>,
+}
+
+impl Stops {
+    fn stop(&self) {
+        let _ = self.registration.send(true);
+        let _ = self.dra.send(true);
+    }
+}
+
+impl Servers {
+    /// Waits for `shutdown`, or for a server to stop by itself (a failure).
+    async fn until_one_stops(&mut self, shutdown: impl Future<Output = ()>) -> Option<ServeError> {
+        let stopped = |which, r| ServeError::Stopped {
+            which,
+            why: describe(r),
+        };
         tokio::select! {
-            () = shutdown => info!("shutting down the kubelet plugin"),
-            r = &mut reg_server => failure = Some(format!("registration server stopped: {}", describe(r))),
-            r = &mut dra_server => failure = Some(format!("DRA server stopped: {}", describe(r))),
+            () = shutdown => {
+                info!("shutting down the kubelet plugin");
+                None
+            }
+            r = &mut self.registration => Some(stopped("registration", r)),
+            r = &mut self.dra => Some(stopped("DRA", r)),
         }
+    }
 
-        // Deregister first, then drain.
-        let _ = std::fs::remove_file(&reg_path);
-        let _ = stop_reg.send(true);
-        let _ = stop_dra.send(true);
-        for (name, server) in [("registration", reg_server), ("DRA", dra_server)] {
+    /// Lets calls in flight finish, up to [`DRAIN`].
+    async fn drain(self) {
+        for (name, server) in [("registration", self.registration), ("DRA", self.dra)] {
             if server.is_finished() {
                 continue;
             }
-            match tokio::time::timeout(DRAIN, server).await {
-                Ok(_) => {}
-                Err(_) => warn!("{name} server did not stop within {DRAIN:?}"),
+            if tokio::time::timeout(DRAIN, server).await.is_err() {
+                warn!("{name} server did not stop within {DRAIN:?}");
             }
-        }
-        let _ = std::fs::remove_file(&dra_path);
-        info!("kubelet plugin stopped; sockets removed");
-        match failure {
-            Some(f) => {
-                error!("{f}");
-                Err(anyhow::anyhow!(f))
-            }
-            None => Ok(()),
         }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, channel};
 
 use super::*;
-use crate::host::MpsControl;
+use crate::host::port::MpsControl;
 
 const GPU: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const LIMITS: ClientLimits = ClientLimits {

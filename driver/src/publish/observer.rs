@@ -1,0 +1,193 @@
+use std::sync::{Arc, mpsc};
+use std::time::Duration;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+use tessera_api::inventory::Inventory;
+use tessera_controller::publisher::NodeView;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::discovery;
+use crate::health::HealthTracker;
+use crate::prepare::NodeChange;
+use crate::prepare::Preparer;
+use crate::sync::ReadWrite;
+
+/// Reads the GPUs and what the driver did to them, together.
+pub struct Observer {
+    nvml: Arc<Nvml>,
+    preparer: Arc<Preparer>,
+    health: Option<Arc<HealthTracker>>,
+}
+
+impl Observer {
+    pub fn new(nvml: Arc<Nvml>, preparer: Arc<Preparer>) -> Self {
+        Observer {
+            nvml,
+            preparer,
+            health: None,
+        }
+    }
+
+    /// Every view carries the GPUs `health` holds Unhealthy (the slices
+    /// taint their devices); poke the observer when it changes.
+    pub fn with_health(mut self, health: Arc<HealthTracker>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// One look at the node. A GPU that cannot be read is left out, unless
+    /// `last` saw it and it is not lost: then its last look stands in (an
+    /// operator's `nvidia-smi` switching its MIG layout between two NVML
+    /// calls must not make its devices vanish from the slices).
+    pub fn observe(&self, last: Option<&Inventory>) -> Result<NodeView, discovery::Error> {
+        let lock = self.preparer.hardware_lock();
+        let _reading = lock.reading();
+        let found = discovery::discover(&self.nvml)?;
+        let mut inventory = found.inventory;
+        for e in &found.failed {
+            let kept = e
+                .uuid
+                .as_deref()
+                .filter(|_| !matches!(e.error, NvmlError::GpuLost))
+                .and_then(|uuid| keep_last_look(&mut inventory, last, uuid));
+            match kept {
+                Some(()) => warn!("GPU discovery: {e} (its last look stays published)"),
+                None => warn!("GPU discovery: {e} (not published)"),
+            }
+        }
+        Ok(self.with_records(inventory))
+    }
+
+    /// `last`'s GPUs with the records as they are now: after a change that
+    /// left the GPUs alone (a whole GPU or a share prepared, a health
+    /// change), reading every GPU through NVML again would only cost time.
+    pub fn refresh(&self, last: &NodeView) -> NodeView {
+        let lock = self.preparer.hardware_lock();
+        let _reading = lock.reading();
+        self.with_records(last.inventory.clone())
+    }
+
+    fn with_records(&self, inventory: Inventory) -> NodeView {
+        NodeView {
+            inventory,
+            owned_mig: self.preparer.created_mig(),
+            prepared: self.preparer.prepared_devices(),
+            unhealthy: self
+                .health
+                .as_ref()
+                .map(|h| crate::health::unhealthy_gpus(&h.current()))
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Observes every `period`, and at once when poked (prepare and
+    /// unprepare poke after each change, saying whether the GPUs changed or
+    /// only the records); sends views that differ. Ends when every poke
+    /// sender is gone.
+    pub fn spawn(
+        self: Arc<Self>,
+        views: watch::Sender<NodeView>,
+        pokes: mpsc::Receiver<NodeChange>,
+        period: Duration,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            loop {
+                let mut change = match pokes.recv_timeout(period) {
+                    Ok(change) => change,
+                    Err(mpsc::RecvTimeoutError::Timeout) => NodeChange::Gpus,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                };
+                while let Ok(more) = pokes.try_recv() {
+                    if more == NodeChange::Gpus {
+                        change = more;
+                    }
+                }
+                let last = views.borrow().clone();
+                let looked = match change {
+                    NodeChange::Records => Ok(self.refresh(&last)),
+                    NodeChange::Gpus => self.observe(Some(&last.inventory)),
+                };
+                match looked {
+                    Ok(view) => {
+                        views.send_if_modified(|current| {
+                            let changed = *current != view;
+                            if changed {
+                                info!(
+                                    gpus = view.inventory.gpus.len(),
+                                    created_mig = view.owned_mig.len(),
+                                    prepared = view.prepared.len(),
+                                    unhealthy = view.unhealthy.len(),
+                                    "node changed"
+                                );
+                                *current = view;
+                            }
+                            changed
+                        });
+                    }
+                    Err(e) => warn!("GPU discovery failed: {e:#}; keeping the last view"),
+                }
+            }
+        })
+    }
+}
+
+/// Puts `last`'s entry for GPU `uuid` into `inventory` (in NVML order, by
+/// PCI bus id); `None` when `last` never saw it.
+fn keep_last_look(inventory: &mut Inventory, last: Option<&Inventory>, uuid: &str) -> Option<()> {
+    if inventory.gpus.iter().any(|g| g.uuid == uuid) {
+        return Some(());
+    }
+    let gpu = last?.gpus.iter().find(|g| g.uuid == uuid)?.clone();
+    let at = inventory
+        .gpus
+        .iter()
+        .position(|g| g.pci_bus_id > gpu.pci_bus_id)
+        .unwrap_or(inventory.gpus.len());
+    inventory.gpus.insert(at, gpu);
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_api::inventory::{Gpu, Mig};
+
+    fn gpu(uuid: &str, bus: &str) -> Gpu {
+        Gpu {
+            uuid: uuid.into(),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "nvidia".into(),
+            architecture: "hopper".into(),
+            cuda_compute_capability: "9.0".into(),
+            pci_bus_id: bus.into(),
+            memory_bytes: 80 << 30,
+            multiprocessors: 132,
+            minor: 0,
+            mig: Mig::NotSupported,
+        }
+    }
+
+    #[test]
+    fn an_unreadable_gpu_keeps_its_last_look_in_place() {
+        let last = Inventory {
+            gpus: vec![
+                gpu("GPU-a", "0000:1b:00.0"),
+                gpu("GPU-b", "0000:43:00.0"),
+                gpu("GPU-c", "0000:52:00.0"),
+            ],
+            ..Inventory::default()
+        };
+        let mut now = Inventory {
+            gpus: vec![gpu("GPU-a", "0000:1b:00.0"), gpu("GPU-c", "0000:52:00.0")],
+            ..Inventory::default()
+        };
+        assert_eq!(keep_last_look(&mut now, Some(&last), "GPU-b"), Some(()));
+        assert_eq!(now, last);
+        // Never seen before: nothing to keep.
+        assert_eq!(keep_last_look(&mut now, Some(&last), "GPU-x"), None);
+        assert_eq!(keep_last_look(&mut now, None, "GPU-x"), None);
+        assert_eq!(now, last);
+    }
+}
