@@ -5,6 +5,7 @@
 //! fresh directory (removed when the test's [`TestMachine`] drops), so no two
 //! tests ever share run-time state.
 
+use std::ffi::c_int;
 use std::io::Write;
 use std::mem::zeroed;
 use std::os::unix::fs::MetadataExt;
@@ -12,6 +13,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::MutexGuard;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use super::*;
 
