@@ -135,7 +135,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{Kind, Machine, encode};
+use crate::machine::Machine;
+use crate::machine::handles::{Kind, encode};
 use crate::state::{Access, Store};
 use crate::topology::Topology;
 

@@ -6,7 +6,8 @@ use std::ffi::{c_uint, c_ulonglong};
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{DeviceRef, Machine};
+use crate::machine::Machine;
+use crate::machine::handles::DeviceRef;
 use crate::{NO_INSTANCE, ffi, live_loads, put, with_machine};
 use crate::{activity, load};
 

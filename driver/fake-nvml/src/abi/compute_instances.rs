@@ -6,7 +6,10 @@ use std::ptr;
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{self, Machine, compute_instance_sizes, compute_placements};
+use crate::machine::Machine;
+use crate::machine::placements::{
+    compute_instance_sizes, compute_placements, compute_profile_slices,
+};
 use crate::topology::Profile;
 use crate::{
     ci_handle, ffi, fill_name, gi_handle, gpu_handle, put, put_array, put_instances,
@@ -28,7 +31,7 @@ fn compute_profile(
     if profile >= NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
         return Err(INVALID_ARGUMENT);
     }
-    let slices = machine::compute_profile_slices(profile).ok_or(NOT_SUPPORTED)?;
+    let slices = compute_profile_slices(profile).ok_or(NOT_SUPPORTED)?;
     let (_, p) = m.gpu_instance_profile(g, gi).ok_or(INVALID_ARGUMENT)?;
     if !compute_instance_sizes(p.slices).contains(&slices) {
         return Err(NOT_SUPPORTED);

@@ -6,7 +6,8 @@ use std::ptr;
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{DeviceRef, Machine};
+use crate::machine::Machine;
+use crate::machine::handles::DeviceRef;
 use crate::state::ComputeMode;
 use crate::topology;
 use crate::{

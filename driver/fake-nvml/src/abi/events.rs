@@ -6,9 +6,10 @@ use std::time::{Duration, Instant};
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{DeviceRef, Kind, Machine, QueuedEvent};
+use crate::events;
+use crate::machine::handles::{self, DeviceRef, Kind};
+use crate::machine::{Machine, QueuedEvent};
 use crate::{NO_INSTANCE, ffi, gpu_handle, handle, put, with_machine};
-use crate::{events, machine};
 
 /// Event types every simulated GPU supports: ECC errors, P-state and clock
 /// changes and critical XID errors.
@@ -19,7 +20,7 @@ const SUPPORTED_EVENTS: u64 = (nvmlEventTypeSingleBitEccError
     | nvmlEventTypeClock) as u64;
 
 fn event_set_id(set: nvmlEventSet_t) -> Result<u32, Ret> {
-    machine::decode(Kind::EventSet, set.addr())
+    handles::decode(Kind::EventSet, set.addr())
         .map(|(id, _, _)| id as u32)
         .ok_or(INVALID_ARGUMENT)
 }

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_uint};
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{DeviceRef, Kind};
+use crate::machine::handles::{DeviceRef, Kind};
 use crate::topology;
 use crate::{ffi, get_str, gpu_handle, handle, put, with_machine};
 

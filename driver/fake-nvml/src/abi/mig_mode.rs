@@ -6,7 +6,8 @@ use std::ptr;
 use nvml_wrapper_sys::bindings::*;
 
 use crate::codes::*;
-use crate::machine::{DeviceRef, Kind, Machine};
+use crate::machine::Machine;
+use crate::machine::handles::{DeviceRef, Kind};
 use crate::topology::{self, Profile};
 use crate::{
     ffi, fill_name, gpu_handle, handle, put, put_array, struct_version, with_machine,
