@@ -8,7 +8,7 @@
 //! from an uninitialized library, as a new process would.
 
 use std::collections::BTreeMap;
-use std::ffi::CStr;
+use std::ffi::{CStr, c_uint};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
