@@ -151,7 +151,7 @@ use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 pub use codes::CUresult;
@@ -162,6 +162,7 @@ pub use errors::*;
 pub use init::*;
 use machine::Physical;
 pub use memory::*;
+use tessera_fake_nvml::sync::Locked;
 
 /// `CUdevice`: a device ordinal.
 pub type CUdevice = c_int;
@@ -226,7 +227,7 @@ thread_local! {
 }
 
 fn lock() -> MutexGuard<'static, Lib> {
-    LIB.lock().unwrap_or_else(PoisonError::into_inner)
+    LIB.locked()
 }
 
 /// One initialized library: the devices and what this process did with them.

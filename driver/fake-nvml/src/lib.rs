@@ -121,6 +121,7 @@ mod events;
 pub mod load;
 mod machine;
 mod state;
+pub mod sync;
 pub mod topology;
 mod visibility;
 
@@ -130,7 +131,7 @@ use std::ffi::{CStr, c_char, c_uint};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use nvml_wrapper_sys::bindings::*;
 
@@ -138,6 +139,7 @@ use crate::codes::*;
 use crate::machine::Machine;
 use crate::machine::handles::{Kind, encode};
 use crate::state::{Access, Store};
+use crate::sync::Locked;
 use crate::topology::Topology;
 
 /// Environment variable naming the topology file.
@@ -182,7 +184,7 @@ static LIB: Mutex<Lib> = Mutex::new(Lib {
 });
 
 fn lock() -> MutexGuard<'static, Lib> {
-    LIB.lock().unwrap_or_else(PoisonError::into_inner)
+    LIB.locked()
 }
 
 /// Runs `f` on the machine, up to date with the state file, or answers
@@ -387,11 +389,7 @@ static TEST_CONFIG: Mutex<Option<TestConfig>> = Mutex::new(None);
 
 fn config() -> Result<Config, String> {
     #[cfg(test)]
-    if let Some(c) = TEST_CONFIG
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone()
-    {
+    if let Some(c) = TEST_CONFIG.locked().clone() {
         return Ok(Config {
             topology: Topology::parse(&c.topology)?,
             events: c.events,

@@ -67,7 +67,7 @@ fn scratch_dir(what: &str) -> PathBuf {
 }
 
 fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMachine {
-    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let serial = SERIAL.locked();
     let dir = scratch_dir("machine");
     *TEST_CONFIG.lock().unwrap() = Some(TestConfig {
         topology: topology.to_string(),
@@ -1095,7 +1095,7 @@ const CHILD_TAG: &str = "fill-child:";
 
 #[test]
 fn two_processes_filling_a_machine_lose_no_update() {
-    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let _serial = SERIAL.locked();
     let dir = scratch_dir("fill");
     let topology = dir.join("h100x8.yaml");
     std::fs::write(&topology, H100X8).unwrap();
