@@ -133,8 +133,13 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod codes;
+mod contexts;
+mod devices;
+mod errors;
+mod init;
 mod kernels;
 mod machine;
+mod memory;
 mod mps;
 mod visible;
 
@@ -143,15 +148,21 @@ mod tests;
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
+use std::ffi::{c_char, c_int, c_ulonglong};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
 pub use codes::CUresult;
 use codes::*;
+pub use contexts::*;
+pub use devices::*;
+pub use errors::*;
+pub use init::*;
 use machine::Physical;
+pub use memory::*;
+use tessera_fake_nvml::sync::Locked;
 
 /// `CUdevice`: a device ordinal.
 pub type CUdevice = c_int;
@@ -180,8 +191,6 @@ pub struct CUuuid {
 pub const VISIBLE_DEVICES_ENV: &str = "CUDA_VISIBLE_DEVICES";
 
 const MIB: u64 = 1 << 20;
-/// Allocation granularity.
-const GRANULE: u64 = 2 * MIB;
 /// Where device addresses start (an address range the real driver uses).
 const FIRST_ADDRESS: u64 = 0x7f00_0000_0000;
 
@@ -197,10 +206,6 @@ const CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: c_int = 76;
 
 /// `CU_COMPUTEMODE_PROHIBITED`.
 const COMPUTE_MODE_PROHIBITED: u32 = 2;
-/// The `cuCtxCreate` flags that exist (scheduling, map host, local memory
-/// resize, coredump, sync memops).
-const CTX_FLAGS: c_uint = 0xFF;
-const CTX_SCHED_MASK: c_uint = 0x07;
 
 struct Lib {
     /// `cuInit`'s outcome, kept for the life of the process.
@@ -222,7 +227,7 @@ thread_local! {
 }
 
 fn lock() -> MutexGuard<'static, Lib> {
-    LIB.lock().unwrap_or_else(PoisonError::into_inner)
+    LIB.locked()
 }
 
 /// One initialized library: the devices and what this process did with them.
@@ -452,525 +457,4 @@ impl Session {
             Err(_) => {}
         }
     }
-}
-
-/// The 16 bytes of a UUID string: its 32 hex digits when it is
-/// `GPU-`/`MIG-` + `8-4-4-4-12` hex, else a stable hash of it.
-pub fn uuid_bytes(uuid: &str) -> [u8; 16] {
-    let body = uuid
-        .strip_prefix("GPU-")
-        .or_else(|| uuid.strip_prefix("MIG-"))
-        .unwrap_or("");
-    let groups: Vec<&str> = body.split('-').collect();
-    let well_formed = groups.len() == 5
-        && groups
-            .iter()
-            .zip([8, 4, 4, 4, 12])
-            .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()));
-    let mut out = [0u8; 16];
-    if well_formed {
-        let hex: String = groups.concat();
-        for (i, byte) in out.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0);
-        }
-        return out;
-    }
-    // FNV-1a, twice with different seeds.
-    for (half, seed) in [0xcbf2_9ce4_8422_2325u64, 0x6c62_272e_07bb_0142]
-        .iter()
-        .enumerate()
-    {
-        let mut h = *seed;
-        for b in uuid.bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-        out[half * 8..half * 8 + 8].copy_from_slice(&h.to_be_bytes());
-    }
-    out
-}
-
-// ---------------------------------------------------------------------------
-// Initialization
-
-/// What the process asked for, read once at `cuInit`.
-#[derive(Debug, Clone, Default)]
-struct Env {
-    visible: Option<String>,
-    pipe_directory: Option<String>,
-    client: mps::ClientEnv,
-    /// `TESSERA_FAKE_NVML_LOAD` is set: record this process's load.
-    load: bool,
-}
-
-impl Env {
-    fn read() -> Env {
-        Env {
-            visible: env_var(VISIBLE_DEVICES_ENV),
-            pipe_directory: env_var(mps::PIPE_DIRECTORY_ENV),
-            client: mps::ClientEnv {
-                thread_percentage: env_var(mps::protocol::THREAD_PERCENTAGE_ENV),
-                pinned_mem_limit: env_var(mps::protocol::PINNED_MEM_LIMIT_ENV),
-            },
-            load: env_var(tessera_fake_nvml::load::LOAD_ENV).is_some_and(|v| !v.is_empty()),
-        }
-    }
-}
-
-fn start(generation: u16) -> Result<Session, CUresult> {
-    let env = Env::read();
-    let (driver_version, physical) = machine::devices()?;
-    let uuids: Vec<&str> = physical.iter().map(|p| p.uuid.as_str()).collect();
-    let daemon = mps::ask_daemon(&mps::pipe_directory(env.pipe_directory.as_deref()))?;
-    // The devices before the process's own CUDA_VISIBLE_DEVICES, each with
-    // its ordinal among the daemon's devices under MPS.
-    let base: Vec<(usize, Option<u32>)> = match &daemon {
-        None => (0..physical.len()).map(|i| (i, None)).collect(),
-        Some(d) => mps::daemon_devices(d, &uuids)
-            .into_iter()
-            .map(|(i, o)| (i, Some(o)))
-            .collect(),
-    };
-    let base_uuids: Vec<&str> = base.iter().map(|(i, _)| uuids[*i]).collect();
-    let chosen = visible::select(env.visible.as_deref(), &base_uuids);
-    if chosen.is_empty() {
-        return Err(NO_DEVICE);
-    }
-    let devices = chosen
-        .into_iter()
-        .enumerate()
-        .map(|(ordinal, b)| {
-            let (i, daemon_ordinal) = base[b];
-            let p = physical[i].clone();
-            let whole = p.memory_bytes.saturating_sub(p.reserved_bytes);
-            let (multiprocessors, usable, sm_percent) = match (&daemon, daemon_ordinal) {
-                (Some(d), Some(o)) => {
-                    let l = mps::limits(d, &env.client, o, ordinal as u32);
-                    (
-                        mps::multiprocessors(p.multiprocessors, l.thread_percentage),
-                        l.pinned_bytes.map_or(whole, |b| b.min(whole)),
-                        l.thread_percentage.round().clamp(1.0, 100.0) as u32,
-                    )
-                }
-                _ => (p.multiprocessors, whole, 100),
-            };
-            Device {
-                physical: p,
-                multiprocessors,
-                usable,
-                allocated: 0,
-                primary_refs: 0,
-                sm_percent,
-                mps_client: daemon_ordinal.is_some() && daemon.is_some(),
-                in_flight_until: None,
-                busy_until_ms: 0,
-            }
-        })
-        .collect::<Vec<_>>();
-    Ok(Session {
-        generation,
-        driver_version,
-        next_context: devices.len() as u32 + 1,
-        devices,
-        contexts: BTreeMap::new(),
-        allocations: BTreeMap::new(),
-        next_address: FIRST_ADDRESS,
-        modules: BTreeMap::new(),
-        next_module: 1,
-        load: env.load.then(open_load_record).flatten(),
-    })
-}
-
-/// This process's load file, said on stderr when it cannot be made (the
-/// process then runs unrecorded, as with load off).
-fn open_load_record() -> Option<LoadRecord> {
-    let channel = tessera_fake_nvml::load::Channel::open()
-        .inspect_err(|e| eprintln!("tessera-fake-cuda: no load file for this process: {e}"))
-        .ok()?;
-    Some(LoadRecord {
-        channel,
-        record: tessera_fake_nvml::load::Record::for_this_process()?,
-        failed: false,
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuInit(flags: c_uint) -> CUresult {
-    ffi(|| {
-        if flags != 0 {
-            return Err(INVALID_VALUE);
-        }
-        let mut lib = lock();
-        if lib.init.is_none() {
-            lib.generation = lib.generation.wrapping_add(1);
-            let generation = lib.generation;
-            lib.init = Some(start(generation));
-        }
-        match &lib.init {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(code)) => Err(*code),
-            None => Err(UNKNOWN),
-        }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CUresult {
-    ffi(|| {
-        if version.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        let known = with_session(|s| Ok(s.driver_version)).ok();
-        let v = match known {
-            Some(v) => v,
-            None => machine::driver_version()?,
-        };
-        // SAFETY: CUDA contract: null or valid for an int.
-        unsafe { put(version, v) }
-    })
-}
-
-// ---------------------------------------------------------------------------
-// Devices
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
-    ffi(|| {
-        let n = with_session(|s| Ok(s.devices.len() as c_int))?;
-        // SAFETY: CUDA contract: null or valid for an int.
-        unsafe { put(count, n) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
-    ffi(|| {
-        with_session(|s| s.device(ordinal).map(|_| ()))?;
-        // SAFETY: CUDA contract: null or valid for a CUdevice.
-        unsafe { put(device, ordinal) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
-    ffi(|| {
-        let text = with_session(|s| Ok(s.device(dev)?.physical.name.clone()))?;
-        if name.is_null() || len <= 0 {
-            return Err(INVALID_VALUE);
-        }
-        // Truncated to the buffer, always NUL-terminated.
-        let n = text.len().min(len as usize - 1);
-        // SAFETY: CUDA contract: `name` is valid for `len` bytes, and
-        // `n + 1 <= len`.
-        unsafe {
-            ptr::copy_nonoverlapping(text.as_ptr(), name.cast::<u8>(), n);
-            name.add(n).write(0);
-        }
-        Ok(())
-    })
-}
-
-fn uuid_of(uuid: *mut CUuuid, dev: CUdevice, own: bool) -> CUresult {
-    ffi(|| {
-        let text = with_session(|s| {
-            let p = &s.device(dev)?.physical;
-            Ok(if own {
-                p.uuid.clone()
-            } else {
-                p.gpu_uuid.clone()
-            })
-        })?;
-        let bytes = uuid_bytes(&text).map(|b| b as c_char);
-        // SAFETY: CUDA contract: null or valid for a CUuuid.
-        unsafe { put(uuid, CUuuid { bytes }) }
-    })
-}
-
-/// The physical GPU's UUID (for a MIG device, its parent's).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    uuid_of(uuid, dev, false)
-}
-
-/// The device's own UUID (for a MIG device, the MIG device's).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    uuid_of(uuid, dev, true)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    ffi(|| {
-        let total = with_session(|s| Ok(s.device(dev)?.physical.memory_bytes))?;
-        // SAFETY: CUDA contract: null or valid for a size_t.
-        unsafe { put(bytes, total as usize) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetAttribute(
-    value: *mut c_int,
-    attribute: CUdevice_attribute,
-    dev: CUdevice,
-) -> CUresult {
-    ffi(|| {
-        let v = with_session(|s| {
-            let d = s.device(dev)?;
-            let p = &d.physical;
-            let v = match attribute {
-                CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK => 1024,
-                CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT => d.multiprocessors as c_int,
-                CU_DEVICE_ATTRIBUTE_INTEGRATED => 0,
-                CU_DEVICE_ATTRIBUTE_COMPUTE_MODE => p.compute_mode as c_int,
-                CU_DEVICE_ATTRIBUTE_PCI_BUS_ID => p.pci.1 as c_int,
-                CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID => p.pci.2 as c_int,
-                CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID => p.pci.0 as c_int,
-                CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR => p.compute_capability.0,
-                CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR => p.compute_capability.1,
-                _ => return Err(INVALID_VALUE),
-            };
-            Ok(v)
-        })?;
-        // SAFETY: CUDA contract: null or valid for an int.
-        unsafe { put(value, v) }
-    })
-}
-
-// ---------------------------------------------------------------------------
-// Contexts
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v2(
-    context: *mut CUcontext,
-    flags: c_uint,
-    dev: CUdevice,
-) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            if context.is_null()
-                || flags & !CTX_FLAGS != 0
-                || !matches!(flags & CTX_SCHED_MASK, 0 | 1 | 2 | 4)
-            {
-                return Err(INVALID_VALUE);
-            }
-            let device = s.usable(dev)?;
-            let id = s.next_context;
-            s.next_context += 1;
-            s.contexts.insert(
-                id,
-                Context {
-                    device,
-                    primary: false,
-                },
-            );
-            let handle = s.handle(id);
-            CURRENT.with(|c| c.set(handle.addr()));
-            // SAFETY: CUDA contract: valid for a CUcontext (checked non-null).
-            unsafe { put(context, handle) }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuCtxDestroy_v2(context: CUcontext) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            if context.is_null() {
-                return Err(INVALID_VALUE);
-            }
-            let id = s.context_id(context.addr()).ok_or(INVALID_CONTEXT)?;
-            if s.contexts[&id].primary {
-                return Err(INVALID_CONTEXT);
-            }
-            s.free_context_memory(id);
-            s.unload_context_modules(id);
-            s.contexts.remove(&id);
-            CURRENT.with(|c| {
-                if c.get() == context.addr() {
-                    c.set(0);
-                }
-            });
-            Ok(())
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuCtxSetCurrent(context: CUcontext) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            if !context.is_null() {
-                s.context_id(context.addr()).ok_or(INVALID_CONTEXT)?;
-            }
-            CURRENT.with(|c| c.set(context.addr()));
-            Ok(())
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetCurrent(context: *mut CUcontext) -> CUresult {
-    ffi(|| {
-        let current =
-            with_session(|s| Ok(s.current().map_or(ptr::null_mut(), |(id, _)| s.handle(id))))?;
-        // SAFETY: CUDA contract: null or valid for a CUcontext.
-        unsafe { put(context, current) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
-    ffi(|| {
-        let d = with_session(|s| Ok(s.current()?.1.device as CUdevice))?;
-        // SAFETY: CUDA contract: null or valid for a CUdevice.
-        unsafe { put(device, d) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(
-    context: *mut CUcontext,
-    dev: CUdevice,
-) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            if context.is_null() {
-                return Err(INVALID_VALUE);
-            }
-            let device = s.usable(dev)?;
-            let id = device as u32 + 1;
-            s.devices[device].primary_refs += 1;
-            s.contexts.insert(
-                id,
-                Context {
-                    device,
-                    primary: true,
-                },
-            );
-            // SAFETY: CUDA contract: valid for a CUcontext (checked non-null).
-            unsafe { put(context, s.handle(id)) }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            s.device(dev)?;
-            let device = dev as usize;
-            let id = device as u32 + 1;
-            match s.devices[device].primary_refs {
-                0 => Err(INVALID_CONTEXT),
-                1 => {
-                    s.devices[device].primary_refs = 0;
-                    s.free_context_memory(id);
-                    s.unload_context_modules(id);
-                    s.contexts.remove(&id);
-                    Ok(())
-                }
-                _ => {
-                    s.devices[device].primary_refs -= 1;
-                    Ok(())
-                }
-            }
-        })
-    })
-}
-
-// ---------------------------------------------------------------------------
-// Memory
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    ffi(|| {
-        let (f, t) = with_session(|s| {
-            let (_, ctx) = s.current()?;
-            Ok((
-                s.free_on(ctx.device),
-                s.devices[ctx.device].physical.memory_bytes,
-            ))
-        })?;
-        if free.is_null() || total.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: CUDA contract: both valid for a size_t (checked non-null).
-        unsafe {
-            put(free, f as usize)?;
-            put(total, t as usize)
-        }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(address: *mut CUdeviceptr, bytes: usize) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            let (id, ctx) = s.current()?;
-            if address.is_null() || bytes == 0 {
-                return Err(INVALID_VALUE);
-            }
-            let rounded = (bytes as u64)
-                .checked_next_multiple_of(GRANULE)
-                .ok_or(OUT_OF_MEMORY)?;
-            if rounded > s.free_on(ctx.device) {
-                return Err(OUT_OF_MEMORY);
-            }
-            s.devices[ctx.device].allocated += rounded;
-            s.publish_load();
-            let at = s.next_address;
-            s.next_address += rounded;
-            s.allocations.insert(
-                at,
-                Allocation {
-                    context: id,
-                    device: ctx.device,
-                    bytes: rounded,
-                },
-            );
-            // SAFETY: CUDA contract: valid for a CUdeviceptr (checked non-null).
-            unsafe { put(address, at) }
-        })
-    })
-}
-
-#[unsafe(no_mangle)]
-pub extern "C" fn cuMemFree_v2(address: CUdeviceptr) -> CUresult {
-    ffi(|| {
-        with_session(|s| {
-            s.current()?;
-            let a = s.allocations.remove(&address).ok_or(INVALID_VALUE)?;
-            s.devices[a.device].allocated -= a.bytes;
-            s.publish_load();
-            Ok(())
-        })
-    })
-}
-
-// ---------------------------------------------------------------------------
-// Errors
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetErrorName(error: CUresult, text: *mut *const c_char) -> CUresult {
-    error_text(error, text, codes::name)
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetErrorString(error: CUresult, text: *mut *const c_char) -> CUresult {
-    error_text(error, text, codes::description)
-}
-
-fn error_text(
-    error: CUresult,
-    text: *mut *const c_char,
-    lookup: fn(CUresult) -> Option<*const c_char>,
-) -> CUresult {
-    ffi(|| {
-        // Works before cuInit, as CUDA's does. An unknown code: NULL and
-        // INVALID_VALUE.
-        let found = lookup(error);
-        // SAFETY: CUDA contract: null or valid for a pointer.
-        unsafe { put(text, found.unwrap_or(ptr::null())) }?;
-        found.map(|_| ()).ok_or(INVALID_VALUE)
-    })
 }

@@ -8,7 +8,7 @@
 //! from an uninitialized library, as a new process would.
 
 use std::collections::BTreeMap;
-use std::ffi::CStr;
+use std::ffi::{CStr, c_uint};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -50,7 +50,7 @@ static ENV: Mutex<Option<BTreeMap<String, String>>> = Mutex::new(None);
 
 /// The CUDA environment a test gives the library, if any.
 pub(crate) fn env_override() -> Option<BTreeMap<String, String>> {
-    ENV.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    ENV.locked().clone()
 }
 
 /// This test process's scratch directory.
@@ -97,7 +97,7 @@ impl Drop for Process {
 }
 
 fn reset(env: &[(&str, &str)]) {
-    *ENV.lock().unwrap_or_else(PoisonError::into_inner) = Some(
+    *ENV.locked() = Some(
         env.iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
@@ -109,7 +109,7 @@ fn reset(env: &[(&str, &str)]) {
 /// A fresh process with `env`; no MPS daemon unless the test gives a pipe
 /// directory.
 fn process(env: &[(&str, &str)]) -> Process {
-    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let serial = SERIAL.locked();
     machine();
     let pipe = scratch().join("no-daemon");
     let mut env = env.to_vec();
@@ -904,7 +904,7 @@ fn child_holds_memory_and_runs_kernels() {
     let Ok(load) = std::env::var(tessera_fake_nvml::load::LOAD_ENV) else {
         return;
     };
-    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let _serial = SERIAL.locked();
     reset(&[(tessera_fake_nvml::load::LOAD_ENV, &load)]);
     assert_eq!(cuInit(0), SUCCESS);
     create_context(0);

@@ -9,7 +9,8 @@
 //! busy all the time); each process's own sample gives its SM share.
 
 use crate::load::{Live, now_ms};
-use crate::machine::{DeviceRef, Machine};
+use crate::machine::Machine;
+use crate::machine::handles::DeviceRef;
 
 /// A GPU's temperature idle, and how much warmer it is fully busy (C).
 const IDLE_CELSIUS: u32 = 32;

@@ -277,6 +277,7 @@ fn start_time(dir: &Path) -> Option<u64> {
 mod tests {
     use super::*;
     /// The library's tests hold records in this process too: take turns.
+    use crate::sync::Locked;
     use crate::tests::SERIAL as ONE_AT_A_TIME;
 
     fn load(uuid: &str, memory_bytes: u64) -> DeviceLoad {
@@ -295,7 +296,7 @@ mod tests {
 
     #[test]
     fn a_running_process_is_found_under_its_pid_until_it_holds_nothing() {
-        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let _turn = ONE_AT_A_TIME.locked();
         let channel = Channel::open().unwrap();
         let mine = Record {
             devices: vec![load("GPU-a", 1 << 30)],
@@ -313,7 +314,7 @@ mod tests {
 
     #[test]
     fn a_record_speaks_only_for_the_process_holding_it() {
-        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+        let _turn = ONE_AT_A_TIME.locked();
         let channel = Channel::inheritable().unwrap();
         let mut child = std::process::Command::new("sleep")
             .arg("30")

@@ -7,9 +7,13 @@
 //! call, so every process sees what any process changed.
 //!
 //! Handles are never pointers to memory: they are tagged integers that only
-//! this library decodes (and validates against the current state), so a stale
-//! or forged handle is answered with INVALID_ARGUMENT instead of touching
-//! freed memory.
+//! this library decodes (see [`handles`]) and validates against the current
+//! state, so a stale or forged handle is answered with INVALID_ARGUMENT
+//! instead of touching freed memory. Where instances may go is in
+//! [`placements`].
+
+pub mod handles;
+pub mod placements;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
@@ -17,64 +21,16 @@ use std::path::PathBuf;
 use crate::caps;
 use crate::codes::*;
 use crate::state::ComputeMode;
-use crate::topology::{self, Card, MigCapability, MigMode, PciAddress, Profile, Topology};
+use crate::topology::{
+    self, Card, CardMig, Instance, MigCapability, MigMode, PciAddress, Profile, Topology,
+};
 use crate::visibility::Visible;
 
-/// What a device handle refers to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceRef {
-    Gpu(usize),
-    /// A MIG device: compute instance `ci` of GPU instance `gi` on `gpu`.
-    Mig {
-        gpu: usize,
-        gi: u32,
-        ci: u32,
-    },
-}
-
-impl DeviceRef {
-    pub fn gpu(self) -> usize {
-        match self {
-            DeviceRef::Gpu(g) | DeviceRef::Mig { gpu: g, .. } => g,
-        }
-    }
-}
-
-/// Kinds of handle, in bits 44..48 of the handle value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u64)]
-pub enum Kind {
-    Device = 1,
-    GpuInstance = 2,
-    ComputeInstance = 3,
-    EventSet = 4,
-}
-
-const MAGIC: u64 = 0x7E55 << 48;
-const FIELD: u64 = (1 << 14) - 1;
-
-/// Packs a handle value: `MAGIC | kind | gpu | gi+1 | ci+1`; 0 in the gi/ci
-/// fields means "not given".
-pub fn encode(kind: Kind, gpu: usize, gi: Option<u32>, ci: Option<u32>) -> usize {
-    let field = |v: Option<u32>| v.map_or(0, |v| (u64::from(v) + 1) & FIELD);
-    let value =
-        MAGIC | (kind as u64) << 44 | ((gpu as u64) & 0xFFFF) << 28 | field(gi) << 14 | field(ci);
-    value as usize
-}
-
-/// Unpacks a handle value made by [`encode`] for `kind`.
-pub fn decode(kind: Kind, value: usize) -> Option<(usize, Option<u32>, Option<u32>)> {
-    let value = value as u64;
-    if value & (0xFFFF << 48) != MAGIC || (value >> 44) & 0xF != kind as u64 {
-        return None;
-    }
-    let field = |v: u64| (v != 0).then(|| (v - 1) as u32);
-    Some((
-        ((value >> 28) & 0xFFFF) as usize,
-        field((value >> 14) & FIELD),
-        field(value & FIELD),
-    ))
-}
+use self::handles::{DeviceRef, Kind, decode};
+use self::placements::{
+    compute_instance_sizes, compute_placements, compute_profile_id, compute_profile_slices,
+    overlaps,
+};
 
 /// The whole machine.
 #[derive(Debug)]
@@ -155,49 +111,8 @@ pub struct QueuedEvent {
     pub compute_instance: u32,
 }
 
-/// `NVML_COMPUTE_INSTANCE_PROFILE_*` for a compute instance of `slices` slices.
-pub fn compute_profile_id(slices: u32) -> Option<u32> {
-    Some(match slices {
-        1 => 0,
-        2 => 1,
-        3 => 2,
-        4 => 3,
-        7 => 4,
-        8 => 5,
-        6 => 6,
-        _ => return None,
-    })
-}
-
-/// Compute slices per compute instance profile id (inverse of [`compute_profile_id`]).
-pub fn compute_profile_slices(id: u32) -> Option<u32> {
-    Some(match id {
-        0 => 1,
-        1 => 2,
-        2 => 3,
-        3 => 4,
-        4 => 7,
-        5 => 8,
-        6 => 6,
-        _ => return None,
-    })
-}
-
-/// Compute instance sizes a GPU instance of `slices` slices can be split into.
-pub fn compute_instance_sizes(slices: u32) -> &'static [u32] {
-    match slices {
-        1 => &[1],
-        2 => &[1, 2],
-        3 => &[1, 2, 3],
-        4 => &[1, 2, 4],
-        6 => &[1, 2, 3, 6],
-        7 => &[1, 2, 3, 4, 7],
-        8 => &[1, 2, 4, 8],
-        _ => &[],
-    }
-}
-
 impl Machine {
+    /// The machine a topology describes, before the state file is read.
     pub fn new(topology: Topology, events_path: Option<PathBuf>) -> Result<Machine, String> {
         let cuda_version = topology.cuda_version_number()?;
         let init_fault = topology.faults.init.as_deref().and_then(by_name);
@@ -206,70 +121,12 @@ impl Machine {
             .nvml_version
             .clone()
             .unwrap_or_else(|| format!("{cuda_major}.{}", topology.driver_version));
-        let mut gpus = Vec::new();
-        for (index, card) in topology.gpus.into_iter().enumerate() {
-            let bus = PciAddress::parse(&card.pci_bus_id).ok_or("bad pciBusId")?;
-            let mig = card.model.mig.clone().map(|cap| {
-                let state = card.mig.clone();
-                let mut gpu_instances = BTreeMap::new();
-                for inst in state.iter().flat_map(|s| s.instances.iter()) {
-                    // Validated by Topology::parse: the profile exists.
-                    let Some(p) = cap.profiles.iter().find(|p| p.name == inst.profile) else {
-                        continue;
-                    };
-                    let id = inst.gpu_instance_id.unwrap_or_else(|| {
-                        topology::default_gpu_instance_id(
-                            cap.memory_slices,
-                            inst.start,
-                            p.placements.size,
-                        )
-                    });
-                    let compute_instances = inst
-                        .compute_layout(p)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .enumerate()
-                        .map(|(id, ci)| {
-                            let c = ComputeInstance {
-                                profile_id: compute_profile_id(ci.slices).unwrap_or(0),
-                                slices: ci.slices,
-                                start: ci.start,
-                                uuid: ci.uuid,
-                            };
-                            (id as u32, c)
-                        })
-                        .collect();
-                    gpu_instances.insert(
-                        id,
-                        GpuInstance {
-                            profile_id: p.id,
-                            start: inst.start,
-                            size: p.placements.size,
-                            compute_instances,
-                        },
-                    );
-                }
-                let enabled = state.as_ref().is_some_and(|s| s.mode == MigMode::Enabled);
-                let pending = state
-                    .as_ref()
-                    .and_then(|s| s.pending)
-                    .map_or(enabled, |p| p == MigMode::Enabled);
-                MigState {
-                    cap,
-                    enabled,
-                    pending,
-                    gpu_instances,
-                }
-            });
-            gpus.push(Gpu {
-                minor: card.minor.unwrap_or(index as u32),
-                compute_mode: ComputeMode::Default,
-                time_slice: 0,
-                bus,
-                card,
-                mig,
-            });
-        }
+        let gpus = topology
+            .gpus
+            .into_iter()
+            .enumerate()
+            .map(|(index, card)| Gpu::from_card(index, card))
+            .collect::<Result<_, _>>()?;
         Ok(Machine {
             driver_version: topology.driver_version,
             nvml_version,
@@ -631,20 +488,80 @@ impl Machine {
     }
 }
 
-/// Compute-slice starts for a compute instance of `slices` in a GPU instance of `gi_slices`.
-pub fn compute_placements(gi_slices: u32, slices: u32) -> Vec<u32> {
-    if slices == 0 || !compute_instance_sizes(gi_slices).contains(&slices) {
-        return Vec::new();
+impl Gpu {
+    /// Card `index` of the topology, in the MIG layout the topology gives it.
+    fn from_card(index: usize, card: Card) -> Result<Gpu, String> {
+        let bus = PciAddress::parse(&card.pci_bus_id).ok_or("bad pciBusId")?;
+        let mig = card
+            .model
+            .mig
+            .clone()
+            .map(|cap| MigState::from_topology(cap, card.mig.as_ref()));
+        Ok(Gpu {
+            minor: card.minor.unwrap_or(index as u32),
+            compute_mode: ComputeMode::Default,
+            time_slice: 0,
+            bus,
+            card,
+            mig,
+        })
     }
-    (0..gi_slices)
-        .step_by(slices as usize)
-        .filter(|s| s + slices <= gi_slices)
-        .collect()
 }
 
-/// Whether two `(start, size)` ranges share a slice.
-pub fn overlaps(a: (u32, u32), b: (u32, u32)) -> bool {
-    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+impl MigState {
+    /// A MIG-capable GPU's mode and instances as its card's `mig` entry
+    /// describes them (none given: MIG disabled, no instances).
+    fn from_topology(cap: MigCapability, state: Option<&CardMig>) -> MigState {
+        let mut gpu_instances = BTreeMap::new();
+        for inst in state.iter().flat_map(|s| s.instances.iter()) {
+            // Validated by Topology::parse: the profile exists.
+            let Some(p) = cap.profiles.iter().find(|p| p.name == inst.profile) else {
+                continue;
+            };
+            let id = inst.gpu_instance_id.unwrap_or_else(|| {
+                topology::default_gpu_instance_id(cap.memory_slices, inst.start, p.placements.size)
+            });
+            gpu_instances.insert(id, GpuInstance::from_topology(inst, p));
+        }
+        let enabled = state.is_some_and(|s| s.mode == MigMode::Enabled);
+        let pending = state
+            .and_then(|s| s.pending)
+            .map_or(enabled, |p| p == MigMode::Enabled);
+        MigState {
+            cap,
+            enabled,
+            pending,
+            gpu_instances,
+        }
+    }
+}
+
+impl GpuInstance {
+    /// A GPU instance of profile `p` the topology lists, with its compute
+    /// instances.
+    fn from_topology(inst: &Instance, p: &Profile) -> GpuInstance {
+        let compute_instances = inst
+            .compute_layout(p)
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(id, ci)| {
+                let c = ComputeInstance {
+                    profile_id: compute_profile_id(ci.slices).unwrap_or(0),
+                    slices: ci.slices,
+                    start: ci.start,
+                    uuid: ci.uuid,
+                };
+                (id as u32, c)
+            })
+            .collect();
+        GpuInstance {
+            profile_id: p.id,
+            start: inst.start,
+            size: p.placements.size,
+            compute_instances,
+        }
+    }
 }
 
 /// A made-up but well-formed and unique MIG UUID for a created compute instance.
@@ -673,33 +590,4 @@ fn mig_uuid(gpu_uuid: &str, gi: u32, serial: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn handles_round_trip_and_reject_other_kinds() {
-        let h = encode(Kind::Device, 3, Some(9), Some(0));
-        assert_eq!(decode(Kind::Device, h), Some((3, Some(9), Some(0))));
-        assert_eq!(decode(Kind::GpuInstance, h), None);
-        assert_eq!(decode(Kind::Device, 0), None);
-        assert_eq!(decode(Kind::Device, 0x1234), None);
-        let g = encode(Kind::Device, 0, None, None);
-        assert_eq!(decode(Kind::Device, g), Some((0, None, None)));
-    }
-
-    #[test]
-    fn compute_placements_tile_the_gpu_instance() {
-        assert_eq!(compute_placements(3, 1), vec![0, 1, 2]);
-        assert_eq!(compute_placements(4, 2), vec![0, 2]);
-        assert_eq!(compute_placements(7, 7), vec![0]);
-        assert!(compute_placements(4, 3).is_empty());
-    }
-
-    #[test]
-    fn created_uuids_are_well_formed_and_distinct() {
-        let a = mig_uuid("GPU-1", 1, 1);
-        let b = mig_uuid("GPU-1", 1, 2);
-        assert_ne!(a, b);
-        assert_eq!(a.len(), "MIG-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".len());
-    }
-}
+mod tests;

@@ -23,6 +23,7 @@
 //! to open; renames keep every read whole), reads work, and a call that
 //! would change the state answers NO_PERMISSION with a line on stderr.
 
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, Write};
 use std::os::fd::AsRawFd;
@@ -32,8 +33,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::caps;
 use crate::codes::*;
-use crate::machine::{ComputeInstance, GpuInstance, Machine, compute_profile_slices};
-use crate::topology::MigMode;
+use crate::machine::placements::compute_profile_slices;
+use crate::machine::{ComputeInstance, Gpu, GpuInstance, Machine, MigState};
+use crate::topology::{MigMode, Profile};
 
 /// Version of the state file format this library reads and writes.
 pub const STATE_VERSION: u32 = 1;
@@ -185,6 +187,20 @@ impl Machine {
     /// Replaces the run-time state with `state`, after checking it fits
     /// this machine's topology; on error nothing is changed.
     pub fn restore(&mut self, state: &State) -> Result<(), String> {
+        self.check_fits(state)?;
+        let migs = self
+            .gpus
+            .iter()
+            .zip(&state.gpus)
+            .enumerate()
+            .map(|(index, (g, s))| restored_mig(index, g, s))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.apply(state, migs);
+        Ok(())
+    }
+
+    /// Whether `state` is of this library's version and this many GPUs.
+    fn check_fits(&self, state: &State) -> Result<(), String> {
         if state.version != STATE_VERSION {
             return Err(format!(
                 "it has version {}, this library reads version {STATE_VERSION}",
@@ -198,88 +214,114 @@ impl Machine {
                 self.gpus.len()
             ));
         }
-        let mut migs = Vec::new();
-        for (index, (g, s)) in self.gpus.iter().zip(&state.gpus).enumerate() {
-            if !g.card.uuid.eq_ignore_ascii_case(&s.uuid) {
-                return Err(format!(
-                    "GPU {index} is {} there, {} in the topology",
-                    s.uuid, g.card.uuid
-                ));
-            }
-            let mig = match (&g.mig, &s.mig) {
-                (None, None) => None,
-                (Some(m), Some(sm)) => {
-                    let mut gpu_instances = std::collections::BTreeMap::new();
-                    for gi in &sm.gpu_instances {
-                        let Some(p) = m.cap.profiles.iter().find(|p| p.id == gi.profile_id) else {
-                            return Err(format!(
-                                "GPU {index}: GPU instance {} has profile {}, which the GPU \
-                                 does not have",
-                                gi.id, gi.profile_id
-                            ));
-                        };
-                        let mut compute_instances = std::collections::BTreeMap::new();
-                        for ci in &gi.compute_instances {
-                            if compute_profile_slices(ci.profile_id) != Some(ci.slices)
-                                || ci.start + ci.slices > p.slices
-                            {
-                                return Err(format!(
-                                    "GPU {index}: compute instance {} of GPU instance {} \
-                                     does not fit it",
-                                    ci.id, gi.id
-                                ));
-                            }
-                            let c = ComputeInstance {
-                                profile_id: ci.profile_id,
-                                slices: ci.slices,
-                                start: ci.start,
-                                uuid: ci.uuid.clone(),
-                            };
-                            if compute_instances.insert(ci.id, c).is_some() {
-                                return Err(format!(
-                                    "GPU {index}: compute instance {} of GPU instance {} twice",
-                                    ci.id, gi.id
-                                ));
-                            }
-                        }
-                        let inst = GpuInstance {
-                            profile_id: gi.profile_id,
-                            start: gi.start,
-                            size: gi.size,
-                            compute_instances,
-                        };
-                        if gpu_instances.insert(gi.id, inst).is_some() {
-                            return Err(format!("GPU {index}: GPU instance {} twice", gi.id));
-                        }
-                    }
-                    Some((
-                        sm.current == MigMode::Enabled,
-                        sm.pending == MigMode::Enabled,
-                        gpu_instances,
-                    ))
-                }
-                (None, Some(_)) => {
-                    return Err(format!("GPU {index} cannot do MIG but has MIG state there"));
-                }
-                (Some(_), None) => {
-                    return Err(format!("GPU {index} can do MIG but has no MIG state there"));
-                }
-            };
-            migs.push(mig);
-        }
+        Ok(())
+    }
+
+    /// Takes `state` as it is, once every GPU's part of it was checked.
+    fn apply(&mut self, state: &State, migs: Vec<Option<RestoredMig>>) {
         for ((g, s), mig) in self.gpus.iter_mut().zip(&state.gpus).zip(migs) {
             g.compute_mode = s.compute_mode;
             g.time_slice = s.time_slice;
-            if let (Some(m), Some((enabled, pending, gpu_instances))) = (g.mig.as_mut(), mig) {
-                m.enabled = enabled;
-                m.pending = pending;
-                m.gpu_instances = gpu_instances;
+            if let (Some(m), Some(mig)) = (g.mig.as_mut(), mig) {
+                m.enabled = mig.enabled;
+                m.pending = mig.pending;
+                m.gpu_instances = mig.gpu_instances;
             }
         }
         self.created = state.created;
         self.driver_root = state.driver_root.clone();
-        Ok(())
     }
+}
+
+/// One GPU's MIG state as read from the file, checked against the topology.
+struct RestoredMig {
+    enabled: bool,
+    pending: bool,
+    gpu_instances: BTreeMap<u32, GpuInstance>,
+}
+
+/// GPU `index`'s MIG state in the file, if it is the same GPU and its MIG
+/// state fits what the GPU can do.
+fn restored_mig(index: usize, g: &Gpu, s: &GpuState) -> Result<Option<RestoredMig>, String> {
+    if !g.card.uuid.eq_ignore_ascii_case(&s.uuid) {
+        return Err(format!(
+            "GPU {index} is {} there, {} in the topology",
+            s.uuid, g.card.uuid
+        ));
+    }
+    match (&g.mig, &s.mig) {
+        (None, None) => Ok(None),
+        (Some(m), Some(sm)) => Ok(Some(RestoredMig {
+            enabled: sm.current == MigMode::Enabled,
+            pending: sm.pending == MigMode::Enabled,
+            gpu_instances: restored_gpu_instances(index, m, sm)?,
+        })),
+        (None, Some(_)) => Err(format!("GPU {index} cannot do MIG but has MIG state there")),
+        (Some(_), None) => Err(format!("GPU {index} can do MIG but has no MIG state there")),
+    }
+}
+
+/// GPU `index`'s GPU instances in the file: each of a profile the GPU has,
+/// each id once.
+fn restored_gpu_instances(
+    index: usize,
+    m: &MigState,
+    sm: &MigRunState,
+) -> Result<BTreeMap<u32, GpuInstance>, String> {
+    let mut gpu_instances = BTreeMap::new();
+    for gi in &sm.gpu_instances {
+        let Some(p) = m.cap.profiles.iter().find(|p| p.id == gi.profile_id) else {
+            return Err(format!(
+                "GPU {index}: GPU instance {} has profile {}, which the GPU \
+                 does not have",
+                gi.id, gi.profile_id
+            ));
+        };
+        let inst = GpuInstance {
+            profile_id: gi.profile_id,
+            start: gi.start,
+            size: gi.size,
+            compute_instances: restored_compute_instances(index, gi, p)?,
+        };
+        if gpu_instances.insert(gi.id, inst).is_some() {
+            return Err(format!("GPU {index}: GPU instance {} twice", gi.id));
+        }
+    }
+    Ok(gpu_instances)
+}
+
+/// The compute instances of GPU instance `gi` (of profile `p`) in the file:
+/// each fits it, each id once.
+fn restored_compute_instances(
+    index: usize,
+    gi: &GpuInstanceState,
+    p: &Profile,
+) -> Result<BTreeMap<u32, ComputeInstance>, String> {
+    let mut compute_instances = BTreeMap::new();
+    for ci in &gi.compute_instances {
+        if compute_profile_slices(ci.profile_id) != Some(ci.slices)
+            || ci.start + ci.slices > p.slices
+        {
+            return Err(format!(
+                "GPU {index}: compute instance {} of GPU instance {} \
+                 does not fit it",
+                ci.id, gi.id
+            ));
+        }
+        let c = ComputeInstance {
+            profile_id: ci.profile_id,
+            slices: ci.slices,
+            start: ci.start,
+            uuid: ci.uuid.clone(),
+        };
+        if compute_instances.insert(ci.id, c).is_some() {
+            return Err(format!(
+                "GPU {index}: compute instance {} of GPU instance {} twice",
+                ci.id, gi.id
+            ));
+        }
+    }
+    Ok(compute_instances)
 }
 
 fn is_zero(v: &u32) -> bool {

@@ -5,6 +5,7 @@
 //! fresh directory (removed when the test's [`TestMachine`] drops), so no two
 //! tests ever share run-time state.
 
+use std::ffi::c_int;
 use std::io::Write;
 use std::mem::zeroed;
 use std::os::unix::fs::MetadataExt;
@@ -12,6 +13,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::MutexGuard;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -65,7 +67,7 @@ fn scratch_dir(what: &str) -> PathBuf {
 }
 
 fn configure(topology: &str, events: Option<PathBuf>, with_root: bool) -> TestMachine {
-    let serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let serial = SERIAL.locked();
     let dir = scratch_dir("machine");
     *TEST_CONFIG.lock().unwrap() = Some(TestConfig {
         topology: topology.to_string(),
@@ -1093,7 +1095,7 @@ const CHILD_TAG: &str = "fill-child:";
 
 #[test]
 fn two_processes_filling_a_machine_lose_no_update() {
-    let _serial = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
+    let _serial = SERIAL.locked();
     let dir = scratch_dir("fill");
     let topology = dir.join("h100x8.yaml");
     std::fs::write(&topology, H100X8).unwrap();

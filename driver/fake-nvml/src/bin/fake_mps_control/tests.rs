@@ -1,0 +1,117 @@
+use super::*;
+
+const GIB: u64 = 1 << 30;
+
+fn text(d: &mut Defaults, command: &str) -> String {
+    match d.handle(command) {
+        Reply::Text(t) => t,
+        Reply::Quit => panic!("{command} quit"),
+    }
+}
+
+#[test]
+fn the_environment_sets_the_defaults() {
+    let (d, problems) = Defaults::from_env(Some("GPU-a, GPU-b"), Some("25"), Some("1=8G"));
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        d.config,
+        protocol::ClientConfig {
+            devices: Some(vec!["GPU-a".into(), "GPU-b".into()]),
+            active_thread_percentage: 25.0,
+            pinned_mem_limits: [(1, 8 * GIB)].into(),
+            shared_memory: String::new(),
+        }
+    );
+    let (d, problems) = Defaults::from_env(None, None, Some("5=512MB"));
+    assert!(problems.is_empty());
+    assert_eq!(d.config.devices, None);
+    assert_eq!(d.config.active_thread_percentage, 100.0);
+    assert_eq!(d.config.pinned_mem_limits, [(5, 512 << 20)].into());
+    let (d, _) = Defaults::from_env(Some(""), Some(""), Some(""));
+    assert_eq!(d.config.devices, Some(vec![]));
+    assert!(d.config.pinned_mem_limits.is_empty());
+}
+
+#[test]
+fn unusable_environment_values_are_reported_and_ignored() {
+    let (d, problems) = Defaults::from_env(Some("GPU-a"), Some("250"), Some("1=8G"));
+    assert_eq!(problems.len(), 2, "{problems:?}");
+    assert_eq!(d.config.active_thread_percentage, 100.0);
+    assert!(d.config.pinned_mem_limits.is_empty());
+    let (_, problems) = Defaults::from_env(Some("GPU-a"), Some("x"), Some("0=8"));
+    assert_eq!(problems.len(), 2, "{problems:?}");
+}
+
+#[test]
+fn commands_read_and_change_the_defaults() {
+    let (mut d, _) = Defaults::from_env(Some("GPU-a"), None, None);
+    assert_eq!(
+        text(&mut d, "get_default_active_thread_percentage"),
+        "100.0\n"
+    );
+    assert_eq!(
+        text(&mut d, "set_default_active_thread_percentage 30"),
+        "30.0\n"
+    );
+    assert_eq!(
+        text(&mut d, "get_default_active_thread_percentage"),
+        "30.0\n"
+    );
+    assert_eq!(text(&mut d, "get_default_device_pinned_mem_limit 0"), "");
+    assert_eq!(text(&mut d, "set_default_device_pinned_mem_limit 0 8G"), "");
+    assert_eq!(
+        text(&mut d, "get_default_device_pinned_mem_limit 0"),
+        "8192M\n"
+    );
+    assert_eq!(
+        text(&mut d, "set_default_device_pinned_mem_limit 0 512MB"),
+        ""
+    );
+    assert_eq!(
+        text(&mut d, "get_default_device_pinned_mem_limit 0"),
+        "512M\n"
+    );
+    assert_eq!(text(&mut d, "get_server_list"), "");
+    assert_eq!(d.handle("quit"), Reply::Quit);
+}
+
+#[test]
+fn bad_commands_get_an_error_line_and_change_nothing() {
+    let (mut d, _) = Defaults::from_env(Some("GPU-a"), Some("50"), Some("0=1G"));
+    let before = d.clone();
+    for bad in [
+        "set_default_active_thread_percentage 0",
+        "set_default_active_thread_percentage 101",
+        "set_default_active_thread_percentage",
+        "set_default_device_pinned_mem_limit 0 8",
+        "set_default_device_pinned_mem_limit 0 0G",
+        "set_default_device_pinned_mem_limit 1 8G",
+        "set_default_device_pinned_mem_limit x 8G",
+        "set_default_device_pinned_mem_limit 0",
+        "get_default_device_pinned_mem_limit 1",
+        "get_default_device_pinned_mem_limit",
+        "frobnicate",
+    ] {
+        let reply = text(&mut d, bad);
+        assert!(
+            reply.ends_with('\n') && reply.len() > 1,
+            "{bad:?} answered {reply:?}"
+        );
+    }
+    assert_eq!(d, before);
+}
+
+#[test]
+fn the_private_command_answers_one_json_line() {
+    let (mut d, _) = Defaults::from_env(Some("GPU-a"), Some("25"), Some("0=8G"));
+    let reply = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
+    assert_eq!(reply.lines().count(), 1);
+    let config: protocol::ClientConfig = serde_json::from_str(&reply).unwrap();
+    assert_eq!(config, d.config);
+    let (mut d, _) = Defaults::from_env(None, None, None);
+    let reply = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
+    assert_eq!(
+        reply,
+        "{\"devices\":null,\"activeThreadPercentage\":100.0,\"pinnedMemLimits\":{},\"sharedMemory\":\"\"}\n"
+    );
+}
