@@ -55,10 +55,11 @@ pub mod version;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -68,6 +69,7 @@ use kube::{Api, Client};
 use tessera_api::inventory::Inventory;
 use tessera_api::names::{attr, device_type};
 use tokio::sync::watch;
+use tokio::time::Interval;
 use tracing::{debug, error, info, warn};
 
 pub use backoff::Backoff;
@@ -281,6 +283,94 @@ impl From<&NodeView> for Inputs {
 /// Published devices: name -> UUID of the GPU they belong to.
 pub type Published = BTreeMap<String, Option<String>>;
 
+/// What a reconcile reads before it builds the model.
+struct World {
+    capabilities: Capabilities,
+    /// The Node as owner of our slices, or why it is not known.
+    owner: Result<OwnerReference, PublishError>,
+    /// `owner` came from the cache: it is read again before a write.
+    owner_cached: bool,
+    pool: ServerPool,
+    indices: GpuIndices,
+}
+
+/// Our slices as the server has them.
+struct ServerPool {
+    slices: Vec<ResourceSlice>,
+    /// The highest pool generation among them.
+    current: Option<i64>,
+    /// Every slice has that generation.
+    uniform: bool,
+}
+
+impl ServerPool {
+    fn of(slices: Vec<ResourceSlice>) -> Self {
+        let current = slices.iter().map(|s| s.spec.pool.generation).max();
+        let uniform = slices
+            .iter()
+            .all(|s| Some(s.spec.pool.generation) == current);
+        ServerPool {
+            slices,
+            current,
+            uniform,
+        }
+    }
+
+    fn generation(&self) -> i64 {
+        self.current.unwrap_or(0)
+    }
+
+    /// The server has exactly `desired`, at one generation.
+    fn holds(&self, desired: &[ResourceSlice]) -> bool {
+        self.uniform && same_content(desired, &self.slices)
+    }
+}
+
+/// What a reconcile reports of the model it built, written or not.
+struct Outcome {
+    slices: usize,
+    devices: usize,
+    full_model: bool,
+    held_devices: usize,
+    notes: Vec<String>,
+}
+
+impl Outcome {
+    fn of(model: &Model, held: &BTreeSet<String>) -> Self {
+        Outcome {
+            slices: model.slices.len(),
+            devices: model.devices.len(),
+            full_model: model.full,
+            held_devices: held
+                .iter()
+                .filter(|d| model.devices.contains_key(*d))
+                .count(),
+            notes: model.notes.iter().map(ToString::to_string).collect(),
+        }
+    }
+
+    fn unchanged(self, generation: i64) -> Reconciled {
+        Reconciled {
+            unchanged: true,
+            ..self.written(generation, WriteCounts::default())
+        }
+    }
+
+    fn written(self, generation: i64, writes: WriteCounts) -> Reconciled {
+        Reconciled {
+            unchanged: false,
+            generation,
+            slices: self.slices,
+            devices: self.devices,
+            full_model: self.full_model,
+            held_devices: self.held_devices,
+            writes,
+            reads: ReadCounts::default(),
+            notes: self.notes,
+        }
+    }
+}
+
 impl Publisher {
     pub fn new(client: Client, config: PublisherConfig) -> Self {
         Publisher {
@@ -467,8 +557,33 @@ impl Publisher {
     }
 
     async fn reconcile_inner(&mut self, view: &NodeView) -> Result<Reconciled, PublishError> {
-        let inventory = &view.inventory;
         self.counters.reconciled();
+        let world = self.read_world(view).await?;
+        let (mut model, held) = self.build_model(view, &world).await?;
+        self.remember(&view.inventory, &model);
+        // Without its Node nothing is written, but the node's devices are
+        // known (prepare resolves names through the model).
+        let owner = world.owner?;
+        let pool = world.pool;
+        let outcome = Outcome::of(&model, &held);
+        if self.up_to_date(&model, &pool) {
+            return Ok(outcome.unchanged(pool.generation()));
+        }
+        if world.owner_cached
+            && self.owner_recreated(&owner, &mut model).await?
+            && pool.holds(&model.slices)
+        {
+            return Ok(outcome.unchanged(pool.generation()));
+        }
+        let generation = pool.generation() + 1;
+        let writes = self.write(model, &pool.slices, generation).await?;
+        Ok(outcome.written(generation, writes))
+    }
+
+    /// Reads what the model is built from besides the node's view: the
+    /// server's capabilities, the Node as owner, our slices and the GPU
+    /// numbering.
+    async fn read_world(&mut self, view: &NodeView) -> Result<World, PublishError> {
         let detected = match &self.detected {
             Some(d) => d.clone(),
             None => self.detect().await?,
@@ -487,51 +602,62 @@ impl Publisher {
         if let Some(node) = &self.node_state {
             indices.extend(node.gpu_indices());
         }
-        let capabilities = detected.capabilities;
-        let build = |held: &BTreeSet<String>| {
-            let mut builder = SliceModel::new(
-                inventory,
-                &self.config.policy,
-                capabilities,
-                &self.config.node,
-            )
-            .driver(self.config.driver.clone())
-            .held_devices(held.iter().cloned())
-            .owned_mig_instances(view.owned_mig.iter().cloned())
-            .unhealthy_gpus(view.unhealthy.clone())
-            .previous_indices(indices.clone());
-            if let Ok(owner) = &owner {
-                builder = builder.owner(owner.clone());
-            }
-            builder.build()
-        };
-        // What the node prepared, it knows; the scheduler's allocations it
-        // learns from the claims, read only if the model would drop a device.
+        Ok(World {
+            capabilities: detected.capabilities,
+            owner,
+            owner_cached,
+            pool: ServerPool::of(existing),
+            indices,
+        })
+    }
+
+    /// The model of `view` that keeps `held` published.
+    fn model_for(
+        &self,
+        view: &NodeView,
+        world: &World,
+        held: &BTreeSet<String>,
+    ) -> Result<Model, ModelError> {
+        let mut builder = SliceModel::new(
+            &view.inventory,
+            &self.config.policy,
+            world.capabilities,
+            &self.config.node,
+        )
+        .driver(self.config.driver.clone())
+        .held_devices(held.iter().cloned())
+        .owned_mig_instances(view.owned_mig.iter().cloned())
+        .unhealthy_gpus(view.unhealthy.clone())
+        .previous_indices(world.indices.clone());
+        if let Ok(owner) = &world.owner {
+            builder = builder.owner(owner.clone());
+        }
+        builder.build()
+    }
+
+    /// The model to publish, with the devices it was told are held. What
+    /// the node prepared, it knows; the scheduler's allocations it learns
+    /// from the claims, read only if the model would drop a device.
+    async fn build_model(
+        &mut self,
+        view: &NodeView,
+        world: &World,
+    ) -> Result<(Model, BTreeSet<String>), PublishError> {
         let mut held = view.prepared.clone();
-        let mut model = build(&held)?;
-        let mut before = published_devices(&existing);
+        let mut model = self.model_for(view, world, &held)?;
+        let mut before = published_devices(&world.pool.slices);
         before.extend(self.published.clone().unwrap_or_default());
         let dropped = dropped_devices(&before, &published_devices(&model.slices));
         self.kept_for_claims.clear();
         // Without any holder (a model that fails counts every device as held).
-        let free = build(&BTreeSet::new())
+        let free = self
+            .model_for(view, world, &BTreeSet::new())
             .map(|m| m.devices)
             .unwrap_or_default();
-        if !dropped.is_empty() || self.published.is_none() && existing.is_empty() {
-            if !dropped.is_empty() {
-                info!(
-                    "the model drops published device(s) {}: listing ResourceClaims to keep those a claim holds",
-                    dropped.iter().cloned().collect::<Vec<_>>().join(", ")
-                );
-            }
-            let claimed = self.held_devices().await?;
-            held.extend(claimed.iter().cloned());
-            let without = model.devices;
-            model = build(&held)?;
-            self.kept_for_claims = claimed
-                .into_iter()
-                .filter(|d| model.devices.contains_key(d) && !without.contains_key(d))
-                .collect();
+        if !dropped.is_empty() || self.published.is_none() && world.pool.slices.is_empty() {
+            model = self
+                .keep_claimed(view, world, &dropped, &mut held, model)
+                .await?;
         }
         self.kept_for_holders = model
             .devices
@@ -539,81 +665,103 @@ impl Publisher {
             .filter(|d| !free.contains_key(*d))
             .cloned()
             .collect();
+        Ok((model, held))
+    }
+
+    /// Lists the claims and builds the model again keeping what they hold
+    /// (added to `held`); remembers the devices kept only for them.
+    async fn keep_claimed(
+        &mut self,
+        view: &NodeView,
+        world: &World,
+        dropped: &BTreeSet<String>,
+        held: &mut BTreeSet<String>,
+        without: Model,
+    ) -> Result<Model, PublishError> {
+        if !dropped.is_empty() {
+            info!(
+                "the model drops published device(s) {}: listing ResourceClaims to keep those a claim holds",
+                dropped.iter().cloned().collect::<Vec<_>>().join(", ")
+            );
+        }
+        let claimed = self.held_devices().await?;
+        held.extend(claimed.iter().cloned());
+        let model = self.model_for(view, world, held)?;
+        self.kept_for_claims = claimed
+            .into_iter()
+            .filter(|d| model.devices.contains_key(d) && !without.devices.contains_key(d))
+            .collect();
+        Ok(model)
+    }
+
+    /// Keeps what the next reconcile must know of the model built (its
+    /// devices, not to be dropped unseen, and its numbering) and hands it
+    /// to the node before any of it is written.
+    fn remember(&mut self, inventory: &Inventory, model: &Model) {
         self.published = Some(published_devices(&model.slices));
         self.indices = model.gpu_indices.clone();
         if let Some(node) = &self.node_state {
-            node.model_built(inventory, &model);
+            node.model_built(inventory, model);
         }
-        // Without its Node nothing is written, but the node's devices are
-        // known (prepare resolves names through the model).
-        let owner = owner?;
+    }
 
-        let notes: Vec<String> = model.notes.iter().map(ToString::to_string).collect();
-        let devices = model.devices.len();
-        let held_devices = held
-            .iter()
-            .filter(|d| model.devices.contains_key(*d))
-            .count();
-        let current_generation = existing.iter().map(|s| s.spec.pool.generation).max();
-        let one_generation = existing
-            .iter()
-            .all(|s| Some(s.spec.pool.generation) == current_generation);
-        let (slice_count, full_model) = (model.slices.len(), model.full);
-        let unchanged = |generation| Reconciled {
-            unchanged: true,
-            generation,
-            slices: slice_count,
-            devices,
-            full_model,
-            held_devices,
-            writes: WriteCounts::default(),
-            reads: ReadCounts::default(),
-            notes: notes.clone(),
-        };
-
-        if one_generation && same_content(&model.slices, &existing) {
+    /// Whether nothing needs writing: the server has the model's content,
+    /// or keeps our last write in a form that never compares equal (then
+    /// writing again would loop).
+    fn up_to_date(&mut self, model: &Model, pool: &ServerPool) -> bool {
+        if pool.holds(&model.slices) {
             info!(
                 "{} slices up to date (generation {})",
-                existing.len(),
-                current_generation.unwrap_or(0)
+                pool.slices.len(),
+                pool.generation()
             );
-            return Ok(unchanged(current_generation.unwrap_or(0)));
+            return true;
         }
-        if let Some(last) = &self.last_write
-            && same_content(&last.desired, &model.slices)
-            && versions(&existing) == last.versions
-        {
-            if !self.warned_normalising {
-                warn!(
-                    "the API server stores our slices in a form that differs from what we \
-                     wrote (fields dropped or normalised?); not rewriting until the inventory \
-                     or the slices change"
-                );
-                self.warned_normalising = true;
-            }
-            return Ok(unchanged(current_generation.unwrap_or(0)));
+        let normalised = self.last_write.as_ref().is_some_and(|last| {
+            same_content(&last.desired, &model.slices) && versions(&pool.slices) == last.versions
+        });
+        if normalised && !self.warned_normalising {
+            warn!(
+                "the API server stores our slices in a form that differs from what we \
+                 wrote (fields dropped or normalised?); not rewriting until the inventory \
+                 or the slices change"
+            );
+            self.warned_normalising = true;
         }
+        normalised
+    }
 
-        // About to write: the cached owner may be stale (the Node recreated
-        // under the same name; the garbage collector then deletes slices
-        // owned by the old one, which brings us here). Read it again.
-        if owner_cached {
-            let fresh = self.fetch_owner().await?;
-            if fresh.uid != owner.uid {
-                info!(
-                    "node {} was recreated (uid {} -> {}); slices get the new owner",
-                    self.config.node, owner.uid, fresh.uid
-                );
-                for slice in &mut model.slices {
-                    slice.metadata.owner_references = Some(vec![fresh.clone()]);
-                }
-                if one_generation && same_content(&model.slices, &existing) {
-                    return Ok(unchanged(current_generation.unwrap_or(0)));
-                }
-            }
+    /// About to write: the cached owner may be stale (the Node recreated
+    /// under the same name; the garbage collector then deletes slices
+    /// owned by the old one, which brings us here). Reads it again; whether
+    /// it was recreated, and then the slices have the new owner.
+    async fn owner_recreated(
+        &mut self,
+        cached: &OwnerReference,
+        model: &mut Model,
+    ) -> Result<bool, PublishError> {
+        let fresh = self.fetch_owner().await?;
+        if fresh.uid == cached.uid {
+            return Ok(false);
         }
+        info!(
+            "node {} was recreated (uid {} -> {}); slices get the new owner",
+            self.config.node, cached.uid, fresh.uid
+        );
+        for slice in &mut model.slices {
+            slice.metadata.owner_references = Some(vec![fresh.clone()]);
+        }
+        Ok(true)
+    }
 
-        let generation = current_generation.unwrap_or(0) + 1;
+    /// Writes `model` at `generation`: every slice applied, those no longer
+    /// desired deleted. The writes made.
+    async fn write(
+        &mut self,
+        model: Model,
+        existing: &[ResourceSlice],
+        generation: i64,
+    ) -> Result<WriteCounts, PublishError> {
         let desired = model.slices.clone();
         let model = model.with_generation(generation);
         let existing_names: BTreeSet<String> = existing
@@ -621,10 +769,41 @@ impl Publisher {
             .filter_map(|s| s.metadata.name.clone())
             .collect();
         let before = self.counters.snapshot();
+        let written = self.apply(&model.slices, &existing_names).await?;
+        self.delete_obsolete(&model.slices, &existing_names).await?;
+        self.last_write = Some(LastWrite {
+            desired,
+            versions: written,
+        });
+        self.warned_normalising = false;
+        let writes = self.counters.snapshot() - before;
+        info!(
+            "published {} slices ({} devices, {}) at generation {generation}: {} created, {} updated, {} deleted",
+            model.slices.len(),
+            model.devices.len(),
+            if model.full {
+                "full model"
+            } else {
+                "static mode"
+            },
+            writes.creates,
+            writes.updates,
+            writes.deletes
+        );
+        Ok(writes)
+    }
+
+    /// Applies every slice (server-side apply, forced); the resourceVersion
+    /// the server gave each, by name.
+    async fn apply(
+        &mut self,
+        slices: &[ResourceSlice],
+        existing_names: &BTreeSet<String>,
+    ) -> Result<BTreeMap<String, String>, PublishError> {
         let api = self.slices_api();
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let mut written = BTreeMap::new();
-        for slice in &model.slices {
+        for slice in slices {
             let name = slice.metadata.name.clone().unwrap_or_default();
             match api.patch(&name, &params, &Patch::Apply(slice)).await {
                 Ok(stored) => {
@@ -655,8 +834,17 @@ impl Publisher {
                 }
             }
         }
-        let desired_names: BTreeSet<&str> = model
-            .slices
+        Ok(written)
+    }
+
+    /// Deletes our slices that `desired` no longer names.
+    async fn delete_obsolete(
+        &mut self,
+        desired: &[ResourceSlice],
+        existing_names: &BTreeSet<String>,
+    ) -> Result<(), PublishError> {
+        let api = self.slices_api();
+        let desired_names: BTreeSet<&str> = desired
             .iter()
             .filter_map(|s| s.metadata.name.as_deref())
             .collect();
@@ -676,36 +864,7 @@ impl Publisher {
                 }
             }
         }
-        self.last_write = Some(LastWrite {
-            desired,
-            versions: written,
-        });
-        self.warned_normalising = false;
-        let writes = self.counters.snapshot() - before;
-        info!(
-            "published {} slices ({} devices, {}) at generation {generation}: {} created, {} updated, {} deleted",
-            model.slices.len(),
-            devices,
-            if model.full {
-                "full model"
-            } else {
-                "static mode"
-            },
-            writes.creates,
-            writes.updates,
-            writes.deletes
-        );
-        Ok(Reconciled {
-            unchanged: false,
-            generation,
-            slices: model.slices.len(),
-            devices,
-            full_model: model.full,
-            held_devices,
-            writes,
-            reads: ReadCounts::default(),
-            notes,
-        })
+        Ok(())
     }
 
     /// Reconciles until `shutdown` completes or the inventory sender is
@@ -731,80 +890,105 @@ impl Publisher {
 
         loop {
             let current = inventory.borrow_and_update().clone();
-            let delay = if self.same_inputs(&current) {
+            let failed = if self.same_inputs(&current) {
                 debug!("the node changed, but not what the model is built from");
                 None
             } else {
                 self.reconcile_logged(&current, &mut backoff, &mut notes_logged)
                     .await
             };
-            if let Some(delay) = delay {
-                // Back off: only shutdown interrupts. Slice events that
-                // arrive meanwhile are drained when we reconcile anyway.
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                drain(&mut events);
-                continue;
-            }
-            // A claim's release is not watched: look again later.
-            let recheck = tokio::time::sleep(self.config.held_recheck);
-            let mut recheck = std::pin::pin!(recheck);
-            let kept_for_claims = !self.kept_for_claims.is_empty();
-
-            // Wait for a reason to reconcile; API events come in bursts, so
-            // they are debounced (slice events arriving meanwhile are drained:
-            // the reconcile reads the slices anyway).
-            let debounce = loop {
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    changed = inventory.changed() => {
-                        if changed.is_err() {
-                            info!("inventory source closed; publisher stops");
-                            return;
-                        }
-                        debug!("inventory changed");
-                        break false;
-                    }
-                    event = events.next() => {
-                        match event {
-                            Some(Ok(event)) if self.slice_event_matters(&event) => {
-                                // Our slices may differ from what we wrote.
-                                self.last_inputs = None;
-                                break true;
-                            }
-                            Some(Ok(_)) => {}
-                            // The watcher relists after an error; that
-                            // relist brings us back here.
-                            Some(Err(e)) => warn!("watching ResourceSlices: {e}"),
-                            None => {}
-                        }
-                    }
-                    _ = &mut recheck, if kept_for_claims => {
-                        debug!("devices kept for claims: are they still held?");
-                        self.last_inputs = None;
-                        break false;
-                    }
-                    _ = resync.tick() => {
-                        // Re-detect: the server may have been upgraded or
-                        // its feature gates changed.
-                        self.detected = None;
-                        self.last_inputs = None;
-                        break false;
-                    }
-                }
+            let pause = match failed {
+                // Back off: only shutdown interrupts.
+                Some(delay) => delay,
+                None => match self
+                    .next_wake(&mut inventory, &mut events, &mut resync, &mut shutdown)
+                    .await
+                {
+                    Wake::Stop => return,
+                    Wake::Now => continue,
+                    // API events come in bursts: collect them first.
+                    Wake::Debounce => self.config.debounce,
+                },
             };
-            if debounce {
-                tokio::select! {
-                    _ = &mut shutdown => return,
-                    _ = tokio::time::sleep(self.config.debounce) => {}
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            // Slice events that arrived meanwhile: the reconcile reads the
+            // slices anyway.
+            drain(&mut events);
+        }
+    }
+
+    /// Waits for a reason to reconcile: the node changed, someone changed
+    /// our slices, devices kept for claims are due a look (a claim's
+    /// release is not watched), or the periodic resync.
+    async fn next_wake<S, E>(
+        &mut self,
+        inventory: &mut watch::Receiver<NodeView>,
+        events: &mut Pin<&mut E>,
+        resync: &mut Interval,
+        shutdown: &mut Pin<&mut S>,
+    ) -> Wake
+    where
+        S: Future<Output = ()>,
+        E: Stream<Item = Result<watcher::Event<ResourceSlice>, watcher::Error>>,
+    {
+        let recheck = tokio::time::sleep(self.config.held_recheck);
+        let mut recheck = std::pin::pin!(recheck);
+        let kept_for_claims = !self.kept_for_claims.is_empty();
+        loop {
+            tokio::select! {
+                _ = shutdown.as_mut() => return Wake::Stop,
+                changed = inventory.changed() => {
+                    if changed.is_err() {
+                        info!("inventory source closed; publisher stops");
+                        return Wake::Stop;
+                    }
+                    debug!("inventory changed");
+                    return Wake::Now;
                 }
-                drain(&mut events);
+                event = events.next() => {
+                    if self.slices_changed(event) {
+                        return Wake::Debounce;
+                    }
+                }
+                _ = &mut recheck, if kept_for_claims => {
+                    debug!("devices kept for claims: are they still held?");
+                    self.last_inputs = None;
+                    return Wake::Now;
+                }
+                _ = resync.tick() => {
+                    // Re-detect: the server may have been upgraded or
+                    // its feature gates changed.
+                    self.detected = None;
+                    self.last_inputs = None;
+                    return Wake::Now;
+                }
             }
         }
     }
 
+    /// Whether an event of the slice watch means our slices may differ
+    /// from what we wrote (then the next reconcile builds again).
+    fn slices_changed(
+        &mut self,
+        event: Option<Result<watcher::Event<ResourceSlice>, watcher::Error>>,
+    ) -> bool {
+        match event {
+            Some(Ok(event)) if self.slice_event_matters(&event) => {
+                self.last_inputs = None;
+                true
+            }
+            Some(Ok(_)) | None => false,
+            // The watcher relists after an error; that relist brings us
+            // back here.
+            Some(Err(e)) => {
+                warn!("watching ResourceSlices: {e}");
+                false
+            }
+        }
+    }
     /// One reconcile of [`Publisher::run`], logged; the delay before the
     /// next try when it failed.
     async fn reconcile_logged(
@@ -863,6 +1047,16 @@ impl Publisher {
             }
         }
     }
+}
+
+/// What ends a wait of [`Publisher::run`].
+enum Wake {
+    /// Shutdown, or the node's view can no longer change.
+    Stop,
+    /// Reconcile at once.
+    Now,
+    /// Reconcile after the debounce: more slice events may follow.
+    Debounce,
 }
 
 /// Consumes whatever watch events are ready without waiting.
