@@ -212,15 +212,58 @@ impl<'a> SliceModel<'a> {
     }
 
     pub fn build(self) -> Result<Model, ModelError> {
+        self.validate()?;
+        let reserved = self.reserved_numbers();
+        let reserved_numbers: BTreeSet<u32> = reserved.values().copied().collect();
+        let mut indices = naming::assign_gpu_indices_reserving(
+            self.inventory,
+            &self.previous_indices,
+            &reserved_numbers,
+        )?;
+        let full = self.capabilities.full_model();
+
+        let mut notes = Vec::new();
+        let numbers: BTreeSet<u32> = indices.values().copied().collect();
+        held::note_vanished(&self.held, &numbers, &self.previous_indices, &mut notes);
+        let pool = self.plan_gpus(&indices, full, &mut notes)?;
+
+        let identity = slices::PoolIdentity {
+            node: &self.node,
+            driver: &self.driver,
+            generation: self.generation,
+            owner: self.owner.as_ref(),
+        };
+        // Reserved numbers are part of the numbering handed back, so they
+        // stay reserved on the next run.
+        for (uuid, n) in reserved {
+            indices.entry(uuid).or_insert(n);
+        }
+        let slices = slices::assemble(&identity, &self.capabilities.limits, pool.outputs);
+        slices::check_pool(&slices, &self.capabilities.limits)?;
+        Ok(Model {
+            slices,
+            devices: pool.devices,
+            gpu_indices: indices,
+            full,
+            mig_managed: pool.mig_managed,
+            notes,
+        })
+    }
+
+    fn validate(&self) -> Result<(), ModelError> {
         if !naming::is_dns_subdomain(&self.node) {
             return Err(ModelError::InvalidName {
                 what: "node name",
-                name: self.node,
+                name: self.node.clone(),
             });
         }
-        self.policy.validate()?;
-        // A vanished GPU's number stays reserved while claims hold its
-        // devices, so no other card is published under their names.
+        Ok(self.policy.validate()?)
+    }
+
+    /// The numbers of vanished GPUs to keep: a vanished GPU's number stays
+    /// reserved while claims hold its devices, so no other card is
+    /// published under their names.
+    fn reserved_numbers(&self) -> GpuIndices {
         let present: BTreeSet<&str> = self
             .inventory
             .gpus
@@ -238,8 +281,7 @@ impl<'a> SliceModel<'a> {
             .filter(|(uuid, _)| present.contains(uuid.as_str()))
             .map(|(_, n)| *n)
             .collect();
-        let reserved: GpuIndices = self
-            .previous_indices
+        self.previous_indices
             .iter()
             .filter(|(uuid, n)| {
                 !present.contains(uuid.as_str())
@@ -247,18 +289,16 @@ impl<'a> SliceModel<'a> {
                     && !known_present.contains(n)
             })
             .map(|(uuid, n)| (uuid.clone(), *n))
-            .collect();
-        let reserved_numbers: BTreeSet<u32> = reserved.values().copied().collect();
-        let mut indices = naming::assign_gpu_indices_reserving(
-            self.inventory,
-            &self.previous_indices,
-            &reserved_numbers,
-        )?;
-        let full = self.capabilities.full_model();
+            .collect()
+    }
 
-        let mut notes = Vec::new();
-        let numbers: BTreeSet<u32> = indices.values().copied().collect();
-        held::note_vanished(&self.held, &numbers, &self.previous_indices, &mut notes);
+    /// Every GPU's devices, in GPU number order.
+    fn plan_gpus(
+        &self,
+        indices: &GpuIndices,
+        full: bool,
+        notes: &mut Vec<Note>,
+    ) -> Result<PoolPlan, ModelError> {
         let mut gpus: Vec<(&Gpu, u32)> = self
             .inventory
             .gpus
@@ -267,44 +307,15 @@ impl<'a> SliceModel<'a> {
             .collect();
         gpus.sort_by_key(|(_, n)| *n);
 
-        let mut outputs = Vec::new();
-        let mut devices = BTreeMap::new();
-        let mut mig_managed = BTreeSet::new();
+        let mut pool = PoolPlan::default();
         for (gpu, n) in gpus {
-            let input = plan::GpuInput {
-                inventory: self.inventory,
-                gpu,
-                index: n,
-                policy: self.policy.for_gpu(gpu, n),
-                owned_mig: &self.owned_mig,
-                held: &self.held,
-            };
-            let mut output = if full {
-                plan::plan_full(&input, &mut notes)
-            } else {
-                plan::plan_static(&input, &self.capabilities, &mut notes)
-            };
-            output.devices.push(plan::monitor(&input));
-            if self.capabilities.device_taints
-                && let Some(unhealthy) = self.unhealthy.get(&gpu.uuid)
-            {
-                for planned in &mut output.devices {
-                    let effect = if matches!(planned.reference.kind, DeviceKind::Monitor) {
-                        taints::EFFECT_NONE
-                    } else {
-                        taints::NO_SCHEDULE
-                    };
-                    taints::apply(
-                        &mut planned.device,
-                        taints::taint(&self.driver, unhealthy, effect),
-                    );
-                }
-            }
+            let output = self.plan_gpu(gpu, n, full, notes);
             if output.mig_managed {
-                mig_managed.insert(gpu.uuid.clone());
+                pool.mig_managed.insert(gpu.uuid.clone());
             }
             for planned in &output.devices {
-                if devices
+                if pool
+                    .devices
                     .insert(planned.device.name.clone(), planned.reference.clone())
                     .is_some()
                 {
@@ -314,31 +325,62 @@ impl<'a> SliceModel<'a> {
                     )));
                 }
             }
-            outputs.push(output);
+            pool.outputs.push(output);
         }
-
-        let identity = slices::PoolIdentity {
-            node: &self.node,
-            driver: &self.driver,
-            generation: self.generation,
-            owner: self.owner.as_ref(),
-        };
-        // Reserved numbers are part of the numbering handed back, so they
-        // stay reserved on the next run.
-        for (uuid, n) in reserved {
-            indices.entry(uuid).or_insert(n);
-        }
-        let slices = slices::assemble(&identity, &self.capabilities.limits, outputs);
-        slices::check_pool(&slices, &self.capabilities.limits)?;
-        Ok(Model {
-            slices,
-            devices,
-            gpu_indices: indices,
-            full,
-            mig_managed,
-            notes,
-        })
+        Ok(pool)
     }
+
+    /// One GPU's devices in the model the server can take, its monitoring
+    /// device, and their taints if the node holds it unhealthy.
+    fn plan_gpu(&self, gpu: &Gpu, n: u32, full: bool, notes: &mut Vec<Note>) -> plan::GpuOutput {
+        let input = plan::GpuInput {
+            inventory: self.inventory,
+            gpu,
+            index: n,
+            policy: self.policy.for_gpu(gpu, n),
+            owned_mig: &self.owned_mig,
+            held: &self.held,
+        };
+        let mut output = if full {
+            plan::plan_full(&input, notes)
+        } else {
+            plan::plan_static(&input, &self.capabilities, notes)
+        };
+        output.devices.push(plan::monitor(&input));
+        self.taint_unhealthy(gpu, &mut output);
+        output
+    }
+
+    /// Where the server serves device taints, every device of a GPU the
+    /// node holds unhealthy gets one: NoSchedule, except the monitoring
+    /// device (effect None: an agent may still watch the sick GPU).
+    fn taint_unhealthy(&self, gpu: &Gpu, output: &mut plan::GpuOutput) {
+        if !self.capabilities.device_taints {
+            return;
+        }
+        let Some(unhealthy) = self.unhealthy.get(&gpu.uuid) else {
+            return;
+        };
+        for planned in &mut output.devices {
+            let effect = if matches!(planned.reference.kind, DeviceKind::Monitor) {
+                taints::EFFECT_NONE
+            } else {
+                taints::NO_SCHEDULE
+            };
+            taints::apply(
+                &mut planned.device,
+                taints::taint(&self.driver, unhealthy, effect),
+            );
+        }
+    }
+}
+
+/// The planned GPUs of a pool, with every device and what it stands for.
+#[derive(Default)]
+struct PoolPlan {
+    outputs: Vec<plan::GpuOutput>,
+    devices: BTreeMap<String, DeviceRef>,
+    mig_managed: BTreeSet<String>,
 }
 
 /// The slices for one node with default options (generation 0, no previous

@@ -141,84 +141,126 @@ pub fn same_content(desired: &[ResourceSlice], existing: &[ResourceSlice]) -> bo
 /// devices per slice, one pool generation and slice count, every counter
 /// consumption pointing at an existing counter with enough capacity.
 pub fn check_pool(slices: &[ResourceSlice], limits: &SliceLimits) -> Result<(), ModelError> {
-    let fail = |msg: String| Err(ModelError::Limit(msg));
     let mut counter_sets: BTreeMap<&str, &CounterSet> = BTreeMap::new();
     let mut device_names = BTreeSet::new();
     let mut slice_names = BTreeSet::new();
-
     for slice in slices {
         let name = slice.metadata.name.as_deref().unwrap_or_default();
         if !naming::is_dns_subdomain(name) || !slice_names.insert(name) {
             return fail(format!("slice name {name:?} invalid or duplicate"));
         }
+        check_pool_identity(name, slice, slices)?;
         let spec = &slice.spec;
-        let first = &slices[0].spec.pool;
-        if spec.pool != *first
-            || usize::try_from(spec.pool.resource_slice_count) != Ok(slices.len())
-        {
-            return fail(format!("{name}: pool identity differs between slices"));
-        }
         if spec.devices.is_some() && spec.shared_counters.is_some() {
             return fail(format!("{name}: both devices and sharedCounters"));
         }
         if let Some(sets) = &spec.shared_counters {
-            if sets.len() > limits.max_counter_sets {
-                return fail(format!("{name}: {} counter sets", sets.len()));
-            }
-            for set in sets {
-                if !naming::is_dns_label(&set.name)
-                    || set.counters.is_empty()
-                    || set.counters.len() > limits.max_counters_per_set
-                    || !set.counters.keys().all(|c| naming::is_dns_label(c))
-                {
-                    return fail(format!("{name}: counter set {} invalid", set.name));
-                }
-                if counter_sets.insert(&set.name, set).is_some() {
-                    return fail(format!("counter set {} defined twice", set.name));
-                }
-            }
+            check_counter_sets(name, sets, limits, &mut counter_sets)?;
         }
         if let Some(devices) = &spec.devices {
-            let max = if devices.iter().any(uses_advanced_features) {
-                limits.max_devices_with_counters
-            } else {
-                limits.max_devices
-            };
-            if devices.len() > max {
-                return fail(format!("{name}: {} devices, limit {max}", devices.len()));
-            }
-            for device in devices {
-                check_device(name, device, limits)?;
-                if !device_names.insert(device.name.as_str()) {
-                    return fail(format!("device {} published twice", device.name));
-                }
-            }
+            check_devices(name, devices, limits, &mut device_names)?;
         }
     }
+    check_consumptions(slices, &counter_sets)
+}
 
-    for slice in slices {
-        for device in slice.spec.devices.iter().flatten() {
-            for consumption in device.consumes_counters.iter().flatten() {
-                let Some(set) = counter_sets.get(consumption.counter_set.as_str()) else {
-                    return fail(format!(
-                        "device {} consumes from unknown counter set {}",
-                        device.name, consumption.counter_set
-                    ));
-                };
-                for (counter, amount) in &consumption.counters {
-                    let capacity = set
-                        .counters
-                        .get(counter)
-                        .and_then(|c| quantity::parse_integer(&c.value));
-                    let amount = quantity::parse_integer(&amount.value);
-                    match (capacity, amount) {
-                        (Some(cap), Some(a)) if a <= cap => {}
-                        _ => {
-                            return fail(format!(
-                                "device {} consumes {counter} beyond {}",
-                                device.name, consumption.counter_set
-                            ));
-                        }
+fn fail<T>(message: String) -> Result<T, ModelError> {
+    Err(ModelError::Limit(message))
+}
+
+/// Every slice names the same pool generation and slice count, and the
+/// count is the number of slices.
+fn check_pool_identity(
+    name: &str,
+    slice: &ResourceSlice,
+    slices: &[ResourceSlice],
+) -> Result<(), ModelError> {
+    let pool = &slice.spec.pool;
+    if *pool != slices[0].spec.pool
+        || usize::try_from(pool.resource_slice_count) != Ok(slices.len())
+    {
+        return fail(format!("{name}: pool identity differs between slices"));
+    }
+    Ok(())
+}
+
+/// A slice's counter sets are within the limits, valid and defined once
+/// in the pool; collects them into `defined`.
+fn check_counter_sets<'s>(
+    name: &str,
+    sets: &'s [CounterSet],
+    limits: &SliceLimits,
+    defined: &mut BTreeMap<&'s str, &'s CounterSet>,
+) -> Result<(), ModelError> {
+    if sets.len() > limits.max_counter_sets {
+        return fail(format!("{name}: {} counter sets", sets.len()));
+    }
+    for set in sets {
+        if !naming::is_dns_label(&set.name)
+            || set.counters.is_empty()
+            || set.counters.len() > limits.max_counters_per_set
+            || !set.counters.keys().all(|c| naming::is_dns_label(c))
+        {
+            return fail(format!("{name}: counter set {} invalid", set.name));
+        }
+        if defined.insert(&set.name, set).is_some() {
+            return fail(format!("counter set {} defined twice", set.name));
+        }
+    }
+    Ok(())
+}
+
+/// A slice's devices are within the limits, valid and unique in the pool.
+fn check_devices<'s>(
+    name: &str,
+    devices: &'s [Device],
+    limits: &SliceLimits,
+    seen: &mut BTreeSet<&'s str>,
+) -> Result<(), ModelError> {
+    let max = if devices.iter().any(uses_advanced_features) {
+        limits.max_devices_with_counters
+    } else {
+        limits.max_devices
+    };
+    if devices.len() > max {
+        return fail(format!("{name}: {} devices, limit {max}", devices.len()));
+    }
+    for device in devices {
+        check_device(name, device, limits)?;
+        if !seen.insert(device.name.as_str()) {
+            return fail(format!("device {} published twice", device.name));
+        }
+    }
+    Ok(())
+}
+
+/// Every counter consumption points at a counter set of the pool and
+/// stays within the counter's capacity.
+fn check_consumptions(
+    slices: &[ResourceSlice],
+    counter_sets: &BTreeMap<&str, &CounterSet>,
+) -> Result<(), ModelError> {
+    for device in slices.iter().flat_map(|s| s.spec.devices.iter().flatten()) {
+        for consumption in device.consumes_counters.iter().flatten() {
+            let Some(set) = counter_sets.get(consumption.counter_set.as_str()) else {
+                return fail(format!(
+                    "device {} consumes from unknown counter set {}",
+                    device.name, consumption.counter_set
+                ));
+            };
+            for (counter, amount) in &consumption.counters {
+                let capacity = set
+                    .counters
+                    .get(counter)
+                    .and_then(|c| quantity::parse_integer(&c.value));
+                let amount = quantity::parse_integer(&amount.value);
+                match (capacity, amount) {
+                    (Some(cap), Some(a)) if a <= cap => {}
+                    _ => {
+                        return fail(format!(
+                            "device {} consumes {counter} beyond {}",
+                            device.name, consumption.counter_set
+                        ));
                     }
                 }
             }

@@ -105,85 +105,9 @@ pub async fn detect(
 
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let probes = Probes::new(node, driver);
-
-    let counters = probe(&api, &probes.counters, "sharedCounters").await?;
-    let consumes = probe(&api, &probes.consumes, "consumesCounters").await?;
-    let partitionable_served = match (&counters, &consumes) {
-        (Probe::Kept(c), Probe::Kept(d)) => {
-            let kept_counters = c
-                .spec
-                .shared_counters
-                .as_ref()
-                .is_some_and(|s| !s.is_empty());
-            let kept_consumes = d
-                .spec
-                .devices
-                .iter()
-                .flatten()
-                .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()));
-            if !kept_counters || !kept_consumes {
-                reasons.push(
-                    "partitionable devices: the server drops sharedCounters/consumesCounters \
-                     (feature gate DRAPartitionableDevices off)"
-                        .to_string(),
-                );
-            }
-            kept_counters && kept_consumes
-        }
-        (Probe::Rejected(why), _) | (_, Probe::Rejected(why)) => {
-            reasons.push(format!(
-                "partitionable devices: the server rejects the 1.35+ layout: {why}"
-            ));
-            false
-        }
-    };
-
-    let consumable_served = match probe(&api, &probes.multi, "allowMultipleAllocations").await? {
-        Probe::Kept(s) => {
-            let kept = s.spec.devices.iter().flatten().any(|d| {
-                d.allow_multiple_allocations == Some(true)
-                    && d.capacity
-                        .iter()
-                        .flatten()
-                        .any(|(_, c)| c.request_policy.is_some())
-            });
-            if !kept {
-                reasons.push(
-                    "consumable capacity: the server drops allowMultipleAllocations/requestPolicy \
-                     (feature gate DRAConsumableCapacity off)"
-                        .to_string(),
-                );
-            }
-            kept
-        }
-        Probe::Rejected(why) => {
-            reasons.push(format!("consumable capacity: probe rejected: {why}"));
-            false
-        }
-    };
-
-    let taints_served = match probe(&api, &probes.taints, "taints").await? {
-        Probe::Kept(s) => {
-            let kept = s
-                .spec
-                .devices
-                .iter()
-                .flatten()
-                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
-            if !kept {
-                reasons.push(
-                    "device taints: the server drops devices[].taints (feature gate \
-                     DRADeviceTaints off): unhealthy GPUs are not tainted"
-                        .to_string(),
-                );
-            }
-            kept
-        }
-        Probe::Rejected(why) => {
-            reasons.push(format!("device taints: probe rejected: {why}"));
-            false
-        }
-    };
+    let partitionable_served = partitionable(&api, &probes, &mut reasons).await?;
+    let consumable_served = consumable(&api, &probes.multi, &mut reasons).await?;
+    let taints_served = taints(&api, &probes.taints, &mut reasons).await?;
 
     let version_ok = version.is_some_and(|v| v >= min_full_model);
     if partitionable_served && consumable_served && !version_ok {
@@ -213,6 +137,107 @@ pub async fn detect(
         info!("capabilities: {r}");
     }
     Ok(detected)
+}
+
+/// Whether the server keeps what partitionable devices are made of: a
+/// slice of counters, and devices consuming from a set defined elsewhere.
+async fn partitionable(
+    api: &Api<ResourceSlice>,
+    probes: &Probes,
+    reasons: &mut Vec<String>,
+) -> Result<bool, PublishError> {
+    let counters = probe(api, &probes.counters, "sharedCounters").await?;
+    let consumes = probe(api, &probes.consumes, "consumesCounters").await?;
+    Ok(match (&counters, &consumes) {
+        (Probe::Kept(c), Probe::Kept(d)) => {
+            let kept_counters = c
+                .spec
+                .shared_counters
+                .as_ref()
+                .is_some_and(|s| !s.is_empty());
+            let kept_consumes = d
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .any(|d| d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()));
+            if !kept_counters || !kept_consumes {
+                reasons.push(
+                    "partitionable devices: the server drops sharedCounters/consumesCounters \
+                     (feature gate DRAPartitionableDevices off)"
+                        .to_string(),
+                );
+            }
+            kept_counters && kept_consumes
+        }
+        (Probe::Rejected(why), _) | (_, Probe::Rejected(why)) => {
+            reasons.push(format!(
+                "partitionable devices: the server rejects the 1.35+ layout: {why}"
+            ));
+            false
+        }
+    })
+}
+
+/// Whether the server keeps a multi-allocatable device's request policy.
+async fn consumable(
+    api: &Api<ResourceSlice>,
+    multi: &ResourceSlice,
+    reasons: &mut Vec<String>,
+) -> Result<bool, PublishError> {
+    Ok(match probe(api, multi, "allowMultipleAllocations").await? {
+        Probe::Kept(s) => {
+            let kept = s.spec.devices.iter().flatten().any(|d| {
+                d.allow_multiple_allocations == Some(true)
+                    && d.capacity
+                        .iter()
+                        .flatten()
+                        .any(|(_, c)| c.request_policy.is_some())
+            });
+            if !kept {
+                reasons.push(
+                    "consumable capacity: the server drops allowMultipleAllocations/requestPolicy \
+                     (feature gate DRAConsumableCapacity off)"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("consumable capacity: probe rejected: {why}"));
+            false
+        }
+    })
+}
+
+/// Whether the server keeps a device's taints.
+async fn taints(
+    api: &Api<ResourceSlice>,
+    tainted: &ResourceSlice,
+    reasons: &mut Vec<String>,
+) -> Result<bool, PublishError> {
+    Ok(match probe(api, tainted, "taints").await? {
+        Probe::Kept(s) => {
+            let kept = s
+                .spec
+                .devices
+                .iter()
+                .flatten()
+                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
+            if !kept {
+                reasons.push(
+                    "device taints: the server drops devices[].taints (feature gate \
+                     DRADeviceTaints off): unhealthy GPUs are not tainted"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("device taints: probe rejected: {why}"));
+            false
+        }
+    })
 }
 
 /// Fails unless `resource.k8s.io/v1` serves ResourceSlices.
@@ -265,98 +290,112 @@ struct Probes {
 
 impl Probes {
     fn new(node: &str, driver: &DriverName) -> Self {
-        let slice = |suffix: &str, spec: ResourceSliceSpec| ResourceSlice {
-            metadata: ObjectMeta {
-                name: Some(probe_name(node, driver, suffix)),
-                ..ObjectMeta::default()
-            },
-            spec: ResourceSliceSpec {
-                driver: driver.as_str().to_string(),
-                node_name: Some(node.to_string()),
-                pool: ResourcePool {
-                    name: node.to_string(),
-                    generation: 0,
-                    resource_slice_count: 1,
-                },
-                ..spec
-            },
-        };
-        let q = |s: &str| Quantity(s.to_string());
-        let counters = slice(
-            "counters",
-            ResourceSliceSpec {
-                shared_counters: Some(vec![CounterSet {
-                    name: "probe".into(),
-                    counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
-                }]),
-                ..ResourceSliceSpec::default()
-            },
-        );
-        let consumes = slice(
-            "consumes",
-            ResourceSliceSpec {
-                devices: Some(vec![Device {
-                    name: "probe".into(),
-                    consumes_counters: Some(vec![DeviceCounterConsumption {
-                        counter_set: "probe".into(),
-                        counters: BTreeMap::from([(
-                            "units".to_string(),
-                            Counter { value: q("1") },
-                        )]),
-                    }]),
-                    ..Device::default()
-                }]),
-                ..ResourceSliceSpec::default()
-            },
-        );
-        let multi = slice(
-            "multi",
-            ResourceSliceSpec {
-                devices: Some(vec![Device {
-                    name: "probe".into(),
-                    allow_multiple_allocations: Some(true),
-                    capacity: Some(BTreeMap::from([(
-                        "memory".to_string(),
-                        DeviceCapacity {
-                            value: q("2Gi"),
-                            request_policy: Some(CapacityRequestPolicy {
-                                default: Some(q("1Gi")),
-                                valid_range: Some(CapacityRequestPolicyRange {
-                                    min: q("1Gi"),
-                                    max: Some(q("2Gi")),
-                                    step: Some(q("1Gi")),
-                                }),
-                                valid_values: None,
-                            }),
-                        },
-                    )])),
-                    ..Device::default()
-                }]),
-                ..ResourceSliceSpec::default()
-            },
-        );
-        let taints = slice(
-            "taints",
-            ResourceSliceSpec {
-                devices: Some(vec![Device {
-                    name: "probe".into(),
-                    taints: Some(vec![DeviceTaint {
-                        key: format!("{driver}/probe"),
-                        value: None,
-                        effect: "None".into(),
-                        time_added: None,
-                    }]),
-                    ..Device::default()
-                }]),
-                ..ResourceSliceSpec::default()
-            },
-        );
+        let slice = |what: &str, spec: ResourceSliceSpec| probe_slice(node, driver, what, spec);
         Probes {
-            counters,
-            consumes,
-            multi,
-            taints,
+            counters: slice("counters", counters_spec()),
+            consumes: slice("consumes", consumes_spec()),
+            multi: slice("multi", multi_spec()),
+            taints: slice("taints", taints_spec(driver)),
         }
+    }
+}
+
+/// A probe slice of this node's pool with the devices or counters of `spec`.
+fn probe_slice(
+    node: &str,
+    driver: &DriverName,
+    what: &str,
+    spec: ResourceSliceSpec,
+) -> ResourceSlice {
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(probe_name(node, driver, what)),
+            ..ObjectMeta::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: driver.as_str().to_string(),
+            node_name: Some(node.to_string()),
+            pool: ResourcePool {
+                name: node.to_string(),
+                generation: 0,
+                resource_slice_count: 1,
+            },
+            ..spec
+        },
+    }
+}
+
+fn q(s: &str) -> Quantity {
+    Quantity(s.to_string())
+}
+
+/// Only a counter set.
+fn counters_spec() -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        shared_counters: Some(vec![CounterSet {
+            name: "probe".into(),
+            counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
+        }]),
+        ..ResourceSliceSpec::default()
+    }
+}
+
+/// A device consuming from a counter set the slice does not define.
+fn consumes_spec() -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        devices: Some(vec![Device {
+            name: "probe".into(),
+            consumes_counters: Some(vec![DeviceCounterConsumption {
+                counter_set: "probe".into(),
+                counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
+            }]),
+            ..Device::default()
+        }]),
+        ..ResourceSliceSpec::default()
+    }
+}
+
+/// A multi-allocatable device whose capacity has a request policy.
+fn multi_spec() -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        devices: Some(vec![Device {
+            name: "probe".into(),
+            allow_multiple_allocations: Some(true),
+            capacity: Some(BTreeMap::from([(
+                "memory".to_string(),
+                DeviceCapacity {
+                    value: q("2Gi"),
+                    request_policy: Some(CapacityRequestPolicy {
+                        default: Some(q("1Gi")),
+                        valid_range: Some(CapacityRequestPolicyRange {
+                            min: q("1Gi"),
+                            max: Some(q("2Gi")),
+                            step: Some(q("1Gi")),
+                        }),
+                        valid_values: None,
+                    }),
+                },
+            )])),
+            ..Device::default()
+        }]),
+        ..ResourceSliceSpec::default()
+    }
+}
+
+/// A device with a taint that has no effect.
+fn taints_spec(driver: &DriverName) -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        devices: Some(vec![Device {
+            name: "probe".into(),
+            taints: Some(vec![DeviceTaint {
+                key: format!("{driver}/probe"),
+                value: None,
+                effect: "None".into(),
+                time_added: None,
+            }]),
+            ..Device::default()
+        }]),
+        ..ResourceSliceSpec::default()
     }
 }
 

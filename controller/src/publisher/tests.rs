@@ -3,9 +3,10 @@ use std::collections::BTreeSet;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use serde_json::json;
 use tessera_api::inventory::{Gpu, Inventory, Mig};
+use tokio::sync::watch;
 
 use super::*;
-use crate::model::desired_slices;
+use crate::model::{SliceModel, desired_slices};
 
 fn gpu(uuid: &str, pci: &str) -> Gpu {
     Gpu {

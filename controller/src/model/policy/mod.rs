@@ -35,10 +35,17 @@
 //! the offending field, e.g. `gpus[1].static.replicas: must be between 1 and
 //! 64`.
 
+mod guard;
+mod mps;
+mod selector;
+
 use serde::Deserialize;
-use tessera_api::config::Quantity;
 use tessera_api::inventory::Gpu;
 use tessera_api::names::isolation_provider;
+
+pub use guard::{ClaimGuardPolicy, GuardAction};
+pub use mps::MpsPolicy;
+pub use selector::{GpuSelector, glob_match};
 
 /// API version accepted in `apiVersion`.
 pub const POLICY_API_VERSION: &str = "tessera.dev/v1alpha1";
@@ -73,134 +80,6 @@ pub struct NodePolicy {
     /// The bounds of each MPS daemon's directories.
     #[serde(default)]
     pub mps: MpsPolicy,
-}
-
-/// Each MPS daemon's `/dev/shm` (shared with its claim's containers) and
-/// pipe directory are a tmpfs of their own, bounded here: a claim that
-/// fills them gets ENOSPC and reaches no other claim, nor the node's `/run`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct MpsPolicy {
-    /// The `/dev/shm` of a claim that does not ask for a size.
-    #[serde(default = "MpsPolicy::default_shared_memory")]
-    pub shared_memory: Quantity,
-    /// The most a claim's `sharedMemory` may ask for.
-    #[serde(default = "MpsPolicy::default_max_shared_memory")]
-    pub max_shared_memory: Quantity,
-    /// Files (inodes) in a daemon's `/dev/shm`; its pipe directory, where
-    /// MPS keeps a few sockets and fifos per client, gets an eighth.
-    #[serde(default = "MpsPolicy::default_inodes")]
-    pub inodes: u64,
-}
-
-impl MpsPolicy {
-    /// The range of `inodes`: MPS needs a few, and more than a million
-    /// files is no longer a bound.
-    pub const INODES: std::ops::RangeInclusive<u64> = 64..=1 << 20;
-    /// The smallest `/dev/shm` a policy may set.
-    pub const MIN_SHARED_MEMORY: u64 = 1 << 20;
-
-    fn default_shared_memory() -> Quantity {
-        Quantity::from_bytes(256 << 20)
-    }
-
-    fn default_max_shared_memory() -> Quantity {
-        Quantity::from_bytes(4 << 30)
-    }
-
-    fn default_inodes() -> u64 {
-        4096
-    }
-
-    fn validate(&self) -> Result<(), PolicyError> {
-        if self.shared_memory.bytes() < Self::MIN_SHARED_MEMORY {
-            return Err(invalid(
-                "mps.sharedMemory",
-                format!("must be at least 1Mi, not {}", self.shared_memory),
-            ));
-        }
-        if self.max_shared_memory < self.shared_memory {
-            return Err(invalid(
-                "mps.maxSharedMemory",
-                format!(
-                    "{} is less than mps.sharedMemory ({}); raise it or lower the default",
-                    self.max_shared_memory, self.shared_memory
-                ),
-            ));
-        }
-        if !Self::INODES.contains(&self.inodes) {
-            return Err(invalid(
-                "mps.inodes",
-                format!(
-                    "must be between {} and {}, not {}",
-                    Self::INODES.start(),
-                    Self::INODES.end(),
-                    self.inodes
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
-impl Default for MpsPolicy {
-    fn default() -> Self {
-        MpsPolicy {
-            shared_memory: Self::default_shared_memory(),
-            max_shared_memory: Self::default_max_shared_memory(),
-            inodes: Self::default_inodes(),
-        }
-    }
-}
-
-/// The claim guard's settings: node-wide, one guard per node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ClaimGuardPolicy {
-    /// `enforce` (the default): the offending process is killed and
-    /// reported; `report`: only reported.
-    #[serde(default)]
-    pub action: GuardAction,
-    /// How often the GPUs that hold Isolated claims are looked at.
-    #[serde(default = "ClaimGuardPolicy::default_period_millis")]
-    pub period_millis: u64,
-}
-
-impl ClaimGuardPolicy {
-    /// The shortest and longest period a policy may set: shorter costs CPU
-    /// for nothing NVML updates that fast, longer leaves a tenant minutes.
-    pub const PERIOD_MILLIS: std::ops::RangeInclusive<u64> = 100..=60_000;
-
-    fn default_period_millis() -> u64 {
-        1000
-    }
-}
-
-impl Default for ClaimGuardPolicy {
-    fn default() -> Self {
-        ClaimGuardPolicy {
-            action: GuardAction::default(),
-            period_millis: Self::default_period_millis(),
-        }
-    }
-}
-
-/// What the claim guard does about a violation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum GuardAction {
-    #[default]
-    Enforce,
-    Report,
-}
-
-impl GuardAction {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GuardAction::Enforce => "enforce",
-            GuardAction::Report => "report",
-        }
-    }
 }
 
 /// One rule: a selector and the fields it sets for the GPUs it selects.
@@ -240,24 +119,6 @@ pub struct GpuRule {
     /// one server each (see `devices::isolated_share_memory`).
     #[serde(default, rename = "mpsServerReserveMiB")]
     pub mps_server_reserve_mib: Option<u64>,
-}
-
-/// Selects GPUs; exactly one field must be set.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct GpuSelector {
-    /// `true` selects every GPU.
-    #[serde(default)]
-    pub all: Option<bool>,
-    /// A GPU UUID, `GPU-...`.
-    #[serde(default)]
-    pub uuid: Option<String>,
-    /// The stable Tessera index `n` of device `gpu-<n>` (not the NVML index).
-    #[serde(default)]
-    pub index: Option<u32>,
-    /// Glob over the product name, case-insensitive.
-    #[serde(default)]
-    pub product: Option<String>,
 }
 
 /// Static-mode settings of a rule.
@@ -533,130 +394,5 @@ impl GpuRule {
     }
 }
 
-impl GpuSelector {
-    fn validate(&self, path: &str) -> Result<(), PolicyError> {
-        let set = [
-            self.all.is_some(),
-            self.uuid.is_some(),
-            self.index.is_some(),
-            self.product.is_some(),
-        ]
-        .iter()
-        .filter(|s| **s)
-        .count();
-        if set != 1 {
-            return Err(invalid(
-                path,
-                format!("exactly one of all, uuid, index, product must be set ({set} set)"),
-            ));
-        }
-        if self.all == Some(false) {
-            return Err(invalid(
-                format!("{path}.all"),
-                "must be true when set (omit the rule instead)",
-            ));
-        }
-        if let Some(uuid) = &self.uuid
-            && !(uuid.starts_with("GPU-") && uuid.len() > 4)
-        {
-            return Err(invalid(
-                format!("{path}.uuid"),
-                format!("must be a GPU UUID (GPU-...), not {uuid:?}"),
-            ));
-        }
-        if let Some(product) = &self.product
-            && product.trim().is_empty()
-        {
-            return Err(invalid(format!("{path}.product"), "must not be empty"));
-        }
-        Ok(())
-    }
-
-    /// Whether this selector picks `gpu` (with stable index `index`).
-    pub fn matches(&self, gpu: &Gpu, index: u32) -> bool {
-        if self.all == Some(true) {
-            return true;
-        }
-        if let Some(uuid) = &self.uuid {
-            return uuid.eq_ignore_ascii_case(&gpu.uuid);
-        }
-        if let Some(i) = self.index {
-            return i == index;
-        }
-        if let Some(product) = &self.product {
-            return glob_match(
-                &product.to_ascii_lowercase(),
-                &gpu.product_name.to_ascii_lowercase(),
-            );
-        }
-        false
-    }
-}
-
-/// Shell-style matching with `*` (any run) and `?` (one character).
-pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
-    let (mut pi, mut ti) = (0, 0);
-    let mut backtrack: Option<(usize, usize)> = None;
-    while ti < t.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            backtrack = Some((pi, ti));
-            pi += 1;
-        } else if let Some((star, matched)) = backtrack {
-            pi = star + 1;
-            ti = matched + 1;
-            backtrack = Some((star, matched + 1));
-        } else {
-            return false;
-        }
-    }
-    p[pi..].iter().all(|c| *c == '*')
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mps_server_reserve_is_bounded_and_named_when_wrong() {
-        let ok = NodePolicy::from_yaml(
-            "gpus:\n- select: {all: true}\n  mpsServerReserveMiB: 0\n- select: {index: 1}\n  mpsServerReserveMiB: 8192\n",
-        )
-        .unwrap();
-        assert_eq!(ok.gpus[1].mps_server_reserve_mib, Some(8192));
-        let err = NodePolicy::from_yaml(
-            "gpus:\n- select: {all: true}\n- select: {index: 1}\n  mpsServerReserveMiB: 8193\n",
-        )
-        .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "node policy: gpus[1].mpsServerReserveMiB: must be at most 8192 (MiB of GPU memory \
-             per MPS server), not 8193"
-        );
-        let err =
-            NodePolicy::from_yaml("gpus:\n- select: {all: true}\n  mpsServerReserveMiB: -1\n")
-                .unwrap_err();
-        assert!(err.to_string().contains("mpsServerReserveMiB"), "{err}");
-        assert_eq!(
-            GpuPolicy::default().mps_server_reserve_bytes,
-            DEFAULT_MPS_SERVER_RESERVE_MIB << 20
-        );
-    }
-
-    #[test]
-    fn glob() {
-        assert!(glob_match("*", "1g.10gb"));
-        assert!(glob_match("1g.*", "1g.10gb+me"));
-        assert!(!glob_match("1g.*", "2g.20gb"));
-        assert!(glob_match("?g.40gb", "3g.40gb"));
-        assert!(glob_match("nvidia h100*", "nvidia h100 80gb hbm3"));
-        assert!(!glob_match("nvidia a100", "nvidia a100-sxm4-40gb"));
-        assert!(glob_match("*a100*40gb", "nvidia a100-sxm4-40gb"));
-        assert!(glob_match("", ""));
-        assert!(!glob_match("", "x"));
-    }
-}
+mod tests;
