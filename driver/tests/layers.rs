@@ -1,5 +1,6 @@
-//! The driver crate's imports go one way: no cycle between its files, and
-//! none between its top-level modules.
+//! The driver crate's imports go one way: down the layers of [`UNITS`]
+//! as [`MAY_USE`] allows, with no cycle between its files and none between
+//! its top-level modules.
 //!
 //! Imports are read from the source text: `use crate::...`/`use super::...`
 //! trees and inline `crate::a::b` / `super::a` paths, outside test modules
@@ -11,6 +12,81 @@ use std::path::{Path, PathBuf};
 
 fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// Every part of the crate and its layer: a file belongs to the unit of
+/// the longest prefix of its module path listed here. docs/architecture.md
+/// shows the same table.
+const UNITS: &[(&str, &str)] = &[
+    ("node", "node"),
+    ("probe", "tools"),
+    ("webhook", "tools"),
+    ("kubelet", "kubelet"),
+    ("publish", "publish"),
+    ("guard", "guard"),
+    ("metrics", "metrics"),
+    ("health", "health"),
+    ("prepare", "prepare"),
+    ("host/mps", "adapters"),
+    ("host/mig", "adapters"),
+    ("host/time_slice", "adapters"),
+    ("host", "port"),
+    ("host/process", "process"),
+    ("state", "state"),
+    ("checkpoint", "state"),
+    ("apiserver", "leaf"),
+    ("cdi", "leaf"),
+    ("claim_uid", "leaf"),
+    ("discovery", "leaf"),
+    ("sync", "leaf"),
+    ("lib", "root"),
+];
+
+/// Which layers each layer may use, top to bottom. The prepare engine and
+/// the host adapters never see each other: both see the port, and the
+/// node process hands the adapters to the engine.
+const MAY_USE: &[(&str, &[&str])] = &[
+    ("root", &["*"]),
+    (
+        "node",
+        &[
+            "tools", "kubelet", "publish", "guard", "metrics", "health", "prepare", "adapters",
+            "port", "process", "state", "leaf",
+        ],
+    ),
+    ("tools", &["port", "state", "leaf"]),
+    ("kubelet", &["prepare", "health", "state", "leaf"]),
+    (
+        "publish",
+        &["prepare", "health", "metrics", "state", "leaf"],
+    ),
+    ("guard", &["prepare", "metrics", "process", "state", "leaf"]),
+    ("metrics", &["prepare", "health", "state", "leaf"]),
+    ("health", &["state", "leaf"]),
+    ("prepare", &["port", "process", "state", "leaf"]),
+    ("adapters", &["port", "process", "state", "leaf"]),
+    ("port", &["state", "leaf"]),
+    ("process", &["state", "leaf"]),
+    ("state", &["leaf"]),
+    ("leaf", &["leaf"]),
+];
+
+/// The unit of a file's module path.
+fn unit_of(module: &[String]) -> Option<&'static str> {
+    let path = module.join("/");
+    UNITS
+        .iter()
+        .filter(|(prefix, _)| path == *prefix || path.starts_with(&format!("{prefix}/")))
+        .max_by_key(|(prefix, _)| prefix.len())
+        .map(|(_, unit)| *unit)
+}
+
+fn may_use(from: &str, to: &str) -> bool {
+    from == to
+        || MAY_USE
+            .iter()
+            .find(|(unit, _)| *unit == from)
+            .is_some_and(|(_, allowed)| allowed.contains(&"*") || allowed.contains(&to))
 }
 
 /// A file's module path below `src`: `mps/daemon`, `prepare` for
@@ -32,7 +108,8 @@ fn product_files(dir: &Path, out: &mut Vec<PathBuf>) {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         if path.is_dir() {
-            if name != "tests" {
+            // `bin/` is the command line, a crate of its own over this one.
+            if name != "tests" && !(dir == src() && name == "bin") {
                 product_files(&path, out);
             }
         } else if name.ends_with(".rs") && name != "tests.rs" && name != "main.rs" {
@@ -256,6 +333,78 @@ fn no_module_imports_in_a_circle() {
 }
 
 #[test]
+fn every_file_has_a_layer() {
+    let krate = Crate::read();
+    let homeless: Vec<String> = krate
+        .files
+        .iter()
+        .filter(|f| unit_of(f).is_none())
+        .map(|f| f.join("/"))
+        .collect();
+    assert!(
+        homeless.is_empty(),
+        "files of no unit (add their module to UNITS in this test and to \
+         docs/architecture.md): {homeless:?}"
+    );
+}
+
+#[test]
+fn imports_point_down_the_layers() {
+    let krate = Crate::read();
+    let mut against = Vec::new();
+    for (from, tos) in &krate.edges {
+        for to in tos {
+            let (Some(a), Some(b)) = (unit_of(from), unit_of(to)) else {
+                continue;
+            };
+            if !may_use(a, b) {
+                against.push(format!(
+                    "{} ({a}) uses {} ({b})",
+                    from.join("/"),
+                    to.join("/")
+                ));
+            }
+        }
+    }
+    assert!(
+        against.is_empty(),
+        "imports against the layers (see MAY_USE):\n{}",
+        against.join("\n")
+    );
+}
+
+#[test]
+fn the_layers_themselves_have_no_circle() {
+    let edges: BTreeSet<(&str, &str)> = MAY_USE
+        .iter()
+        .flat_map(|(from, tos)| tos.iter().map(move |to| (*from, *to)))
+        .filter(|(from, to)| from != to && *to != "*")
+        .collect();
+    assert!(on_cycles(&edges).is_empty(), "{:?}", on_cycles(&edges));
+    for (unit, _) in MAY_USE {
+        assert!(
+            UNITS.iter().any(|(_, u)| u == unit),
+            "{unit} is in MAY_USE but no module is in it"
+        );
+    }
+}
+
+#[test]
+fn the_docs_list_the_units() {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/architecture.md"),
+    )
+    .unwrap();
+    for (prefix, unit) in UNITS.iter().filter(|(_, u)| *u != "root") {
+        let row = format!("| `{prefix}` | {unit} |");
+        assert!(
+            doc.contains(&row),
+            "docs/architecture.md's module table lacks the row starting {row:?}"
+        );
+    }
+}
+
+#[test]
 fn the_reader_finds_what_a_use_tree_names() {
     assert_eq!(
         expand("crate::{a::B, c::{d, e::F}}"),
@@ -267,6 +416,11 @@ fn the_reader_finds_what_a_use_tree_names() {
         Some(vec!["mps".into(), "paths".into(), "CONTROL".into()])
     );
     assert_eq!(resolve(&module, "std::fs"), None);
+    let module = |path: &str| path.split('/').map(str::to_owned).collect::<Vec<_>>();
+    assert_eq!(unit_of(&module("host/mps/daemon")), Some("adapters"));
+    assert_eq!(unit_of(&module("host/port")), Some("port"));
+    assert_eq!(unit_of(&module("hostile")), None);
+    assert!(may_use("prepare", "port") && !may_use("prepare", "adapters"));
     let edges: BTreeSet<(u8, u8)> = [(1, 2), (2, 1), (2, 3)].into();
     assert_eq!(on_cycles(&edges), [(1, 2), (2, 1)].into());
 }

@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 
 use self::judge::{Guarded, Judgement, Observed, Rule, Violation};
 use crate::claim_uid::ClaimUid;
-use crate::host::mps::{Pidfd, ProcessId};
+use crate::host::process::{Pidfd, ProcessId};
 use crate::metrics::Metrics;
 use crate::metrics::claims::{Consumers, pod_of};
 use crate::prepare::{PodRef, Preparer};

@@ -34,7 +34,6 @@ use tokio::sync::watch;
 use tracing::debug;
 
 use crate::health::{Health, HealthMap, HealthTracker};
-use crate::host::mps::MpsSupervisor;
 use crate::prepare::{PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::records::EntryState;
@@ -451,7 +450,9 @@ pub struct Sampler {
     /// The node's latest view (its inventory names the GPUs).
     pub view: watch::Receiver<NodeView>,
     pub nvml: Arc<Nvml>,
-    pub mps: Arc<MpsSupervisor>,
+    /// How many MPS daemons are supervised now (counted without any
+    /// daemon's lock).
+    pub mps_daemons: Box<dyn Fn() -> usize + Send + Sync>,
     pub publisher: Arc<WriteCounters>,
     pub health: Arc<HealthTracker>,
     /// The published devices (by GPU), for devices by health.
@@ -480,7 +481,7 @@ impl Sample for Sampler {
         m.prepared_claims.set(completed as i64);
         // Counted without any daemon's lock, which a prepare starting that
         // daemon holds for seconds.
-        m.mps_daemons.set(self.mps.supervised() as i64);
+        m.mps_daemons.set((self.mps_daemons)() as i64);
 
         let counts = self.publisher.snapshot();
         catch_up(&m.slice_reconciles, self.publisher.reconciles());

@@ -386,7 +386,10 @@ fn sample_metrics(
         preparer: preparer.clone(),
         view,
         nvml: node.nvml.clone(),
-        mps: host.mps.clone(),
+        mps_daemons: {
+            let mps = host.mps.clone();
+            Box::new(move || mps.supervised())
+        },
         publisher: publisher.counters(),
         health: node.health.clone(),
         catalog: node.catalog.clone(),
