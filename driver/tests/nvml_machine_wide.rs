@@ -23,7 +23,7 @@ use nvml_wrapper::enum_wrappers::device::ComputeMode;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 use tessera_driver::host::mig::raw;
-use tessera_driver::prepare::provider::mig_caps::{self, MigCaps};
+use tessera_driver::prepare::enforce::mig_caps::{self, MigCaps};
 
 const CHILD_ENV: &str = "TESSERA_TEST_MACHINE_WIDE_CHILD";
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";

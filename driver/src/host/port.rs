@@ -1,4 +1,4 @@
-//! What the providers change on the node, behind one small trait each so
+//! What the enforcers change on the node, behind one small trait each so
 //! that prepare's bookkeeping (checkpoint, rollback, CDI) does not depend on
 //! how it is done: a claim's own MPS control daemons ([`MpsControl`],
 //! Isolated shares and `sharing.strategy: MPS`), the compute time slice

@@ -5,7 +5,7 @@
 
 use tracing::info;
 
-use super::provider::{Report, Undo};
+use super::enforce::{Report, Undo};
 use super::{Preparer, UndoError};
 use crate::checkpoint::Lost;
 use crate::claim_uid::ClaimUid;
@@ -57,7 +57,7 @@ impl Preparer {
         let salvaged = lost.claims.get(uid).cloned().flatten();
         let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
         for action in salvaged.iter().flat_map(|e| e.actions.iter().rev()) {
-            (self.providers.undo(&cx, action)).map_err(|source| UndoError::Action {
+            (self.enforcers.undo(&cx, action)).map_err(|source| UndoError::Action {
                 action: Box::new(action.clone()),
                 source,
             })?;

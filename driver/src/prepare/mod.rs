@@ -12,16 +12,16 @@
 //!    ([`claims::select`]), each device through the slice model
 //!    ([`resolve`]), their configs merged
 //!    ([`tessera_api::config::resolve_claim`]);
-//! 5. **effects**: the record is written `Started` with every provider's
-//!    planned side effects ([`provider`]), then each provider makes its own
+//! 5. **effects**: the record is written `Started` with every enforcer's
+//!    planned side effects ([`enforce`]), then each enforcer makes its own
 //!    (MIG modes and devices, the time slice, the claim's MPS daemons);
-//! 6. **edits** and **spec**: each provider adds its container edits, and
+//! 6. **edits** and **spec**: each enforcer adds its container edits, and
 //!    the claim's CDI spec is written ([`spec`]);
 //! 7. **record**: the entry becomes `Completed` with the answer and the
 //!    spec; `status.devices` is written in the background ([`status`]).
 //!
 //! Any failure rolls back what was done, newest first, each action through
-//! the provider that made it. Unprepare marks the entry `Unpreparing`, undoes
+//! the enforcer that made it. Unprepare marks the entry `Unpreparing`, undoes
 //! the side effects the same way, removes the spec and the entry. Unknown
 //! claims succeed. At start-up ([`recovery`]) entries left `Started` are
 //! rolled back, `Unpreparing` ones finished, lost specs of `Completed` ones
@@ -32,8 +32,8 @@
 //! One bad claim never fails the others: every claim gets its own answer.
 
 pub mod claims;
+pub mod enforce;
 mod lost;
-pub mod provider;
 mod recovery;
 pub mod resolve;
 pub mod spec;
@@ -60,7 +60,7 @@ use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
 use crate::state::records::{Action, ClaimEntry, EntryState, PreparedDevice};
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
-use provider::{Device, Effects, EnforceError, Hosts, Providers, Undo};
+use enforce::{Device, Effects, EnforceError, Enforcers, Hosts, Undo};
 use status::StatusWriter;
 use validate::validate;
 
@@ -162,7 +162,7 @@ pub enum UndoError {
 pub struct Preparer {
     config: PrepareConfig,
     deps: Dependencies,
-    providers: Providers,
+    enforcers: Enforcers,
     checkpoint: Checkpoint<ClaimEntry>,
     specs: SpecDir,
     locks: ClaimLocks,
@@ -178,7 +178,7 @@ pub struct Preparer {
     observer: OnceLock<Arc<dyn PrepareObserver>>,
     /// What was told to the operator (tests).
     #[cfg(test)]
-    reported: Mutex<Vec<provider::Report>>,
+    reported: Mutex<Vec<enforce::Report>>,
 }
 
 /// One claim's answer.
@@ -195,7 +195,7 @@ impl Preparer {
             blocking(move || Checkpoint::<ClaimEntry>::open(&dir, &boot)).await?
         };
         let specs = SpecDir::new(&config.cdi_dir);
-        let providers = Providers::new(Hosts {
+        let enforcers = Enforcers::new(Hosts {
             mps: deps.mps.clone(),
             time_slice: deps.time_slice.clone(),
             mig: deps.mig.clone(),
@@ -203,7 +203,7 @@ impl Preparer {
         let preparer = Arc::new(Preparer {
             config,
             deps,
-            providers,
+            enforcers,
             checkpoint,
             specs,
             locks: ClaimLocks::default(),
@@ -259,7 +259,7 @@ impl Preparer {
     /// claim holds them and no MIG device is on them.
     pub fn settle_mig_modes<'a>(&self, gpus: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         let (problems, switched) =
-            (self.providers.mig()).settle(&self.checkpoint, &self.hardware, gpus);
+            (self.enforcers.mig()).settle(&self.checkpoint, &self.hardware, gpus);
         if switched {
             self.changed(NodeChange::Gpus);
         }
@@ -425,13 +425,13 @@ impl Preparer {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             state: EntryState::Started,
-            actions: self.providers.plan(&devices),
+            actions: self.enforcers.plan(&devices),
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
         };
         // Recorded before any side effect it must undo (MIG changes are
-        // recorded by their provider, before each one). A claim without
+        // recorded by their enforcer, before each one). A claim without
         // one (a whole GPU, a share without MPS or time slice) is recorded
         // once, complete: a crash before that leaves at most its spec,
         // which start-up recovery removes as an orphan.
@@ -461,12 +461,12 @@ impl Preparer {
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
         let mut cx = Effects::new(claim, uid, entry, &self.checkpoint, &self.hardware);
         let mut gpus_changed = false;
-        for provider in self.providers.iter() {
-            gpus_changed |= provider
+        for enforcer in self.enforcers.iter() {
+            gpus_changed |= enforcer
                 .apply(&mut cx, devices)
                 .map_err(|e| e.for_claim(claim))?;
         }
-        let built = spec::build(claim, uid, &self.config.layout, &self.providers, devices)?;
+        let built = spec::build(claim, uid, &self.config.layout, &self.enforcers, devices)?;
         self.specs.write(uid, &built.spec).map_err(|e| {
             ClaimError::new(claim, format!("cannot write its CDI spec: {e}")).fix(format!(
                 "check that {} is writable",
@@ -540,7 +540,7 @@ impl Preparer {
     }
 
     /// Undoes an entry's side effects (newest first, each through its
-    /// provider), removes its spec and the entry, then lets the providers
+    /// enforcer), removes its spec and the entry, then lets the enforcers
     /// settle what no claim holds any more. Idempotent; on failure the
     /// entry stays for a later retry.
     fn undo_now(&self, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
@@ -549,7 +549,7 @@ impl Preparer {
             cx.report(newer_fields(uid, &fields));
         }
         for action in entry.actions.iter().rev() {
-            self.providers
+            self.enforcers
                 .undo(&cx, action)
                 .map_err(|source| UndoError::Action {
                     action: Box::new(action.clone()),
@@ -569,13 +569,13 @@ impl Preparer {
         Ok(())
     }
 
-    /// After a claim's record is gone: the providers settle what no claim
+    /// After a claim's record is gone: the enforcers settle what no claim
     /// holds any more (a GPU left in MIG mode without a hold), reporting
     /// through `cx`, the undo's context.
     fn release(&self, cx: &Undo<'_>, entry: &ClaimEntry) {
         let mut gpus_changed = entry.actions.iter().any(Action::changes_gpus);
-        for provider in self.providers.iter() {
-            gpus_changed |= provider.released(cx, entry);
+        for enforcer in self.enforcers.iter() {
+            gpus_changed |= enforcer.released(cx, entry);
         }
         self.changed(NodeChange::gpus_if(gpus_changed));
     }
@@ -632,7 +632,7 @@ impl Preparer {
 
     /// Logs each report and records it as a Node Event (in the background:
     /// this runs on a blocking thread of the runtime).
-    fn tell_operator(&self, reports: Vec<provider::Report>) {
+    fn tell_operator(&self, reports: Vec<enforce::Report>) {
         #[cfg(test)]
         self.reported.locked().extend(reports.iter().cloned());
         for report in reports {
@@ -650,8 +650,8 @@ impl Preparer {
 }
 
 /// A record a newer version wrote: what this one did not know of it stays.
-fn newer_fields(uid: &ClaimUid, fields: &[String]) -> provider::Report {
-    provider::Report {
+fn newer_fields(uid: &ClaimUid, fields: &[String]) -> enforce::Report {
+    enforce::Report {
         reason: "NewerRecordFieldsLeft",
         action: format!("UnprepareClaim {uid}"),
         message: format!(

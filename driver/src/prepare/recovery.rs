@@ -147,7 +147,7 @@ impl Preparer {
                     // What the claim was prepared with is the driver's (the
                     // model publishes it as such); a device that vanished
                     // (a GPU reset, a hand-made change) is reported.
-                    for provider in self.providers.iter() {
+                    for provider in self.enforcers.iter() {
                         recovery.problems.extend(provider.check(&uid, &entry));
                     }
                     // The status write runs in the background after

@@ -1,5 +1,5 @@
 //! Resolve: what each allocated device is, through the node's slice model
-//! ([`crate::state::catalog`]), before its config is merged and any provider runs.
+//! ([`crate::state::catalog`]), before its config is merged and any enforcer runs.
 
 use tessera_api::config::{
     DeviceTarget, DeviceType, Holdings, IsolationLevel, Quantity, TimeSliceInterval,

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing};
 
 use super::claims::{ClaimError, ClaimRef};
-use super::provider::{Device, Providers, Request};
+use super::enforce::{Device, Enforcers, Request};
 use super::resolve::Kind;
 use crate::cdi::{self, ContainerEdits, Spec};
 use crate::claim_uid::ClaimUid;
@@ -48,7 +48,7 @@ pub fn build(
     claim: &ClaimRef,
     uid: &ClaimUid,
     layout: &Layout,
-    providers: &Providers,
+    enforcers: &Enforcers,
     devices: &[Device],
 ) -> Result<Built, ClaimError> {
     // Requests in order of first appearance.
@@ -86,7 +86,7 @@ pub fn build(
         let list = request.visible.join(",");
         edits.env.push(format!("NVIDIA_VISIBLE_DEVICES={list}"));
         edits.env.push(format!("CUDA_VISIBLE_DEVICES={list}"));
-        for provider in providers.iter() {
+        for provider in enforcers.iter() {
             provider
                 .edits(&request, &mut edits)
                 .map_err(|e| e.for_claim(claim))?;
@@ -107,7 +107,7 @@ pub fn build(
             cdi_device_ids: vec![ids[d.resolved.selected.request.as_str()].clone()],
         })
         .collect();
-    let status = devices.iter().map(|d| status_of(providers, d)).collect();
+    let status = devices.iter().map(|d| status_of(enforcers, d)).collect();
     Ok(Built {
         spec: Spec::for_claim(cdi_devices, common_edits(layout, devices)),
         answer,
@@ -138,7 +138,7 @@ fn common_edits(layout: &Layout, devices: &[Device]) -> ContainerEdits {
 }
 
 /// Which device the claim got, then what each provider enforces on it.
-fn status_of(providers: &Providers, device: &Device) -> DeviceStatus {
+fn status_of(enforcers: &Enforcers, device: &Device) -> DeviceStatus {
     let d = &device.resolved;
     let sharing = match device.config {
         EffectiveConfig::Gpu { sharing } | EffectiveConfig::Mig { sharing } => {
@@ -176,7 +176,7 @@ fn status_of(providers: &Providers, device: &Device) -> DeviceStatus {
         consumed,
         isolation_provider: None,
     };
-    for provider in providers.iter() {
+    for provider in enforcers.iter() {
         provider.describe(device, &mut data);
     }
     DeviceStatus {

@@ -78,7 +78,7 @@ pub struct PluginArgs {
     /// it (as `/usr/local/vgpu/libvgpu.so`) are: mounted into containers
     /// of Isolated shares on GPUs whose policy names `isolationProvider:
     /// hami-core`. Without them such a claim is refused, never weakened.
-    #[arg(long, env = "TESSERA_HAMI_CORE_DIR", default_value = tessera_driver::prepare::provider::hami_core::DEFAULT_DIR)]
+    #[arg(long, env = "TESSERA_HAMI_CORE_DIR", default_value = tessera_driver::prepare::enforce::hami_core::DEFAULT_DIR)]
     pub hami_core_dir: PathBuf,
 
     /// Root of the NVIDIA driver installation (libraries, tools,

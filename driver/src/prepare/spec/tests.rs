@@ -10,13 +10,13 @@ use super::*;
 use crate::host::driver_root::discover_driver_files;
 use crate::host::port::{MpsClient, Unsupported};
 use crate::prepare::claims::Selected;
-use crate::prepare::provider::{Hosts, mig_caps, mps};
+use crate::prepare::enforce::{Hosts, mig_caps, mps};
 use crate::prepare::resolve::Resolved;
 use crate::state::records::Action;
 use std::path::PathBuf;
 
-fn providers() -> Providers {
-    Providers::new(Hosts {
+fn enforcers() -> Enforcers {
+    Enforcers::new(Hosts {
         mps: Arc::new(Unsupported),
         time_slice: Arc::new(Unsupported),
         mig: Arc::new(Unsupported),
@@ -26,12 +26,12 @@ fn providers() -> Providers {
 type Answer = (Spec, Vec<PreparedDevice>, Vec<DeviceStatus>);
 
 fn build_all(layout: &Layout, devices: &[Device]) -> Result<Answer, ClaimError> {
-    let built = build(&claim(), &uid(), layout, &providers(), devices)?;
+    let built = build(&claim(), &uid(), layout, &enforcers(), devices)?;
     Ok((built.spec, built.answer, built.status))
 }
 
 fn actions(device: &Device) -> Vec<Action> {
-    providers().plan(std::slice::from_ref(device))
+    enforcers().plan(std::slice::from_ref(device))
 }
 
 const GIB: u64 = 1 << 30;

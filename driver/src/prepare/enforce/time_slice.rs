@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing, TimeSliceInterval};
 
-use super::{Device, Effects, EnforceError, Provider, Undo};
+use super::{Device, Effects, EnforceError, Enforcer, Undo};
 use crate::host::port::TimeSliceControl;
 use crate::prepare::resolve::{Kind, Resolved};
 use crate::state::records::{Action, DeviceData};
@@ -41,7 +41,7 @@ impl TimeSlice {
     }
 }
 
-impl Provider for TimeSlice {
+impl Enforcer for TimeSlice {
     fn plan(&self, devices: &[Device]) -> Vec<Action> {
         devices
             .iter()

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use tessera_api::config::{EffectiveConfig, IsolationLevel, Limits};
 use tessera_controller::model::policy::IsolationProvider;
 
-use super::{Device, EnforceError, Provider, Request};
+use super::{Device, EnforceError, Enforcer, Request};
 use crate::cdi::{ContainerEdits, Mount};
 use crate::prepare::resolve::Kind;
 use crate::state::records::{DeviceData, LimitsData};
@@ -51,11 +51,11 @@ pub fn limits(device: &Device) -> Option<Limits> {
     }
 }
 
-/// HAMi-core as a provider: nothing on the host (the library enforces
+/// HAMi-core as an enforcer: nothing on the host (the library enforces
 /// inside the container), everything in the container's edits.
 pub struct HamiCore;
 
-impl Provider for HamiCore {
+impl Enforcer for HamiCore {
     /// The library and the preload file, both read-only, and per device
     /// the limits at the CUDA index the container sees it under (its
     /// position in `CUDA_VISIBLE_DEVICES`). Two shares of one GPU in a

@@ -16,7 +16,7 @@ use tracing::{info, warn};
 
 use super::mig_caps;
 use super::whole::push_node;
-use super::{Device, Effects, EnforceError, Provider, Report, Request, Undo};
+use super::{Device, Effects, EnforceError, Enforcer, Report, Request, Undo};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
@@ -215,7 +215,7 @@ impl Mig {
     }
 }
 
-impl Provider for Mig {
+impl Enforcer for Mig {
     fn apply(&self, cx: &mut Effects<'_>, devices: &mut [Device]) -> Result<bool, EnforceError> {
         let changes_gpus = devices.iter().any(|d| {
             d.resolved.mig_mode.is_some()

@@ -1,8 +1,8 @@
-//! Isolation providers: each way of enforcing a device is one module behind
-//! [`Provider`], with its host effects (planned and recorded, made, undone,
+//! Isolation enforcers: each way of enforcing a device is one module behind
+//! [`Enforcer`], with its host effects (planned and recorded, made, undone,
 //! checked at start) and its CDI edits.
 //!
-//! | Provider | Devices | Host effects | Container edits |
+//! | Enforcer | Devices | Host effects | Container edits |
 //! | --- | --- | --- | --- |
 //! | [`whole::WholeGpu`] | every device | none | the GPU's device node |
 //! | [`mig::Mig`] | MIG devices, GPUs whose MIG mode the driver manages | MIG mode holds, MIG devices created for the claim | capability nodes |
@@ -10,9 +10,9 @@
 //! | [`mps::Mps`] | Isolated shares (provider `mps`), `sharing.strategy: MPS` | the claim's own MPS control daemon per request and device | pipe directory, `/dev/shm`, limits |
 //! | [`hami_core::HamiCore`] | Isolated shares (provider `hami-core`) | none | the library, the preload file, limits |
 //!
-//! Each provider decides for itself which devices are its own (by their kind
+//! Each enforcer decides for itself which devices are its own (by their kind
 //! and effective config), so adding one is adding a module and a line in
-//! [`Providers::new`]. Prepare runs them in that order: MIG first (an MPS
+//! [`Enforcers::new`]. Prepare runs them in that order: MIG first (an MPS
 //! daemon of a dynamic MIG device needs the device), edits in the same order.
 
 pub mod hami_core;
@@ -36,7 +36,7 @@ use crate::host::port::{MigManager, MpsClient, MpsControl, SharingError, TimeSli
 use crate::state::records::{Action, ClaimEntry, DeviceData};
 use crate::sync::{Locked, ReadWrite};
 
-/// One allocated device with its effective config, and what the providers
+/// One allocated device with its effective config, and what the enforcers
 /// made for it.
 #[derive(Debug, Clone)]
 pub struct Device {
@@ -59,21 +59,21 @@ pub struct Request<'a> {
 }
 
 /// One way of enforcing devices. Every method has a default that does
-/// nothing, so a provider implements what it has.
-pub trait Provider: Send + Sync {
-    /// Side effects to record before any is made. Providers that record
+/// nothing, so an enforcer implements what it has.
+pub trait Enforcer: Send + Sync {
+    /// Side effects to record before any is made. Enforcers that record
     /// as they go (under the hardware lock) return none here.
     fn plan(&self, _devices: &[Device]) -> Vec<Action> {
         Vec::new()
     }
 
-    /// Makes this provider's effects for the claim (on a blocking thread).
+    /// Makes this enforcer's effects for the claim (on a blocking thread).
     /// Returns whether the GPUs themselves changed (MIG mode or devices).
     fn apply(&self, _cx: &mut Effects<'_>, _devices: &mut [Device]) -> Result<bool, EnforceError> {
         Ok(false)
     }
 
-    /// Undoes `action` if it is this provider's; `None` if it is not.
+    /// Undoes `action` if it is this enforcer's; `None` if it is not.
     /// Idempotent: the action may have been undone already, or never made.
     fn undo(&self, _cx: &Undo<'_>, _action: &Action) -> Option<Result<(), EnforceError>> {
         None
@@ -90,7 +90,7 @@ pub trait Provider: Send + Sync {
         Vec::new()
     }
 
-    /// Adds this provider's container edits for one request.
+    /// Adds this enforcer's container edits for one request.
     fn edits(
         &self,
         _request: &Request<'_>,
@@ -99,47 +99,47 @@ pub trait Provider: Send + Sync {
         Ok(())
     }
 
-    /// Fills in what this provider enforces on a device in the claim's
+    /// Fills in what this enforcer enforces on a device in the claim's
     /// `status.devices` data.
     fn describe(&self, _device: &Device, _data: &mut DeviceData) {}
 }
 
-/// The node's providers, in the order prepare runs them.
-pub struct Providers {
-    all: Vec<Arc<dyn Provider>>,
+/// The node's enforcers, in the order prepare runs them.
+pub struct Enforcers {
+    all: Vec<Arc<dyn Enforcer>>,
     mig: Arc<mig::Mig>,
 }
 
-/// The host backends the providers drive.
+/// The host backends the enforcers drive.
 pub struct Hosts {
     pub mps: Arc<dyn MpsControl>,
     pub time_slice: Arc<dyn TimeSliceControl>,
     pub mig: Arc<dyn MigManager>,
 }
 
-impl Providers {
+impl Enforcers {
     pub fn new(hosts: Hosts) -> Self {
         let mig = Arc::new(mig::Mig::new(hosts.mig));
-        let all: Vec<Arc<dyn Provider>> = vec![
+        let all: Vec<Arc<dyn Enforcer>> = vec![
             Arc::new(whole::WholeGpu),
             mig.clone(),
             Arc::new(time_slice::TimeSlice::new(hosts.time_slice)),
             Arc::new(mps::Mps::new(hosts.mps)),
             Arc::new(hami_core::HamiCore),
         ];
-        Providers { all, mig }
+        Enforcers { all, mig }
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &dyn Provider> {
+    pub fn iter(&self) -> impl Iterator<Item = &dyn Enforcer> {
         self.all.iter().map(|p| p.as_ref())
     }
 
-    /// The MIG provider (MIG modes are also settled outside a claim).
+    /// The MIG enforcer (MIG modes are also settled outside a claim).
     pub fn mig(&self) -> &mig::Mig {
         &self.mig
     }
 
-    /// Every provider's actions for the claim, each once (two shares of
+    /// Every enforcer's actions for the claim, each once (two shares of
     /// one GPU in a claim hold its time slice, and in one request its MPS
     /// daemon, once).
     pub fn plan(&self, devices: &[Device]) -> Vec<Action> {
@@ -152,7 +152,7 @@ impl Providers {
         actions
     }
 
-    /// Undoes one recorded action through the provider that owns it.
+    /// Undoes one recorded action through the enforcer that owns it.
     pub fn undo(&self, cx: &Undo<'_>, action: &Action) -> Result<(), EnforceError> {
         self.iter()
             .find_map(|p| p.undo(cx, action))
@@ -160,7 +160,7 @@ impl Providers {
     }
 }
 
-/// What a provider's [`Provider::apply`] works with: the claim, its
+/// What an enforcer's [`Enforcer::apply`] works with: the claim, its
 /// checkpoint entry (to record each effect before it is made) and the
 /// node's hardware lock.
 pub struct Effects<'a> {
@@ -215,7 +215,7 @@ pub struct Report {
     pub message: String,
 }
 
-/// What [`Provider::undo`] and [`Provider::released`] work with.
+/// What [`Enforcer::undo`] and [`Enforcer::released`] work with.
 pub struct Undo<'a> {
     pub uid: &'a ClaimUid,
     records: &'a Checkpoint<ClaimEntry>,
@@ -273,7 +273,7 @@ fn write(lock: &RwLock<()>) -> RwLockWriteGuard<'_, ()> {
     lock.writing()
 }
 
-/// Why a provider could not enforce a claim's devices. Each kind says
+/// Why an enforcer could not enforce a claim's devices. Each kind says
 /// which part of the claim is at fault, so the user sees the field.
 #[derive(Debug, thiserror::Error)]
 pub enum EnforceError {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use tessera_api::config::{EffectiveConfig, IsolationLevel, Limits, Sharing as ConfigSharing};
 use tessera_controller::model::policy::IsolationProvider;
 
-use super::{Device, Effects, EnforceError, Provider, Request, Undo};
+use super::{Device, Effects, EnforceError, Enforcer, Request, Undo};
 use crate::cdi::{ContainerEdits, Mount};
 use crate::host::port::{MpsControl, MpsTarget};
 use crate::prepare::resolve::{Kind, Resolved};
@@ -110,9 +110,9 @@ impl Mps {
     }
 }
 
-impl Provider for Mps {
+impl Enforcer for Mps {
     /// One action per daemon. A dynamic MIG device's UUID is not known yet:
-    /// [`Provider::apply`] fills it in, recorded, before the daemon starts.
+    /// [`Enforcer::apply`] fills it in, recorded, before the daemon starts.
     fn plan(&self, devices: &[Device]) -> Vec<Action> {
         daemons(devices)
             .into_keys()

@@ -1,13 +1,13 @@
 //! The GPU itself: every device a claim gets, whole or a part of it, is
 //! reached through its GPU's device node; nothing changes on the host.
 
-use super::{EnforceError, Provider, Request};
+use super::{EnforceError, Enforcer, Request};
 use crate::cdi::ContainerEdits;
 
 /// `/dev/nvidia<minor>` for each device's GPU.
 pub struct WholeGpu;
 
-impl Provider for WholeGpu {
+impl Enforcer for WholeGpu {
     fn edits(&self, request: &Request<'_>, edits: &mut ContainerEdits) -> Result<(), EnforceError> {
         let layout = request.layout;
         for device in &request.devices {
