@@ -495,13 +495,13 @@ fn child_prepare_trait() {
     // Repeated: refused, nothing adopted, and nothing made (so prepare
     // drops its intent and no rollback touches what is there).
     let err = manager.check_free(H100_EMPTY, P_2G, at(2, 2)).unwrap_err();
-    assert!(err.0.contains("GPU instance 6"), "{err}");
+    assert!(err.to_string().contains("GPU instance 6"), "{err}");
     let err = manager.create(H100_EMPTY, P_2G, at(2, 2)).unwrap_err();
     assert!(matches!(err, CreateError::NothingMade(_)), "{err}");
     // Unknown profile: a clear error, nothing created.
     let err = manager.create(H100_EMPTY, 77, at(0, 1)).unwrap_err();
     assert!(
-        matches!(&err, CreateError::NothingMade(e) if e.0.contains("77")),
+        matches!(&err, CreateError::NothingMade(e) if e.to_string().contains("77")),
         "{err}"
     );
     // MIG mode cannot go off under an instance.

@@ -921,7 +921,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     let err = sharing
         .acquire(&claim(3), &target("GPU-../x"), &limits)
         .unwrap_err();
-    assert!(err.0.contains("GPU-../x"), "{err}");
+    assert!(err.to_string().contains("GPU-../x"), "{err}");
 }
 
 // ---------------------------------------------------------------------------

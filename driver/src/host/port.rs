@@ -20,6 +20,7 @@
 //! (nothing was ever done).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use tessera_api::config::{Limits, TimeSliceInterval};
 use tessera_api::inventory::{MigInstance, MigPlacement};
@@ -27,10 +28,29 @@ use tessera_api::inventory::{MigInstance, MigPlacement};
 use crate::claim_uid::ClaimUid;
 use crate::state::records::MigRecord;
 
-/// An error of a sharing or MIG operation, shown to the user as is.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct SharingError(pub String);
+/// Why the host did not do what prepare asked. Its text is what the
+/// claim's error shows; the adapter's own error stays reachable as its
+/// source.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum HostError {
+    /// This node has no such backend.
+    #[error(
+        "{what} is not implemented yet in this Tessera build; fix: use a device or config that \
+         does not need it (a whole GPU or an existing MIG device with sharing strategy None, \
+         or a Shared share)"
+    )]
+    Unsupported { what: &'static str },
+    /// The adapter failed; its error says why.
+    #[error(transparent)]
+    Backend(Arc<dyn std::error::Error + Send + Sync>),
+}
+
+impl HostError {
+    /// An adapter's error, kept whole.
+    pub fn backend(error: impl std::error::Error + Send + Sync + 'static) -> HostError {
+        HostError::Backend(Arc::new(error))
+    }
+}
 
 /// Which daemon: the one of a request of a claim on a device.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,24 +85,24 @@ pub trait MpsControl: Send + Sync {
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
-    ) -> Result<MpsClient, SharingError>;
+    ) -> Result<MpsClient, HostError>;
 
     /// Stop `claim`'s daemon of `target`; one that is not there is fine.
-    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError>;
+    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), HostError>;
 
     /// Stop every daemon of `claim`, whatever it serves (a claim whose
     /// record was lost); none is fine.
-    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError>;
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), HostError>;
 }
 
 /// The GPU's compute time slice.
 pub trait TimeSliceControl: Send + Sync {
     /// Set the compute time slice of a GPU.
-    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError>;
+    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), HostError>;
 
     /// Restore the driver's default slice after the last claim let go of
     /// the GPU.
-    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError>;
+    fn reset(&self, gpu_uuid: &str) -> Result<(), HostError>;
 }
 
 /// MIG mode and dynamic MIG: what prepare changes on a GPU's MIG layout.
@@ -90,14 +110,14 @@ pub trait TimeSliceControl: Send + Sync {
 /// each change in the checkpoint before making it.
 pub trait MigManager: Send + Sync {
     /// Whether MIG mode is on now.
-    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, SharingError>;
+    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, HostError>;
 
     /// Switch MIG mode, taking effect now; an error (with the mode put
     /// back) where the GPU would need a reset.
-    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), SharingError>;
+    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), HostError>;
 
     /// Whether any GPU instance exists on the GPU.
-    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, SharingError>;
+    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, HostError>;
 
     /// An error naming what occupies the memory slices of `placement`, if
     /// anything does.
@@ -106,7 +126,7 @@ pub trait MigManager: Send + Sync {
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-    ) -> Result<(), SharingError>;
+    ) -> Result<(), HostError>;
 
     /// Create a GPU instance of `profile_id` at `placement` with one compute
     /// instance spanning it, and return it as the inventory describes MIG
@@ -121,7 +141,7 @@ pub trait MigManager: Send + Sync {
 
     /// Whether the MIG device `recorded` names still exists (matched by GPU
     /// instance id and MIG UUID).
-    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError>;
+    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, HostError>;
 
     /// Destroy what a claim created: the GPU instance of `profile_id` at
     /// `placement` that `recorded` names (matched by id and MIG UUID).
@@ -132,19 +152,19 @@ pub trait MigManager: Send + Sync {
         profile_id: u32,
         placement: MigPlacement,
         recorded: &MigRecord,
-    ) -> Result<(), SharingError>;
+    ) -> Result<(), HostError>;
 }
 
 /// Why [`MigManager::create`] failed, and whether the GPU is as it was.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum CreateError {
     /// Nothing was made (the placement was taken, NVML refused, or what
     /// was made was destroyed again).
-    #[error("{0}")]
-    NothingMade(SharingError),
+    #[error(transparent)]
+    NothingMade(HostError),
     /// Part of an instance is still there: the error names it.
-    #[error("{0}")]
-    LeftBehind(SharingError),
+    #[error(transparent)]
+    LeftBehind(HostError),
 }
 
 /// No MPS supervision, time-slice control or MIG creation on this node.
@@ -152,12 +172,8 @@ pub enum CreateError {
 pub struct Unsupported;
 
 impl Unsupported {
-    fn refuse(what: &str) -> SharingError {
-        SharingError(format!(
-            "{what} is not implemented yet in this Tessera build; fix: use a device or \
-             config that does not need it (a whole GPU or an existing MIG device with \
-             sharing strategy None, or a Shared share)"
-        ))
+    fn refuse(what: &'static str) -> HostError {
+        HostError::Unsupported { what }
     }
 }
 
@@ -167,39 +183,39 @@ impl MpsControl for Unsupported {
         _claim: &ClaimUid,
         _target: &MpsTarget,
         _limits: &Limits,
-    ) -> Result<MpsClient, SharingError> {
+    ) -> Result<MpsClient, HostError> {
         Err(Self::refuse("MPS control daemon supervision"))
     }
 
-    fn release(&self, _claim: &ClaimUid, _target: &MpsTarget) -> Result<(), SharingError> {
+    fn release(&self, _claim: &ClaimUid, _target: &MpsTarget) -> Result<(), HostError> {
         Ok(())
     }
 
-    fn release_claim(&self, _claim: &ClaimUid) -> Result<(), SharingError> {
+    fn release_claim(&self, _claim: &ClaimUid) -> Result<(), HostError> {
         Ok(())
     }
 }
 
 impl TimeSliceControl for Unsupported {
-    fn set(&self, _gpu_uuid: &str, _interval: TimeSliceInterval) -> Result<(), SharingError> {
+    fn set(&self, _gpu_uuid: &str, _interval: TimeSliceInterval) -> Result<(), HostError> {
         Err(Self::refuse("setting the compute time slice"))
     }
 
-    fn reset(&self, _gpu_uuid: &str) -> Result<(), SharingError> {
+    fn reset(&self, _gpu_uuid: &str) -> Result<(), HostError> {
         Ok(())
     }
 }
 
 impl MigManager for Unsupported {
-    fn mig_enabled(&self, _gpu_uuid: &str) -> Result<bool, SharingError> {
+    fn mig_enabled(&self, _gpu_uuid: &str) -> Result<bool, HostError> {
         Err(Self::refuse("reading the MIG mode"))
     }
 
-    fn set_mig_mode(&self, _gpu_uuid: &str, _enabled: bool) -> Result<(), SharingError> {
+    fn set_mig_mode(&self, _gpu_uuid: &str, _enabled: bool) -> Result<(), HostError> {
         Err(Self::refuse("switching the MIG mode"))
     }
 
-    fn has_instances(&self, _gpu_uuid: &str) -> Result<bool, SharingError> {
+    fn has_instances(&self, _gpu_uuid: &str) -> Result<bool, HostError> {
         Ok(false)
     }
 
@@ -208,7 +224,7 @@ impl MigManager for Unsupported {
         _gpu_uuid: &str,
         _profile_id: u32,
         _placement: MigPlacement,
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), HostError> {
         Err(Self::refuse(
             "creating MIG devices at prepare (dynamic MIG)",
         ))
@@ -225,7 +241,7 @@ impl MigManager for Unsupported {
         )))
     }
 
-    fn exists(&self, _gpu_uuid: &str, _recorded: &MigRecord) -> Result<bool, SharingError> {
+    fn exists(&self, _gpu_uuid: &str, _recorded: &MigRecord) -> Result<bool, HostError> {
         Ok(false)
     }
 
@@ -235,7 +251,7 @@ impl MigManager for Unsupported {
         _profile_id: u32,
         _placement: MigPlacement,
         _recorded: &MigRecord,
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), HostError> {
         Ok(())
     }
 }

@@ -155,7 +155,7 @@ pub enum UndoError {
     #[error("removing its checkpoint entry: {0}")]
     Record(#[source] CheckpointError),
     #[error("stopping the MPS daemons of a claim whose record was lost: {0}")]
-    LostDaemons(#[source] crate::host::port::SharingError),
+    LostDaemons(#[source] crate::host::port::HostError),
 }
 
 /// The prepare/unprepare engine.

@@ -15,7 +15,7 @@ use tessera_controller::model::{DeviceKind, DeviceRef};
 use super::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use super::*;
 use crate::host::port::{
-    CreateError, MigManager, MpsClient, MpsControl, MpsTarget, SharingError, TimeSliceControl,
+    CreateError, HostError, MigManager, MpsClient, MpsControl, MpsTarget, TimeSliceControl,
     Unsupported,
 };
 use crate::host::time_slice::NvidiaSmiTimeSlice;
@@ -54,13 +54,15 @@ impl MpsControl for Recorder {
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
-    ) -> Result<MpsClient, SharingError> {
+    ) -> Result<MpsClient, HostError> {
         self.calls.lock().unwrap().push(format!(
             "acquire {claim} {} {}",
             target.gpu_uuid, limits.compute_percent
         ));
         if self.fail_mps {
-            return Err(SharingError("daemon did not start".into()));
+            return Err(HostError::backend(std::io::Error::other(
+                "daemon did not start",
+            )));
         }
         Ok(MpsClient {
             pipe_dir: format!("/run/tessera/mps/{}/pipe", target.gpu_uuid).into(),
@@ -68,14 +70,14 @@ impl MpsControl for Recorder {
             limits: *limits,
         })
     }
-    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
+    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), HostError> {
         self.calls
             .lock()
             .unwrap()
             .push(format!("release {claim} {}", target.gpu_uuid));
         Ok(())
     }
-    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError> {
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), HostError> {
         self.calls
             .lock()
             .unwrap()
@@ -85,7 +87,7 @@ impl MpsControl for Recorder {
 }
 
 impl TimeSliceControl for Recorder {
-    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), SharingError> {
+    fn set(&self, gpu_uuid: &str, interval: TimeSliceInterval) -> Result<(), HostError> {
         self.calls
             .lock()
             .unwrap()
@@ -95,7 +97,7 @@ impl TimeSliceControl for Recorder {
             None => Ok(()),
         }
     }
-    fn reset(&self, gpu_uuid: &str) -> Result<(), SharingError> {
+    fn reset(&self, gpu_uuid: &str) -> Result<(), HostError> {
         self.calls
             .lock()
             .unwrap()
@@ -384,23 +386,27 @@ impl MigRecorder {
 }
 
 impl MigManager for MigRecorder {
-    fn mig_enabled(&self, _gpu: &str) -> Result<bool, SharingError> {
+    fn mig_enabled(&self, _gpu: &str) -> Result<bool, HostError> {
         Ok(self.0.lock().unwrap().0)
     }
-    fn set_mig_mode(&self, gpu: &str, enabled: bool) -> Result<(), SharingError> {
+    fn set_mig_mode(&self, gpu: &str, enabled: bool) -> Result<(), HostError> {
         let mut s = self.0.lock().unwrap();
         s.2.push(format!("{gpu} mig {}", if enabled { "on" } else { "off" }));
         if !enabled && s.1 > 0 {
-            return Err(SharingError("NVML: in use (a GPU instance exists)".into()));
+            return Err(HostError::backend(std::io::Error::other(
+                "NVML: in use (a GPU instance exists)",
+            )));
         }
         s.0 = enabled;
         Ok(())
     }
-    fn has_instances(&self, _gpu: &str) -> Result<bool, SharingError> {
+    fn has_instances(&self, _gpu: &str) -> Result<bool, HostError> {
         Ok(self.0.lock().unwrap().1 > 0)
     }
-    fn check_free(&self, _: &str, _: u32, _: MigPlacement) -> Result<(), SharingError> {
-        Err(SharingError("no MIG devices in this test".into()))
+    fn check_free(&self, _: &str, _: u32, _: MigPlacement) -> Result<(), HostError> {
+        Err(HostError::backend(std::io::Error::other(
+            "no MIG devices in this test",
+        )))
     }
     fn create(
         &self,
@@ -408,11 +414,11 @@ impl MigManager for MigRecorder {
         _: u32,
         _: MigPlacement,
     ) -> Result<tessera_api::inventory::MigInstance, CreateError> {
-        Err(CreateError::NothingMade(SharingError(
-            "no MIG devices in this test".into(),
+        Err(CreateError::NothingMade(HostError::backend(
+            std::io::Error::other("no MIG devices in this test"),
         )))
     }
-    fn exists(&self, _: &str, _: &crate::state::records::MigRecord) -> Result<bool, SharingError> {
+    fn exists(&self, _: &str, _: &crate::state::records::MigRecord) -> Result<bool, HostError> {
         Ok(false)
     }
     fn destroy(
@@ -421,7 +427,7 @@ impl MigManager for MigRecorder {
         _: u32,
         placement: MigPlacement,
         _: &crate::state::records::MigRecord,
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), HostError> {
         self.0
             .lock()
             .unwrap()

@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use nvml_wrapper::Nvml;
 use tessera_api::inventory::{Inventory, MigInstance, MigPlacement, MigProfile};
 
-use crate::host::port::{CreateError, MigManager, SharingError};
+use crate::host::port::{CreateError, HostError, MigManager};
 use crate::state::records::MigRecord;
 use crate::sync::ReadWrite;
 
@@ -54,7 +54,7 @@ impl NvmlMig {
 
 impl NvmlMig {
     /// The GPU instances on a GPU; none on a GPU that is gone.
-    fn instances(&self, gpu_uuid: &str) -> Result<Vec<super::GpuInstanceState>, SharingError> {
+    fn instances(&self, gpu_uuid: &str) -> Result<Vec<super::GpuInstanceState>, HostError> {
         match super::list(&self.nvml, gpu_uuid) {
             Ok(list) => Ok(list),
             Err(super::MigError::GpuNotFound { .. }) => Ok(Vec::new()),
@@ -64,15 +64,15 @@ impl NvmlMig {
 }
 
 impl MigManager for NvmlMig {
-    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
+    fn mig_enabled(&self, gpu_uuid: &str) -> Result<bool, HostError> {
         super::mig_enabled(&self.nvml, gpu_uuid).map_err(shown)
     }
 
-    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), SharingError> {
+    fn set_mig_mode(&self, gpu_uuid: &str, enabled: bool) -> Result<(), HostError> {
         super::set_mig_mode(&self.nvml, gpu_uuid, enabled).map_err(shown)
     }
 
-    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, SharingError> {
+    fn has_instances(&self, gpu_uuid: &str) -> Result<bool, HostError> {
         Ok(!self.instances(gpu_uuid)?.is_empty())
     }
 
@@ -81,7 +81,7 @@ impl MigManager for NvmlMig {
         gpu_uuid: &str,
         profile_id: u32,
         placement: MigPlacement,
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), HostError> {
         super::check_free(&self.nvml, gpu_uuid, profile_id, placement).map_err(shown)
     }
 
@@ -92,9 +92,12 @@ impl MigManager for NvmlMig {
         placement: MigPlacement,
     ) -> Result<MigInstance, CreateError> {
         let Some(profile) = self.profile(gpu_uuid, profile_id) else {
-            return Err(CreateError::NothingMade(SharingError(format!(
-                "MIG on {gpu_uuid}: discovery found no profile with id {profile_id} on this GPU"
-            ))));
+            return Err(CreateError::NothingMade(HostError::backend(
+                UnknownProfile {
+                    gpu: gpu_uuid.to_owned(),
+                    profile_id,
+                },
+            )));
         };
         let made = super::create(&self.nvml, gpu_uuid, profile_id, placement).map_err(|e| {
             if e.made_nothing() {
@@ -116,7 +119,7 @@ impl MigManager for NvmlMig {
         })
     }
 
-    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, SharingError> {
+    fn exists(&self, gpu_uuid: &str, recorded: &MigRecord) -> Result<bool, HostError> {
         Ok(self.instances(gpu_uuid)?.iter().any(|g| {
             g.gpu_instance_id == recorded.gpu_instance_id
                 && g.compute_instances
@@ -131,7 +134,7 @@ impl MigManager for NvmlMig {
         profile_id: u32,
         placement: MigPlacement,
         recorded: &MigRecord,
-    ) -> Result<(), SharingError> {
+    ) -> Result<(), HostError> {
         let recorded = super::Recorded {
             gpu_instance_id: recorded.gpu_instance_id,
             mig_uuid: &recorded.mig_uuid,
@@ -142,6 +145,14 @@ impl MigManager for NvmlMig {
     }
 }
 
-fn shown(e: super::MigError) -> SharingError {
-    SharingError(e.to_string())
+fn shown(e: super::MigError) -> HostError {
+    HostError::backend(e)
+}
+
+/// A create asked for a profile the GPU was not found to have.
+#[derive(Debug, thiserror::Error)]
+#[error("MIG on {gpu}: discovery found no profile with id {profile_id} on this GPU")]
+pub struct UnknownProfile {
+    pub gpu: String,
+    pub profile_id: u32,
 }

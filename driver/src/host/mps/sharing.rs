@@ -3,11 +3,12 @@
 
 use tessera_api::config::Limits;
 
+use super::MpsError;
 use super::daemon::DaemonKey;
 use super::supervisor::MpsSupervisor;
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::ClientLimits;
-use crate::host::port::{MpsClient, MpsControl, MpsTarget, SharingError};
+use crate::host::port::{HostError, MpsClient, MpsControl, MpsTarget};
 
 /// The daemon of a claim's target: it serves the MIG device when there is
 /// one.
@@ -29,10 +30,10 @@ impl MpsControl for MpsSupervisor {
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
-    ) -> Result<MpsClient, SharingError> {
+    ) -> Result<MpsClient, HostError> {
         let shm_bytes = (self.config().shm)
             .size_for(limits.shared_memory_bytes)
-            .map_err(SharingError)?;
+            .map_err(HostError::backend)?;
         let client_limits = ClientLimits {
             memory_bytes: limits.memory_bytes,
             thread_percent: limits.compute_percent,
@@ -40,7 +41,7 @@ impl MpsControl for MpsSupervisor {
         };
         let daemon = self
             .ensure(&key(claim, target), client_limits)
-            .map_err(|e| SharingError(e.to_string()))?;
+            .map_err(HostError::backend)?;
         // The pipe and shared memory directories only: the daemon's logs
         // and the supervisor's record stay on the host.
         Ok(MpsClient {
@@ -50,15 +51,23 @@ impl MpsControl for MpsSupervisor {
         })
     }
 
-    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), SharingError> {
-        MpsSupervisor::release(self, &key(claim, target)).map_err(|e| SharingError(e.to_string()))
+    fn release(&self, claim: &ClaimUid, target: &MpsTarget) -> Result<(), HostError> {
+        MpsSupervisor::release(self, &key(claim, target)).map_err(HostError::backend)
     }
 
-    fn release_claim(&self, claim: &ClaimUid) -> Result<(), SharingError> {
+    fn release_claim(&self, claim: &ClaimUid) -> Result<(), HostError> {
         let report = self.retain_claims(|c| c != claim);
         match report.failed.into_iter().next() {
-            Some((daemon, e)) => Err(SharingError(format!("stopping {daemon}: {e}"))),
+            Some((daemon, source)) => Err(HostError::backend(StopError { daemon, source })),
             None => Ok(()),
         }
     }
+}
+
+/// A daemon of a claim being released would not stop.
+#[derive(Debug, thiserror::Error)]
+#[error("stopping {daemon}: {source}")]
+pub struct StopError {
+    pub daemon: String,
+    pub source: MpsError,
 }

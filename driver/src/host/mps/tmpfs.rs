@@ -61,18 +61,14 @@ impl From<&MpsPolicy> for ShmPolicy {
 impl ShmPolicy {
     /// The size of a claim's `/dev/shm`: what it asked for, if within the
     /// node's maximum, else the default.
-    pub fn size_for(&self, asked: Option<u64>) -> Result<u64, String> {
+    pub fn size_for(&self, asked: Option<u64>) -> Result<u64, ShmTooLarge> {
         match asked {
             None => Ok(self.default_bytes),
             Some(bytes) if bytes <= self.max_bytes => Ok(bytes),
-            Some(bytes) => Err(format!(
-                "sharedMemory {} is more than this node allows ({}, node policy \
-                 mps.maxSharedMemory); fix: ask for at most {} in the claim's ShareConfig \
-                 (or GpuConfig/MigConfig sharing.mps), or have the node's maximum raised",
-                Quantity::from_bytes(bytes),
-                Quantity::from_bytes(self.max_bytes),
-                Quantity::from_bytes(self.max_bytes),
-            )),
+            Some(bytes) => Err(ShmTooLarge {
+                asked: Quantity::from_bytes(bytes),
+                max: Quantity::from_bytes(self.max_bytes),
+            }),
         }
     }
 
@@ -84,6 +80,18 @@ impl ShmPolicy {
             inodes: self.inodes,
         }
     }
+}
+
+/// A claim asked for more `/dev/shm` than the node allows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "sharedMemory {asked} is more than this node allows ({max}, node policy mps.maxSharedMemory); \
+     fix: ask for at most {max} in the claim's ShareConfig (or GpuConfig/MigConfig sharing.mps), \
+     or have the node's maximum raised"
+)]
+pub struct ShmTooLarge {
+    pub asked: Quantity,
+    pub max: Quantity,
 }
 
 /// The pipe directory holds a control socket, a few fifos per client and
@@ -184,7 +192,7 @@ mod tests {
         let policy = ShmPolicy::default();
         assert_eq!(policy.size_for(None), Ok(256 << 20));
         assert_eq!(policy.size_for(Some(1 << 30)), Ok(1 << 30));
-        let err = policy.size_for(Some(8 << 30)).unwrap_err();
+        let err = policy.size_for(Some(8 << 30)).unwrap_err().to_string();
         assert!(
             err.contains("8Gi") && err.contains("mps.maxSharedMemory") && err.contains("4Gi"),
             "{err}"

@@ -20,7 +20,7 @@ use super::{Device, Effects, EnforceError, Enforcer, Report, Request, Undo};
 use crate::cdi::ContainerEdits;
 use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
-use crate::host::port::{CreateError, MigManager, SharingError};
+use crate::host::port::{CreateError, MigManager};
 use crate::prepare::resolve::Kind;
 use crate::state::records::{Action, ClaimEntry, MigRecord};
 use crate::sync::ReadWrite;
@@ -150,7 +150,7 @@ impl Mig {
     /// check, so whatever is there is left alone and reported.
     fn leave_unproven(&self, cx: &Undo<'_>, gpu: &str, profile_id: u32, placement: MigPlacement) {
         let _hardware = cx.hardware();
-        if let Err(SharingError(there)) = self.host.check_free(gpu, profile_id, placement) {
+        if let Err(there) = self.host.check_free(gpu, profile_id, placement) {
             cx.report(Report {
                 reason: "MigDeviceLeftAlone",
                 action: format!(
@@ -292,7 +292,7 @@ impl Enforcer for Mig {
                      reset or removed by hand); its containers cannot use it: delete its Pod",
                     entry.namespace, entry.name, record.mig_uuid
                 )),
-                Err(SharingError(e)) => problems.push(format!(
+                Err(e) => problems.push(format!(
                     "claim {uid}: cannot check its MIG device {}: {e}",
                     record.mig_uuid
                 )),

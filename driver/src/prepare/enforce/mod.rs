@@ -32,7 +32,7 @@ use crate::cdi::ContainerEdits;
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 use crate::host::driver_root::Layout;
-use crate::host::port::{MigManager, MpsClient, MpsControl, SharingError, TimeSliceControl};
+use crate::host::port::{HostError, MigManager, MpsClient, MpsControl, TimeSliceControl};
 use crate::state::records::{Action, ClaimEntry, DeviceData};
 use crate::sync::{Locked, ReadWrite};
 
@@ -282,7 +282,7 @@ pub enum EnforceError {
     Host {
         what: String,
         #[source]
-        source: SharingError,
+        source: HostError,
     },
     /// A request cannot be served as written.
     #[error("{problem}")]
@@ -307,7 +307,7 @@ pub enum EnforceError {
 }
 
 impl EnforceError {
-    pub fn host(what: impl Into<String>) -> impl FnOnce(SharingError) -> EnforceError {
+    pub fn host(what: impl Into<String>) -> impl FnOnce(HostError) -> EnforceError {
         let what = what.into();
         move |source| EnforceError::Host { what, source }
     }
