@@ -10,7 +10,6 @@
 //! through [`wait_for`].
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -24,9 +23,6 @@ use kube::{Api, Client, Config};
 
 /// Deadline used by the helpers when a test has no better one.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How often [`wait_for`] re-checks its condition.
-const POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Where the kubelet of the test node keeps its plugin sockets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -522,32 +518,9 @@ pub fn unique_name(prefix: &str) -> String {
     }
 }
 
-/// Polls `check` until it yields `Some`, an error, or the deadline passes.
-///
-/// `check` returns `Ok(Some(v))` when the condition holds, `Ok(None)` to be
-/// polled again, and `Err` to give up at once. A single check that does not
-/// return before the deadline counts as the deadline passing.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, check()).await {
-            Ok(Ok(Some(v))) => return Ok(v),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => return Err(e.context(format!("while waiting for {what}"))),
-            Err(_) => bail!("timed out after {timeout:?} waiting for {what}"),
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(POLL_INTERVAL.min(deadline.saturating_duration_since(Instant::now())))
-            .await;
-    }
-}
+/// Polls a check until it yields `Some`, an error, or the deadline passes
+/// (the test kit's).
+pub use tessera_test_kit::wait::until_some as wait_for;
 
 #[cfg(test)]
 mod tests {
@@ -613,26 +586,5 @@ mod tests {
         assert_eq!(m["NODE_NAME"], "n1");
         assert_eq!(m["KUBELET_ENABLED"], "0");
         assert_eq!(m["APISERVER_PORT"], "123");
-    }
-
-    #[tokio::test]
-    async fn wait_for_polls_until_deadline() {
-        let mut n = 0;
-        let v = wait_for("third poll", Duration::from_secs(5), || {
-            n += 1;
-            let done = n >= 3;
-            async move { Ok(done.then_some(n)) }
-        })
-        .await
-        .unwrap();
-        assert_eq!(v, 3);
-        let err = wait_for::<(), _, _>("never", Duration::from_millis(300), || async { Ok(None) })
-            .await
-            .unwrap_err();
-        assert!(err.to_string().contains("timed out"), "{err}");
-        let err = wait_for::<(), _, _>("fails", Duration::from_secs(5), || async { bail!("boom") })
-            .await
-            .unwrap_err();
-        assert!(format!("{err:#}").contains("boom"));
     }
 }

@@ -29,42 +29,19 @@ use kube::Api;
 use kube::api::ListParams;
 use serde_json::Value;
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_test_kit::repo_root;
 
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
-
 /// Builds what node-start needs (a no-op after `cargo build --workspace`)
 /// and returns cargo's target directory, where node-start looks for it.
 fn build() -> Result<PathBuf> {
-    let cargo = env!("CARGO");
-    let status = Command::new(cargo)
-        .args(["build", "-p", "tessera-driver", "-p", "tessera-fake-nvml"])
-        .current_dir(repo_root())
-        .status()
-        .context("running cargo build")?;
-    ensure!(
-        status.success(),
-        "cargo build of tessera / the fake NVML failed"
-    );
-    let out = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .current_dir(repo_root())
-        .output()
-        .context("running cargo metadata")?;
-    ensure!(out.status.success(), "cargo metadata failed");
-    let meta: Value = serde_json::from_slice(&out.stdout)?;
-    Ok(PathBuf::from(
-        meta["target_directory"]
-            .as_str()
-            .context("no target_directory in cargo metadata")?,
-    ))
+    let profile = tessera_test_kit::artifacts::node_start_profile_dir();
+    Ok(profile
+        .parent()
+        .context("a profile directory is inside the target directory")?
+        .to_path_buf())
 }
 
 struct Script {

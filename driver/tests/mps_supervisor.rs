@@ -22,6 +22,7 @@ use tessera_driver::mps::{
     CONTROL, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSupervisor, PID_FILE,
     ProcessId, RECORD, ShmPolicy, kept_mask,
 };
+use tessera_test_kit::wait::until as wait_until;
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const GPU1: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
@@ -187,14 +188,6 @@ fn mounts_below(dir: &Path) -> Vec<String> {
 
 fn alive(pid: i32) -> bool {
     ProcessId::of(pid).is_some()
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Talk to a daemon the way a user would: `echo <cmd> | nvidia-cuda-mps-control`.

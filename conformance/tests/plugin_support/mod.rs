@@ -42,12 +42,7 @@ pub const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Workspace root (conformance/..).
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
+pub use tessera_test_kit::repo_root;
 
 /// The `tessera` binary and the fake NVML library, built if missing.
 pub use tessera_conformance::artifacts::binaries;
