@@ -28,7 +28,6 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use serde_json::{Value, json};
-use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
@@ -246,7 +245,7 @@ async fn run(
 
     // small's daemon is made to quit through its pipe directory, as any
     // process holding it can; large's daemon and limits stay.
-    let control = binaries().tessera.with_file_name("fake-mps-control");
+    let control = tessera_test_kit::artifacts::fake_mps_control();
     let small_pipe = std::fs::read_dir(mps_dir.join(&small_uid))?
         .flatten()
         .map(|e| e.path().join("pipe"))

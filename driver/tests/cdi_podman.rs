@@ -47,6 +47,7 @@ use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFu
 use tessera_driver::prepare::layout::Layout;
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 use tessera_driver::state::catalog::{Catalog, DeviceCatalog};
+use tessera_test_kit::artifacts::fake_mps_control;
 
 const NODE: &str = "podman-node";
 const DRIVER: &str = "gpu.tessera.dev";
@@ -299,7 +300,7 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     });
     // The driver's own MPS supervision, with the simulated control binary.
     let mut mps = MpsConfig::new(Path::new("/nonexistent"), node.dir.path().join("mps"));
-    mps.control_binary = fake_mps_control();
+    mps.control_binary = fake_mps_control().to_owned();
     let supervisor = Arc::new(MpsSupervisor::new(mps));
     let mps: Arc<dyn MpsControl> = supervisor.clone();
 
@@ -369,30 +370,6 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     );
     assert!(supervisor.daemons().is_empty());
     assert!(!spec_file.exists());
-}
-
-/// The built `fake-mps-control` (a no-op cargo build when it is fresh).
-fn fake_mps_control() -> PathBuf {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "-p",
-            "tessera-fake-nvml",
-            "--bin",
-            "fake-mps-control",
-        ])
-        .args(["--message-format=json"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running cargo build -p tessera-fake-nvml");
-    assert!(out.status.success(), "building fake-mps-control failed");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control")
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reported no fake-mps-control executable")
 }
 
 struct OneClaim(ResourceClaim);

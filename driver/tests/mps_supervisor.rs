@@ -13,7 +13,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
@@ -22,6 +22,7 @@ use tessera_driver::mps::{
     CONTROL, DaemonKey, HostCgroup, LAUNCH_ID_ENV, MpsConfig, MpsError, MpsSupervisor, PID_FILE,
     ProcessId, RECORD, ShmPolicy, kept_mask,
 };
+use tessera_test_kit::artifacts::fake_mps_control;
 use tessera_test_kit::wait::until as wait_until;
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
@@ -45,36 +46,6 @@ fn key(n: u8, device: &str) -> DaemonKey {
         request: "gpu".into(),
         device: device.into(),
     }
-}
-
-/// The built `fake-mps-control` (cargo builds it on first use; a no-op when
-/// it is fresh).
-fn fake_mps_control() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let out = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--bin",
-                "fake-mps-control",
-                "--message-format=json",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(out.status.success(), "building fake-mps-control failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no fake-mps-control executable")
-    })
 }
 
 /// A state directory whose daemons are all gone when the test ends, even if

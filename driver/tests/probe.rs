@@ -12,7 +12,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -27,13 +26,7 @@ const H100_SMS: i32 = 132;
 
 /// A directory holding `libcuda.so.1`, the simulated CUDA driver, for
 /// `LD_LIBRARY_PATH`.
-use tessera_test_kit::artifacts::fake_cuda_dir;
-
-/// The built `fake-mps-control`.
-fn fake_mps_control() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| tessera_test_kit::artifacts::fake_mps_control().to_owned())
-}
+use tessera_test_kit::artifacts::{fake_cuda_dir, fake_mps_control};
 
 /// The UUIDs of the shipped 8x H100 topology, in order.
 fn h100_uuids() -> Vec<String> {

@@ -264,7 +264,7 @@ impl PluginDirs {
         // The MPS stand-in where a driver install has the control binary.
         std::fs::create_dir_all(root.join("usr/bin"))?;
         std::os::unix::fs::symlink(
-            binaries().tessera.with_file_name("fake-mps-control"),
+            tessera_test_kit::artifacts::fake_mps_control(),
             self.mps_control(),
         )?;
         Ok(())

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use super::*;
+use tessera_test_kit::artifacts::fake_mps_control;
 use tessera_test_kit::wait::until as wait_until;
 
 const MODELS: &str = include_str!("../../fake-nvml/topologies/h100x8.yaml");
@@ -537,37 +538,6 @@ fn a_stale_socket_is_no_daemon() {
 
 // ---------------------------------------------------------------------------
 // Against fake-mps-control
-
-/// The built `fake-mps-control` (cargo builds it on first use; a no-op when
-/// it is fresh).
-fn fake_mps_control() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let out = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--bin",
-                "fake-mps-control",
-                "--message-format=json",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(out.status.success(), "building fake-mps-control failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no fake-mps-control executable")
-    })
-    .clone()
-}
 
 /// A control daemon in the foreground; killed if the test ends early.
 struct Daemon {
