@@ -48,6 +48,7 @@ use tessera_driver::prepare::layout::Layout;
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 use tessera_driver::state::catalog::{Catalog, DeviceCatalog};
 use tessera_test_kit::artifacts::fake_mps_control;
+use tessera_test_kit::driver_root::DriverRootBuilder;
 
 const NODE: &str = "podman-node";
 const DRIVER: &str = "gpu.tessera.dev";
@@ -86,10 +87,11 @@ impl Node {
         let rootfs = env.rootfs(dir.path());
         let inventory = common::inventory(&common::topology("h100x8.yaml"));
         assert_eq!(inventory.gpus.len(), 8);
-        for gpu in &inventory.gpus {
-            mknod(&root.join(format!("dev/nvidia{}", gpu.minor)), gpu.minor);
-        }
-        mknod(&root.join("dev/nvidiactl"), 255);
+        DriverRootBuilder::new()
+            .nvidiactl()
+            .gpus(inventory.gpus.iter().map(|gpu| gpu.minor))
+            .build(&root)
+            .expect("building the driver root (mknod; checked by Environment::check)");
         let driver = DriverName::new(DRIVER).unwrap();
         let model = SliceModel::new(
             &inventory,
@@ -398,24 +400,6 @@ fn random_uid() -> ClaimUid {
         &hex[20..32]
     ))
     .unwrap()
-}
-
-fn mknod(path: &Path, minor: u32) {
-    fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-    // SAFETY: a valid NUL-terminated path; mknod(2) only creates the node.
-    let rc = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | 0o666,
-            libc::makedev(NVIDIA_MAJOR, minor),
-        )
-    };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        // Checked by Environment::check before any test work.
-        panic!("mknod {}: {e}", path.display());
-    }
 }
 
 /// Our spec file in the runtime's CDI directory; removed on drop.

@@ -27,6 +27,7 @@ const H100_SMS: i32 = 132;
 /// A directory holding `libcuda.so.1`, the simulated CUDA driver, for
 /// `LD_LIBRARY_PATH`.
 use tessera_test_kit::artifacts::{fake_cuda_dir, fake_mps_control};
+use tessera_test_kit::driver_root::{DriverRootBuilder, LIBCUDA};
 
 /// The UUIDs of the shipped 8x H100 topology, in order.
 fn h100_uuids() -> Vec<String> {
@@ -599,10 +600,11 @@ fn cdi_device_probes_as_that_devices_container() {
 /// the node process mounts it: (the root, the library's real path).
 fn driver_root_with_libcuda(m: &Machine) -> (PathBuf, PathBuf) {
     let root = m.dir.path().join("driver-root");
-    let lib = root.join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib).unwrap();
     let real = std::fs::canonicalize(fake_cuda_dir().join("libcuda.so.1")).unwrap();
-    std::os::unix::fs::symlink(&real, lib.join("libcuda.so.1")).unwrap();
+    DriverRootBuilder::new()
+        .file(&real, LIBCUDA)
+        .build(&root)
+        .unwrap();
     (root, real)
 }
 

@@ -197,6 +197,7 @@ pub fn node_start_profile_dir() -> &'static Path {
     }
     fake_mps_control();
     fake_nvidia_smi();
+    built("tessera-test-kit", Target::Bin("tessera-kit"));
     let tessera = built("tessera-driver", Target::Bin("tessera"));
     tessera
         .parent()

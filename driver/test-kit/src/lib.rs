@@ -1,11 +1,14 @@
 //! What Tessera's tests share, said once: the artifacts cargo builds for
-//! them ([`artifacts`]) and waits with a deadline ([`wait`]).
+//! them ([`artifacts`]), waits with a deadline ([`wait`]) and the simulated
+//! node's driver root ([`driver_root`], also built by the `tessera-kit`
+//! binary for `conformance/cluster.sh`).
 //!
 //! A dev-dependency of the driver and the fakes, and a dependency of the
 //! conformance crate (whose self-test binary uses it too). It never depends
 //! on `tessera-driver`, so the driver's own unit tests can use it.
 
 pub mod artifacts;
+pub mod driver_root;
 pub mod wait;
 
 use std::path::Path;
