@@ -20,6 +20,7 @@ use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use tessera_test_kit::cluster::ClusterState;
 
 /// Deadline used by the helpers when a test has no better one.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -75,9 +76,7 @@ impl ClusterEnv {
                 )
             })?;
         // Values recorded by `cluster.sh start`, used where the env is silent.
-        let recorded = std::fs::read_to_string(state_dir.join("cluster.env"))
-            .map(|s| parse_env_file(&s))
-            .unwrap_or_default();
+        let recorded = ClusterState::new(&state_dir).cluster_env();
         let get = |env_key: &str, file_key: &str| {
             lookup(env_key).or_else(|| recorded.get(file_key).cloned())
         };
@@ -118,14 +117,6 @@ impl ClusterEnv {
             kube_bin,
         })
     }
-}
-
-/// Parses the `KEY='value'` lines that `cluster.sh` writes.
-fn parse_env_file(s: &str) -> BTreeMap<String, String> {
-    s.lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
 }
 
 /// Parses `A=true,B=false`; later entries win, as on the components' command line.
@@ -578,13 +569,5 @@ mod tests {
         .unwrap();
         assert!(no_kubelet.kubelet.is_none());
         assert!(ClusterEnv::from_lookup(|_| None).is_err());
-    }
-
-    #[test]
-    fn env_file_values_are_unquoted() {
-        let m = parse_env_file("NODE_NAME='n1'\nKUBELET_ENABLED='0'\nAPISERVER_PORT=123\n");
-        assert_eq!(m["NODE_NAME"], "n1");
-        assert_eq!(m["KUBELET_ENABLED"], "0");
-        assert_eq!(m["APISERVER_PORT"], "123");
     }
 }

@@ -29,6 +29,7 @@ use kube::Api;
 use kube::api::ListParams;
 use serde_json::Value;
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_test_kit::cluster::{ClusterState, parse_exports};
 use tessera_test_kit::repo_root;
 
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
@@ -69,26 +70,13 @@ impl Script {
     /// The variables `cluster.sh env` exports (`export K='v'` lines; the
     /// `PATH`/`LD_LIBRARY_PATH` lines' shell suffixes are dropped).
     fn env(&self) -> Result<BTreeMap<String, String>> {
-        let text = self.run(&["env"])?;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| {
-                let (k, rest) = l.split_once('=')?;
-                let v = rest.strip_prefix('\'')?.split('\'').next()?;
-                Some((k.to_owned(), v.to_owned()))
-            })
-            .collect())
+        Ok(parse_exports(&self.run(&["env"])?))
     }
 
     /// PID recorded for the node process, if any.
     fn node_pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.state_dir.join("pids/tessera-node.pid"))
-            .ok()?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
+        let pid = ClusterState::new(&self.state_dir).recorded_pid("tessera-node")?;
+        u32::try_from(pid).ok()
     }
 }
 

@@ -8,6 +8,7 @@
 //! on `tessera-driver`, so the driver's own unit tests can use it.
 
 pub mod artifacts;
+pub mod cluster;
 pub mod driver_root;
 pub mod wait;
 
