@@ -29,7 +29,7 @@ TESSERA=gpu.tessera.dev
 GO_DRIVER=go-test-driver.bench.dev
 
 say "release builds"
-cargo build --release --quiet -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda
+cargo build --release --quiet -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda -p tessera-test-kit
 cargo build --release --quiet -p tessera-conformance --bin tessera-bench
 BENCH="$CARGO_TARGET_DIR/release/tessera-bench"
 GO_BIN="${TESSERA_CACHE:-$HOME/.cache/tessera}/bench/dra-test-driver"

@@ -771,62 +771,33 @@ node_nvml_env() {
 	echo "LD_LIBRARY_PATH=$(node_nvml_dir)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
-# Sets TESSERA_BIN_, FAKE_NVML_LIB_, FAKE_CUDA_LIB_, FAKE_MPS_, FAKE_SMI_ from cargo's target dir
-# (profile TESSERA_PROFILE, default debug; the benchmark uses release); this
-# script builds none of them.
+# Sets TESSERA_BIN_, TESSERA_KIT_ and PROFILE_DIR_ (where the fakes are) from
+# cargo's target dir (profile TESSERA_PROFILE, default debug; the benchmark
+# uses release); this script builds none of them.
 node_binaries() {
 	local target="${CARGO_TARGET_DIR:-$REPO_ROOT/target}" profile="${TESSERA_PROFILE:-debug}" f
 	case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
-	TESSERA_BIN_="$target/$profile/tessera"
-	FAKE_NVML_LIB_="$target/$profile/libtessera_fake_nvml.so"
-	FAKE_CUDA_LIB_="$target/$profile/libtessera_fake_cuda.so"
-	FAKE_MPS_="$target/$profile/fake-mps-control"
-	FAKE_SMI_="$target/$profile/nvidia-smi"
-	for f in "$TESSERA_BIN_" "$FAKE_NVML_LIB_" "$FAKE_CUDA_LIB_" "$FAKE_MPS_" "$FAKE_SMI_"; do
-		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda$([[ $profile == release ]] && echo ' --release') (with the same CARGO_TARGET_DIR)"
+	PROFILE_DIR_="$target/$profile"
+	TESSERA_BIN_="$PROFILE_DIR_/tessera"
+	TESSERA_KIT_="$PROFILE_DIR_/tessera-kit"
+	for f in "$TESSERA_BIN_" "$TESSERA_KIT_" "$PROFILE_DIR_/libtessera_fake_nvml.so" "$PROFILE_DIR_/libtessera_fake_cuda.so" \
+		"$PROFILE_DIR_/fake-mps-control" "$PROFILE_DIR_/nvidia-smi"; do
+		[[ -e "$f" ]] || die "missing $f: run cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda -p tessera-test-kit$([[ $profile == release ]] && echo ' --release') (with the same CARGO_TARGET_DIR)"
 	done
 }
 
-# Character-device majors of the simulated kernel module, as the fake
-# library lists them in the driver root's proc/devices (195 is NVIDIA's fixed
-# one; nvidia-uvm's is dynamic on a real host). Nothing on this host serves
-# them: a container can be given the nodes, never open them.
-NVIDIA_MAJOR=195
-NVIDIA_UVM_MAJOR=508
-
-# mknod_char PATH MAJOR MINOR: a character device node, replacing what is there.
-mknod_char() {
-	rm -f "$1"
-	mknod -m 666 "$1" c "$2" "$3"
-}
-
-# The driver root a real node has: character device nodes for every GPU NVML
-# reports, /dev/nvidiactl and nvidia-uvm (as nvidia-modprobe creates them),
-# nvidia-smi, the MPS control binary, the NVML library and libcuda. The simulated
-# driver itself writes proc/devices and the MIG capability files below
-# proc/driver; the MIG capability device nodes are Tessera's to create (no
-# driver creates them), as on a real node. Sets NODE_GPUS_.
+# The driver root a real node has, built by the test kit as every test
+# builds it (driver/test-kit/src/driver_root.rs): device nodes for every GPU
+# the simulated machine reports (asked with its environment, which also
+# seeds its state and capability files), the control and uvm nodes, the
+# fake NVML and CUDA libraries, nvidia-smi and the MPS control binary.
+# Sets NODE_GPUS_.
 make_driver_root() {
-	local root out minors m
 	local -a nvml_env
-	root=$(node_driver_root)
-	mkdir -p "$root/dev" "$root/usr/bin" "$(node_nvml_dir)"
-	ln -sfn "$FAKE_NVML_LIB_" "$(node_nvml_dir)/libnvidia-ml.so.1"
-	ln -sfn "$FAKE_CUDA_LIB_" "$(node_nvml_dir)/libcuda.so.1"
-	ln -sfn "$FAKE_MPS_" "$root/usr/bin/nvidia-cuda-mps-control"
-	ln -sfn "$FAKE_SMI_" "$root/usr/bin/nvidia-smi"
-	mknod_char "$root/dev/nvidiactl" "$NVIDIA_MAJOR" 255
-	mknod_char "$root/dev/nvidia-uvm" "$NVIDIA_UVM_MAJOR" 0
-	mknod_char "$root/dev/nvidia-uvm-tools" "$NVIDIA_UVM_MAJOR" 1
-	# Ask the simulated machine which minors its GPUs have (this first call
-	# also seeds its state file and capability files).
 	mapfile -t nvml_env < <(node_nvml_env)
-	out=$(env "${nvml_env[@]}" "$TESSERA_BIN_" --nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" \
-		inventory --output json 2>&1) || die "tessera inventory on the simulated node failed: $out"
-	minors=$(sed -n 's/^      "minor": \([0-9][0-9]*\),\{0,1\}$/\1/p' <<<"$out")
-	[[ -n "$minors" ]] || die "tessera inventory reports no GPUs for $(sim_kernel_dir)/topology.yaml"
-	for m in $minors; do mknod_char "$root/dev/nvidia$m" "$NVIDIA_MAJOR" "$m"; done
-	NODE_GPUS_=$(wc -w <<<"$minors")
+	NODE_GPUS_=$(env "${nvml_env[@]}" "$TESSERA_KIT_" driver-root "$(node_driver_root)" \
+		--fakes "$PROFILE_DIR_" --tessera "$TESSERA_BIN_") || die "building the simulated node's driver root failed"
+	((NODE_GPUS_ > 0)) || die "tessera inventory reports no GPUs for $(sim_kernel_dir)/topology.yaml"
 }
 
 # A stand-in for HAMi-core (the directory --hami-core-dir names): an empty

@@ -48,7 +48,7 @@ say "checking what the demo needs (conformance/cluster/prereqs.sh)"
 echo "all there"
 
 say "building Tessera and the simulated GPU library"
-cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda
+cargo build -p tessera-driver -p tessera-fake-nvml -p tessera-fake-cuda -p tessera-test-kit
 TESSERA="$TARGET_DIR/debug/tessera"
 
 # From the start of the cluster on, every way out passes here: a failure

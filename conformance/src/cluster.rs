@@ -10,7 +10,6 @@
 //! through [`wait_for`].
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -21,12 +20,10 @@ use k8s_openapi::api::core::v1::{Namespace, Node, ServiceAccount};
 use kube::api::{DeleteParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
+use tessera_test_kit::cluster::ClusterState;
 
 /// Deadline used by the helpers when a test has no better one.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How often [`wait_for`] re-checks its condition.
-const POLL_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Where the kubelet of the test node keeps its plugin sockets.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,9 +76,7 @@ impl ClusterEnv {
                 )
             })?;
         // Values recorded by `cluster.sh start`, used where the env is silent.
-        let recorded = std::fs::read_to_string(state_dir.join("cluster.env"))
-            .map(|s| parse_env_file(&s))
-            .unwrap_or_default();
+        let recorded = ClusterState::new(&state_dir).cluster_env();
         let get = |env_key: &str, file_key: &str| {
             lookup(env_key).or_else(|| recorded.get(file_key).cloned())
         };
@@ -122,14 +117,6 @@ impl ClusterEnv {
             kube_bin,
         })
     }
-}
-
-/// Parses the `KEY='value'` lines that `cluster.sh` writes.
-fn parse_env_file(s: &str) -> BTreeMap<String, String> {
-    s.lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
 }
 
 /// Parses `A=true,B=false`; later entries win, as on the components' command line.
@@ -522,32 +509,9 @@ pub fn unique_name(prefix: &str) -> String {
     }
 }
 
-/// Polls `check` until it yields `Some`, an error, or the deadline passes.
-///
-/// `check` returns `Ok(Some(v))` when the condition holds, `Ok(None)` to be
-/// polled again, and `Err` to give up at once. A single check that does not
-/// return before the deadline counts as the deadline passing.
-pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Option<T>>>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, check()).await {
-            Ok(Ok(Some(v))) => return Ok(v),
-            Ok(Ok(None)) => {}
-            Ok(Err(e)) => return Err(e.context(format!("while waiting for {what}"))),
-            Err(_) => bail!("timed out after {timeout:?} waiting for {what}"),
-        }
-        if Instant::now() >= deadline {
-            bail!("timed out after {timeout:?} waiting for {what}");
-        }
-        tokio::time::sleep(POLL_INTERVAL.min(deadline.saturating_duration_since(Instant::now())))
-            .await;
-    }
-}
+/// Polls a check until it yields `Some`, an error, or the deadline passes
+/// (the test kit's).
+pub use tessera_test_kit::wait::until_some as wait_for;
 
 #[cfg(test)]
 mod tests {
@@ -605,34 +569,5 @@ mod tests {
         .unwrap();
         assert!(no_kubelet.kubelet.is_none());
         assert!(ClusterEnv::from_lookup(|_| None).is_err());
-    }
-
-    #[test]
-    fn env_file_values_are_unquoted() {
-        let m = parse_env_file("NODE_NAME='n1'\nKUBELET_ENABLED='0'\nAPISERVER_PORT=123\n");
-        assert_eq!(m["NODE_NAME"], "n1");
-        assert_eq!(m["KUBELET_ENABLED"], "0");
-        assert_eq!(m["APISERVER_PORT"], "123");
-    }
-
-    #[tokio::test]
-    async fn wait_for_polls_until_deadline() {
-        let mut n = 0;
-        let v = wait_for("third poll", Duration::from_secs(5), || {
-            n += 1;
-            let done = n >= 3;
-            async move { Ok(done.then_some(n)) }
-        })
-        .await
-        .unwrap();
-        assert_eq!(v, 3);
-        let err = wait_for::<(), _, _>("never", Duration::from_millis(300), || async { Ok(None) })
-            .await
-            .unwrap_err();
-        assert!(err.to_string().contains("timed out"), "{err}");
-        let err = wait_for::<(), _, _>("fails", Duration::from_secs(5), || async { bail!("boom") })
-            .await
-            .unwrap_err();
-        assert!(format!("{err:#}").contains("boom"));
     }
 }

@@ -19,7 +19,7 @@
 //!   a message naming the policy, the node and the claim;
 //! * a token not bound to a pod (no node in it) writes nothing.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -35,18 +35,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tessera_conformance::procs::run;
 use tessera_conformance::{TestCluster, TestNamespace, unique_name, wait_for};
+use tessera_test_kit::repo_root;
 
 /// The policy is picked up by the API server's informers within seconds.
 const POLICY_ACTIVE: Duration = Duration::from_secs(60);
 /// A device of another driver, allocated on node A beside ours.
 const OTHER_DRIVER: &str = "gpu.other.example.com";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
 
 /// The chart's ServiceAccount, RBAC and admission policies for `release`.
 fn render_chart(

@@ -27,8 +27,9 @@ use serde_json::json;
 use tessera_conformance::suite::CHECKS;
 use tessera_conformance::{ClusterEnv, TestCluster, delete_ignore_missing};
 
-use plugin_support::cluster::{cluster_sh, container_runtime, env_file, node_running};
+use plugin_support::cluster::{cluster_sh, container_runtime, node_running};
 use plugin_support::repo_root;
+use tessera_test_kit::cluster::ClusterState;
 
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 const CHECK_TIMEOUT: &str = "180s";
@@ -121,9 +122,7 @@ async fn conformance_suite_passes_on_the_local_cluster() -> Result<()> {
             cluster_sh(&env, &["node-start", "--topology", topology])?;
         }
     }
-    let driver = env_file(&env.state_dir, "node/node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let driver = ClusterState::new(&env.state_dir).node_driver();
     let api: Api<DeviceClass> = Api::all(cluster.client());
     let created = ensure_classes(&api, &driver).await?;
     let out_dir = tempfile::tempdir()?;

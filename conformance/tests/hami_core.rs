@@ -27,10 +27,10 @@ use tessera_conformance::{
 };
 
 use plugin_support::cluster::{
-    cluster_sh, container_runtime, delete_pods, env_file, log_with, node_running, node_status,
-    probe_image,
+    cluster_sh, container_runtime, delete_pods, log_with, node_running, node_status, probe_image,
 };
 use plugin_support::repo_root;
+use tessera_test_kit::cluster::ClusterState;
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const POLICY: &str = "gpus:\n- select: {all: true}\n  isolationProvider: hami-core\n";
@@ -78,9 +78,7 @@ async fn a_hami_core_share_runs_with_its_limits_and_status_lists_its_pod() -> Re
         );
         return Ok(());
     }
-    let driver = env_file(&node_dir, "node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let driver = ClusterState::new(&env.state_dir).node_driver();
     let cluster = TestCluster::shared().await?;
     let id = unique_name("hami");
     let ns = cluster.create_namespace("hami-core").await?;

@@ -71,6 +71,7 @@ use tessera_conformance::tls::serving_certificate;
 use tessera_conformance::{
     TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
+use tessera_test_kit::driver_root::{DriverRootBuilder, Fakes, NVML, minors_of};
 
 use plugin_support::{binaries, repo_root, status_gpu_uuid};
 
@@ -86,8 +87,6 @@ static NODE_SLOT: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Pods start from an image containerd has, but the first start of the
 /// node process also builds its model: be patient on two cores.
 const TIMEOUT: Duration = Duration::from_secs(180);
-/// Where the chart's driver root keeps the NVML library (Debian's layout).
-const NVML_IN_ROOT: &str = "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1";
 /// Every container of the node sees the simulated machine here.
 const SIM_MOUNT: &str = "/run/tessera-sim";
 /// How long after its container starts a new pod may first turn Ready (and
@@ -202,36 +201,12 @@ impl Machine {
             sim_kernel.join("topology.yaml"),
         )?;
         let m = Machine { dir, sim_kernel };
-        let root = m.driver_root();
-        for d in ["dev", "usr/bin", "usr/lib/x86_64-linux-gnu"] {
-            std::fs::create_dir_all(root.join(d))?;
-        }
         std::fs::create_dir_all(m.dir.path().join("state"))?;
         m.share_mps_dir()?;
-        let b = binaries();
-        std::fs::copy(&b.fake_nvml, root.join(NVML_IN_ROOT))?;
-        let bin_dir = b.tessera.parent().context("tessera has no directory")?;
-        std::fs::copy(bin_dir.join("nvidia-smi"), root.join("usr/bin/nvidia-smi"))?;
-        std::fs::copy(
-            bin_dir.join("fake-mps-control"),
-            root.join("usr/bin/nvidia-cuda-mps-control"),
-        )?;
-        // The simulated CUDA driver, which `tessera probe` in a pod loads.
-        std::fs::copy(
-            bin_dir.join("libtessera_fake_cuda.so"),
-            root.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"),
-        )?;
-        use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR, mknod_char};
-        mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
-        mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
-        mknod_char(&root.join("dev/nvidia-uvm-tools"), NVIDIA_UVM_MAJOR, 1)?;
-        for minor in m.minors()? {
-            mknod_char(
-                &root.join(format!("dev/nvidia{minor}")),
-                NVIDIA_MAJOR,
-                minor,
-            )?;
-        }
+        DriverRootBuilder::simulated(&Fakes::built())
+            .copied()
+            .gpus_asked(|_| m.minors())
+            .build(&m.driver_root())?;
         Ok(m)
     }
 
@@ -257,7 +232,7 @@ impl Machine {
         let b = binaries();
         let out = run(Command::new(&b.tessera)
             .arg("--nvml-library")
-            .arg(self.driver_root().join(NVML_IN_ROOT))
+            .arg(self.driver_root().join(NVML))
             .args(["inventory", "-o", "json"])
             .env(
                 "TESSERA_FAKE_NVML_TOPOLOGY",
@@ -269,13 +244,7 @@ impl Machine {
             )
             .env("TESSERA_FAKE_NVML_DRIVER_ROOT", self.driver_root())
             .env_remove("TESSERA_FAKE_NVML_DEV_ROOT"))?;
-        let inventory: Value = serde_json::from_str(&out)?;
-        let minors: Vec<u32> = inventory["gpus"]
-            .as_array()
-            .context("no gpus in the inventory")?
-            .iter()
-            .filter_map(|g| g["minor"].as_u64().map(|m| m as u32))
-            .collect();
+        let minors = minors_of(out.as_bytes())?;
         ensure!(!minors.is_empty(), "the simulated machine has no GPUs");
         Ok(minors)
     }
@@ -331,7 +300,7 @@ fn values(
         "mpsDir": path(machine.mps_dir()),
         "mpsHostCgroup": mps_cgroup,
         "driverRoot": path(machine.driver_root()),
-        "nvmlLibrary": NVML_IN_ROOT,
+        "nvmlLibrary": NVML,
         // "/" is a private mount on this machine (no systemd).
         "driverRootMountPropagation": "None",
         "metrics": { "port": metrics_port },

@@ -28,17 +28,17 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use serde_json::{Value, json};
-use tessera_conformance::artifacts::binaries;
 use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 use tessera_driver::probe::ProbeReport;
 
 use plugin_support::cluster::{
-    PROBE, cluster_env_vars, cluster_sh, container_runtime, delete_pods, env_file,
-    isolated_class_on, log_with, mps_gpu, node_running, probe_pod, probe_report,
+    PROBE, cluster_env_vars, cluster_sh, container_runtime, delete_pods, isolated_class_on,
+    log_with, mps_gpu, node_running, probe_pod, probe_report,
 };
 use plugin_support::repo_root;
+use tessera_test_kit::cluster::ClusterState;
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
@@ -72,9 +72,7 @@ async fn two_isolated_pods_get_their_own_daemons_and_a_hostile_one_gains_nothing
         eprintln!("SKIP: the running node process's policy names hami-core, not MPS");
         return Ok(());
     }
-    let driver = env_file(&node_dir, "node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let driver = ClusterState::new(&env.state_dir).node_driver();
     let cluster = TestCluster::shared().await?;
     let id = unique_name("mps");
     let ns = cluster.create_namespace("isolated-mps").await?;
@@ -246,7 +244,7 @@ async fn run(
 
     // small's daemon is made to quit through its pipe directory, as any
     // process holding it can; large's daemon and limits stay.
-    let control = binaries().tessera.with_file_name("fake-mps-control");
+    let control = tessera_test_kit::artifacts::fake_mps_control();
     let small_pipe = std::fs::read_dir(mps_dir.join(&small_uid))?
         .flatten()
         .map(|e| e.path().join("pipe"))

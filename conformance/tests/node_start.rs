@@ -29,42 +29,20 @@ use kube::Api;
 use kube::api::ListParams;
 use serde_json::Value;
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_test_kit::cluster::{ClusterState, parse_exports};
+use tessera_test_kit::repo_root;
 
 const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 const TIMEOUT: Duration = Duration::from_secs(60);
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
-
 /// Builds what node-start needs (a no-op after `cargo build --workspace`)
 /// and returns cargo's target directory, where node-start looks for it.
 fn build() -> Result<PathBuf> {
-    let cargo = env!("CARGO");
-    let status = Command::new(cargo)
-        .args(["build", "-p", "tessera-driver", "-p", "tessera-fake-nvml"])
-        .current_dir(repo_root())
-        .status()
-        .context("running cargo build")?;
-    ensure!(
-        status.success(),
-        "cargo build of tessera / the fake NVML failed"
-    );
-    let out = Command::new(cargo)
-        .args(["metadata", "--format-version", "1", "--no-deps"])
-        .current_dir(repo_root())
-        .output()
-        .context("running cargo metadata")?;
-    ensure!(out.status.success(), "cargo metadata failed");
-    let meta: Value = serde_json::from_slice(&out.stdout)?;
-    Ok(PathBuf::from(
-        meta["target_directory"]
-            .as_str()
-            .context("no target_directory in cargo metadata")?,
-    ))
+    let profile = tessera_test_kit::artifacts::node_start_profile_dir();
+    Ok(profile
+        .parent()
+        .context("a profile directory is inside the target directory")?
+        .to_path_buf())
 }
 
 struct Script {
@@ -92,26 +70,13 @@ impl Script {
     /// The variables `cluster.sh env` exports (`export K='v'` lines; the
     /// `PATH`/`LD_LIBRARY_PATH` lines' shell suffixes are dropped).
     fn env(&self) -> Result<BTreeMap<String, String>> {
-        let text = self.run(&["env"])?;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| {
-                let (k, rest) = l.split_once('=')?;
-                let v = rest.strip_prefix('\'')?.split('\'').next()?;
-                Some((k.to_owned(), v.to_owned()))
-            })
-            .collect())
+        Ok(parse_exports(&self.run(&["env"])?))
     }
 
     /// PID recorded for the node process, if any.
     fn node_pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.state_dir.join("pids/tessera-node.pid"))
-            .ok()?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()
+        let pid = ClusterState::new(&self.state_dir).recorded_pid("tessera-node")?;
+        u32::try_from(pid).ok()
     }
 }
 

@@ -44,10 +44,9 @@ use tessera_conformance::{
     ClusterEnv, TestCluster, TestNamespace, delete_ignore_missing, unique_name, wait_for,
 };
 
-use plugin_support::cluster::{
-    cluster_sh, container_runtime, delete_pods, env_file, node_pid, probe_image,
-};
+use plugin_support::cluster::{cluster_sh, container_runtime, delete_pods, node_pid, probe_image};
 use plugin_support::repo_root;
+use tessera_test_kit::cluster::{ClusterState, parse_exports};
 
 const TOPOLOGY: &str = "h100x8.yaml";
 const POLICY: &str = "gpus:\n- select: {all: true}\n  timeSlice: long\n";
@@ -64,15 +63,7 @@ struct Node {
 
 impl Node {
     fn load(env: &ClusterEnv) -> Result<Node> {
-        let vars = cluster_sh(env, &["env"])?
-            .lines()
-            .filter_map(|l| l.strip_prefix("export "))
-            .filter_map(|l| l.split_once('='))
-            .filter_map(|(k, v)| {
-                let v = v.strip_prefix('\'')?;
-                Some((k.to_owned(), v[..v.find('\'')?].to_owned()))
-            })
-            .collect();
+        let vars = parse_exports(&cluster_sh(env, &["env"])?);
         Ok(Node { vars })
     }
 
@@ -231,9 +222,7 @@ async fn shared_shares_and_time_slicing_configs_set_and_reset_the_gpus_time_slic
         );
         return Ok(());
     }
-    let driver = env_file(&node_dir, "node.env")
-        .remove("NODE_DRIVER")
-        .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+    let driver = ClusterState::new(&env.state_dir).node_driver();
     let cluster = TestCluster::shared().await?;
     let id = unique_name("ts");
     let ns = cluster.create_namespace("time-slicing").await?;

@@ -37,6 +37,7 @@ use tessera_conformance::artifacts::binaries;
 use tessera_conformance::procs::run;
 use tessera_conformance::tls::{Certificates, serving_certificate};
 use tessera_conformance::{TestCluster, delete_ignore_missing, unique_name, wait_for};
+use tessera_test_kit::repo_root;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// The label that scopes the webhook configuration to this test's namespace.
@@ -307,13 +308,6 @@ async fn bad_configs_are_refused_at_create_time() -> Result<()> {
     delete_ignore_missing(&configs, &config_name).await?;
     ns.delete().await?;
     result
-}
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
 }
 
 /// The chart's ValidatingWebhookConfiguration for `driver`, as `helm

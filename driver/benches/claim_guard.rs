@@ -169,7 +169,7 @@ impl Machine {
             std::env::set_var("TESSERA_FAKE_NVML_LOAD", "1");
         }
         let nvml = Nvml::builder()
-            .lib_path(fake_nvml_library().as_os_str())
+            .lib_path(tessera_test_kit::artifacts::fake_nvml_lib().as_os_str())
             .init()
             .expect("the simulated NVML starts");
         let doc: serde_yaml::Value =
@@ -309,21 +309,6 @@ fn millis(d: Duration) -> String {
 /// A UUID-shaped id ending in `n`.
 fn uuid(n: u32) -> String {
     format!("00000000-0000-4000-8000-{n:012x}")
-}
-
-/// The simulated `libnvidia-ml.so.1` (the fake NVML's cdylib, built with
-/// this crate's dev-dependencies), or `TESSERA_FAKE_NVML_LIB`.
-fn fake_nvml_library() -> PathBuf {
-    if let Some(path) = std::env::var_os("TESSERA_FAKE_NVML_LIB") {
-        return PathBuf::from(path);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    [deps.to_path_buf(), deps.parent().unwrap().to_path_buf()]
-        .into_iter()
-        .map(|d| d.join("libtessera_fake_nvml.so"))
-        .find(|p| p.is_file())
-        .expect("libtessera_fake_nvml.so next to the benchmark (or set TESSERA_FAKE_NVML_LIB)")
 }
 
 /// Pseudo-random numbers enough for spreading violations over a period.

@@ -47,6 +47,8 @@ use tessera_driver::host::port::{MpsControl, Unsupported};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
 use tessera_driver::state::catalog::{Catalog, DeviceCatalog};
+use tessera_test_kit::artifacts::fake_mps_control;
+use tessera_test_kit::driver_root::DriverRootBuilder;
 
 const NODE: &str = "podman-node";
 const DRIVER: &str = "gpu.tessera.dev";
@@ -85,10 +87,11 @@ impl Node {
         let rootfs = env.rootfs(dir.path());
         let inventory = common::inventory(&common::topology("h100x8.yaml"));
         assert_eq!(inventory.gpus.len(), 8);
-        for gpu in &inventory.gpus {
-            mknod(&root.join(format!("dev/nvidia{}", gpu.minor)), gpu.minor);
-        }
-        mknod(&root.join("dev/nvidiactl"), 255);
+        DriverRootBuilder::new()
+            .nvidiactl()
+            .gpus(inventory.gpus.iter().map(|gpu| gpu.minor))
+            .build(&root)
+            .expect("building the driver root (mknod; checked by Environment::check)");
         let driver = DriverName::new(DRIVER).unwrap();
         let model = SliceModel::new(
             &inventory,
@@ -299,7 +302,7 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     });
     // The driver's own MPS supervision, with the simulated control binary.
     let mut mps = MpsConfig::new(Path::new("/nonexistent"), node.dir.path().join("mps"));
-    mps.control_binary = fake_mps_control();
+    mps.control_binary = fake_mps_control().to_owned();
     let supervisor = Arc::new(MpsSupervisor::new(mps));
     let mps: Arc<dyn MpsControl> = supervisor.clone();
 
@@ -371,30 +374,6 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     assert!(!spec_file.exists());
 }
 
-/// The built `fake-mps-control` (a no-op cargo build when it is fresh).
-fn fake_mps_control() -> PathBuf {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "-p",
-            "tessera-fake-nvml",
-            "--bin",
-            "fake-mps-control",
-        ])
-        .args(["--message-format=json"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running cargo build -p tessera-fake-nvml");
-    assert!(out.status.success(), "building fake-mps-control failed");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control")
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reported no fake-mps-control executable")
-}
-
 struct OneClaim(ResourceClaim);
 
 impl ClaimSource for OneClaim {
@@ -421,24 +400,6 @@ fn random_uid() -> ClaimUid {
         &hex[20..32]
     ))
     .unwrap()
-}
-
-fn mknod(path: &Path, minor: u32) {
-    fs::create_dir_all(path.parent().unwrap()).unwrap();
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-    // SAFETY: a valid NUL-terminated path; mknod(2) only creates the node.
-    let rc = unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | 0o666,
-            libc::makedev(NVIDIA_MAJOR, minor),
-        )
-    };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        // Checked by Environment::check before any test work.
-        panic!("mknod {}: {e}", path.display());
-    }
 }
 
 /// Our spec file in the runtime's CDI directory; removed on drop.

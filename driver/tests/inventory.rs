@@ -539,10 +539,10 @@ fn yaml_is_the_default_output_and_says_the_same() {
 #[test]
 fn the_library_can_be_named_explicitly() {
     let mut cmd = tessera_command();
-    let lib = fake_nvml_lib();
+    let lib = tessera_test_kit::artifacts::fake_nvml_lib();
     let out = cmd
         .args(["inventory", "--output", "json", "--nvml-library"])
-        .arg(&lib)
+        .arg(lib)
         .env(TOPOLOGY_ENV, topology("t4.yaml"))
         .env(STATE_ENV, fresh_state("named-library"))
         .output()

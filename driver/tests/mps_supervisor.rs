@@ -13,7 +13,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tessera_driver::claim_uid::ClaimUid;
@@ -22,6 +22,8 @@ use tessera_driver::host::mps::{
     ProcessId, RECORD, ShmPolicy, kept_mask,
 };
 use tessera_driver::host::mps_client::ClientLimits;
+use tessera_test_kit::artifacts::fake_mps_control;
+use tessera_test_kit::wait::until as wait_until;
 
 const GPU0: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const GPU1: &str = "GPU-11209e8f-5cb2-4ddf-a3a7-b221364044ee";
@@ -44,36 +46,6 @@ fn key(n: u8, device: &str) -> DaemonKey {
         request: "gpu".into(),
         device: device.into(),
     }
-}
-
-/// The built `fake-mps-control` (cargo builds it on first use; a no-op when
-/// it is fresh).
-fn fake_mps_control() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let out = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--bin",
-                "fake-mps-control",
-                "--message-format=json",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(out.status.success(), "building fake-mps-control failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no fake-mps-control executable")
-    })
 }
 
 /// A state directory whose daemons are all gone when the test ends, even if
@@ -187,14 +159,6 @@ fn mounts_below(dir: &Path) -> Vec<String> {
 
 fn alive(pid: i32) -> bool {
     ProcessId::of(pid).is_some()
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Talk to a daemon the way a user would: `echo <cmd> | nvidia-cuda-mps-control`.

@@ -12,11 +12,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
 use tessera_driver::probe::{ProbeAllocation, ProbeReport};
+use tessera_test_kit::wait::until as wait_until;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -24,74 +24,10 @@ const GIB: u64 = 1 << 30;
 const H100_BYTES: u64 = 81559 * MIB;
 const H100_SMS: i32 = 132;
 
-/// File name of the built simulated CUDA library.
-const FAKE_CUDA: &str = "libtessera_fake_cuda.so";
-
 /// A directory holding `libcuda.so.1`, the simulated CUDA driver, for
 /// `LD_LIBRARY_PATH`.
-///
-/// `tessera-fake-cuda` is a dev-dependency of this crate, so `cargo test`
-/// builds its cdylib next to the test binaries; should it not be there, it
-/// is built with cargo here.
-fn fake_cuda_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let lib = built(FAKE_CUDA)
-            .unwrap_or_else(|| cargo_build("tessera-fake-cuda", "tessera_fake_cuda", "filenames"));
-        let dir = scratch_dir("fake-cuda");
-        // Replace atomically: other test binaries may be using the link now.
-        let tmp = dir.join(format!(".libcuda.so.1.{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(&lib, &tmp).expect("linking the fake CUDA library");
-        std::fs::rename(&tmp, dir.join("libcuda.so.1")).expect("placing the fake CUDA library");
-        dir
-    })
-}
-
-fn built(file: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let deps = exe.parent()?;
-    [deps.to_path_buf(), deps.parent()?.to_path_buf()]
-        .into_iter()
-        .map(|d| d.join(file))
-        .find(|p| p.is_file())
-}
-
-/// Builds `package` and returns its artifact for `target` (the first of
-/// the message's `field`: `filenames` for a library, `executable`).
-fn cargo_build(package: &str, target: &str, field: &str) -> PathBuf {
-    let mut args = vec!["build", "-p", package, "--message-format=json"];
-    if field == "executable" {
-        args.extend(["--bin", target]);
-    }
-    let out = Command::new(env!("CARGO"))
-        .args(&args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("running cargo build");
-    assert!(out.status.success(), "cargo build -p {package} failed");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == target)
-        .find_map(|m| {
-            let v = &m[field];
-            v.as_str().map(PathBuf::from).or_else(|| {
-                v.as_array()?
-                    .iter()
-                    .filter_map(|f| f.as_str().map(PathBuf::from))
-                    .find(|f| f.extension().is_some_and(|e| e == "so"))
-            })
-        })
-        .unwrap_or_else(|| panic!("cargo reported no {target} artifact"))
-}
-
-/// The built `fake-mps-control`.
-fn fake_mps_control() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| cargo_build("tessera-fake-nvml", "fake-mps-control", "executable"))
-}
+use tessera_test_kit::artifacts::{fake_cuda_dir, fake_mps_control};
+use tessera_test_kit::driver_root::{DriverRootBuilder, LIBCUDA};
 
 /// The UUIDs of the shipped 8x H100 topology, in order.
 fn h100_uuids() -> Vec<String> {
@@ -221,14 +157,6 @@ fn granted(bytes: u64) -> Option<ProbeAllocation> {
         ok: true,
         error: None,
     })
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// A control daemon in the foreground, killed if the test ends early.
@@ -672,10 +600,11 @@ fn cdi_device_probes_as_that_devices_container() {
 /// the node process mounts it: (the root, the library's real path).
 fn driver_root_with_libcuda(m: &Machine) -> (PathBuf, PathBuf) {
     let root = m.dir.path().join("driver-root");
-    let lib = root.join("usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib).unwrap();
     let real = std::fs::canonicalize(fake_cuda_dir().join("libcuda.so.1")).unwrap();
-    std::os::unix::fs::symlink(&real, lib.join("libcuda.so.1")).unwrap();
+    DriverRootBuilder::new()
+        .file(&real, LIBCUDA)
+        .build(&root)
+        .unwrap();
     (root, real)
 }
 

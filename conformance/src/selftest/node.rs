@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use tessera_api::inventory::Inventory;
+use tessera_test_kit::driver_root::{DriverRootBuilder, Fakes, MPS_CONTROL, NVML};
 
 use crate::bench::grpc;
 use crate::cluster::wait_for;
@@ -29,16 +30,6 @@ pub enum Gpus {
     /// control binaries built in `fakes` (cargo's profile directory).
     Simulated { topology: PathBuf, fakes: PathBuf },
 }
-
-/// Fake binaries as cargo names them, and where a driver install has them.
-const FAKE_NVML: &str = "libtessera_fake_nvml.so";
-const FAKE_CUDA: &str = "libtessera_fake_cuda.so";
-const FAKE_MPS: &str = "fake-mps-control";
-const FAKE_SMI: &str = "nvidia-smi";
-const LIB_DIR: &str = "usr/lib/x86_64-linux-gnu";
-const MPS_CONTROL: &str = "usr/bin/nvidia-cuda-mps-control";
-
-use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
 
 /// A running `tessera plugin` and its directories.
 pub struct Node {
@@ -132,7 +123,7 @@ impl Node {
             }
             Gpus::Simulated { .. } => {
                 cmd.arg("--nvml-library")
-                    .arg(self.driver_root().join(LIB_DIR).join("libnvidia-ml.so.1"))
+                    .arg(self.driver_root().join(NVML))
                     .envs(self.simulated_env())
                     .env(
                         "TESSERA_FAKE_NVML_DRIVER_ROOT",
@@ -259,41 +250,17 @@ impl Node {
         exited
     }
 
-    /// The simulated machine's driver root: the device nodes the NVIDIA
-    /// driver would create (for the minors the simulated GPUs have), its
-    /// libraries and tools where a driver install has them.
+    /// The simulated machine's driver root, built as every test builds it:
+    /// the device nodes the NVIDIA driver would create (for the minors the
+    /// simulated GPUs have), its libraries and tools where a driver install
+    /// has them.
     fn simulated_driver_root(&self) -> Result<()> {
         let Gpus::Simulated { fakes, .. } = &self.gpus else {
             return Ok(());
         };
-        let root = self.driver_root();
-        for d in ["dev", "usr/bin", LIB_DIR] {
-            std::fs::create_dir_all(root.join(d))?;
-        }
-        let link = |file: &str, at: PathBuf| -> Result<()> {
-            let target = fakes.join(file);
-            ensure!(
-                target.exists(),
-                "{} is missing: build it (cargo build -p tessera-fake-nvml -p tessera-fake-cuda)",
-                target.display()
-            );
-            std::os::unix::fs::symlink(&target, &at)
-                .with_context(|| format!("linking {}", at.display()))
-        };
-        link(FAKE_NVML, root.join(LIB_DIR).join("libnvidia-ml.so.1"))?;
-        link(FAKE_CUDA, root.join(LIB_DIR).join("libcuda.so.1"))?;
-        link(FAKE_MPS, root.join(MPS_CONTROL))?;
-        link(FAKE_SMI, root.join("usr/bin/nvidia-smi"))?;
-        mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
-        mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
-        mknod_char(&root.join("dev/nvidia-uvm-tools"), NVIDIA_UVM_MAJOR, 1)?;
-        for gpu in self.inventory()?.gpus {
-            mknod_char(
-                &root.join(format!("dev/nvidia{}", gpu.minor)),
-                NVIDIA_MAJOR,
-                gpu.minor,
-            )?;
-        }
+        DriverRootBuilder::simulated(&Fakes::in_profile_dir(fakes)?)
+            .gpus_asked(|_| Ok(self.inventory()?.gpus.iter().map(|g| g.minor).collect()))
+            .build(&self.driver_root())?;
         Ok(())
     }
 
@@ -320,11 +287,6 @@ impl Drop for Node {
             let _ = child.wait();
         }
     }
-}
-
-fn mknod_char(path: &Path, major: u32, minor: u32) -> Result<()> {
-    tessera_fake_nvml::caps::mknod_char(path, major, minor)
-        .with_context(|| format!("mknod {} c {major} {minor}", path.display()))
 }
 
 /// PIDs of the MPS control daemons serving `pipe` (processes of an

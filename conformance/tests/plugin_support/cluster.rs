@@ -15,6 +15,7 @@ use kube::api::{DeleteParams, ListParams, LogParams};
 use serde_json::{Value, json};
 use tessera_conformance::{ClusterEnv, TestCluster, TestNamespace, wait_for};
 use tessera_driver::probe::ProbeReport;
+use tessera_test_kit::cluster::{ClusterState, parse_exports};
 
 use super::{binaries, repo_root};
 
@@ -22,24 +23,17 @@ use super::{binaries, repo_root};
 /// tests' timeout, twice the plugin tests' `TIMEOUT`.
 pub const POD_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// `KEY=value` lines of a state file `cluster.sh` wrote (`cluster.env`,
-/// `node/node.env`), values unquoted; empty when the file is missing.
-pub fn env_file(state_dir: &Path, name: &str) -> BTreeMap<String, String> {
-    std::fs::read_to_string(state_dir.join(name))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('\'').to_owned()))
-        .collect()
-}
-
 /// The container runtime the cluster's kubelet uses: only under
 /// `containerd` do pods execute (the fake CRI never runs them).
 pub fn container_runtime(env: &ClusterEnv) -> String {
     std::env::var("TESSERA_CONTAINER_RUNTIME")
         .ok()
         .filter(|v| !v.is_empty())
-        .or_else(|| env_file(&env.state_dir, "cluster.env").remove("CONTAINER_RUNTIME"))
+        .or_else(|| {
+            ClusterState::new(&env.state_dir)
+                .cluster_env()
+                .remove("CONTAINER_RUNTIME")
+        })
         .unwrap_or_else(|| "fake".to_owned())
 }
 
@@ -64,23 +58,13 @@ pub fn cluster_sh(env: &ClusterEnv, args: &[&str]) -> Result<String> {
 /// The variables `cluster.sh env` exports (the cluster's, and after
 /// `node-start` the simulated node's: `TESSERA_NODE_MPS_DIR`, ...).
 pub fn cluster_env_vars(env: &ClusterEnv) -> Result<BTreeMap<String, String>> {
-    Ok(cluster_sh(env, &["env"])?
-        .lines()
-        .filter_map(|l| l.strip_prefix("export "))
-        .filter_map(|l| l.split_once('='))
-        .filter_map(|(k, v)| {
-            let v = v.strip_prefix('\'')?;
-            Some((k.to_owned(), v[..v.find('\'')?].to_owned()))
-        })
-        .collect())
+    Ok(parse_exports(&cluster_sh(env, &["env"])?))
 }
 
 /// The node process `cluster.sh node-start` started, while it runs (its
 /// pid file outlives it).
 pub fn node_pid(env: &ClusterEnv) -> Option<i32> {
-    let pid = std::fs::read_to_string(env.state_dir.join("pids/tessera-node.pid"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<i32>().ok())?;
+    let pid = ClusterState::new(&env.state_dir).recorded_pid("tessera-node")?;
     // SAFETY: signal 0 only checks that the process exists.
     (unsafe { libc::kill(pid, 0) == 0 }).then_some(pid)
 }
@@ -226,9 +210,7 @@ impl PodNode {
             args.extend(extra);
             cluster_sh(env, &args)?;
         }
-        let driver = env_file(&env.state_dir, "node/node.env")
-            .remove("NODE_DRIVER")
-            .unwrap_or_else(|| "gpu.tessera.dev".to_owned());
+        let driver = ClusterState::new(&env.state_dir).node_driver();
         Ok(Some(PodNode { driver, started }))
     }
 

@@ -36,18 +36,14 @@ use tessera_api::inventory::Inventory;
 use tessera_api::kubelet::{dra_v1, registration};
 use tessera_conformance::{TestCluster, delete_ignore_missing, procs, unique_name, wait_for};
 use tessera_controller::model::{DeviceKind, DeviceRef, DriverName, NodePolicy};
+use tessera_test_kit::driver_root::{DriverRootBuilder, MPS_CONTROL};
 use tonic::transport::Channel;
 
 pub const TOPOLOGY: &str = "a100-40gb-x2-mig.yaml";
 pub const TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Workspace root (conformance/..).
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("conformance has a parent")
-        .to_path_buf()
-}
+pub use tessera_test_kit::repo_root;
 
 /// The `tessera` binary and the fake NVML library, built if missing.
 pub use tessera_conformance::artifacts::binaries;
@@ -221,7 +217,7 @@ impl PluginDirs {
 
     /// The MPS control binary under the driver root.
     pub fn mps_control(&self) -> PathBuf {
-        self.driver_root().join("usr/bin/nvidia-cuda-mps-control")
+        self.driver_root().join(MPS_CONTROL)
     }
 
     /// Running MPS control daemons started from this driver root.
@@ -255,23 +251,13 @@ impl PluginDirs {
     /// in step with the instances (`TESSERA_FAKE_NVML_DRIVER_ROOT`); the
     /// capability device nodes are the plugin's to create, as on a node.
     fn fake_driver_root(&self) -> Result<()> {
-        let root = self.driver_root();
-        std::fs::create_dir_all(root.join("dev"))?;
-        mknod_char(&root.join("dev/nvidiactl"), NVIDIA_MAJOR, 255)?;
-        mknod_char(&root.join("dev/nvidia-uvm"), NVIDIA_UVM_MAJOR, 0)?;
-        for minor in 0..8 {
-            mknod_char(
-                &root.join(format!("dev/nvidia{minor}")),
-                NVIDIA_MAJOR,
-                minor,
-            )?;
-        }
         // The MPS stand-in where a driver install has the control binary.
-        std::fs::create_dir_all(root.join("usr/bin"))?;
-        std::os::unix::fs::symlink(
-            binaries().tessera.with_file_name("fake-mps-control"),
-            self.mps_control(),
-        )?;
+        DriverRootBuilder::new()
+            .nvidiactl()
+            .uvm()
+            .gpus(0..8)
+            .file(tessera_test_kit::artifacts::fake_mps_control(), MPS_CONTROL)
+            .build(&self.driver_root())?;
         Ok(())
     }
 
@@ -353,15 +339,6 @@ impl PluginDirs {
         }
         entries
     }
-}
-
-/// Majors of the simulated kernel module (its `proc/devices`).
-use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
-
-/// A character device node at `path` (the tests run as root, as the driver does).
-fn mknod_char(path: &Path, major: u32, minor: u32) -> Result<()> {
-    tessera_fake_nvml::caps::mknod_char(path, major, minor)
-        .with_context(|| format!("mknod {} (c {major}:{minor})", path.display()))
 }
 
 /// Capability minors of GPU instance `gi` (compute instance 0) on GPU

@@ -12,9 +12,11 @@ use std::ffi::{CStr, c_uint};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::*;
+use tessera_test_kit::artifacts::fake_mps_control;
+use tessera_test_kit::wait::until as wait_until;
 
 const MODELS: &str = include_str!("../../fake-nvml/topologies/h100x8.yaml");
 
@@ -537,37 +539,6 @@ fn a_stale_socket_is_no_daemon() {
 // ---------------------------------------------------------------------------
 // Against fake-mps-control
 
-/// The built `fake-mps-control` (cargo builds it on first use; a no-op when
-/// it is fresh).
-fn fake_mps_control() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let out = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--bin",
-                "fake-mps-control",
-                "--message-format=json",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(out.status.success(), "building fake-mps-control failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| {
-                m["reason"] == "compiler-artifact" && m["target"]["name"] == "fake-mps-control"
-            })
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no fake-mps-control executable")
-    })
-    .clone()
-}
-
 /// A control daemon in the foreground; killed if the test ends early.
 struct Daemon {
     child: Child,
@@ -628,14 +599,6 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

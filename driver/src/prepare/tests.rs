@@ -893,55 +893,6 @@ fn checkpoint_entries_never_panic_on_mutated_input() {
 // ---------------------------------------------------------------------------
 // Time slices through the driver root's `nvidia-smi` (the simulated one).
 
-/// The built `nvidia-smi` stand-in and fake NVML library (cargo builds them
-/// on first use; a no-op when fresh).
-fn fake_smi() -> &'static (std::path::PathBuf, std::path::PathBuf) {
-    static BUILT: std::sync::OnceLock<(std::path::PathBuf, std::path::PathBuf)> =
-        std::sync::OnceLock::new();
-    BUILT.get_or_init(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--lib",
-                "--bin",
-                "nvidia-smi",
-                "--message-format=json",
-            ])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(
-            out.status.success(),
-            "building the nvidia-smi stand-in failed"
-        );
-        let messages: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .filter(|m: &serde_json::Value| m["reason"] == "compiler-artifact")
-            .collect();
-        let smi = messages
-            .iter()
-            .find_map(|m| {
-                m["executable"]
-                    .as_str()
-                    .filter(|e| e.ends_with("/nvidia-smi"))
-            })
-            .map(std::path::PathBuf::from)
-            .expect("cargo reported no nvidia-smi executable");
-        let lib = messages
-            .iter()
-            .flat_map(|m| m["filenames"].as_array().into_iter().flatten())
-            .filter_map(|f| f.as_str())
-            .find(|f| f.ends_with("libtessera_fake_nvml.so"))
-            .map(std::path::PathBuf::from)
-            .expect("cargo reported no fake NVML library");
-        (smi, lib)
-    })
-}
-
 const SHARED_DEVICE: &str = "gpu-0-shared";
 
 fn shared_catalog() -> Catalog {
@@ -994,7 +945,8 @@ impl Fixture {
             ..Default::default()
         });
         if install {
-            let (smi, lib) = fake_smi();
+            let smi = tessera_test_kit::artifacts::fake_nvidia_smi();
+            let lib = tessera_test_kit::artifacts::fake_nvml_lib();
             let topologies = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("fake-nvml/topologies/h100x8.yaml");
             let topology = std::fs::read_to_string(topologies)

@@ -12,7 +12,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use tessera_api::inventory::Inventory;
@@ -22,66 +21,9 @@ pub const EVENTS_ENV: &str = "TESSERA_FAKE_NVML_EVENTS";
 pub const STATE_ENV: &str = "TESSERA_FAKE_NVML_STATE";
 pub const DRIVER_ROOT_ENV: &str = "TESSERA_FAKE_NVML_DRIVER_ROOT";
 
-/// File name of the built fake library.
-const FAKE_LIB: &str = "libtessera_fake_nvml.so";
-
 /// A directory holding `libnvidia-ml.so.1`, the simulated NVML, for
 /// `LD_LIBRARY_PATH`.
-///
-/// `tessera-fake-nvml` is a dev-dependency of this crate, so `cargo test`
-/// builds its cdylib next to the test binaries (`target/<profile>/deps`)
-/// before any test runs. Should it not be there (another runner's layout),
-/// it is built with cargo here.
-pub fn fake_nvml_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let lib = built_fake_lib().unwrap_or_else(build_fake_lib);
-        let dir = scratch_dir("fake-nvml");
-        // Replace atomically: other test binaries may be using the link now.
-        let tmp = dir.join(format!(".libnvidia-ml.so.1.{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(&lib, &tmp).expect("linking the fake NVML");
-        std::fs::rename(&tmp, dir.join("libnvidia-ml.so.1")).expect("placing the fake NVML");
-        dir
-    })
-}
-
-/// Path of the built fake library itself.
-pub fn fake_nvml_lib() -> PathBuf {
-    fake_nvml_dir().join("libnvidia-ml.so.1")
-}
-
-fn built_fake_lib() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let deps = exe.parent()?;
-    [deps.to_path_buf(), deps.parent()?.to_path_buf()]
-        .into_iter()
-        .map(|d| d.join(FAKE_LIB))
-        .find(|p| p.is_file())
-}
-
-fn build_fake_lib() -> PathBuf {
-    let out = Command::new(env!("CARGO"))
-        .args(["build", "-p", "tessera-fake-nvml", "--message-format=json"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("running cargo build -p tessera-fake-nvml");
-    assert!(
-        out.status.success(),
-        "cargo build -p tessera-fake-nvml failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|m| {
-            m["reason"] == "compiler-artifact" && m["target"]["name"] == "tessera_fake_nvml"
-        })
-        .flat_map(|m| m["filenames"].as_array().cloned().unwrap_or_default())
-        .filter_map(|f| f.as_str().map(PathBuf::from))
-        .find(|f| f.extension().is_some_and(|e| e == "so"))
-        .expect("cargo reported no cdylib for tessera-fake-nvml")
-}
+pub use tessera_test_kit::artifacts::fake_nvml_dir;
 
 /// A directory of this crate's under cargo's per-target scratch space.
 pub fn scratch_dir(name: &str) -> PathBuf {

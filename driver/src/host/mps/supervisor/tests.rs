@@ -1,11 +1,11 @@
 //! The stop/supervise window, held open: a supervision pass has found a
 //! daemon and is about to take its lock when the daemon is stopped.
 
-use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, channel};
 
 use super::*;
 use crate::host::port::MpsControl;
+use tessera_test_kit::artifacts::fake_mps_control;
 
 const GPU: &str = "GPU-389bff59-b356-48b2-9dcf-ef5d4de38e10";
 const LIMITS: ClientLimits = ClientLimits {
@@ -14,33 +14,6 @@ const LIMITS: ClientLimits = ClientLimits {
     shm_bytes: None,
 };
 const WAIT: Duration = Duration::from_secs(20);
-
-/// The built `fake-mps-control` (cargo builds it on first use).
-fn fake_mps_control() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let out = std::process::Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "-p",
-                "tessera-fake-nvml",
-                "--bin",
-                "fake-mps-control",
-            ])
-            .args(["--message-format=json"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("running cargo build -p tessera-fake-nvml");
-        assert!(out.status.success(), "building fake-mps-control failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter(|m| m["target"]["name"] == "fake-mps-control")
-            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported no fake-mps-control executable")
-    })
-}
 
 fn key() -> DaemonKey {
     DaemonKey {
