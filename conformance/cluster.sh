@@ -832,17 +832,20 @@ node_alive_or_fatal() { # log-offset
 	return 3
 }
 
-node_registered() { # log-offset
+node_health_socket() { echo "$NODE_DIR/health.sock"; }
+
+# The node process says it serves (`tessera health --probe status`): the
+# kubelet accepted its registration, and it has published the pool (or
+# found it up to date).
+node_serving() { # log-offset
 	node_alive_or_fatal "$1" || return 3
-	node_log_since "$1" | grep -q 'registered with the kubelet'
+	"$TESSERA_BIN_" health --socket "$(node_health_socket)" --probe status >/dev/null 2>&1
 }
 
-# This process has published the pool (or found it up to date), and the API
-# server holds all of the pool's slices: as many of the newest generation as
-# they say the pool has.
+# The API server holds all of the pool's slices: as many of the newest
+# generation as they say the pool has.
 node_published() { # log-offset
 	node_alive_or_fatal "$1" || return 3
-	node_log_since "$1" | grep -Eq 'published [0-9]+ slices|slices up to date' || return 1
 	local listing
 	listing=$(kubectl_ get resourceslices --field-selector "spec.nodeName=$NODE_NAME,spec.driver=$NODE_DRIVER" \
 		-o 'jsonpath={range .items[*]}{.spec.pool.generation} {.spec.pool.resourceSliceCount}{"\n"}{end}') || return 1
@@ -927,7 +930,8 @@ cmd_node_start() {
 		--node-name "$NODE_NAME" --driver-name "$NODE_DRIVER" --kubeconfig "$DIR/kubeconfig"
 		--kubelet-registry-dir "$DIR/kubelet/plugins_registry" --kubelet-plugins-dir "$DIR/kubelet/plugins"
 		--cdi-dir "$NODE_DIR/cdi" --state-dir "$NODE_DIR/state" --driver-root "$(node_driver_root)"
-		--mps-dir "$(node_mps_dir)" --hami-core-dir "$(node_hami_core_dir)")
+		--mps-dir "$(node_mps_dir)" --hami-core-dir "$(node_hami_core_dir)"
+		--health-socket "$(node_health_socket)")
 	if [[ -f "$NODE_DIR/policy.yaml" ]]; then plugin_args+=(--policy "$NODE_DIR/policy.yaml"); fi
 	plugin_args+=("${extra[@]}")
 
@@ -944,7 +948,7 @@ cmd_node_start() {
 	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$NODE_PID")"
 	log "started tessera plugin on node $NODE_NAME: $NODE_GPUS_ simulated GPUs ($(basename "$NODE_TOPOLOGY_SOURCE")), driver $NODE_DRIVER (pid $pid, log $lf)"
 	local hint="tessera plugin did not come up (log: $lf; if it still runs, $0 node-stop stops it)"
-	wait_for "$START_TIMEOUT" "tessera plugin registered with the kubelet" node_registered "$offset" || die "$hint"
+	wait_for "$START_TIMEOUT" "tessera plugin registered with the kubelet and its slices published" node_serving "$offset" || die "$hint"
 	wait_for "$START_TIMEOUT" "ResourceSlices of $NODE_NAME ($NODE_DRIVER) published" node_published "$offset" || die "$hint"
 	log "node state in $NODE_DIR; use it with: eval \"\$($0 env)\""
 }

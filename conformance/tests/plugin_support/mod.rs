@@ -353,6 +353,8 @@ pub fn mig_cap_minors(gpu_minor: u32, gi: u32) -> (u32, u32) {
 pub struct PluginProcess {
     child: Child,
     pub log: PathBuf,
+    /// The probe socket (`--health-socket`) of this process.
+    health: PathBuf,
     /// The registration sockets in the instance's registry directory before
     /// this process started: none of them is this process's (every process
     /// names its sockets anew). A killed process's socket can still accept
@@ -393,6 +395,7 @@ impl PluginProcess {
         let registry_before = std::fs::read_dir(dirs.registry())
             .map(|rd| rd.filter_map(|e| Some(e.ok()?.path())).collect())
             .unwrap_or_default();
+        let health = dirs.path("health.sock");
         let mut command = Command::new(&b.tessera);
         if let Some(events) = &opts.events {
             command.env("TESSERA_FAKE_NVML_EVENTS", events);
@@ -422,6 +425,13 @@ impl PluginProcess {
             .arg("--mps-dir")
             .arg(dirs.mps())
             .args(&opts.args)
+            // Its probes, where tests wait for it to serve.
+            .args(
+                (!opts.args.iter().any(|a| a.starts_with("--health-socket")))
+                    .then(|| ["--health-socket".to_owned(), health.display().to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             // Tests run side by side: a free port each, unless a test picks.
             .args(
                 (!opts.args.iter().any(|a| a.starts_with("--metrics-address")))
@@ -442,8 +452,34 @@ impl PluginProcess {
         Ok(PluginProcess {
             child,
             log,
+            health,
             registry_before,
         })
+    }
+
+    /// Waits until the process says it serves (`tessera health --probe
+    /// status`): registered with the kubelet, its slices published.
+    pub async fn serving(&self) -> Result<()> {
+        let tessera = binaries().tessera.clone();
+        let deadline = std::time::Instant::now() + TIMEOUT;
+        loop {
+            let asked = Command::new(&tessera)
+                .args(["health", "--probe", "status", "--socket"])
+                .arg(&self.health)
+                .output()
+                .context("running tessera health")?;
+            if asked.status.success() {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                bail!(
+                    "the plugin did not serve within {TIMEOUT:?}: {}{}",
+                    String::from_utf8_lossy(&asked.stdout),
+                    String::from_utf8_lossy(&asked.stderr)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     pub fn pid(&self) -> i32 {
@@ -733,12 +769,7 @@ pub async fn whole_gpu_pod(
     ns.api::<ResourceClaimTemplate>()
         .create(&pp, &template)
         .await?;
-    let log = plugin.log.clone();
-    wait_for("the kubelet to register the plugin", TIMEOUT, || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        async move { Ok(text.contains("registered with the kubelet").then_some(())) }
-    })
-    .await?;
+    plugin.serving().await?;
     let pod: Pod = serde_json::from_value(json!({
         "metadata": { "name": "gpu-pod" },
         "spec": {

@@ -110,6 +110,9 @@ pub trait NodeState: Send + Sync {
     fn gpu_indices(&self) -> GpuIndices;
     /// Every model built, before any of it is written.
     fn model_built(&self, inventory: &Inventory, model: &Model);
+    /// After each reconcile that left the server with the model: the
+    /// pool's generation there.
+    fn published(&self, _generation: i64) {}
 }
 
 /// Field manager of every write.

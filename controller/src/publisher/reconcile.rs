@@ -114,6 +114,9 @@ impl Publisher {
         self.last_inputs = match &mut result {
             Ok(r) => {
                 r.reads = self.counters.reads() - reads_before;
+                if let Some(node) = &self.node_state {
+                    node.published(r.generation);
+                }
                 inputs
             }
             Err(_) => None,

@@ -66,7 +66,11 @@ pub struct Plugin {
     config: PluginConfig,
     preparer: Arc<Preparer>,
     health: Option<HealthService>,
+    on_registration: Option<OnRegistration>,
 }
+
+/// Told what the kubelet said of the registration (true: accepted).
+pub type OnRegistration = Arc<dyn Fn(bool) + Send + Sync>;
 
 /// How long calls in flight get to finish at shutdown.
 const DRAIN: Duration = Duration::from_secs(20);
@@ -77,7 +81,14 @@ impl Plugin {
             config,
             preparer,
             health: None,
+            on_registration: None,
         }
+    }
+
+    /// Tells `on_registration` what the kubelet says of the registration.
+    pub fn on_registration(mut self, on_registration: OnRegistration) -> Self {
+        self.on_registration = Some(on_registration);
+        self
     }
 
     /// Serves device health on the DRA socket too.
@@ -167,6 +178,7 @@ impl Plugin {
             driver: self.config.driver_name.clone(),
             endpoint: self.config.dra_socket().to_string_lossy().into_owned(),
             health: self.health.is_some(),
+            on_registration: self.on_registration.clone(),
         };
         // Health streams end when the DRA server stops (they would hold
         // the drain up otherwise).
@@ -319,6 +331,7 @@ struct Registration {
     endpoint: String,
     /// Device health is served.
     health: bool,
+    on_registration: Option<OnRegistration>,
 }
 
 #[tonic::async_trait]
@@ -353,6 +366,9 @@ impl registration::registration_server::Registration for Registration {
                  prepared on this node until this is fixed)",
                 if status.error.is_empty() { "no reason given" } else { &status.error }
             );
+        }
+        if let Some(tell) = &self.on_registration {
+            tell(status.plugin_registered);
         }
         Ok(Response::new(registration::RegistrationStatusResponse {}))
     }

@@ -88,6 +88,7 @@ impl NodeProcess {
 /// What every step after the state lock shares.
 struct Node<'a> {
     config: &'a NodeConfig,
+    readiness: Arc<Readiness>,
     client: Client,
     catalog: Arc<DeviceCatalog>,
     metrics: Option<Arc<Metrics>>,
@@ -127,6 +128,7 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
     );
     let node = Node {
         config,
+        readiness,
         client,
         catalog,
         metrics,
@@ -365,6 +367,8 @@ fn node_truth(node: &Node, preparer: &Arc<Preparer>) -> NodeTruth {
             });
         },
     );
+    let readiness = node.readiness.clone();
+    let truth = truth.on_published(move |generation| readiness.set_published(generation));
     match &node.metrics {
         Some(metrics) => truth.with_metrics(metrics.clone()),
         None => truth,
@@ -415,6 +419,10 @@ fn kubelet_plugin(node: &Node, preparer: Arc<Preparer>) -> Plugin {
         node.catalog.clone(),
         node.health.clone(),
     ))
+    .on_registration({
+        let readiness = node.readiness.clone();
+        Arc::new(move |registered| readiness.set_registered(registered))
+    })
 }
 
 /// Async workers of the node process. Its async work is waiting on the API

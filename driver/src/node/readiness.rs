@@ -23,6 +23,7 @@
 use std::convert::Infallible;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -94,6 +95,34 @@ impl PreFlight {
 #[derive(Default)]
 pub struct Readiness {
     phase: Mutex<Phase>,
+    /// The kubelet's last word on the registration.
+    registered: AtomicBool,
+    /// The pool's generation after the last reconcile that left the
+    /// server with the model; 0 before the first.
+    published: AtomicI64,
+}
+
+/// `GET /status`: where the node process stands, as JSON, for tools and
+/// tests that wait for it (never its log).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeStatus {
+    /// `starting`, `standby` or `active`.
+    pub phase: String,
+    /// What `/readyz` answers.
+    pub ready: bool,
+    /// The kubelet accepted the plugin's registration.
+    pub registered: bool,
+    /// The node's slices were written (or found up to date) at least
+    /// once; the pool's generation then.
+    pub published_generation: Option<i64>,
+}
+
+impl NodeStatus {
+    /// Serving: registered with the kubelet, slices published.
+    pub fn serving(&self) -> bool {
+        self.registered && self.published_generation.is_some()
+    }
 }
 
 /// A probe's answer: whether it passes, and why.
@@ -136,6 +165,32 @@ impl Readiness {
                 false,
                 "active: the node's devices are not known yet (no slice model built)".into(),
             ),
+        }
+    }
+
+    /// What the kubelet said of the registration.
+    pub fn set_registered(&self, registered: bool) {
+        self.registered.store(registered, Ordering::SeqCst);
+    }
+
+    /// A reconcile left the server with the model, at `generation`.
+    pub fn set_published(&self, generation: i64) {
+        // A pool's generation starts at 1; keep 0 for "never".
+        self.published.store(generation.max(1), Ordering::SeqCst);
+    }
+
+    pub fn status(&self) -> NodeStatus {
+        let phase = match self.phase() {
+            Phase::Starting => "starting",
+            Phase::Standby(_) => "standby",
+            Phase::Active(_) => "active",
+        };
+        let published = self.published.load(Ordering::SeqCst);
+        NodeStatus {
+            phase: phase.into(),
+            ready: self.ready().ok,
+            registered: self.registered.load(Ordering::SeqCst),
+            published_generation: (published > 0).then_some(published),
         }
     }
 
@@ -261,8 +316,18 @@ fn respond(request: &Request<Incoming>, readiness: &Readiness) -> Response<Full<
     let answer = match request.uri().path() {
         "/readyz" | "/healthz" => readiness.ready(),
         "/livez" => readiness.live(),
+        "/status" => {
+            let status = readiness.status();
+            Answer {
+                ok: status.serving(),
+                text: serde_json::to_string(&status).unwrap_or_default(),
+            }
+        }
         _ => {
-            return plain(StatusCode::NOT_FOUND, "not found: try /readyz or /livez\n");
+            return plain(
+                StatusCode::NOT_FOUND,
+                "not found: try /readyz, /livez or /status\n",
+            );
         }
     };
     let status = if answer.ok {
@@ -465,6 +530,29 @@ mod tests {
         assert_eq!(code, 200, "{body}");
         assert!(body.starts_with("standby: ready to take over"), "{body}");
         assert_eq!(ask("/nothing").await.unwrap().unwrap().0, 404);
+
+        // Status serves once registered and published, not before.
+        let status = |body: &str| serde_json::from_str::<NodeStatus>(body.trim()).unwrap();
+        let (code, body) = ask("/status").await.unwrap().unwrap();
+        assert_eq!((code, status(&body).phase.as_str()), (503, "standby"));
+        readiness.set(Phase::Active(Arc::new(DeviceCatalog::awaiting_model())));
+        readiness.set_published(3);
+        let (code, body) = ask("/status").await.unwrap().unwrap();
+        assert_eq!(code, 503, "not registered yet: {body}");
+        readiness.set_registered(true);
+        let (code, body) = ask("/status").await.unwrap().unwrap();
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(
+            status(&body),
+            NodeStatus {
+                phase: "active".into(),
+                ready: false,
+                registered: true,
+                published_generation: Some(3),
+            }
+        );
+        readiness.set_registered(false);
+        assert_eq!(ask("/status").await.unwrap().unwrap().0, 503, "refused");
 
         // A second instance on the same socket is refused, not let in.
         let err = serve(&socket, Arc::new(Readiness::default()))

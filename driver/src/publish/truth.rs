@@ -26,6 +26,8 @@ pub struct NodeTruth {
     on_first_model: Box<dyn Fn(BTreeSet<String>) + Send + Sync>,
     /// Counts the devices of every model built.
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// Told the pool's generation after each reconcile that published.
+    on_published: Option<Box<dyn Fn(i64) + Send + Sync>>,
 }
 
 impl NodeTruth {
@@ -56,7 +58,15 @@ impl NodeTruth {
             first_model: AtomicBool::new(true),
             on_first_model: Box::new(on_first_model),
             metrics: None,
+            on_published: None,
         }
+    }
+
+    /// Tells `on_published` the pool's generation after each reconcile
+    /// that left the server with the model.
+    pub fn on_published(mut self, on_published: impl Fn(i64) + Send + Sync + 'static) -> Self {
+        self.on_published = Some(Box::new(on_published));
+        self
     }
 
     /// Reports every model built to `metrics` (devices by kind, readiness).
@@ -101,6 +111,12 @@ fn merge_indices(recorded: &GpuIndices, model: &GpuIndices) -> GpuIndices {
 impl NodeState for NodeTruth {
     fn gpu_indices(&self) -> GpuIndices {
         self.indices.locked().clone()
+    }
+
+    fn published(&self, generation: i64) {
+        if let Some(tell) = &self.on_published {
+            tell(generation);
+        }
     }
 
     fn model_built(&self, inventory: &Inventory, model: &Model) {

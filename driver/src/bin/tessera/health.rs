@@ -14,7 +14,8 @@ pub struct HealthArgs {
     pub socket: PathBuf,
 
     /// What to ask: `readiness` (ready to serve, or in standby ready to
-    /// take over) or `liveness` (the process answers).
+    /// take over), `liveness` (the process answers) or `status`
+    /// (registered with the kubelet and slices published).
     #[arg(long, value_enum, default_value_t = Probe::Readiness)]
     pub probe: Probe,
 
@@ -27,6 +28,9 @@ pub struct HealthArgs {
 pub enum Probe {
     Readiness,
     Liveness,
+    /// Where the process stands, as JSON (phase, readiness, registered with
+    /// the kubelet, slices published); passes once it serves.
+    Status,
 }
 
 impl Probe {
@@ -34,6 +38,7 @@ impl Probe {
         match self {
             Probe::Readiness => "/readyz",
             Probe::Liveness => "/livez",
+            Probe::Status => "/status",
         }
     }
 }
