@@ -7,6 +7,8 @@
 //! code uses), so a typo in a `.proto` package or service cannot agree with
 //! itself.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 

@@ -44,6 +44,8 @@
 //! `cluster.sh node-start` free, as `node_start.rs` does; its driver name,
 //! namespace, release and host directories are its own.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod plugin_support;
 #[path = "helm_install/survival.rs"]
 mod survival;

@@ -3,6 +3,8 @@
 //! inputs, concurrency. Allocations are written directly into the claims'
 //! status (see `plugin_support`).
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod plugin_support;
 
 use std::os::unix::fs::MetadataExt;

@@ -9,6 +9,8 @@
 //! root) using its own descendants is how a module shows its face, not a
 //! cycle, and is not counted.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 

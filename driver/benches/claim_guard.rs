@@ -23,6 +23,8 @@
 //! Arguments (after `--`): `--periods-ms 100,1000` and `--violations N`
 //! (per period), each run with 1 and with 8 guarded GPUs.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};

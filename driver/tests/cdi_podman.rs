@@ -22,6 +22,8 @@
 //! `TESSERA_REQUIRE_PODMAN=1` (set by `conformance/test-all.sh`, which
 //! installs them) it fails instead. See docs/development.md.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod common;
 
 use std::collections::HashMap;

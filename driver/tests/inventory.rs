@@ -5,6 +5,8 @@
 //! placements as NVIDIA documents them), so a wrong topology, a wrong fake or
 //! wrong discovery all fail these tests.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod common;
 
 use common::*;

@@ -9,6 +9,8 @@
 //! Expected ids and UUIDs are written here from the topology files and
 //! NVML's documented numbering, not read back.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod common;
 
 use std::process::Command;

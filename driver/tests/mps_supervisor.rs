@@ -10,6 +10,8 @@
 //! deadlines, never on fixed sleeps. Tests read the daemon's pid file to
 //! find it; the driver never does.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -13,6 +13,8 @@
 //! file, so they are one machine. Expected ids and minors are written here
 //! from the topology and NVML's / the kernel driver's numbering.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -8,6 +8,8 @@
 //! `libcuda.so.1`; daemons are real processes; tests wait on observable
 //! state with deadlines, never on fixed sleeps.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 mod common;
 
 use std::path::{Path, PathBuf};

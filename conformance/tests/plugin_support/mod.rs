@@ -14,6 +14,7 @@
 //! temporary directory with the device nodes and MIG capability files the
 //! NVIDIA driver would provide.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
 #![allow(dead_code)]
 
 pub mod cluster;

@@ -7,6 +7,7 @@
 //! (`gpu.<id>.test.tessera.dev`, so its DeviceClasses see only its devices)
 //! and its own namespace; [`Pool::cleanup`] removes them all.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
 #![allow(dead_code)]
 
 pub mod suite;

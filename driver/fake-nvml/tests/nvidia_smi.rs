@@ -2,6 +2,8 @@
 //! library as `libnvidia-ml.so.1` through the dynamic loader, as in a
 //! container on a simulated node.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};

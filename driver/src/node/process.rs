@@ -297,7 +297,7 @@ fn consumers(node: &Node) -> Arc<Consumers> {
 
 fn spawn_guard(node: &Node, preparer: &Arc<Preparer>) {
     ClaimGuard {
-        policy: node.config.policy.claim_guard.clone(),
+        policy: node.config.policy.claim_guard,
         nvml: node.nvml.clone(),
         preparer: preparer.clone(),
         consumers: consumers(node),
