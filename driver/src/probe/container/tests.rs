@@ -1,5 +1,5 @@
 use super::*;
-use crate::cdi::{Device, DeviceNode, Mount};
+use crate::cdi::{Device, DeviceNode, Mount, Spec};
 use std::os::unix::fs::PermissionsExt;
 
 fn spec(kind: &str, devices: &[(&str, &str)]) -> Spec {
