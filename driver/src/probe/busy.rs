@@ -14,7 +14,7 @@
 use std::ffi::{c_int, c_ulonglong, c_void};
 use std::time::{Duration, Instant};
 
-use super::{CuContext, Cuda, ProbeDevice};
+use super::{CuContext, Cuda, CudaError, Kernels, ProbeDevice};
 
 /// A kernel that spins until `cycles` clock cycles have passed.
 pub const SPIN_PTX: &str = "\
@@ -46,6 +46,8 @@ pub const SPIN_CYCLES: u64 = 20_000_000;
 /// One device being kept busy.
 struct Held {
     index: usize,
+    /// The kernel launch API, which `hold` found.
+    api: Kernels,
     device: c_int,
     context: CuContext,
     memory: Option<c_ulonglong>,
@@ -69,7 +71,7 @@ pub(super) fn run(
         }
         match hold(cuda, index, d.ordinal, alloc) {
             Ok(h) => held.push(h),
-            Err(e) => d.error = Some(e),
+            Err(e) => d.error = Some(e.to_string()),
         }
     }
     let deadline = Instant::now() + duration;
@@ -80,7 +82,7 @@ pub(super) fn run(
             .and_then(|()| held.iter().try_for_each(|h| synchronize(cuda, h)));
         if let Err(e) = round {
             for h in &held {
-                devices[h.index].error.get_or_insert_with(|| e.clone());
+                devices[h.index].error.get_or_insert_with(|| e.to_string());
             }
             break;
         }
@@ -90,18 +92,14 @@ pub(super) fn run(
         let kernels = h.kernels;
         devices[index].kernels = Some(kernels);
         if let Err(e) = release(cuda, h) {
-            devices[index].error.get_or_insert(e);
+            devices[index].error.get_or_insert(e.to_string());
         }
     }
 }
 
-fn hold(cuda: &Cuda, index: usize, ordinal: c_int, alloc: Option<u64>) -> Result<Held, String> {
-    let k = cuda.kernels.as_ref().ok_or_else(|| {
-        format!(
-            "--busy: {} has no kernel launch API (cuModuleLoadData, cuModuleGetFunction, \
-             cuLaunchKernel, cuCtxSynchronize)",
-            cuda.library
-        )
+fn hold(cuda: &Cuda, index: usize, ordinal: c_int, alloc: Option<u64>) -> Result<Held, CudaError> {
+    let k = cuda.kernels.ok_or_else(|| CudaError::NoKernelApi {
+        library: cuda.library.clone(),
     })?;
     let mut device = 0;
     let mut context: CuContext = std::ptr::null_mut();
@@ -115,6 +113,7 @@ fn hold(cuda: &Cuda, index: usize, ordinal: c_int, alloc: Option<u64>) -> Result
     })?;
     let mut h = Held {
         index,
+        api: k,
         device,
         context,
         memory: None,
@@ -127,7 +126,7 @@ fn hold(cuda: &Cuda, index: usize, ordinal: c_int, alloc: Option<u64>) -> Result
         })?;
         if let Some(bytes) = alloc {
             let mut ptr: c_ulonglong = 0;
-            let size = usize::try_from(bytes).map_err(|_| format!("--alloc {bytes}: too large"))?;
+            let size = usize::try_from(bytes).map_err(|_| CudaError::TooLargeToHold { bytes })?;
             cuda.check("cuMemAlloc_v2", unsafe { (cuda.mem_alloc)(&mut ptr, size) })?;
             h.memory = Some(ptr);
         }
@@ -148,8 +147,7 @@ fn hold(cuda: &Cuda, index: usize, ordinal: c_int, alloc: Option<u64>) -> Result
     }
 }
 
-fn launch(cuda: &Cuda, h: &mut Held) -> Result<(), String> {
-    let k = cuda.kernels.as_ref().ok_or("no kernel launch API")?;
+fn launch(cuda: &Cuda, h: &mut Held) -> Result<(), CudaError> {
     let mut cycles: u64 = SPIN_CYCLES;
     let mut params = [(&raw mut cycles).cast::<c_void>()];
     // SAFETY: a context and function the library handed out; one block of
@@ -158,7 +156,7 @@ fn launch(cuda: &Cuda, h: &mut Held) -> Result<(), String> {
         (cuda.ctx_set_current)(h.context)
     })?;
     cuda.check("cuLaunchKernel", unsafe {
-        (k.launch_kernel)(
+        (h.api.launch_kernel)(
             h.function,
             1,
             1,
@@ -176,17 +174,16 @@ fn launch(cuda: &Cuda, h: &mut Held) -> Result<(), String> {
     Ok(())
 }
 
-fn synchronize(cuda: &Cuda, h: &Held) -> Result<(), String> {
-    let k = cuda.kernels.as_ref().ok_or("no kernel launch API")?;
+fn synchronize(cuda: &Cuda, h: &Held) -> Result<(), CudaError> {
     // SAFETY: plain calls on a context the library handed out.
     cuda.check("cuCtxSetCurrent", unsafe {
         (cuda.ctx_set_current)(h.context)
     })?;
-    cuda.check("cuCtxSynchronize", unsafe { (k.ctx_synchronize)() })
+    cuda.check("cuCtxSynchronize", unsafe { (h.api.ctx_synchronize)() })
 }
 
 /// Frees the memory and releases the context (its module goes with it).
-fn release(cuda: &Cuda, h: Held) -> Result<(), String> {
+fn release(cuda: &Cuda, h: Held) -> Result<(), CudaError> {
     // SAFETY: plain calls on what the library handed out.
     let freed = match h.memory {
         Some(ptr) => cuda

@@ -37,16 +37,22 @@
 
 use std::ffi::{CString, OsStr};
 use std::fs::{File, Metadata};
-use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
 use tessera_api::probe::ProbeContainer;
 
-use crate::cdi::{ContainerEdits, Spec};
+use crate::cdi::ContainerEdits;
+
+mod error;
+mod spec;
+
+pub use error::ContainerError;
+pub use spec::find;
+
+type Result<T, E = ContainerError> = std::result::Result<T, E>;
 
 /// Where container runtimes read CDI specs by default (and where
 /// `tessera plugin` writes them unless told otherwise).
@@ -89,145 +95,6 @@ pub struct Edits {
     pub edits: ContainerEdits,
 }
 
-/// The edits of CDI device `qualified` (`vendor/class=name`) from the specs
-/// in `dir`: the spec's common edits, then the device's own.
-pub fn find(dir: &Path, qualified: &str) -> Result<Edits> {
-    let Some((kind, name)) = qualified.split_once('=') else {
-        bail!("--cdi-device {qualified:?}: want VENDOR/CLASS=NAME, as a CDI device is named");
-    };
-    let dir_fd = open_spec_dir(dir)?;
-    // Listed through the checked descriptor, not the path again.
-    let entries = std::fs::read_dir(fd_path(&dir_fd))
-        .with_context(|| format!("--cdi-dir {}: reading the CDI specs", dir.display()))?;
-    let mut names = entries
-        .map(|e| Ok(e?.file_name()))
-        .collect::<std::io::Result<Vec<_>>>()
-        .with_context(|| format!("--cdi-dir {}: reading the CDI specs", dir.display()))?;
-    names.sort();
-    let mut found = Vec::new();
-    for file in names {
-        if Path::new(&file).extension().and_then(|e| e.to_str()) != Some("json") {
-            continue;
-        }
-        let path = dir.join(&file);
-        let bytes = read_spec(&dir_fd, &file, &path)?;
-        // Other drivers' specs may use fields this driver never writes.
-        let Ok(spec) = serde_json::from_slice::<Spec>(&bytes) else {
-            continue;
-        };
-        if spec.kind != kind {
-            continue;
-        }
-        for device in spec.devices.iter().filter(|d| d.name == name) {
-            let mut edits = spec.container_edits.clone();
-            edits.env.extend(device.container_edits.env.iter().cloned());
-            edits
-                .device_nodes
-                .extend(device.container_edits.device_nodes.iter().cloned());
-            edits
-                .mounts
-                .extend(device.container_edits.mounts.iter().cloned());
-            found.push((path.clone(), edits));
-        }
-    }
-    match found.len() {
-        1 => Ok(Edits {
-            device: qualified.to_owned(),
-            edits: found.remove(0).1,
-        }),
-        0 => bail!(
-            "--cdi-device {qualified}: no spec in {} has it (is the claim prepared?)",
-            dir.display()
-        ),
-        _ => bail!(
-            "--cdi-device {qualified}: {} specs in {} have it ({}); a runtime refuses that too",
-            found.len(),
-            dir.display(),
-            found
-                .iter()
-                .map(|(p, _)| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    }
-}
-
-/// The CDI directory, once it is known that only root (or this user) can
-/// have put files there.
-fn open_spec_dir(dir: &Path) -> Result<OwnedFd> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
-        .open(dir)
-        .with_context(|| format!("--cdi-dir {}: opening it", dir.display()))?;
-    let meta = file.metadata()?;
-    if let Some(why) = untrusted(&meta) {
-        bail!(
-            "--cdi-dir {}: {why}, so anyone could add a spec the probe would apply as root; \
-             fix: chown root and chmod go-w the directory",
-            dir.display()
-        );
-    }
-    Ok(file.into())
-}
-
-/// Reads spec `file` of the directory `dir` (at `path`): a regular file
-/// only root (or this user) can write, of at most [`MAX_SPEC_BYTES`].
-fn read_spec(dir: &OwnedFd, file: &OsStr, path: &Path) -> Result<Vec<u8>> {
-    let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC;
-    let fd = open_at(dir, file, flags).with_context(|| {
-        format!(
-            "CDI spec {}: opening it (symlinks are not followed: put the spec itself there)",
-            path.display()
-        )
-    })?;
-    let file = File::from(fd);
-    let meta = file.metadata()?;
-    ensure!(
-        meta.is_file(),
-        "CDI spec {}: not a regular file ({}); remove it from the CDI directory",
-        path.display(),
-        kind_of(&meta)
-    );
-    if let Some(why) = untrusted(&meta) {
-        bail!(
-            "CDI spec {}: {why}; fix: chown root and chmod go-w it",
-            path.display()
-        );
-    }
-    let too_big = || {
-        anyhow!(
-            "CDI spec {}: larger than {MAX_SPEC_BYTES} bytes, more than any driver's spec; \
-             remove it from the CDI directory",
-            path.display()
-        )
-    };
-    if meta.len() > MAX_SPEC_BYTES {
-        return Err(too_big());
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_SPEC_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("CDI spec {}: reading it", path.display()))?;
-    if bytes.len() as u64 > MAX_SPEC_BYTES {
-        return Err(too_big());
-    }
-    Ok(bytes)
-}
-
-/// Why a file (or directory) the probe acts on as root might hold what
-/// someone else wrote: not owned by root or this process's user, or
-/// writable by its group or others. `None` when neither.
-fn untrusted(meta: &Metadata) -> Option<String> {
-    // SAFETY: a plain syscall.
-    let me = unsafe { libc::geteuid() };
-    if meta.uid() != 0 && meta.uid() != me {
-        return Some(format!("owned by uid {}, not root", meta.uid()));
-    }
-    let mode = meta.mode() & 0o7777;
-    (mode & 0o022 != 0).then(|| format!("writable by its group or others (mode {mode:o})"))
-}
-
 fn kind_of(meta: &Metadata) -> &'static str {
     let kind = meta.file_type();
     match () {
@@ -261,21 +128,22 @@ fn below_dev(path: &str) -> Option<&str> {
 
 /// A container path the probe makes in its own `/dev`: checked before
 /// anything is made.
-fn dev_target<'a>(device: &str, what: &str, path: &'a str) -> Result<&'a str> {
-    below_dev(path).ok_or_else(|| {
-        anyhow!(
-            "CDI device {device}: {what} {path:?} is not a plain path under /dev (absolute, \
-             without `.`, `..` or `//`); the probe makes nothing outside its own /dev"
-        )
+fn dev_target<'a>(device: &str, what: &'static str, path: &'a str) -> Result<&'a str> {
+    below_dev(path).ok_or_else(|| ContainerError::NotUnderDev {
+        device: device.to_owned(),
+        what,
+        path: path.to_owned(),
     })
 }
 
-fn host_source<'a>(device: &str, what: &str, path: &'a str) -> Result<&'a str> {
-    ensure!(
-        plain_absolute(path),
-        "CDI device {device}: {what} {path:?} is not a plain absolute host path (without \
-         `.`, `..` or `//`)"
-    );
+fn host_source<'a>(device: &str, what: &'static str, path: &'a str) -> Result<&'a str> {
+    if !plain_absolute(path) {
+        return Err(ContainerError::NotPlainHost {
+            device: device.to_owned(),
+            what,
+            path: path.to_owned(),
+        });
+    }
     Ok(path)
 }
 
@@ -290,11 +158,12 @@ impl Node {
     fn of(below_dev: &str, host_path: &str) -> Result<Node> {
         let fd = open_path(host_path)?;
         let meta = File::from(fd).metadata()?;
-        ensure!(
-            meta.file_type().is_char_device(),
-            "device node {host_path} is {}, not a character device",
-            kind_of(&meta)
-        );
+        if !meta.file_type().is_char_device() {
+            return Err(ContainerError::NotCharDevice {
+                path: host_path.to_owned(),
+                kind: kind_of(&meta),
+            });
+        }
         Ok(Node {
             path: below_dev.to_owned(),
             mode: meta.mode(),
@@ -324,13 +193,12 @@ impl<'a> OpenSource<'a> {
         let fd = open_path(mount.source)?;
         let meta = File::from(fd.try_clone()?).metadata()?;
         let kind = meta.file_type();
-        ensure!(
-            kind.is_dir() || kind.is_file() || kind.is_char_device(),
-            "mount source {} is {}; a mount under /dev binds a directory, regular file or \
-             character device",
-            mount.source,
-            kind_of(&meta)
-        );
+        if !(kind.is_dir() || kind.is_file() || kind.is_char_device()) {
+            return Err(ContainerError::MountSourceKind {
+                path: mount.source.to_owned(),
+                kind: kind_of(&meta),
+            });
+        }
         Ok(OpenSource {
             mount,
             fd,
@@ -344,14 +212,26 @@ impl<'a> OpenSource<'a> {
 /// `libcuda.so.1` the spec mounts (the library to load unless one was
 /// named), which must be one the driver below `shape.driver_root` has.
 pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<PathBuf>)> {
-    let driver_root = shape.driver_root.as_path();
-    let e = &edits.edits;
-    let device = edits.device.as_str();
     let mut view = ProbeContainer {
         cdi_device: edits.device.clone(),
         ..ProbeContainer::default()
     };
     // Everything on the host is looked at before the new /dev hides it.
+    let nodes = host_nodes(edits, shape, &mut view)?;
+    let (dev_mounts, libcuda) = sort_mounts(edits, &shape.driver_root, &mut view)?;
+    private_mount_namespace()?;
+    if let Some(hosts) = &shape.pod_hosts {
+        bind_hosts(hosts)?;
+    }
+    make_dev(&nodes, &dev_mounts)?;
+    set_env(edits, &mut view)?;
+    Ok((view, libcuda))
+}
+
+/// The standard nodes and the edits' (less the GPUs' own if withheld), as
+/// the host has them; the edits' recorded in `view`.
+fn host_nodes(edits: &Edits, shape: &Shape, view: &mut ProbeContainer) -> Result<Vec<Node>> {
+    let device = edits.device.as_str();
     let mut nodes = Vec::new();
     for name in STANDARD_NODES {
         let path = format!("/dev/{name}");
@@ -359,7 +239,7 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
             nodes.push(Node::of(name, &path)?);
         }
     }
-    for n in &e.device_nodes {
+    for n in &edits.edits.device_nodes {
         if shape.withhold_gpu_nodes && is_gpu_node(&n.path) {
             continue;
         }
@@ -372,15 +252,28 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
         nodes.push(Node::of(target, host)?);
         view.device_nodes.push(n.path.clone());
     }
+    Ok(nodes)
+}
+
+/// The edits' mounts: those under `/dev` to bind there, the others served
+/// by the host's file at that path; and the driver's `libcuda.so.1` if the
+/// spec mounts it. Each recorded in `view`.
+fn sort_mounts<'e>(
+    edits: &'e Edits,
+    driver_root: &Path,
+    view: &mut ProbeContainer,
+) -> Result<(Vec<DevMount<'e>>, Option<PathBuf>)> {
+    let device = edits.device.as_str();
     let mut dev_mounts = Vec::new();
     let mut libcuda = None;
-    for m in &e.mounts {
+    for m in &edits.edits.mounts {
         let path = &m.container_path;
-        ensure!(
-            plain_absolute(path),
-            "CDI device {device}: mount containerPath {path:?} is not a plain absolute path \
-             (without `.`, `..` or `//`)"
-        );
+        if !plain_absolute(path) {
+            return Err(ContainerError::NotPlainContainer {
+                device: device.to_owned(),
+                path: path.clone(),
+            });
+        }
         if let Some(target) = below_dev(path) {
             dev_mounts.push(DevMount {
                 source: host_source(device, "mount hostPath", &m.host_path)?,
@@ -395,12 +288,13 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
             view.from_host.push(path.clone());
         }
     }
+    Ok((dev_mounts, libcuda))
+}
 
-    private_mount_namespace()?;
-    if let Some(hosts) = &shape.pod_hosts {
-        bind_hosts(hosts)?;
-    }
-    let sources = dev_mounts
+/// A fresh `/dev` tmpfs (in the probe's own mount namespace) holding
+/// `nodes` and the `mounts`, whose sources are opened before it hides them.
+fn make_dev(nodes: &[Node], mounts: &[DevMount]) -> Result<()> {
+    let sources = mounts
         .iter()
         .map(OpenSource::open)
         .collect::<Result<Vec<_>>>()?;
@@ -412,22 +306,31 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
         Some("mode=755"),
     )?;
     let dev = OwnDev::open()?;
-    for node in &nodes {
+    for node in nodes {
         dev.make_node(node)?;
     }
     for source in &sources {
         dev.bind(source)?;
     }
-    for var in &e.env {
+    Ok(())
+}
+
+/// The edits' environment, set in this process; the names recorded in
+/// `view`.
+fn set_env(edits: &Edits, view: &mut ProbeContainer) -> Result<()> {
+    for var in &edits.edits.env {
         let Some((name, value)) = var.split_once('=') else {
-            bail!("CDI env entry {var:?} of {device} is not NAME=VALUE");
+            return Err(ContainerError::EnvEntry {
+                var: var.clone(),
+                device: edits.device.clone(),
+            });
         };
         // SAFETY: `tessera probe` runs on the main thread only and has not
         // started any other; nothing reads the environment concurrently.
         unsafe { std::env::set_var(name, value) };
         view.env.push(name.to_owned());
     }
-    Ok((view, libcuda))
+    Ok(())
 }
 
 /// The spec's `libcuda.so.1` mount `m`, if the driver below `driver_root`
@@ -435,29 +338,30 @@ pub fn enter(edits: &Edits, shape: &Shape) -> Result<(ProbeContainer, Option<Pat
 /// the probe loads a library as root, never one a spec alone names.
 fn driver_library(device: &str, driver_root: &Path, m: &crate::cdi::Mount) -> Result<PathBuf> {
     let ours = crate::host::driver_root::discover_driver_files(driver_root);
-    ensure!(
-        ours.iter()
-            .any(|d| d.host_path == m.host_path && d.container_path == m.container_path),
-        "CDI device {device}: the spec mounts {} as {}, which is not the driver's library \
-         below --driver-root {}; the probe loads libcuda.so.1 only from the driver root \
-         (point --driver-root at the driver the node process uses)",
-        m.host_path,
-        m.container_path,
-        driver_root.display()
-    );
+    if !ours
+        .iter()
+        .any(|d| d.host_path == m.host_path && d.container_path == m.container_path)
+    {
+        return Err(ContainerError::NotDriverLibrary {
+            device: device.to_owned(),
+            host_path: m.host_path.clone(),
+            container_path: m.container_path.clone(),
+            driver_root: driver_root.to_owned(),
+        });
+    }
     Ok(PathBuf::from(&m.host_path))
 }
 
 /// Binds `file` on `/etc/hosts` (in the probe's own mount namespace).
 fn bind_hosts(file: &Path) -> Result<()> {
-    let source = file
-        .to_str()
-        .with_context(|| format!("--pod-hosts-file {}: not a UTF-8 path", file.display()))?;
-    ensure!(
-        file.is_file(),
-        "--pod-hosts-file {source}: no such file (the Pod's hosts file, as the kubelet keeps \
-         it in <kubelet dir>/pods/<pod UID>/etc-hosts)"
-    );
+    let source = file.to_str().ok_or_else(|| ContainerError::HostsNotUtf8 {
+        file: file.to_owned(),
+    })?;
+    if !file.is_file() {
+        return Err(ContainerError::NoHostsFile {
+            file: source.to_owned(),
+        });
+    }
     mount(Some(source), "/etc/hosts", None, libc::MS_BIND, None)
 }
 
@@ -465,8 +369,9 @@ fn bind_hosts(file: &Path) -> Result<()> {
 fn private_mount_namespace() -> Result<()> {
     // SAFETY: a plain syscall; the probe has one thread.
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .context("unshare(CLONE_NEWNS): --cdi-device needs root (CAP_SYS_ADMIN)");
+        return Err(ContainerError::Unshare {
+            source: std::io::Error::last_os_error(),
+        });
     }
     mount(None, "/", None, libc::MS_REC | libc::MS_PRIVATE, None)
 }
@@ -478,7 +383,7 @@ fn mount(
     flags: libc::c_ulong,
     data: Option<&str>,
 ) -> Result<()> {
-    let c = |s: &str| CString::new(s).context("a path with a NUL byte");
+    let c = |s: &str| CString::new(s).map_err(|source| ContainerError::Nul { source });
     let (source_c, target_c) = (source.map(c).transpose()?, c(target)?);
     let (fstype_c, data_c) = (fstype.map(c).transpose()?, data.map(c).transpose()?);
     let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
@@ -493,8 +398,11 @@ fn mount(
         )
     };
     if rc != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("mount {} on {target}", source.unwrap_or("(none)")));
+        return Err(ContainerError::Mount {
+            from: source.unwrap_or("(none)").to_owned(),
+            target: target.to_owned(),
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }
@@ -524,7 +432,10 @@ fn open_path(path: &str) -> Result<OwnedFd> {
         .read(true)
         .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .with_context(|| format!("{path}: opening it (a final symlink is not followed)"))?;
+        .map_err(|source| ContainerError::OpenHost {
+            path: path.to_owned(),
+            source,
+        })?;
     Ok(file.into())
 }
 
@@ -562,17 +473,26 @@ impl OwnDev {
             if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o755) } != 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() != std::io::ErrorKind::AlreadyExists {
-                    return Err(e).with_context(|| format!("making /dev/{target}"));
+                    return Err(ContainerError::MakeDir {
+                        target: target.to_owned(),
+                        source: e,
+                    });
                 }
             }
             let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-            let next = open_at(&dir, OsStr::new(part), flags)
-                .with_context(|| format!("making /dev/{target}: {part} is not a directory"))?;
-            ensure!(
-                File::from(next.try_clone()?).metadata()?.dev() == self.st_dev,
-                "/dev/{target}: {part} is an earlier edit's mount, not the probe's own /dev; \
-                 a node or mount target inside a mount would be made in a host directory"
-            );
+            let next = open_at(&dir, OsStr::new(part), flags).map_err(|source| {
+                ContainerError::NotADir {
+                    target: target.to_owned(),
+                    part: part.to_owned(),
+                    source,
+                }
+            })?;
+            if File::from(next.try_clone()?).metadata()?.dev() != self.st_dev {
+                return Err(ContainerError::IntoMount {
+                    target: target.to_owned(),
+                    part: part.to_owned(),
+                });
+            }
             dir = next;
         }
         Ok((dir, OsStr::new(name)))
@@ -584,14 +504,18 @@ impl OwnDev {
         // SAFETY: a valid directory descriptor and a NUL-terminated name;
         // mode and device as the host's node has them.
         if unsafe { libc::mknodat(dir.as_raw_fd(), c.as_ptr(), node.mode, node.rdev) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("mknod /dev/{}", node.path));
+            return Err(ContainerError::Mknod {
+                path: node.path.clone(),
+                source: std::io::Error::last_os_error(),
+            });
         }
         // mknod(2) applies the umask; the node keeps the host's permissions.
         // SAFETY: as above; the name was just made a device node.
         if unsafe { libc::fchmodat(dir.as_raw_fd(), c.as_ptr(), node.mode & 0o7777, 0) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("chmod /dev/{}", node.path));
+            return Err(ContainerError::Chmod {
+                path: node.path.clone(),
+                source: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }
@@ -611,13 +535,19 @@ impl OwnDev {
             let flags = libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY;
             open_at(&dir, name, flags | libc::O_CLOEXEC).map(drop)
         };
-        made.with_context(|| format!("making the mount target /dev/{target}"))?;
+        made.map_err(|source| ContainerError::MakeTarget {
+            target: target.to_owned(),
+            source,
+        })?;
         let at = open_at(
             &dir,
             name,
             libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
         )
-        .with_context(|| format!("opening the mount target /dev/{target}"))?;
+        .map_err(|source| ContainerError::OpenTarget {
+            target: target.to_owned(),
+            source,
+        })?;
         // Both ends by descriptor: the bind lands on what was just made.
         mount(
             Some(&fd_path(&source.fd)),
@@ -626,7 +556,11 @@ impl OwnDev {
             libc::MS_BIND | libc::MS_REC,
             None,
         )
-        .with_context(|| format!("binding {} on /dev/{target}", source.mount.source))?;
+        .map_err(|e| ContainerError::Bind {
+            from: source.mount.source.to_owned(),
+            target: target.to_owned(),
+            source: Box::new(e),
+        })?;
         if source.mount.read_only {
             mount(
                 None,
@@ -641,282 +575,4 @@ impl OwnDev {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cdi::{Device, DeviceNode, Mount};
-    use std::os::unix::fs::PermissionsExt;
-
-    fn spec(kind: &str, devices: &[(&str, &str)]) -> Spec {
-        Spec {
-            cdi_version: "0.5.0".into(),
-            kind: kind.into(),
-            devices: devices
-                .iter()
-                .map(|(name, var)| Device {
-                    name: (*name).into(),
-                    container_edits: ContainerEdits {
-                        env: vec![format!("{var}=1")],
-                        device_nodes: vec![DeviceNode {
-                            path: "/dev/nvidia0".into(),
-                            host_path: None,
-                            permissions: None,
-                        }],
-                        mounts: Vec::new(),
-                    },
-                })
-                .collect(),
-            container_edits: ContainerEdits {
-                env: vec!["COMMON=1".into()],
-                mounts: vec![Mount {
-                    host_path: "/opt/x/libcuda.so.1".into(),
-                    container_path: "/usr/lib/libcuda.so.1".into(),
-                    options: Vec::new(),
-                    mount_type: None,
-                }],
-                ..ContainerEdits::default()
-            },
-        }
-    }
-
-    fn write(dir: &Path, file: &str, spec: &Spec) {
-        std::fs::write(dir.join(file), serde_json::to_vec(spec).unwrap()).unwrap();
-    }
-
-    #[test]
-    fn a_device_gets_its_specs_common_edits_then_its_own() {
-        let dir = tempfile::tempdir().unwrap();
-        write(
-            dir.path(),
-            "a.json",
-            &spec("gpu.tessera.dev/claim", &[("u-0", "A"), ("u-1", "B")]),
-        );
-        std::fs::write(
-            dir.path().join("other.json"),
-            r#"{"cdiVersion":"0.7.0","kind":"x/y","devices":[],"annotations":{}}"#,
-        )
-        .unwrap();
-        let got = find(dir.path(), "gpu.tessera.dev/claim=u-1").unwrap();
-        assert_eq!(got.edits.env, ["COMMON=1", "B=1"]);
-        assert_eq!(got.edits.device_nodes.len(), 1);
-        assert_eq!(got.edits.mounts[0].container_path, "/usr/lib/libcuda.so.1");
-    }
-
-    #[test]
-    fn a_missing_or_ambiguous_device_is_named_with_the_fix() {
-        let dir = tempfile::tempdir().unwrap();
-        write(
-            dir.path(),
-            "a.json",
-            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
-        );
-        let e = find(dir.path(), "gpu.tessera.dev/claim=u-9").unwrap_err();
-        assert!(e.to_string().contains("is the claim prepared?"), "{e}");
-        let e = find(dir.path(), "u-0").unwrap_err();
-        assert!(e.to_string().contains("VENDOR/CLASS=NAME"), "{e}");
-        write(
-            dir.path(),
-            "b.json",
-            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
-        );
-        let e = find(dir.path(), "gpu.tessera.dev/claim=u-0").unwrap_err();
-        assert!(e.to_string().contains("2 specs"), "{e}");
-    }
-
-    #[test]
-    fn only_plain_paths_under_dev_are_made_there() {
-        assert_eq!(below_dev("/dev/shm"), Some("shm"));
-        assert_eq!(below_dev("/dev/dri/card0"), Some("dri/card0"));
-        for path in [
-            "/dev",
-            "/dev/",
-            "/dev/../etc/passwd",
-            "/dev/shm/../../x",
-            "/dev/./shm",
-            "/dev//shm",
-            "/dev/shm/",
-            "dev/shm",
-            "/tmp/tessera-mps/x/pipe",
-        ] {
-            assert_eq!(below_dev(path), None, "{path}");
-        }
-        assert!(plain_absolute("/usr/lib/libcuda.so.1"));
-        assert!(!plain_absolute("/usr/lib/../../etc"));
-        assert!(!plain_absolute("relative"));
-        assert!(!plain_absolute("/"));
-    }
-
-    #[test]
-    fn a_device_node_or_dev_mount_outside_dev_is_refused_before_anything_is_made() {
-        let mut edits = Edits {
-            device: "gpu.tessera.dev/claim=c-0".into(),
-            edits: ContainerEdits::default(),
-        };
-        edits.edits.device_nodes.push(DeviceNode {
-            path: "/tmp/nvidia0".into(),
-            host_path: Some("/dev/null".into()),
-            permissions: None,
-        });
-        // Refused before unshare(2): nothing of this test process changes.
-        let e = enter(
-            &edits,
-            &Shape {
-                driver_root: "/".into(),
-                ..Shape::default()
-            },
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            e.contains("\"/tmp/nvidia0\" is not a plain path under /dev"),
-            "{e}"
-        );
-        edits.edits.device_nodes.clear();
-        edits.edits.mounts.push(Mount {
-            host_path: "/dev/shm".into(),
-            container_path: "/dev/../tmp/x".into(),
-            options: Vec::new(),
-            mount_type: None,
-        });
-        let e = enter(
-            &edits,
-            &Shape {
-                driver_root: "/".into(),
-                ..Shape::default()
-            },
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            e.contains("\"/dev/../tmp/x\" is not a plain absolute path"),
-            "{e}"
-        );
-    }
-
-    #[test]
-    fn libcuda_is_loaded_only_from_the_driver_root() {
-        let root = tempfile::tempdir().unwrap();
-        let lib = root.path().join("usr/lib/x86_64-linux-gnu");
-        std::fs::create_dir_all(&lib).unwrap();
-        std::fs::write(lib.join("libcuda.so.1"), "").unwrap();
-        let real = std::fs::canonicalize(lib.join("libcuda.so.1")).unwrap();
-        let mount = |host: &Path| Mount {
-            host_path: host.to_str().unwrap().into(),
-            container_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.1".into(),
-            options: Vec::new(),
-            mount_type: None,
-        };
-        let got = driver_library("d", root.path(), &mount(&real)).unwrap();
-        assert_eq!(got, real);
-        let elsewhere = tempfile::tempdir().unwrap();
-        let evil = elsewhere.path().join("libcuda.so.1");
-        std::fs::write(&evil, "").unwrap();
-        let e = driver_library("d", root.path(), &mount(&evil)).unwrap_err();
-        assert!(e.to_string().contains("not the driver's library"), "{e}");
-    }
-
-    #[test]
-    fn a_cdi_dir_others_can_write_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        write(
-            dir.path(),
-            "a.json",
-            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
-        );
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = find(dir.path(), "gpu.tessera.dev/claim=u-0").unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("writable by its group or others (mode 777)"),
-            "{e}"
-        );
-        assert!(e.to_string().contains("chmod go-w"), "{e}");
-    }
-
-    /// A spec dir holding `a.json` (device u-0) beside `b.json`, which the
-    /// test spoils.
-    fn beside_a_good_spec() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        write(
-            dir.path(),
-            "a.json",
-            &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
-        );
-        dir
-    }
-
-    fn refused(dir: &Path) -> String {
-        find(dir, "gpu.tessera.dev/claim=u-0")
-            .unwrap_err()
-            .to_string()
-    }
-
-    #[test]
-    fn spec_files_are_regular_not_writable_by_others_and_small() {
-        let dir = beside_a_good_spec();
-        let b = dir.path().join("b.json");
-        std::fs::write(&b, "{}").unwrap();
-        std::fs::set_permissions(&b, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let e = refused(dir.path());
-        assert!(e.contains("b.json: writable by its group or others"), "{e}");
-
-        std::fs::remove_file(&b).unwrap();
-        std::os::unix::fs::symlink(dir.path().join("a.json"), &b).unwrap();
-        let e = refused(dir.path());
-        assert!(
-            e.contains("b.json: opening it (symlinks are not followed"),
-            "{e}"
-        );
-
-        // A FIFO is refused at once, not read (which would block).
-        std::fs::remove_file(&b).unwrap();
-        let c = CString::new(b.as_os_str().as_bytes()).unwrap();
-        // SAFETY: a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
-        let e = refused(dir.path());
-        assert!(e.contains("b.json: not a regular file (a FIFO)"), "{e}");
-
-        std::fs::remove_file(&b).unwrap();
-        let big = File::create(&b).unwrap();
-        big.set_len(MAX_SPEC_BYTES + 1).unwrap();
-        let e = refused(dir.path());
-        assert!(e.contains("b.json: larger than 1048576 bytes"), "{e}");
-
-        std::fs::remove_file(&b).unwrap();
-        assert!(find(dir.path(), "gpu.tessera.dev/claim=u-0").is_ok());
-    }
-
-    #[test]
-    fn a_spec_owned_by_another_user_is_refused() {
-        // SAFETY: plain syscalls.
-        if unsafe { libc::geteuid() } != 0 {
-            println!("*** SKIPPED: giving a file to another user needs root");
-            return;
-        }
-        let dir = beside_a_good_spec();
-        let b = dir.path().join("b.json");
-        std::fs::write(&b, "{}").unwrap();
-        std::os::unix::fs::chown(&b, Some(65534), None).unwrap();
-        let e = refused(dir.path());
-        assert!(e.contains("b.json: owned by uid 65534, not root"), "{e}");
-    }
-
-    #[test]
-    fn only_a_gpus_own_node_is_withheld() {
-        for gpu in ["/dev/nvidia0", "/dev/nvidia7", "/dev/nvidia15"] {
-            assert!(is_gpu_node(gpu), "{gpu}");
-        }
-        for other in [
-            "/dev/nvidia",
-            "/dev/nvidiactl",
-            "/dev/nvidia-uvm",
-            "/dev/nvidia-uvm-tools",
-            "/dev/nvidia-modeset",
-            "/dev/nvidia-caps/nvidia-cap21",
-            "/dev/nvidia0x",
-            "/dev/dri/card0",
-        ] {
-            assert!(!is_gpu_node(other), "{other}");
-        }
-    }
-}
+mod tests;

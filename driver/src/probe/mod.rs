@@ -52,7 +52,7 @@ pub fn probe(library: &OsStr, alloc: Option<u64>, busy: Option<Duration>) -> Pro
     let cuda = match Cuda::load(library) {
         Ok(c) => c,
         Err(e) => {
-            report.error = Some(e);
+            report.error = Some(e.to_string());
             return report;
         }
     };
@@ -61,13 +61,13 @@ pub fn probe(library: &OsStr, alloc: Option<u64>, busy: Option<Duration>) -> Pro
     if let Err(e) = cuda.check("cuDriverGetVersion", unsafe {
         (cuda.driver_get_version)(&mut version)
     }) {
-        report.error = Some(e);
+        report.error = Some(e.to_string());
         return report;
     }
     report.cuda_driver_version = Some(version);
     // SAFETY: a plain call.
     if let Err(e) = cuda.check("cuInit", unsafe { (cuda.init)(0) }) {
-        report.error = Some(e);
+        report.error = Some(e.to_string());
         return report;
     }
     let mut count = 0;
@@ -75,7 +75,7 @@ pub fn probe(library: &OsStr, alloc: Option<u64>, busy: Option<Duration>) -> Pro
     if let Err(e) = cuda.check("cuDeviceGetCount", unsafe {
         (cuda.device_get_count)(&mut count)
     }) {
-        report.error = Some(e);
+        report.error = Some(e.to_string());
         return report;
     }
     report.devices = (0..count).map(|o| cuda.device(o, alloc)).collect();
@@ -83,6 +83,50 @@ pub fn probe(library: &OsStr, alloc: Option<u64>, busy: Option<Duration>) -> Pro
         busy::run(&cuda, &mut report.devices, alloc, duration);
     }
     report
+}
+
+/// Why the CUDA driver library cannot be used at all. The report's
+/// `error` is its Display, which names the library and says the loader's
+/// reason (also kept as the source).
+#[derive(Debug, thiserror::Error)]
+enum LoadError {
+    #[error("loading {library}: {source}")]
+    Library {
+        library: String,
+        source: libloading::Error,
+    },
+    #[error("{library}: no {symbol}: {source}")]
+    Symbol {
+        library: String,
+        symbol: &'static str,
+        source: libloading::Error,
+    },
+}
+
+/// A step on a device that failed; the report's `error` (the device's or
+/// the whole report's) is its Display.
+#[derive(Debug, thiserror::Error)]
+enum CudaError {
+    /// A driver API call that did not return `CUDA_SUCCESS`: the call and
+    /// the library's name for the code.
+    #[error("{call}: {name}")]
+    Call {
+        call: &'static str,
+        code: CuResult,
+        name: String,
+    },
+    /// `--alloc` beyond what this machine addresses.
+    #[error("--alloc {bytes}: more than this machine can address")]
+    Unaddressable { bytes: u64 },
+    /// The same for the memory `--busy` holds.
+    #[error("--alloc {bytes}: too large")]
+    TooLargeToHold { bytes: u64 },
+    /// `--busy` through a library that cannot launch kernels.
+    #[error(
+        "--busy: {library} has no kernel launch API (cuModuleLoadData, cuModuleGetFunction, \
+         cuLaunchKernel, cuCtxSynchronize)"
+    )]
+    NoKernelApi { library: String },
 }
 
 /// A CUDA call's result: `CUresult`.
@@ -98,6 +142,7 @@ const CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: c_int = 16;
 
 /// The driver API functions `--busy` calls (absent from a library that
 /// cannot launch kernels).
+#[derive(Clone, Copy)]
 struct Kernels {
     module_load_data: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CuResult,
     module_get_function:
@@ -145,18 +190,26 @@ struct Cuda {
 impl Cuda {
     /// Loads the library and its functions. The library is never unloaded:
     /// a CUDA driver's threads outlive `dlclose`.
-    fn load(library: &OsStr) -> Result<Cuda, String> {
+    fn load(library: &OsStr) -> Result<Cuda, LoadError> {
         let name = library.to_string_lossy();
         // SAFETY: loading the CUDA driver runs its initializers, which is
         // what every CUDA program does.
-        let lib = unsafe { libloading::Library::new(library) }
-            .map_err(|e| format!("loading {name}: {e}"))?;
+        let lib =
+            unsafe { libloading::Library::new(library) }.map_err(|source| LoadError::Library {
+                library: name.clone().into_owned(),
+                source,
+            })?;
         let lib: &'static libloading::Library = Box::leak(Box::new(lib));
         macro_rules! get {
             ($symbol:literal) => {
                 // SAFETY: the type is the function's signature in cuda.h.
-                *unsafe { lib.get(concat!($symbol, "\0").as_bytes()) }
-                    .map_err(|e| format!("{name}: no {}: {e}", $symbol))?
+                *unsafe { lib.get(concat!($symbol, "\0").as_bytes()) }.map_err(|source| {
+                    LoadError::Symbol {
+                        library: name.clone().into_owned(),
+                        symbol: $symbol,
+                        source,
+                    }
+                })?
             };
         }
         // SAFETY: each type is the function's signature in cuda.h.
@@ -206,12 +259,16 @@ impl Cuda {
         }
     }
 
-    /// `Err("<call>: <name>")` unless `code` is CUDA_SUCCESS.
-    fn check(&self, call: &str, code: CuResult) -> Result<(), String> {
+    /// [`CudaError::Call`] unless `code` is CUDA_SUCCESS.
+    fn check(&self, call: &'static str, code: CuResult) -> Result<(), CudaError> {
         if code == 0 {
             Ok(())
         } else {
-            Err(format!("{call}: {}", self.error_name(code)))
+            Err(CudaError::Call {
+                call,
+                code,
+                name: self.error_name(code),
+            })
         }
     }
 
@@ -229,12 +286,12 @@ impl Cuda {
             error: None,
         };
         if let Err(e) = self.fill(&mut d, alloc) {
-            d.error = Some(e);
+            d.error = Some(e.to_string());
         }
         d
     }
 
-    fn fill(&self, d: &mut ProbeDevice, alloc: Option<u64>) -> Result<(), String> {
+    fn fill(&self, d: &mut ProbeDevice, alloc: Option<u64>) -> Result<(), CudaError> {
         let mut dev = 0;
         // SAFETY (every call below): out-pointers valid for their types,
         // buffers for their lengths, as cuda.h documents.
@@ -298,7 +355,7 @@ impl Cuda {
         d: &mut ProbeDevice,
         ctx: CuContext,
         alloc: Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         // SAFETY (every call below): a context the library handed out and
         // out-pointers valid for their types.
         self.check("cuCtxSetCurrent", unsafe { (self.ctx_set_current)(ctx) })?;
@@ -311,9 +368,7 @@ impl Cuda {
             return Ok(());
         };
         let Ok(size) = usize::try_from(bytes) else {
-            return Err(format!(
-                "--alloc {bytes}: more than this machine can address"
-            ));
+            return Err(CudaError::Unaddressable { bytes });
         };
         let mut ptr: c_ulonglong = 0;
         match unsafe { (self.mem_alloc)(&mut ptr, size) } {

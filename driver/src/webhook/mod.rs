@@ -257,21 +257,34 @@ impl Checked {
     }
 }
 
+/// Why a request body is not an AdmissionReview this webhook answers (a
+/// 400, whose body is the Display).
+#[derive(Debug, thiserror::Error)]
+pub enum ReviewError {
+    #[error("not an AdmissionReview: {source}")]
+    NotAReview { source: serde_json::Error },
+    #[error(
+        "expected kind AdmissionReview of {}, got {kind} of {api_version} (set \
+         admissionReviewVersions: [v1] in the webhook configuration)",
+        REVIEW_API_VERSION
+    )]
+    Version { kind: String, api_version: String },
+    #[error("the AdmissionReview has no request")]
+    NoRequest,
+}
+
 /// Answers one AdmissionReview (the request body): the AdmissionReview to
 /// send back, or why the body is not one (a 400).
-pub fn review(driver: &str, body: &[u8]) -> Result<Value, String> {
+pub fn review(driver: &str, body: &[u8]) -> Result<Value, ReviewError> {
     let review: Review =
-        serde_json::from_slice(body).map_err(|e| format!("not an AdmissionReview: {e}"))?;
+        serde_json::from_slice(body).map_err(|source| ReviewError::NotAReview { source })?;
     if review.kind != "AdmissionReview" || review.api_version != REVIEW_API_VERSION {
-        return Err(format!(
-            "expected kind AdmissionReview of {REVIEW_API_VERSION}, got {} of {} (set \
-             admissionReviewVersions: [v1] in the webhook configuration)",
-            review.kind, review.api_version
-        ));
+        return Err(ReviewError::Version {
+            kind: review.kind,
+            api_version: review.api_version,
+        });
     }
-    let request = review
-        .request
-        .ok_or_else(|| "the AdmissionReview has no request".to_owned())?;
+    let request = review.request.ok_or(ReviewError::NoRequest)?;
     let verdict = decide(driver, &request);
     let response = match &verdict {
         Verdict::Allow => json!({ "uid": request.uid, "allowed": true }),

@@ -56,6 +56,7 @@ pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
             usize::from(args.max_connections),
             termination(),
         )
-        .await
+        .await?;
+        Ok(())
     })
 }

@@ -51,21 +51,24 @@
 //! so no container can make another process carry it.
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+mod control;
+mod record;
+
+use control::{Readiness, endpoint_ready};
+pub(super) use record::Record;
+
 use super::config::{MpsConfig, MpsError};
 use super::launch;
-use super::paths::{CONTROL, LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, RECORD, ignore_missing};
+use super::paths::{LAUNCH_ID_ENV, LAUNCHER_LOG, MAX_PIPE_DIR, ignore_missing};
 use super::tmpfs::{self, ClientDir};
 use super::view::{Role, View, ViewSpec};
-use crate::cdi;
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{self as limits, ClientLimits};
 use crate::host::process::{self, Handle, Pidfd, ProcessId};
@@ -123,21 +126,6 @@ pub struct MpsDaemon {
     pub pid: i32,
 }
 
-/// The state of one daemon, as recorded on disk (host-only).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub(super) struct Record {
-    pub key: DaemonKey,
-    pub limits: ClientLimits,
-    /// The daemon this driver spawned.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub daemon: Option<ProcessId>,
-    /// The secret launch id of a daemon being spawned, until its identity
-    /// is recorded.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub launch: Option<String>,
-}
-
 /// Whether the recorded daemon runs, as this supervisor knows it.
 pub(super) enum Liveness {
     /// Held by this supervisor already.
@@ -152,13 +140,6 @@ pub(super) enum Outcome {
     AlreadyRunning,
     Adopted,
     Started,
-}
-
-/// How waiting for a daemon's control endpoint ended.
-enum Readiness {
-    Ready,
-    Exited(String),
-    TimedOut,
 }
 
 /// One daemon: its directories, its record and the driver's hold on it.
@@ -190,37 +171,9 @@ impl Daemon {
                 max: MAX_PIPE_DIR,
             });
         }
-        let record_path = root.join(RECORD);
-        let io = |what, source| MpsError::Io {
-            device: key.device.clone(),
-            what,
-            path: record_path.clone(),
-            source,
+        let Some(record) = Record::read(&root, key, limits)? else {
+            return Ok(None);
         };
-        let record = match fs::read(&record_path) {
-            Ok(bytes) => serde_json::from_slice::<Record>(&bytes).map_err(|e| {
-                io(
-                    "reading the record",
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-                )
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match limits {
-                Some(limits) => Record {
-                    key: key.clone(),
-                    limits,
-                    daemon: None,
-                    launch: None,
-                },
-                None => return Ok(None),
-            },
-            Err(e) => return Err(io("reading the record", e)),
-        };
-        if record.key != *key {
-            return Err(io(
-                "reading the record",
-                std::io::Error::other(format!("its directory is also the hash of {}", record.key)),
-            ));
-        }
         Ok(Some(Daemon {
             record,
             log_dir: root.join("log"),
@@ -254,10 +207,7 @@ impl Daemon {
     }
 
     pub fn persist(&self) -> Result<(), MpsError> {
-        fs::create_dir_all(&self.root).map_err(self.io_err("creating", &self.root))?;
-        let path = self.root.join(RECORD);
-        let bytes = serde_json::to_vec_pretty(&self.record).expect("a record serializes");
-        cdi::write_atomically(&path, &bytes).map_err(self.io_err("writing the record", &path))
+        self.record.write(&self.root)
     }
 
     /// Whether the recorded daemon runs; takes hold of it if this supervisor
@@ -366,7 +316,26 @@ impl Daemon {
     /// its defaults, wait for its control endpoint and set the limits again
     /// through it. Called only when no recorded daemon runs.
     fn start(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
-        // A missing binary is said as such, before the view needs it.
+        self.make_dirs(config)?;
+        let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
+            .map_err(|e| MpsError::Limits {
+                device: self.record.key.device.clone(),
+                source: e,
+            })?;
+        let launch = self.record_launch()?;
+        let log = self.log_dir.join(LAUNCHER_LOG);
+        let out = launch::open_log(&log).map_err(self.io_err("creating", &log))?;
+        let err = out.try_clone().map_err(self.io_err("opening", &log))?;
+        let deadline = Instant::now() + config.ready_timeout;
+        let child = self.spawn(config, &launch, &limit_env, [out, err])?;
+        self.record_spawned(child)?;
+        self.await_ready(config, deadline, log)
+    }
+
+    /// The daemon's directories: its own and its log's, and fresh client
+    /// directories. A missing binary is said as such first, before the
+    /// view needs it.
+    fn make_dirs(&self, config: &MpsConfig) -> Result<(), MpsError> {
         fs::metadata(&config.control_binary).map_err(|source| MpsError::Launch {
             device: self.record.key.device.clone(),
             binary: config.control_binary.clone(),
@@ -375,35 +344,43 @@ impl Daemon {
         for dir in [&self.root, &self.log_dir] {
             fs::create_dir_all(dir).map_err(self.io_err("creating", dir))?;
         }
-        self.fresh_client_dirs(config)?;
-        let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
-            .map_err(|e| MpsError::Limits {
-                device: self.record.key.device.clone(),
-                source: e,
-            })?;
+        self.fresh_client_dirs(config)
+    }
+
+    /// A fresh secret launch id, recorded before the daemon that carries it
+    /// is spawned (see the module documentation).
+    fn record_launch(&mut self) -> Result<String, MpsError> {
         let launch =
             process::random_id().map_err(self.io_err("drawing a launch id for", &self.pipe_dir))?;
         self.record.daemon = None;
         self.record.launch = Some(launch.clone());
         self.persist()?;
+        Ok(launch)
+    }
 
-        let log = self.log_dir.join(LAUNCHER_LOG);
-        let out = launch::open_log(&log).map_err(self.io_err("creating", &log))?;
-        let err = out.try_clone().map_err(self.io_err("opening", &log))?;
-        let deadline = Instant::now() + config.ready_timeout;
+    /// The daemon spawned in its view (and the host's cgroup) with the
+    /// limits and the launch id in its environment, its output to `log`.
+    /// A failed spawn forgets the launch.
+    fn spawn(
+        &mut self,
+        config: &MpsConfig,
+        launch: &str,
+        limit_env: &[String],
+        [out, err]: [fs::File; 2],
+    ) -> Result<Child, MpsError> {
         let mut command = self.command(config);
         let view = self
             .view_spec(config)
             .and_then(|spec| View::prepare(&spec, Role::Daemon))
             .map_err(self.io_err("preparing the mount view of the daemon in", &self.root))?;
         launch::confine(&mut command, view, config.host_cgroup.clone());
-        for entry in &limit_env {
+        for entry in limit_env {
             let (name, value) = entry.split_once('=').expect("NAME=value");
             command.env(name, value);
         }
         let spawned = command
             .arg("-f")
-            .env(LAUNCH_ID_ENV, &launch)
+            .env(LAUNCH_ID_ENV, launch)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -412,21 +389,23 @@ impl Daemon {
             // and is adopted by the next run.
             .process_group(0)
             .spawn();
-        let child = match spawned {
-            Ok(child) => child,
-            Err(source) => {
-                self.record.launch = None;
-                // The launch error is the one to report.
-                let _ = self.persist();
-                return Err(MpsError::Launch {
-                    device: self.record.key.device.clone(),
-                    binary: config.control_binary.clone(),
-                    source,
-                });
+        spawned.map_err(|source| {
+            self.record.launch = None;
+            // The launch error is the one to report.
+            let _ = self.persist();
+            MpsError::Launch {
+                device: self.record.key.device.clone(),
+                binary: config.control_binary.clone(),
+                source,
             }
-        };
+        })
+    }
+
+    /// The spawned daemon's identity recorded in place of its launch id, and
+    /// the driver's hold on it.
+    fn record_spawned(&mut self, child: Child) -> Result<(), MpsError> {
         // Our child: its PID cannot be reused before we reap it. `None` if it
-        // already exited (waiting below says how).
+        // already exited (waiting for it says how).
         self.record.daemon = ProcessId::of(child.id() as i32);
         self.record.launch = None;
         self.handle = Some(Handle::Spawned(child));
@@ -435,6 +414,17 @@ impl Daemon {
             let _ = self.kill();
             return Err(e);
         }
+        Ok(())
+    }
+
+    /// Wait for the new daemon's control endpoint, then set its defaults; a
+    /// daemon not ready by `deadline` is stopped.
+    fn await_ready(
+        &mut self,
+        config: &MpsConfig,
+        deadline: Instant,
+        log: PathBuf,
+    ) -> Result<(), MpsError> {
         match self.wait_ready(deadline) {
             Readiness::Ready => self.set_defaults(config, deadline),
             Readiness::Exited(outcome) => Err(MpsError::LaunchFailed {
@@ -455,56 +445,6 @@ impl Daemon {
                     log_dir: self.log_dir.clone(),
                 })
             }
-        }
-    }
-
-    /// The limits as the daemon's defaults, through its control endpoint,
-    /// while no container has the pipe directory yet. A daemon that does not
-    /// take them by `deadline` is stopped: it must not serve without them.
-    /// The endpoint appears when the daemon binds it, a moment before it
-    /// listens: a refused connection then is retried (the commands set
-    /// values, so sending them again is harmless).
-    fn set_defaults(&mut self, config: &MpsConfig, deadline: Instant) -> Result<(), MpsError> {
-        let commands = limits::daemon_default_commands(self.record.limits);
-        loop {
-            if self.send(config, &commands) {
-                return Ok(());
-            }
-            let alive = !matches!(self.liveness(), Ok(Liveness::Dead) | Err(_));
-            if Instant::now() >= deadline || !alive {
-                break;
-            }
-            std::thread::sleep(POLL);
-        }
-        self.kill()?;
-        Err(MpsError::LimitsRefused {
-            device: self.record.key.device.clone(),
-            log_dir: self.log_dir.clone(),
-        })
-    }
-
-    /// Poll until the held daemon's control endpoint exists, the daemon
-    /// exits (then it is forgotten) or `deadline` passes.
-    fn wait_ready(&mut self, deadline: Instant) -> Readiness {
-        loop {
-            let Some(handle) = self.handle.as_mut() else {
-                return Readiness::Exited("is not running".into());
-            };
-            if let Some(outcome) = handle.exit() {
-                self.handle = None;
-                self.record.daemon = None;
-                // Best effort: the record is checked against the kernel
-                // before it is acted on anyway.
-                let _ = self.persist();
-                return Readiness::Exited(outcome);
-            }
-            if endpoint_ready(&self.pipe_dir) {
-                return Readiness::Ready;
-            }
-            if Instant::now() >= deadline {
-                return Readiness::TimedOut;
-            }
-            std::thread::sleep(POLL);
         }
     }
 
@@ -550,47 +490,6 @@ impl Daemon {
         })
     }
 
-    /// `echo <commands> | nvidia-cuda-mps-control` with the daemon's pipe
-    /// directory; whether the client ran and succeeded. Its output is not
-    /// read. The client sees only the endpoint checked here (a socket or
-    /// fifo, opened without following a link), in a view of its own.
-    fn send(&self, config: &MpsConfig, commands: &str) -> bool {
-        let Some(endpoint) = endpoint_inode(&self.pipe_dir) else {
-            return false;
-        };
-        let Ok(view) = self
-            .view_spec(config)
-            .and_then(|spec| View::prepare(&spec, Role::Client { endpoint }))
-        else {
-            return false;
-        };
-        let mut command = self.command(config);
-        launch::confine(&mut command, view, None);
-        let Ok(mut client) = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-        else {
-            return false;
-        };
-        if let Some(mut stdin) = client.stdin.take() {
-            let _ = stdin.write_all(commands.as_bytes());
-        }
-        let deadline = Instant::now() + config.quit_timeout;
-        loop {
-            match client.try_wait() {
-                Ok(Some(status)) => return status.success(),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-                _ => {
-                    let _ = client.kill();
-                    let _ = client.wait();
-                    return false;
-                }
-            }
-        }
-    }
-
     /// SIGKILL the held daemon through its handle and wait until it is gone.
     pub fn kill(&mut self) -> Result<(), MpsError> {
         let Some(handle) = self.handle.as_mut() else {
@@ -614,24 +513,6 @@ impl Daemon {
         self.record.daemon = None;
         self.persist()
     }
-}
-
-/// The control endpoint's (device, inode), if it is a socket or fifo
-/// itself (not followed): the one inode the control client may reach.
-fn endpoint_inode(pipe_dir: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = pipe_dir.join(CONTROL).symlink_metadata().ok()?;
-    let t = meta.file_type();
-    (t.is_socket() || t.is_fifo()).then(|| (meta.dev(), meta.ino()))
-}
-
-/// Whether the control endpoint is there: a socket (or fifo) itself, not a
-/// symlink or anything else a container may have put in its place.
-pub(super) fn endpoint_ready(pipe_dir: &Path) -> bool {
-    pipe_dir.join(CONTROL).symlink_metadata().is_ok_and(|m| {
-        let t = m.file_type();
-        t.is_socket() || t.is_fifo()
-    })
 }
 
 #[cfg(test)]

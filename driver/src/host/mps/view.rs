@@ -28,7 +28,7 @@
 //! Everything the child does is a system call on values prepared here
 //! before the fork (it must be async-signal-safe).
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -258,7 +258,7 @@ impl View {
                 std::ptr::null(),
             ))?;
             for step in &self.steps {
-                self.run(step)?;
+                Self::run(step)?;
             }
             check(libc::chdir(self.root.as_ptr()))?;
             // The old root stacks under the new one, then goes.
@@ -271,85 +271,19 @@ impl View {
         check(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
     }
 
-    unsafe fn run(&self, step: &Step) -> io::Result<()> {
-        let null = std::ptr::null();
-        // SAFETY: as in `enter`.
-        unsafe {
-            match step {
-                Step::Tmpfs(at) => check(libc::mount(
-                    c"tessera-mps-view".as_ptr(),
-                    at.as_ptr(),
-                    c"tmpfs".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV,
-                    c"size=64k,nr_inodes=1024,mode=755".as_ptr().cast(),
-                )),
-                Step::Mkdir(at) => match libc::mkdir(at.as_ptr(), 0o755) {
-                    0 => Ok(()),
-                    _ if io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) => Ok(()),
-                    _ => Err(io::Error::last_os_error()),
-                },
-                Step::Touch(at) => {
-                    let fd = libc::open(
-                        at.as_ptr(),
-                        libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-                        0o644,
-                    );
-                    if fd < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    libc::close(fd);
-                    Ok(())
-                }
-                Step::Bind {
-                    from,
-                    to,
-                    read_only,
-                } => {
-                    check(libc::mount(
-                        from.as_ptr(),
-                        to.as_ptr(),
-                        null,
-                        libc::MS_BIND | libc::MS_REC,
-                        null.cast(),
-                    ))?;
-                    if *read_only {
-                        check(libc::mount(
-                            null,
-                            to.as_ptr(),
-                            null,
-                            libc::MS_BIND
-                                | libc::MS_REMOUNT
-                                | libc::MS_RDONLY
-                                | libc::MS_NOSUID
-                                | libc::MS_NODEV,
-                            null.cast(),
-                        ))?;
-                    }
-                    Ok(())
-                }
-                Step::Endpoint { from, to, inode } => {
-                    check(libc::mount(
-                        from.as_ptr(),
-                        to.as_ptr(),
-                        null,
-                        libc::MS_BIND,
-                        null.cast(),
-                    ))?;
-                    let mut st: libc::stat = std::mem::zeroed();
-                    check(libc::lstat(to.as_ptr(), &mut st))?;
-                    if (st.st_dev, st.st_ino) != *inode {
-                        return Err(io::Error::from_raw_os_error(libc::ESTALE));
-                    }
-                    Ok(())
-                }
-                Step::Proc(at) => check(libc::mount(
-                    c"proc".as_ptr(),
-                    at.as_ptr(),
-                    c"proc".as_ptr(),
-                    libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                    null.cast(),
-                )),
-            }
+    /// One step of the view, in the forked child.
+    fn run(step: &Step) -> io::Result<()> {
+        match step {
+            Step::Tmpfs(at) => mount_tmpfs(at),
+            Step::Mkdir(at) => make_dir(at),
+            Step::Touch(at) => touch(at),
+            Step::Bind {
+                from,
+                to,
+                read_only,
+            } => bind(from, to, *read_only),
+            Step::Endpoint { from, to, inode } => bind_endpoint(from, to, *inode),
+            Step::Proc(at) => mount_proc(at),
         }
     }
 
@@ -389,6 +323,110 @@ impl View {
         // SAFETY: capset(2) with a header and two data structs we own.
         check(unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) as i32 })
     }
+}
+
+/// A small tmpfs on `at`: the new root, or a client's pipe directory.
+fn mount_tmpfs(at: &CStr) -> io::Result<()> {
+    // SAFETY: mount(2) on NUL-terminated strings that outlive the call.
+    check(unsafe {
+        libc::mount(
+            c"tessera-mps-view".as_ptr(),
+            at.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            c"size=64k,nr_inodes=1024,mode=755".as_ptr().cast(),
+        )
+    })
+}
+
+/// A directory at `at`; one already there will do.
+fn make_dir(at: &CStr) -> io::Result<()> {
+    // SAFETY: mkdir(2) on a NUL-terminated string that outlives the call.
+    match unsafe { libc::mkdir(at.as_ptr(), 0o755) } {
+        0 => Ok(()),
+        _ if io::Error::last_os_error().raw_os_error() == Some(libc::EEXIST) => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// An empty file at `at` (not through a link) to bind a file on.
+fn touch(at: &CStr) -> io::Result<()> {
+    // SAFETY: open(2) on a NUL-terminated string that outlives the call,
+    // and close(2) of the descriptor it returned, owned by nothing else.
+    unsafe {
+        let fd = libc::open(
+            at.as_ptr(),
+            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            0o644,
+        );
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        libc::close(fd);
+    }
+    Ok(())
+}
+
+/// `from` bound on `to`, then made read-only (and `nosuid`, `nodev`) if
+/// asked: a bind mount takes those only on a remount.
+fn bind(from: &CStr, to: &CStr, read_only: bool) -> io::Result<()> {
+    let null = std::ptr::null();
+    // SAFETY: mount(2) on NUL-terminated strings that outlive the call, or
+    // null where mount(2) ignores the argument.
+    check(unsafe {
+        libc::mount(
+            from.as_ptr(),
+            to.as_ptr(),
+            null,
+            libc::MS_BIND | libc::MS_REC,
+            null.cast(),
+        )
+    })?;
+    if !read_only {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    check(unsafe {
+        libc::mount(
+            null,
+            to.as_ptr(),
+            null,
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+            null.cast(),
+        )
+    })
+}
+
+/// The control endpoint bound from `from` on `to`, then checked to be the
+/// inode (device, inode) the driver examined.
+fn bind_endpoint(from: &CStr, to: &CStr, inode: (u64, u64)) -> io::Result<()> {
+    let null = std::ptr::null();
+    // SAFETY: mount(2) on NUL-terminated strings that outlive the call, or
+    // null where mount(2) ignores the argument.
+    check(unsafe { libc::mount(from.as_ptr(), to.as_ptr(), null, libc::MS_BIND, null.cast()) })?;
+    // SAFETY: `stat` is plain data, for which all zeroes is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: lstat(2) on a NUL-terminated string and a `stat` we own.
+    check(unsafe { libc::lstat(to.as_ptr(), &mut st) })?;
+    if (st.st_dev, st.st_ino) != inode {
+        return Err(io::Error::from_raw_os_error(libc::ESTALE));
+    }
+    Ok(())
+}
+
+/// A fresh procfs on `at`.
+fn mount_proc(at: &CStr) -> io::Result<()> {
+    // SAFETY: mount(2) on NUL-terminated strings that outlive the call, or
+    // null where mount(2) ignores the argument.
+    check(unsafe {
+        libc::mount(
+            c"proc".as_ptr(),
+            at.as_ptr(),
+            c"proc".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            std::ptr::null(),
+        )
+    })
 }
 
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;

@@ -237,19 +237,27 @@ pub fn mounts(files: &Files) -> Vec<Mount> {
     ]
 }
 
+/// A limit HAMi-core would read as none.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NoLimitError {
+    #[error("a memory limit of {bytes} bytes is below 1 MiB, which HAMi-core reads as no limit")]
+    Memory { bytes: u64 },
+    #[error("a compute limit of 0 % is what HAMi-core reads as no limit")]
+    Compute,
+}
+
 /// `CUDA_DEVICE_MEMORY_LIMIT_<index>` (whole MiB, rounded down, as `<n>m`)
 /// and `CUDA_DEVICE_SM_LIMIT_<index>`. A limit the library would read as
 /// "none" (under 1 MiB, 0 %) is an error.
-pub fn limit_env(index: usize, limits: &Limits) -> Result<Vec<String>, String> {
+pub fn limit_env(index: usize, limits: &Limits) -> Result<Vec<String>, NoLimitError> {
     let mib = limits.memory_bytes >> 20;
     if mib == 0 {
-        return Err(format!(
-            "a memory limit of {} bytes is below 1 MiB, which HAMi-core reads as no limit",
-            limits.memory_bytes
-        ));
+        return Err(NoLimitError::Memory {
+            bytes: limits.memory_bytes,
+        });
     }
     if limits.compute_percent == 0 {
-        return Err("a compute limit of 0 % is what HAMi-core reads as no limit".into());
+        return Err(NoLimitError::Compute);
     }
     Ok(vec![
         format!("CUDA_DEVICE_MEMORY_LIMIT_{index}={mib}m"),
@@ -342,6 +350,8 @@ mod tests {
             compute_percent: 10,
             shared_memory_bytes: None,
         };
-        assert!(limit_env(0, &tiny).unwrap_err().contains("no limit"));
+        let e = limit_env(0, &tiny).unwrap_err();
+        assert!(matches!(e, NoLimitError::Memory { .. }), "{e:?}");
+        assert!(e.to_string().contains("no limit"), "{e}");
     }
 }

@@ -316,16 +316,16 @@ impl Enforcer for Mig {
                 instance.gpu_instance_id,
                 instance.compute_instance_id,
             )
-            .map_err(|problem| EnforceError::Device {
+            .map_err(|e| EnforceError::Device {
                 index: resolved.selected.index,
-                problem,
+                problem: e.to_string(),
                 fix: None,
             })?;
             for minor in [caps.gpu_instance, caps.compute_instance] {
                 let node = mig_caps::device_path(minor);
                 mig_caps::ensure_node(&layout.dev_root, &layout.driver_root, &node, minor)
-                    .map_err(|problem| EnforceError::Node {
-                        problem,
+                    .map_err(|e| EnforceError::Node {
+                        problem: e.to_string(),
                         fix: "load the NVIDIA driver with MIG support, or point --dev-root at \
                               a writable /dev"
                             .into(),

@@ -12,7 +12,51 @@
 //! a missing file is an error that says where it looked: without the
 //! capability nodes a container could not use its MIG device.
 
+use std::io;
 use std::path::{Path, PathBuf};
+
+/// Why a MIG device's capability minors or nodes are not there. The
+/// Display, system error included, is what the claim's error says.
+#[derive(Debug, thiserror::Error)]
+pub enum MigCapsError {
+    #[error(
+        "cannot read MIG capability file {}: {source} (the NVIDIA driver publishes it for every \
+         MIG device; check --driver-root and that the MIG device still exists)",
+        .path.display()
+    )]
+    Read { path: PathBuf, source: io::Error },
+    #[error(
+        "MIG capability file {} has no `DeviceFileMinor: <number>` line",
+        .path.display()
+    )]
+    NoMinor { path: PathBuf },
+    #[error(
+        "{} exists but is not the character device of MIG capability {minor}",
+        .path.display()
+    )]
+    NotTheNode { path: PathBuf, minor: u32 },
+    #[error("cannot inspect {}: {source}", .path.display())]
+    Inspect { path: PathBuf, source: io::Error },
+    #[error("creating {}: {source}", .dir.display())]
+    CreateDir { dir: PathBuf, source: io::Error },
+    #[error("{} contains a NUL byte", .path.display())]
+    Nul { path: PathBuf },
+    #[error(
+        "cannot create MIG capability device {} (c {major}:{minor}): {source}",
+        .path.display()
+    )]
+    Mknod {
+        path: PathBuf,
+        major: u32,
+        minor: u32,
+        source: io::Error,
+    },
+    #[error(
+        "no nvidia-caps character device in /proc/devices: the NVIDIA kernel driver is not \
+         loaded, or too old for MIG"
+    )]
+    NoCapsMajor,
+}
 
 /// Capability minors of one MIG device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +72,7 @@ pub fn caps_dir(root: &Path, minor: u32) -> PathBuf {
 
 /// Reads the capability minors of GPU instance `gi` / compute instance
 /// `ci` on GPU `minor`.
-pub fn read(root: &Path, minor: u32, gi: u32, ci: u32) -> Result<MigCaps, String> {
+pub fn read(root: &Path, minor: u32, gi: u32, ci: u32) -> Result<MigCaps, MigCapsError> {
     let dir = caps_dir(root, minor).join(format!("gi{gi}"));
     let gpu_instance = read_minor(&dir.join("access"))?;
     let compute_instance = read_minor(&dir.join(format!("ci{ci}")).join("access"))?;
@@ -54,7 +98,7 @@ pub fn ensure_node(
     driver_root: &Path,
     device: &str,
     cap_minor: u32,
-) -> Result<(), String> {
+) -> Result<(), MigCapsError> {
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
     let path = dev_root.join(device.trim_start_matches('/'));
     match std::fs::metadata(&path) {
@@ -62,20 +106,23 @@ pub fn ensure_node(
             return Ok(());
         }
         Ok(_) => {
-            return Err(format!(
-                "{} exists but is not the character device of MIG capability {cap_minor}",
-                path.display()
-            ));
+            return Err(MigCapsError::NotTheNode {
+                path,
+                minor: cap_minor,
+            });
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot inspect {}: {e}", path.display())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => return Err(MigCapsError::Inspect { path, source }),
     }
     let major = caps_major(driver_root)?;
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| MigCapsError::CreateDir {
+            dir: dir.to_owned(),
+            source,
+        })?;
     }
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{} contains a NUL byte", path.display()))?;
+        .map_err(|_| MigCapsError::Nul { path: path.clone() })?;
     // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
     let rc = unsafe {
         libc::mknod(
@@ -84,19 +131,21 @@ pub fn ensure_node(
             libc::makedev(major, cap_minor),
         )
     };
-    let err = std::io::Error::last_os_error();
+    let err = io::Error::last_os_error();
     // A concurrent prepare may have made it first.
-    if rc != 0 && err.kind() != std::io::ErrorKind::AlreadyExists {
-        return Err(format!(
-            "cannot create MIG capability device {} (c {major}:{cap_minor}): {err}",
-            path.display()
-        ));
+    if rc != 0 && err.kind() != io::ErrorKind::AlreadyExists {
+        return Err(MigCapsError::Mknod {
+            path,
+            major,
+            minor: cap_minor,
+            source: err,
+        });
     }
     Ok(())
 }
 
 /// The `nvidia-caps` character major.
-fn caps_major(driver_root: &Path) -> Result<u32, String> {
+fn caps_major(driver_root: &Path) -> Result<u32, MigCapsError> {
     let candidates = [
         driver_root.join("proc/devices"),
         Path::new("/proc/devices").to_path_buf(),
@@ -105,11 +154,7 @@ fn caps_major(driver_root: &Path) -> Result<u32, String> {
         .iter()
         .filter_map(|p| std::fs::read_to_string(p).ok())
         .find_map(|text| char_major(&text, "nvidia-caps"))
-        .ok_or_else(|| {
-            "no nvidia-caps character device in /proc/devices: the NVIDIA kernel driver is not \
-             loaded, or too old for MIG"
-                .to_owned()
-        })
+        .ok_or(MigCapsError::NoCapsMajor)
 }
 
 /// The major of character device `name` in `/proc/devices` text.
@@ -123,19 +168,13 @@ pub fn char_major(text: &str, name: &str) -> Option<u32> {
         .and_then(|(m, _)| m.parse().ok())
 }
 
-fn read_minor(path: &Path) -> Result<u32, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        format!(
-            "cannot read MIG capability file {}: {e} (the NVIDIA driver publishes it for every \
-             MIG device; check --driver-root and that the MIG device still exists)",
-            path.display()
-        )
+fn read_minor(path: &Path) -> Result<u32, MigCapsError> {
+    let text = std::fs::read_to_string(path).map_err(|source| MigCapsError::Read {
+        path: path.to_owned(),
+        source,
     })?;
-    parse_minor(&text).ok_or_else(|| {
-        format!(
-            "MIG capability file {} has no `DeviceFileMinor: <number>` line",
-            path.display()
-        )
+    parse_minor(&text).ok_or_else(|| MigCapsError::NoMinor {
+        path: path.to_owned(),
     })
 }
 
@@ -174,8 +213,10 @@ mod tests {
         let dev = root.path();
         let device = device_path(21);
         match ensure_node(dev, root.path(), &device, 21) {
-            Err(e) if e.contains("Operation not permitted") => {
-                eprintln!("SKIP: mknod needs CAP_MKNOD here: {e}");
+            Err(MigCapsError::Mknod { source, .. })
+                if source.kind() == io::ErrorKind::PermissionDenied =>
+            {
+                eprintln!("SKIP: mknod needs CAP_MKNOD here: {source}");
                 return;
             }
             r => r.unwrap(),
@@ -189,6 +230,11 @@ mod tests {
         // A plain file where the node belongs is an error that names it.
         std::fs::write(dev.join("dev/nvidia-caps/nvidia-cap22"), "").unwrap();
         let e = ensure_node(dev, root.path(), &device_path(22), 22).unwrap_err();
+        assert!(
+            matches!(e, MigCapsError::NotTheNode { minor: 22, .. }),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains("nvidia-cap22") && e.contains("not the character device"),
             "{e}"
@@ -220,7 +266,8 @@ mod tests {
             }
         );
         let err = read(root.path(), 3, 6, 0).unwrap_err();
-        assert!(err.contains("gpu3/mig/gi6/access"), "{err}");
+        assert!(matches!(err, MigCapsError::Read { .. }), "{err:?}");
+        assert!(err.to_string().contains("gpu3/mig/gi6/access"), "{err}");
         assert_eq!(device_path(48), "/dev/nvidia-caps/nvidia-cap48");
     }
 }

@@ -1,0 +1,88 @@
+//! A daemon's host-only record (`daemon.json`): which claim, request and
+//! device, the limits, and the daemon's identity or the secret launch id of
+//! one being spawned.
+
+use std::fs;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::DaemonKey;
+use crate::cdi;
+use crate::host::mps::config::MpsError;
+use crate::host::mps::paths::RECORD;
+use crate::host::mps_client::ClientLimits;
+use crate::host::process::ProcessId;
+
+/// The state of one daemon, as recorded on disk (host-only).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(in crate::host::mps) struct Record {
+    pub key: DaemonKey,
+    pub limits: ClientLimits,
+    /// The daemon this driver spawned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daemon: Option<ProcessId>,
+    /// The secret launch id of a daemon being spawned, until its identity
+    /// is recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<String>,
+}
+
+impl Record {
+    /// The record of `key` in its directory `root`, else a new one with
+    /// `limits` (`None` without either). A record of another key (a clash
+    /// of the directory's hash) is an error.
+    pub fn read(
+        root: &Path,
+        key: &DaemonKey,
+        limits: Option<ClientLimits>,
+    ) -> Result<Option<Self>, MpsError> {
+        let path = root.join(RECORD);
+        let io = |source| MpsError::Io {
+            device: key.device.clone(),
+            what: "reading the record",
+            path: path.clone(),
+            source,
+        };
+        let record = match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
+                .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match limits {
+                Some(limits) => Record {
+                    key: key.clone(),
+                    limits,
+                    daemon: None,
+                    launch: None,
+                },
+                None => return Ok(None),
+            },
+            Err(e) => return Err(io(e)),
+        };
+        if record.key != *key {
+            return Err(io(std::io::Error::other(format!(
+                "its directory is also the hash of {}",
+                record.key
+            ))));
+        }
+        Ok(Some(record))
+    }
+
+    /// Written atomically into `root`, made if missing.
+    pub fn write(&self, root: &Path) -> Result<(), MpsError> {
+        let io = |what, path: &Path| {
+            let device = self.key.device.clone();
+            let path = path.to_owned();
+            move |source| MpsError::Io {
+                device,
+                what,
+                path,
+                source,
+            }
+        };
+        fs::create_dir_all(root).map_err(io("creating", root))?;
+        let path = root.join(RECORD);
+        let bytes = serde_json::to_vec_pretty(self).expect("a record serializes");
+        cdi::write_atomically(&path, &bytes).map_err(io("writing the record", &path))
+    }
+}
