@@ -10,6 +10,7 @@
 pub mod artifacts;
 pub mod cluster;
 pub mod driver_root;
+pub mod source;
 pub mod wait;
 
 use std::path::Path;
