@@ -50,8 +50,8 @@ use tessera_api::config::resolve_claim;
 use tracing::{error, info, warn};
 
 use crate::cdi::SpecDir;
-use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
+use crate::state::checkpoint::{Checkpoint, CheckpointError};
 use crate::sync::Locked;
 
 use crate::host::driver_root::Layout;
@@ -668,8 +668,8 @@ fn newer_fields(uid: &ClaimUid, fields: &[String]) -> enforce::Report {
 /// entry type must never panic, whatever the bytes.
 #[doc(hidden)]
 pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
-    let _ = crate::checkpoint::decode_legacy::<ClaimEntry>(bytes);
-    let _ = crate::checkpoint::decode_record::<ClaimEntry>(bytes);
+    let _ = crate::state::checkpoint::decode_legacy::<ClaimEntry>(bytes);
+    let _ = crate::state::checkpoint::decode_record::<ClaimEntry>(bytes);
 }
 
 /// The fix of an unprepare that failed part way.

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use tracing::{error, info, warn};
 
 use super::{Preparer, blocking};
-use crate::checkpoint::{CheckpointError, LoadOutcome, QUARANTINE_KEPT};
 use crate::claim_uid::ClaimUid;
+use crate::state::checkpoint::{CheckpointError, LoadOutcome, QUARANTINE_KEPT};
 use crate::state::records::{ClaimEntry, EntryState};
 
 /// What start-up recovery found and did.

@@ -26,11 +26,11 @@ use clap::ValueEnum;
 use serde::Serialize;
 use tessera_api::inventory::{Inventory, Mig};
 use tessera_controller::model::plan;
-use tessera_driver::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
 use tessera_driver::host::mps::generation::{self, IsolationSupport};
 use tessera_driver::metrics::memory;
+use tessera_driver::state::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::state::records::{ClaimEntry, EntryState, LimitsData};
 
 use crate::flags::{DriverFlags, KubeFlags};
