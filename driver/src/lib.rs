@@ -7,7 +7,6 @@
 
 pub mod apiserver;
 pub mod cdi;
-pub mod checkpoint;
 pub mod claim_uid;
 pub mod discovery;
 pub mod guard;

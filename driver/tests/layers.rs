@@ -37,7 +37,6 @@ const UNITS: &[(&str, &str)] = &[
     ("host", "port"),
     ("host/process", "process"),
     ("state", "state"),
-    ("checkpoint", "state"),
     ("apiserver", "leaf"),
     ("cdi", "leaf"),
     ("claim_uid", "leaf"),

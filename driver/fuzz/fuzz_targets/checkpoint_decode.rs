@@ -9,6 +9,6 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    tessera_driver::checkpoint::fuzz_decode(data);
+    tessera_driver::state::checkpoint::fuzz_decode(data);
     tessera_driver::prepare::fuzz_decode_checkpoint(data);
 });

@@ -37,14 +37,12 @@
 //!   and at least every [`RESEND`] (the kubelet treats a device it has not
 //!   heard of for [`HEALTH_CHECK_TIMEOUT_SECONDS`] as Unknown).
 
+mod monitor;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use nvml_wrapper::Nvml;
-use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enums::event::XidError;
-use nvml_wrapper::error::NvmlError;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -53,6 +51,8 @@ use tessera_controller::model::Unhealthy;
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::events::NodeEvents;
 use crate::sync::Locked;
+
+pub use monitor::spawn_monitor;
 
 /// XIDs that make a GPU Unhealthy, with what they mean. Each needs at least
 /// a GPU reset (or a node drain) before the GPU can be trusted again.
@@ -461,102 +461,6 @@ pub fn spawn_follower(
             }
         }
     })
-}
-
-/// Registers XID events of every GPU NVML lists and feeds them to `tracker`
-/// from a thread of its own (NVML's wait blocks), for the life of the
-/// process.
-pub fn spawn_monitor(
-    nvml: Arc<Nvml>,
-    tracker: Arc<HealthTracker>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("xid-monitor".into())
-        .spawn(move || monitor(&nvml, &tracker))
-}
-
-fn monitor(nvml: &Nvml, tracker: &HealthTracker) {
-    let now = SystemTime::now;
-    let gpus: Vec<(u32, String)> = match nvml.device_count() {
-        Ok(n) => (0..n)
-            .filter_map(|i| Some((i, nvml.device_by_index(i).ok()?.uuid().ok()?)))
-            .collect(),
-        Err(e) => {
-            warn!("GPU health not watched: cannot count GPUs: {e}");
-            return;
-        }
-    };
-    let mut set = match nvml.create_event_set() {
-        Ok(s) => s,
-        Err(e) => {
-            for (_, uuid) in &gpus {
-                tracker.not_watched(uuid, format!("cannot create an NVML event set: {e}"), now());
-            }
-            return;
-        }
-    };
-    let mut watched = 0;
-    for (index, uuid) in &gpus {
-        let registered = nvml.device_by_index(*index).and_then(|d| {
-            let supported = d.supported_event_types()?;
-            if !supported.contains(EventTypes::CRITICAL_XID_ERROR) {
-                return Err(NvmlError::NotSupported);
-            }
-            Ok(d)
-        });
-        let device = match registered {
-            Ok(d) => d,
-            Err(e) => {
-                tracker.not_watched(uuid, format!("XID events: {e}"), now());
-                continue;
-            }
-        };
-        match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-            Ok(s) => {
-                set = s;
-                watched += 1;
-                tracker.watching(uuid, now());
-            }
-            Err(e) => {
-                // NVML freed the set: what was registered so far is lost.
-                tracker.not_watched(uuid, format!("registering XID events: {}", e.error), now());
-                warn!("GPU health: NVML dropped the event set; not watching any GPU");
-                for (_, uuid) in &gpus {
-                    tracker.not_watched(uuid, "the NVML event set failed".into(), now());
-                }
-                return;
-            }
-        }
-    }
-    info!(gpus = watched, "watching GPUs for XID errors");
-    let mut failing = false;
-    loop {
-        match set.wait(1000) {
-            Ok(event) => {
-                failing = false;
-                let xid = match event.event_data {
-                    Some(XidError::Value(x)) => Some(x),
-                    Some(XidError::Unknown) => None,
-                    None => continue,
-                };
-                match event.device.uuid() {
-                    Ok(uuid) => {
-                        tracker.xid(&uuid, xid, now());
-                    }
-                    Err(e) => warn!("XID {xid:?} on a GPU whose UUID NVML cannot read: {e}"),
-                }
-            }
-            Err(NvmlError::Timeout) => failing = false,
-            Err(e) => {
-                if !failing {
-                    warn!("waiting for XID events: {e}; retrying every second");
-                }
-                failing = true;
-                std::thread::sleep(Duration::from_secs(1));
-            }
-        }
-        tracker.recover(now());
-    }
 }
 
 #[cfg(test)]

@@ -194,7 +194,7 @@ pub fn random_id() -> io::Result<String> {
 }
 
 fn boot_id() -> String {
-    fs::read_to_string(crate::checkpoint::KERNEL_BOOT_ID)
+    fs::read_to_string(crate::state::checkpoint::KERNEL_BOOT_ID)
         .map(|s| s.trim().to_owned())
         .unwrap_or_default()
 }

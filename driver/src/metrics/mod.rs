@@ -8,26 +8,26 @@
 //! allocated to claims vs used according to NVML, what each GPU and MIG
 //! device is doing ([`gpus`]) and what each claim's processes use on them
 //! ([`claims`])). Scrapes share renders, one at a time on a thread of their
-//! own ([`renders`]). Every name starts with `tessera_`; docs/operations.md
-//! describes them all.
+//! own ([`renders`]). Every name starts with `tessera_` ([`families`]);
+//! docs/operations.md describes them all.
 
 pub mod claims;
+mod families;
 pub mod gpus;
 pub mod memory;
 pub mod renders;
 pub mod server;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use nvml_wrapper::Nvml;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::Registry;
 use tessera_controller::model::{DeviceKind, Model};
 use tessera_controller::publisher::{NodeView, WriteCounters};
 use tokio::sync::watch;
@@ -38,78 +38,10 @@ use crate::prepare::{PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::records::EntryState;
 use crate::sync::Locked;
-
-/// Latency buckets for prepare and unprepare, in seconds (1 ms .. 60 s).
-const LATENCY_BUCKETS: [f64; 14] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
-];
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabels {
-    operation: &'static str,
-    result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GuardLabels {
-    rule: &'static str,
-    action: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WriteLabels {
-    result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabels {
-    kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GpuLabels {
-    gpu: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GpuInfoLabels {
-    gpu: String,
-    index: String,
-    model: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct MigLabels {
-    gpu: String,
-    mig: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ClaimLabels {
-    namespace: String,
-    claim: String,
-    gpu: String,
-}
-
-/// A gauge of fractional values (ratios, watts).
-type FloatGauge = Gauge<f64, AtomicU64>;
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct HealthLabels {
-    health: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GpuHealthLabels {
-    gpu: String,
-    health: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct XidLabels {
-    gpu: String,
-    xid: String,
-}
+use families::{
+    ClaimLabels, FloatGauge, GpuHealthLabels, GpuInfoLabels, GpuLabels, GuardLabels, HealthLabels,
+    KindLabels, LATENCY_BUCKETS, MigLabels, ResultLabels, WriteLabels, XidLabels,
+};
 
 /// Every metric of the node process.
 pub struct Metrics {
@@ -185,151 +117,8 @@ impl Metrics {
             renders: renders::Handle::default(),
             registry: Registry::default(),
         };
-        registry.register_with_unit(
-            "prepare_duration",
-            "Time to prepare one claim (NodePrepareResources, per claim)",
-            Unit::Seconds,
-            m.prepare_seconds.clone(),
-        );
-        registry.register_with_unit(
-            "unprepare_duration",
-            "Time to unprepare one claim (NodeUnprepareResources, per claim)",
-            Unit::Seconds,
-            m.unprepare_seconds.clone(),
-        );
-        registry.register_with_unit(
-            "claim_read_duration",
-            "Time prepare waited for the API server to return a claim (part of prepare_duration)",
-            Unit::Seconds,
-            m.claim_read_seconds.clone(),
-        );
-        registry.register(
-            "claim_operations",
-            "Claims prepared and unprepared, by operation (prepare, unprepare) and result (ok, error)",
-            m.results.clone(),
-        );
-        registry.register(
-            "prepared_claims",
-            "Claims prepared on this node (completed checkpoint entries)",
-            m.prepared_claims.clone(),
-        );
-        registry.register(
-            "published_devices",
-            "Devices in the slice model last built for this node, by kind (gpu, mig, share, monitor)",
-            m.devices.clone(),
-        );
-        registry.register(
-            "mps_daemons",
-            "MPS control daemons the node process supervises (one per request of a claim and device)",
-            m.mps_daemons.clone(),
-        );
-        registry.register(
-            "mps_daemon_restarts",
-            "MPS control daemons the watchdog found dead and started again",
-            m.mps_restarts.clone(),
-        );
-        registry.register(
-            "claim_guard_violations",
-            "Processes the claim guard found breaking an Isolated claim's promise, by rule \
-             (left-mps, claim-memory, no-claim) and what it did (killed, reported)",
-            m.guard_violations.clone(),
-        );
-        registry.register(
-            "slice_reconciles",
-            "Reconcile passes of the ResourceSlice publisher, successful or not",
-            m.slice_reconciles.clone(),
-        );
-        registry.register(
-            "slice_writes",
-            "ResourceSlice writes by the publisher, by result (create, update, delete: accepted; rejected: refused by the API server)",
-            m.slice_writes.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_memory_allocated",
-            "Device memory allocated to prepared claims on a GPU (whole GPU: its memory; MIG: the instance's; share: consumed memory)",
-            Unit::Bytes,
-            m.gpu_allocated.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_memory_used",
-            "Device memory NVML reports used on a GPU",
-            Unit::Bytes,
-            m.gpu_used.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_memory_total",
-            "Device memory of a GPU, as NVML reports it",
-            Unit::Bytes,
-            m.gpu_total.clone(),
-        );
-        registry.register(
-            "device_health",
-            "Published devices by the health of their GPU (healthy, unhealthy, unknown), as the kubelet is told",
-            m.device_health.clone(),
-        );
-        registry.register(
-            "gpu_health",
-            "1 for each GPU's current health (healthy, unhealthy, unknown)",
-            m.gpu_health.clone(),
-        );
-        registry.register(
-            "xid_errors",
-            "NVML XID critical error events, by GPU and XID (0: NVML could not say which)",
-            m.xid_errors.clone(),
-        );
-        m.register_activity(&mut registry);
+        m.register(&mut registry);
         Metrics { registry, ..m }
-    }
-
-    /// What the GPUs and the claims' processes are doing.
-    fn register_activity(&self, registry: &mut Registry) {
-        registry.register(
-            "gpu_info",
-            "1 per GPU NVML lists, with its index and model (join on gpu for names)",
-            self.gpu_info.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_utilization",
-            "Fraction of the last sample period kernels ran on a GPU (NVML; absent in MIG mode)",
-            Unit::Other("ratio".into()),
-            self.gpu_utilization.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_temperature",
-            "GPU die temperature (NVML)",
-            Unit::Celsius,
-            self.gpu_temperature.clone(),
-        );
-        registry.register_with_unit(
-            "gpu_power",
-            "GPU power draw (NVML)",
-            Unit::Other("watts".into()),
-            self.gpu_power.clone(),
-        );
-        registry.register_with_unit(
-            "mig_memory_used",
-            "Device memory NVML reports used on a MIG device",
-            Unit::Bytes,
-            self.mig_used.clone(),
-        );
-        registry.register_with_unit(
-            "mig_memory_total",
-            "Device memory of a MIG device, as NVML reports it",
-            Unit::Bytes,
-            self.mig_total.clone(),
-        );
-        registry.register_with_unit(
-            "claim_memory_used",
-            "Device memory the processes of a prepared claim's Pods hold on a GPU it holds (NVML per-process memory, Pods found through their cgroups)",
-            Unit::Bytes,
-            self.claim_memory.clone(),
-        );
-        registry.register_with_unit(
-            "claim_sm_utilization",
-            "Fraction of a GPU's SMs the processes of a prepared claim's Pods occupied in their latest NVML samples (absent where NVML samples no process: MIG mode)",
-            Unit::Other("ratio".into()),
-            self.claim_sm.clone(),
-        );
     }
 
     fn count(&self, operation: &'static str, ok: bool) {
@@ -389,7 +178,7 @@ impl Metrics {
     pub async fn scrape(
         self: &Arc<Self>,
         limit: Duration,
-    ) -> Option<Result<hyper::body::Bytes, String>> {
+    ) -> Option<Result<hyper::body::Bytes, renders::RenderError>> {
         self.renders.0.clone().scrape(self, limit).await
     }
 
@@ -686,168 +475,4 @@ fn catch_up(counter: &Counter, total: u64) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_carry_the_prefix_and_units() {
-        let m = Metrics::new();
-        m.prepared(Duration::from_millis(20), true);
-        m.prepared(Duration::from_millis(20), false);
-        m.unprepared(Duration::from_millis(3), true);
-        m.claim_read(Duration::from_millis(2));
-        let text = m.render();
-        for line in [
-            "tessera_prepare_duration_seconds_count 2",
-            "tessera_unprepare_duration_seconds_count 1",
-            "tessera_claim_read_duration_seconds_count 1",
-            "tessera_claim_operations_total{operation=\"prepare\",result=\"ok\"} 1",
-            "tessera_claim_operations_total{operation=\"prepare\",result=\"error\"} 1",
-            "tessera_claim_operations_total{operation=\"unprepare\",result=\"ok\"} 1",
-            "tessera_prepared_claims 0",
-        ] {
-            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
-        }
-        assert!(!m.ready());
-    }
-
-    #[test]
-    fn devices_and_gpus_are_counted_by_health() {
-        use crate::health::{GpuHealth, XidPolicy};
-        use std::time::SystemTime;
-        use tessera_controller::model::DeviceRef;
-        let device = |gpu: &str, kind| DeviceRef {
-            gpu_uuid: gpu.into(),
-            gpu_index: 0,
-            kind,
-        };
-        let catalog = Catalog::new(
-            Default::default(),
-            [
-                ("gpu-0".to_owned(), device("GPU-0", DeviceKind::Whole)),
-                (
-                    "gpu-0-monitor".to_owned(),
-                    device("GPU-0", DeviceKind::Monitor),
-                ),
-                ("gpu-1".to_owned(), device("GPU-1", DeviceKind::Whole)),
-                ("gpu-2".to_owned(), device("GPU-2", DeviceKind::Whole)),
-            ]
-            .into_iter()
-            .collect(),
-        );
-        let at = SystemTime::UNIX_EPOCH;
-        let map: HealthMap = [
-            (
-                "GPU-0".to_owned(),
-                GpuHealth {
-                    health: Health::Unhealthy { xid: 79 },
-                    since: at,
-                    unhealthy_since: Some(at),
-                },
-            ),
-            (
-                "GPU-1".to_owned(),
-                GpuHealth {
-                    health: Health::Healthy,
-                    since: at,
-                    unhealthy_since: None,
-                },
-            ),
-        ]
-        .into_iter()
-        .collect();
-        let tracker = HealthTracker::new(XidPolicy::default(), None);
-        tracker.xid("GPU-0", Some(79), at);
-        tracker.xid("GPU-0", Some(79), at);
-        let m = Metrics::new();
-        m.set_health(&map, Some(&catalog), &tracker.xid_counts());
-        let text = m.render();
-        for line in [
-            "tessera_device_health{health=\"healthy\"} 1",
-            "tessera_device_health{health=\"unhealthy\"} 2",
-            "tessera_device_health{health=\"unknown\"} 1",
-            "tessera_gpu_health{gpu=\"GPU-0\",health=\"unhealthy\"} 1",
-            "tessera_gpu_health{gpu=\"GPU-1\",health=\"healthy\"} 1",
-            "tessera_xid_errors_total{gpu=\"GPU-0\",xid=\"79\"} 2",
-        ] {
-            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
-        }
-    }
-
-    #[test]
-    fn gpu_and_claim_readings_render_with_their_units_and_only_what_nvml_gave() {
-        let inventory = tessera_api::inventory::Inventory {
-            gpus: vec![tessera_api::inventory::Gpu {
-                uuid: "GPU-a".into(),
-                product_name: "NVIDIA H100 80GB HBM3".into(),
-                brand: "Nvidia".into(),
-                architecture: "hopper".into(),
-                cuda_compute_capability: "9.0".into(),
-                pci_bus_id: "0000:07:00.0".into(),
-                memory_bytes: 80 << 30,
-                multiprocessors: 132,
-                minor: 0,
-                mig: tessera_api::inventory::Mig::NotSupported,
-            }],
-            ..Default::default()
-        };
-        let reading = gpus::GpuReading {
-            uuid: "GPU-a".into(),
-            utilization: Some(100),
-            memory: Some((3 << 30, 80 << 30)),
-            temperature_celsius: Some(72),
-            power_milliwatts: None,
-            migs: vec![
-                ("MIG-1".into(), Some((1 << 30, 10 << 30))),
-                ("MIG-2".into(), None),
-            ],
-            processes: Vec::new(),
-            sm_percent: None,
-        };
-        let claim = claims::ClaimGpu {
-            namespace: "ns".into(),
-            name: "train".into(),
-            gpu: "GPU-a".into(),
-        };
-        let uses = [(
-            claim,
-            claims::ClaimUse {
-                memory_bytes: 3 << 30,
-                sm_percent: Some(250),
-            },
-        )]
-        .into_iter()
-        .collect();
-        let m = Metrics::new();
-        m.set_gpus(&inventory, &[reading]);
-        m.set_claims(&uses);
-        let text = m.render();
-        for line in [
-            "tessera_gpu_info{gpu=\"GPU-a\",index=\"0\",model=\"NVIDIA H100 80GB HBM3\"} 1",
-            "tessera_gpu_utilization_ratio{gpu=\"GPU-a\"} 1.0",
-            "tessera_gpu_temperature_celsius{gpu=\"GPU-a\"} 72",
-            "tessera_gpu_memory_used_bytes{gpu=\"GPU-a\"} 3221225472",
-            "tessera_mig_memory_used_bytes{gpu=\"GPU-a\",mig=\"MIG-1\"} 1073741824",
-            "tessera_claim_memory_used_bytes{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 3221225472",
-            // Several processes' samples never add up to more than the GPU.
-            "tessera_claim_sm_utilization_ratio{namespace=\"ns\",claim=\"train\",gpu=\"GPU-a\"} 1.0",
-        ] {
-            assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
-        }
-        for absent in ["tessera_gpu_power_watts{", "mig=\"MIG-2\""] {
-            assert!(!text.contains(absent), "{absent} in\n{text}");
-        }
-        // The claim unprepared: its series go.
-        m.set_claims(&Default::default());
-        assert!(!m.render().contains("claim=\"train\""));
-    }
-
-    #[test]
-    fn a_counter_catches_up_with_a_running_total() {
-        let c = Counter::<u64>::default();
-        catch_up(&c, 3);
-        catch_up(&c, 3);
-        catch_up(&c, 5);
-        assert_eq!(c.get(), 5);
-    }
-}
+mod tests;

@@ -28,12 +28,21 @@ use super::Metrics;
 /// costs at most a few renders a second.
 pub const MIN_GAP: Duration = Duration::from_millis(250);
 
+/// Why a render has no text. Clone: every scrape waiting for the render
+/// gets it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// Sampling the node panicked; the panic is in the log.
+    #[error("sampling the metrics panicked (see the log)")]
+    Panicked,
+}
+
 /// A rendered text (or why there is none), numbered by when its render
 /// started.
 #[derive(Clone)]
 struct Rendered {
     generation: u64,
-    text: Result<Bytes, String>,
+    text: Result<Bytes, RenderError>,
 }
 
 impl Default for Rendered {
@@ -81,7 +90,7 @@ impl Renders {
         self: &Arc<Self>,
         metrics: &Arc<Metrics>,
         limit: Duration,
-    ) -> Option<Result<Bytes, String>> {
+    ) -> Option<Result<Bytes, RenderError>> {
         self.start_thread(metrics);
         let _waiting = Waiting::count(&self.waiting);
         // Subscribed before asking: the answer cannot be missed.
@@ -125,7 +134,7 @@ impl Renders {
                 .map(Bytes::from)
                 .map_err(|_| {
                     error!("sampling the metrics panicked");
-                    "sampling the metrics panicked (see the log)".to_owned()
+                    RenderError::Panicked
                 });
             drop(metrics);
             self.done.send_replace(Rendered { generation, text });

@@ -449,7 +449,7 @@ mod tests {
         let records = dir
             .path()
             .join("state")
-            .join(crate::checkpoint::RECORDS_DIR);
+            .join(crate::state::checkpoint::RECORDS_DIR);
         std::fs::create_dir_all(&records).unwrap();
         let record = records.join("0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e.json");
         std::fs::write(

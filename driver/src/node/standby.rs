@@ -53,11 +53,12 @@ impl Takeover {
                 self.boot_id_file.display()
             )
         })?;
-        let snapshot = crate::checkpoint::read_snapshot::<crate::state::records::ClaimEntry>(
-            &self.state_dir,
-            Some(boot.trim()),
-        )
-        .map_err(|e| format!("cannot read the prepared-claim records: {e}"))?;
+        let snapshot =
+            crate::state::checkpoint::read_snapshot::<crate::state::records::ClaimEntry>(
+                &self.state_dir,
+                Some(boot.trim()),
+            )
+            .map_err(|e| format!("cannot read the prepared-claim records: {e}"))?;
         if !snapshot.unreadable.is_empty() {
             return Err(format!(
                 "{} prepared-claim record(s) do not decode in this version ({}); taking over \

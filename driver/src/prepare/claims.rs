@@ -7,7 +7,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
+use k8s_openapi::api::resource::v1::{
+    AllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+};
 use kube::{Api, Client};
 use tessera_api::config::{ConfigSource, Origin};
 
@@ -169,26 +171,15 @@ pub struct Allocation {
 
 /// Checks the claim against the kubelet's request and picks the results for
 /// `driver` in `pool` (this node's pool) and the opaque configs for
-/// `driver`.
+/// `driver`: the same claim -> allocated -> our results, all on this node
+/// -> our configs.
 pub fn select(
     claim_ref: &ClaimRef,
     claim: &ResourceClaim,
     driver: &str,
     pool: &str,
 ) -> Result<Allocation, ClaimError> {
-    let uid = claim.metadata.uid.as_deref().unwrap_or_default();
-    if uid != claim_ref.uid {
-        return Err(ClaimError::new(
-            claim_ref,
-            format!(
-                "the API server's claim {}/{} has uid {uid:?}, not the uid the kubelet asked for: \
-                 the claim was deleted and created again",
-                claim_ref.namespace, claim_ref.name
-            ),
-        )
-        .field("metadata.uid")
-        .fix("delete the Pod so the kubelet picks up the new claim"));
-    }
+    same_claim(claim_ref, claim)?;
     let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
         return Err(ClaimError::new(claim_ref, "the claim is not allocated")
             .field("status.allocation")
@@ -199,34 +190,71 @@ pub fn select(
         .as_ref()
         .and_then(|d| d.results.as_deref())
         .unwrap_or_default();
+    let ours = ours(claim_ref, results, driver)?;
+    let devices = (here(claim_ref, ours, driver, pool)?.into_iter())
+        .map(|(index, result)| selected(index, result))
+        .collect();
+    let configs = configs(claim_ref, allocation, driver)?;
+    Ok(Allocation { devices, configs })
+}
 
-    let ours: Vec<(usize, &DeviceRequestAllocationResult)> = results
-        .iter()
-        .enumerate()
+/// The API server's claim is the one the kubelet asked for, not one
+/// deleted and created again under the same name.
+fn same_claim(claim_ref: &ClaimRef, claim: &ResourceClaim) -> Result<(), ClaimError> {
+    let uid = claim.metadata.uid.as_deref().unwrap_or_default();
+    if uid == claim_ref.uid {
+        return Ok(());
+    }
+    Err(ClaimError::new(
+        claim_ref,
+        format!(
+            "the API server's claim {}/{} has uid {uid:?}, not the uid the kubelet asked for: \
+             the claim was deleted and created again",
+            claim_ref.namespace, claim_ref.name
+        ),
+    )
+    .field("metadata.uid")
+    .fix("delete the Pod so the kubelet picks up the new claim"))
+}
+
+/// The results of `driver`, with their index; there is at least one.
+fn ours<'a>(
+    claim_ref: &ClaimRef,
+    results: &'a [DeviceRequestAllocationResult],
+    driver: &str,
+) -> Result<Vec<(usize, &'a DeviceRequestAllocationResult)>, ClaimError> {
+    let ours: Vec<_> = (results.iter().enumerate())
         .filter(|(_, r)| r.driver == driver)
         .collect();
-    if ours.is_empty() {
-        let drivers: Vec<&str> = results.iter().map(|r| r.driver.as_str()).collect();
-        return Err(ClaimError::new(
-            claim_ref,
-            format!(
-                "no device of driver {driver} is allocated to this claim (allocated drivers: {})",
-                if drivers.is_empty() {
-                    "none".to_owned()
-                } else {
-                    drivers.join(", ")
-                }
-            ),
-        )
-        .field("status.allocation.devices.results")
-        .fix(
-            "this is a kubelet/driver mismatch: check which driver the claim's DeviceClass selects",
-        ));
+    if !ours.is_empty() {
+        return Ok(ours);
     }
-    let here: Vec<&(usize, &DeviceRequestAllocationResult)> =
-        ours.iter().filter(|(_, r)| r.pool == pool).collect();
+    let drivers: Vec<&str> = results.iter().map(|r| r.driver.as_str()).collect();
+    Err(ClaimError::new(
+        claim_ref,
+        format!(
+            "no device of driver {driver} is allocated to this claim (allocated drivers: {})",
+            if drivers.is_empty() {
+                "none".to_owned()
+            } else {
+                drivers.join(", ")
+            }
+        ),
+    )
+    .field("status.allocation.devices.results")
+    .fix("this is a kubelet/driver mismatch: check which driver the claim's DeviceClass selects"))
+}
+
+/// Our results, which must all be in this node's `pool`.
+fn here<'a>(
+    claim_ref: &ClaimRef,
+    ours: Vec<(usize, &'a DeviceRequestAllocationResult)>,
+    driver: &str,
+    pool: &str,
+) -> Result<Vec<(usize, &'a DeviceRequestAllocationResult)>, ClaimError> {
+    let (here, other): (Vec<_>, Vec<_>) = ours.into_iter().partition(|(_, r)| r.pool == pool);
     if here.is_empty() {
-        let pools: Vec<&str> = ours.iter().map(|(_, r)| r.pool.as_str()).collect();
+        let pools: Vec<&str> = other.iter().map(|(_, r)| r.pool.as_str()).collect();
         return Err(ClaimError::new(
             claim_ref,
             format!(
@@ -238,10 +266,8 @@ pub fn select(
         .field("status.allocation.devices.results[].pool")
         .fix("schedule the Pod on the node its claim was allocated for, or deallocate the claim"));
     }
-    if here.len() != ours.len() {
-        let other: Vec<String> = ours
-            .iter()
-            .filter(|(_, r)| r.pool != pool)
+    if !other.is_empty() {
+        let other: Vec<String> = (other.iter())
             .map(|(_, r)| format!("{}/{}", r.pool, r.device))
             .collect();
         return Err(ClaimError::new(
@@ -255,58 +281,63 @@ pub fn select(
         .field("status.allocation.devices.results[].pool")
         .fix("deallocate the claim and let the scheduler allocate it again"));
     }
+    Ok(here)
+}
 
-    let devices = here
-        .into_iter()
-        .map(|(index, r)| Selected {
-            index: *index,
-            request: r.request.clone(),
-            pool: r.pool.clone(),
-            device: r.device.clone(),
-            share_id: r.share_id.clone(),
-            consumed: r
-                .consumed_capacity
-                .iter()
-                .flatten()
-                .map(|(k, q)| (k.clone(), q.0.clone()))
-                .collect(),
-            admin_access: r.admin_access == Some(true),
-        })
-        .collect();
+/// One result, as prepare works with it.
+fn selected(index: usize, result: &DeviceRequestAllocationResult) -> Selected {
+    Selected {
+        index,
+        request: result.request.clone(),
+        pool: result.pool.clone(),
+        device: result.device.clone(),
+        share_id: result.share_id.clone(),
+        consumed: (result.consumed_capacity.iter().flatten())
+            .map(|(k, q)| (k.clone(), q.0.clone()))
+            .collect(),
+        admin_access: result.admin_access == Some(true),
+    }
+}
 
-    let mut configs = Vec::new();
+/// The opaque configs for `driver`, each with where it came from.
+fn configs(
+    claim_ref: &ClaimRef,
+    allocation: &AllocationResult,
+    driver: &str,
+) -> Result<Vec<ConfigSource>, ClaimError> {
     let entries = allocation
         .devices
         .as_ref()
         .and_then(|d| d.config.as_ref())
         .map(Vec::as_slice)
         .unwrap_or_default();
+    let mut configs = Vec::new();
     for (index, entry) in entries.iter().enumerate() {
         let Some(opaque) = entry.opaque.as_ref().filter(|o| o.driver == driver) else {
             continue;
         };
-        let origin = match entry.source.as_str() {
-            "FromClass" => Origin::Class,
-            "FromClaim" => Origin::Claim,
-            other => {
-                return Err(ClaimError::new(
-                    claim_ref,
-                    format!("config source {other:?} is unknown to this driver"),
-                )
-                .field(format!("status.allocation.devices.config[{index}].source"))
-                .fix(
-                    "expected FromClass or FromClaim; upgrade the driver if the API added a source",
-                ));
-            }
-        };
         configs.push(ConfigSource {
-            origin,
+            origin: origin(claim_ref, index, &entry.source)?,
             requests: entry.requests.clone().unwrap_or_default(),
             index,
             parameters: opaque.parameters.0.clone(),
         });
     }
-    Ok(Allocation { devices, configs })
+    Ok(configs)
+}
+
+/// Whether config `index` came from the device class or the claim.
+fn origin(claim_ref: &ClaimRef, index: usize, source: &str) -> Result<Origin, ClaimError> {
+    match source {
+        "FromClass" => Ok(Origin::Class),
+        "FromClaim" => Ok(Origin::Claim),
+        other => Err(ClaimError::new(
+            claim_ref,
+            format!("config source {other:?} is unknown to this driver"),
+        )
+        .field(format!("status.allocation.devices.config[{index}].source"))
+        .fix("expected FromClass or FromClaim; upgrade the driver if the API added a source")),
+    }
 }
 
 #[cfg(test)]

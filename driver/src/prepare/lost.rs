@@ -1,5 +1,5 @@
 //! Claims whose records were lost: moved aside as unreadable at start-up
-//! ([`crate::checkpoint::Lost`]). Their Pods may still run, so what they
+//! ([`crate::state::checkpoint::Lost`]). Their Pods may still run, so what they
 //! may use stays published and in place until the kubelet unprepares them;
 //! then it is released like a record's side effects.
 
@@ -7,8 +7,8 @@ use tracing::info;
 
 use super::enforce::{Report, Undo};
 use super::{Preparer, UndoError};
-use crate::checkpoint::Lost;
 use crate::claim_uid::ClaimUid;
+use crate::state::checkpoint::Lost;
 use crate::state::records::ClaimEntry;
 
 impl Preparer {

@@ -21,13 +21,13 @@
 //!    spec; `status.devices` is written in the background ([`status`]).
 //!
 //! Any failure rolls back what was done, newest first, each action through
-//! the enforcer that made it. Unprepare marks the entry `Unpreparing`, undoes
-//! the side effects the same way, removes the spec and the entry. Unknown
-//! claims succeed. At start-up ([`recovery`]) entries left `Started` are
-//! rolled back, `Unpreparing` ones finished, lost specs of `Completed` ones
-//! rewritten, and CDI specs of claims the checkpoint does not know are
-//! deleted (only when the checkpoint could be read: after a quarantine a
-//! running Pod's spec may be among them).
+//! the enforcer that made it. Unprepare ([`unprepare`]) marks the entry
+//! `Unpreparing`, undoes the side effects the same way, removes the spec and
+//! the entry. Unknown claims succeed. At start-up ([`recovery`]) entries
+//! left `Started` are rolled back, `Unpreparing` ones finished, lost specs
+//! of `Completed` ones rewritten, and CDI specs of claims the checkpoint
+//! does not know are deleted (only when the checkpoint could be read: after
+//! a quarantine a running Pod's spec may be among them).
 //!
 //! One bad claim never fails the others: every claim gets its own answer.
 
@@ -35,14 +35,16 @@ pub mod claims;
 pub mod enforce;
 mod lost;
 mod recovery;
+mod reserved_for;
 pub mod resolve;
 pub mod spec;
 pub mod status;
+mod unprepare;
 mod validate;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -50,8 +52,8 @@ use tessera_api::config::resolve_claim;
 use tracing::{error, info, warn};
 
 use crate::cdi::SpecDir;
-use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
+use crate::state::checkpoint::{Checkpoint, CheckpointError};
 use crate::sync::Locked;
 
 use crate::host::driver_root::Layout;
@@ -60,11 +62,14 @@ use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
 use crate::state::records::{Action, ClaimEntry, EntryState, PreparedDevice};
 use claims::{ClaimError, ClaimRef, ClaimSource, FetchError};
-use enforce::{Device, Effects, EnforceError, Enforcers, Hosts, Undo};
+use enforce::{Device, Effects, EnforceError, Enforcers, Hosts};
 use status::StatusWriter;
 use validate::validate;
 
 pub use recovery::{Recovery, SetupError};
+use reserved_for::ReservedFor;
+pub use reserved_for::{PodRef, consumer_pods, consumers};
+use unprepare::Unsettled;
 
 /// Settings of a [`Preparer`].
 #[derive(Debug, Clone)]
@@ -170,7 +175,7 @@ pub struct Preparer {
     /// kept in memory only (the metrics' attribution reads the API server
     /// for a claim it finds none of), so records stay readable by older
     /// versions.
-    consumers: Consumers,
+    reserved_for: ReservedFor,
     hardware: HardwareLock,
     /// GPUs whose MIG mode holds were released by unprepares that have
     /// answered, still to settle ([`Preparer::settle_later`]).
@@ -208,7 +213,7 @@ impl Preparer {
             specs,
             locks: ClaimLocks::default(),
             unsettled: Mutex::default(),
-            consumers: Consumers::default(),
+            reserved_for: ReservedFor::default(),
             hardware: HardwareLock::default(),
             observer: OnceLock::new(),
             #[cfg(test)]
@@ -323,7 +328,7 @@ impl Preparer {
         let (entry, change) = tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices))
             .await
             .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
-        self.consumers.remember(&uid, consumer_pods(&object));
+        self.reserved_for.remember(&uid, consumer_pods(&object));
         self.changed(change);
         if let Some(writer) = &self.deps.status {
             writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
@@ -484,210 +489,21 @@ impl Preparer {
             })?;
         Ok((entry.clone(), NodeChange::gpus_if(gpus_changed)))
     }
-
-    async fn unprepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<()> {
-        let uid = validate(claim)?;
-        let _guard = self.locks.lock(&uid).await;
-        let Some(mut entry) = self.entry(&uid) else {
-            // Unknown: nothing of ours, except maybe a stray spec, or what
-            // a claim whose record was lost may still hold.
-            let this = self.clone();
-            let id = uid.clone();
-            return blocking(move || this.release_lost(&id))
-                .await
-                .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED));
-        };
-        let written_status = !entry.status.is_empty();
-        // Only side effects need the mark: without one, a crash between
-        // removing the spec and the entry leaves a complete entry whose
-        // spec start-up recovery writes again, and the kubelet's retry
-        // removes both.
-        if entry.state == EntryState::Completed && entry.has_side_effects() {
-            entry.state = EntryState::Unpreparing;
-            let (this, id, marked) = (self.clone(), uid.clone(), entry.clone());
-            blocking(move || this.checkpoint.put(id, marked))
-                .await
-                .map_err(|e| {
-                    ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
-                })?;
-        }
-        let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
-        let undone = if !entry.has_side_effects() {
-            self.undo_holds(&uid, &entry)
-        } else {
-            self.clone().undo(uid.clone(), entry).await
-        };
-        undone.map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
-        self.consumers.forget(&uid);
-        if written_status && let Some(writer) = &self.deps.status {
-            writer.remove(&namespace, &name, uid.as_str());
-        }
-        if self.checkpoint.is_lost(&uid) {
-            // Prepared again after its record was lost: the lost record
-            // may name more (a MIG device of the first prepare).
-            let this = self.clone();
-            let id = uid.clone();
-            blocking(move || this.release_lost(&id))
-                .await
-                .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
-        }
-        Ok(())
-    }
-
-    /// [`Self::undo_now`] on a blocking thread.
-    async fn undo(self: Arc<Self>, uid: ClaimUid, entry: ClaimEntry) -> Result<(), UndoError> {
-        blocking(move || self.undo_now(&uid, &entry)).await
-    }
-
-    /// Undoes an entry's side effects (newest first, each through its
-    /// enforcer), removes its spec and the entry, then lets the enforcers
-    /// settle what no claim holds any more. Idempotent; on failure the
-    /// entry stays for a later retry.
-    fn undo_now(&self, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
-        let cx = Undo::new(uid, &self.checkpoint, &self.hardware);
-        if let Some(fields) = self.checkpoint.unknown_fields(uid) {
-            cx.report(newer_fields(uid, &fields));
-        }
-        for action in entry.actions.iter().rev() {
-            self.enforcers
-                .undo(&cx, action)
-                .map_err(|source| UndoError::Action {
-                    action: Box::new(action.clone()),
-                    source,
-                })?;
-        }
-        self.remove_files(uid)?;
-        self.release(&cx, entry);
-        self.tell_operator(cx.into_reports());
-        Ok(())
-    }
-
-    /// The claim's spec, then its record.
-    fn remove_files(&self, uid: &ClaimUid) -> Result<(), UndoError> {
-        self.specs.remove(uid).map_err(UndoError::Spec)?;
-        self.checkpoint.remove(uid).map_err(UndoError::Record)?;
-        Ok(())
-    }
-
-    /// After a claim's record is gone: the enforcers settle what no claim
-    /// holds any more (a GPU left in MIG mode without a hold), reporting
-    /// through `cx`, the undo's context.
-    fn release(&self, cx: &Undo<'_>, entry: &ClaimEntry) {
-        let mut gpus_changed = entry.actions.iter().any(Action::changes_gpus);
-        for enforcer in self.enforcers.iter() {
-            gpus_changed |= enforcer.released(cx, entry);
-        }
-        self.changed(NodeChange::gpus_if(gpus_changed));
-    }
-
-    /// Undoes a claim that did nothing but hold MIG modes: its spec and
-    /// record go here, on the async worker (two unlinks cost less than a
-    /// hand-over to a blocking thread and back); the settling its holds
-    /// allow (the hardware lock, an NVML read) runs after the answer.
-    fn undo_holds(self: &Arc<Self>, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
-        self.remove_files(uid)?;
-        self.changed(NodeChange::Records);
-        self.settle_later(entry.mig_mode_holds().map(str::to_owned));
-        Ok(())
-    }
-
-    /// Settles `gpus` on a blocking thread, together with whatever other
-    /// unprepares release meanwhile: a burst of them costs a few passes
-    /// under the hardware lock, not one each. A settle reads the holds
-    /// under that lock, so a prepare that came first keeps its GPU as it
-    /// needs it; one lost to a crash is settled at the next start.
-    fn settle_later(self: &Arc<Self>, gpus: impl IntoIterator<Item = String>) {
-        let mut unsettled = self.unsettled();
-        unsettled.gpus.extend(gpus);
-        if unsettled.running || unsettled.gpus.is_empty() {
-            return;
-        }
-        unsettled.running = true;
-        let this = self.clone();
-        tokio::task::spawn_blocking(move || {
-            loop {
-                let gpus = {
-                    let mut unsettled = this.unsettled();
-                    if unsettled.gpus.is_empty() {
-                        unsettled.running = false;
-                        return;
-                    }
-                    std::mem::take(&mut unsettled.gpus)
-                };
-                this.settle_mig_modes(gpus.iter().map(String::as_str));
-            }
-        });
-    }
-
-    fn unsettled(&self) -> MutexGuard<'_, Unsettled> {
-        self.unsettled.locked()
-    }
-
-    /// Whether released MIG mode holds are still to settle (tests).
-    #[cfg(test)]
-    fn settling(&self) -> bool {
-        let unsettled = self.unsettled();
-        unsettled.running || !unsettled.gpus.is_empty()
-    }
-
-    /// Logs each report and records it as a Node Event (in the background:
-    /// this runs on a blocking thread of the runtime).
-    fn tell_operator(&self, reports: Vec<enforce::Report>) {
-        #[cfg(test)]
-        self.reported.locked().extend(reports.iter().cloned());
-        for report in reports {
-            warn!(reason = report.reason, "{}", report.message);
-            if let (Some(events), Ok(runtime)) = (
-                self.deps.events.clone(),
-                tokio::runtime::Handle::try_current(),
-            ) {
-                runtime.spawn(async move {
-                    (events.warning(report.reason, &report.action, &report.message)).await
-                });
-            }
-        }
-    }
-}
-
-/// A record a newer version wrote: what this one did not know of it stays.
-fn newer_fields(uid: &ClaimUid, fields: &[String]) -> enforce::Report {
-    enforce::Report {
-        reason: "NewerRecordFieldsLeft",
-        action: format!("UnprepareClaim {uid}"),
-        message: format!(
-            "claim {uid}: its record was written by a newer version of the driver with fields \
-             this one does not know ({}); what they describe, if anything, was not undone. \
-             Fix: roll forward to the version that wrote it, or check the claim's GPUs by hand \
-             (nvidia-smi)",
-            fields.join(", ")
-        ),
-    }
 }
 
 /// Fuzzing entry point: decoding a checkpoint file with the plugin's real
 /// entry type must never panic, whatever the bytes.
 #[doc(hidden)]
 pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
-    let _ = crate::checkpoint::decode_legacy::<ClaimEntry>(bytes);
-    let _ = crate::checkpoint::decode_record::<ClaimEntry>(bytes);
+    let _ = crate::state::checkpoint::decode_legacy::<ClaimEntry>(bytes);
+    let _ = crate::state::checkpoint::decode_record::<ClaimEntry>(bytes);
 }
-
-/// The fix of an unprepare that failed part way.
-const RETRIED: &str = "see the driver's log; the kubelet retries";
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     match tokio::task::spawn_blocking(f).await {
         Ok(v) => v,
         Err(e) => std::panic::resume_unwind(e.into_panic()),
     }
-}
-
-/// GPUs to settle after unprepares that answered, and whether a blocking
-/// thread is settling them.
-#[derive(Debug, Default)]
-struct Unsettled {
-    gpus: BTreeSet<String>,
-    running: bool,
 }
 
 /// One async lock per claim UID; entries disappear when unused.
@@ -714,77 +530,3 @@ impl ClaimLocks {
 
 #[cfg(test)]
 mod tests;
-
-impl Preparer {
-    /// The Pods (UIDs) of each claim prepared since this process started,
-    /// by claim UID, as they were when it was fetched.
-    pub fn consumers(&self) -> BTreeMap<String, Vec<String>> {
-        self.consumers.all()
-    }
-
-    /// The Pods, with their names, of each claim prepared by this process.
-    pub fn consumer_pods(&self) -> BTreeMap<String, Vec<PodRef>> {
-        self.consumers.pods()
-    }
-}
-
-/// Pods per prepared claim (UID and name), in memory.
-#[derive(Default)]
-struct Consumers(Mutex<BTreeMap<String, Vec<PodRef>>>);
-
-/// A Pod a claim is reserved for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodRef {
-    pub uid: String,
-    pub name: String,
-}
-
-impl Consumers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<PodRef>>> {
-        self.0.locked()
-    }
-
-    fn remember(&self, uid: &ClaimUid, pods: Vec<PodRef>) {
-        self.lock().insert(uid.as_str().to_owned(), pods);
-    }
-
-    fn forget(&self, uid: &ClaimUid) {
-        self.lock().remove(uid.as_str());
-    }
-
-    fn all(&self) -> BTreeMap<String, Vec<String>> {
-        self.lock()
-            .iter()
-            .map(|(claim, pods)| (claim.clone(), pods.iter().map(|p| p.uid.clone()).collect()))
-            .collect()
-    }
-
-    fn pods(&self) -> BTreeMap<String, Vec<PodRef>> {
-        self.lock().clone()
-    }
-}
-
-/// The Pods (UID and name) a claim is reserved for.
-pub fn consumer_pods(claim: &ResourceClaim) -> Vec<PodRef> {
-    let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
-    reserved
-        .into_iter()
-        .flatten()
-        .filter(|r| r.resource == "pods")
-        .map(|r| PodRef {
-            uid: r.uid.clone(),
-            name: r.name.clone(),
-        })
-        .collect()
-}
-
-/// The UIDs of the Pods a claim is reserved for.
-pub fn consumers(claim: &ResourceClaim) -> Vec<String> {
-    let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
-    reserved
-        .into_iter()
-        .flatten()
-        .filter(|r| r.resource == "pods")
-        .map(|r| r.uid.clone())
-        .collect()
-}

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use tracing::{error, info, warn};
 
 use super::{Preparer, blocking};
-use crate::checkpoint::{CheckpointError, LoadOutcome, QUARANTINE_KEPT};
 use crate::claim_uid::ClaimUid;
-use crate::state::records::{ClaimEntry, EntryState};
+use crate::state::checkpoint::{CheckpointError, LoadOutcome, Lost, QUARANTINE_KEPT};
+use crate::state::records::{ClaimEntry, DeviceStatus, EntryState};
 
 /// What start-up recovery found and did.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,7 +39,15 @@ pub enum SetupError {
     },
 }
 
+/// A claim prepared before, for its status write to resume: its UID,
+/// namespace, name and devices.
+type PreparedStatus = (String, String, String, Vec<DeviceStatus>);
+
 impl Preparer {
+    /// What the load found is told -> temp files of interrupted writes go
+    /// -> each record is replayed (rolled back, finished, or its spec
+    /// restored) -> status writes resume, keeping lost claims' -> CDI specs
+    /// no record accounts for go, unless a lost record may own them.
     pub(super) async fn recover(
         self: Arc<Self>,
         outcome: LoadOutcome,
@@ -52,7 +60,29 @@ impl Preparer {
             orphans_removed: Vec::new(),
             problems: Vec::new(),
         };
-        match &outcome {
+        self.tell_load(&outcome).await;
+        self.tell_newer_fields().await;
+        self.remove_stale_temp(&mut recovery).await;
+        let prepared_status = self.replay_records(&mut recovery).await;
+        // Claims whose records were lost (now or earlier in this boot) may
+        // still run: their specs, daemons and status entries stay.
+        let lost = self.checkpoint.lost();
+        self.resume_status(prepared_status, &lost);
+        if !lost.unnamed {
+            recovery.orphans_removed = self.remove_orphan_specs(lost).await?;
+        } else {
+            warn!("a moved-aside record names no claim: orphaned CDI specs are left in place");
+        }
+        for p in &recovery.problems {
+            error!("start-up recovery: {p}");
+        }
+        Ok(recovery)
+    }
+
+    /// Logs how the records were found; records moved aside are also a
+    /// Node Event.
+    async fn tell_load(&self, outcome: &LoadOutcome) {
+        match outcome {
             LoadOutcome::Quarantined {
                 reason,
                 moved_to,
@@ -82,29 +112,36 @@ impl Preparer {
             LoadOutcome::Restored { claims } => info!("checkpoint restored: {claims} claims"),
             LoadOutcome::Fresh => info!("no checkpoint yet"),
         }
+    }
 
+    /// Warns of records a newer version wrote, with the fields this one
+    /// does not know.
+    async fn tell_newer_fields(&self) {
         let newer = self.checkpoint.with_unknown_fields();
-        if !newer.is_empty() {
-            let claims: Vec<String> = (newer.iter())
-                .map(|(uid, fields)| format!("{uid} ({})", fields.join(", ")))
-                .collect();
-            let message = format!(
-                "{} prepared-claim record(s) were written by a newer version of the driver with \
-                 fields this one does not know: {}. The claims are kept with what this version \
-                 knows; what the unknown fields describe is not undone at their unprepare. Fix: \
-                 roll forward, or finish the rollback once those claims are unprepared",
-                newer.len(),
-                claims.join("; ")
-            );
-            warn!("{message}");
-            if let Some(events) = &self.deps.events {
-                events
-                    .warning("CheckpointNewerFields", "LoadCheckpoint", &message)
-                    .await;
-            }
+        if newer.is_empty() {
+            return;
         }
+        let claims: Vec<String> = (newer.iter())
+            .map(|(uid, fields)| format!("{uid} ({})", fields.join(", ")))
+            .collect();
+        let message = format!(
+            "{} prepared-claim record(s) were written by a newer version of the driver with \
+             fields this one does not know: {}. The claims are kept with what this version \
+             knows; what the unknown fields describe is not undone at their unprepare. Fix: \
+             roll forward, or finish the rollback once those claims are unprepared",
+            newer.len(),
+            claims.join("; ")
+        );
+        warn!("{message}");
+        if let Some(events) = &self.deps.events {
+            events
+                .warning("CheckpointNewerFields", "LoadCheckpoint", &message)
+                .await;
+        }
+    }
 
-        // Temp files of writes a kill interrupted (specs, checkpoint).
+    /// Removes temp files of writes a kill interrupted (specs, records).
+    async fn remove_stale_temp(self: &Arc<Self>, recovery: &mut Recovery) {
         let this = self.clone();
         let stale = blocking(move || {
             let mut stale = this.specs.remove_stale_temp_files()?;
@@ -127,7 +164,12 @@ impl Preparer {
                 .problems
                 .push(format!("removing temp files of interrupted writes: {e}")),
         }
+    }
 
+    /// Rolls back claims left `Started`, finishes those left
+    /// `Unpreparing`, and checks and restores the `Completed` ones; the
+    /// status writes of the latter.
+    async fn replay_records(self: &Arc<Self>, recovery: &mut Recovery) -> Vec<PreparedStatus> {
         let mut prepared_status = Vec::new();
         for (uid, entry) in self.entries() {
             match entry.state {
@@ -144,12 +186,6 @@ impl Preparer {
                         .push(format!("finishing unprepare of claim {uid}: {e}")),
                 },
                 EntryState::Completed => {
-                    // What the claim was prepared with is the driver's (the
-                    // model publishes it as such); a device that vanished
-                    // (a GPU reset, a hand-made change) is reported.
-                    for provider in self.enforcers.iter() {
-                        recovery.problems.extend(provider.check(&uid, &entry));
-                    }
                     // The status write runs in the background after
                     // prepare; a kill may have cut it short.
                     prepared_status.push((
@@ -158,52 +194,69 @@ impl Preparer {
                         entry.name.clone(),
                         entry.status.clone(),
                     ));
-                    let this = self.clone();
-                    let id = uid.clone();
-                    match blocking(move || this.restore_spec(&id, &entry)).await {
-                        Ok(true) => recovery.specs_restored.push(uid),
-                        Ok(false) => {}
-                        Err(e) => recovery
-                            .problems
-                            .push(format!("restoring the CDI spec of claim {uid}: {e}")),
-                    }
+                    self.restore_completed(uid, entry, recovery).await;
                 }
             }
         }
-        // Claims whose records were lost (now or earlier in this boot) may
-        // still run: their specs, daemons and status entries stay.
-        let lost = self.checkpoint.lost();
+        prepared_status
+    }
+
+    /// A `Completed` claim: its devices are checked and its spec restored.
+    async fn restore_completed(
+        self: &Arc<Self>,
+        uid: ClaimUid,
+        entry: ClaimEntry,
+        recovery: &mut Recovery,
+    ) {
+        // What the claim was prepared with is the driver's (the model
+        // publishes it as such); a device that vanished (a GPU reset, a
+        // hand-made change) is reported.
+        for provider in self.enforcers.iter() {
+            recovery.problems.extend(provider.check(&uid, &entry));
+        }
+        let this = self.clone();
+        let id = uid.clone();
+        match blocking(move || this.restore_spec(&id, &entry)).await {
+            Ok(true) => recovery.specs_restored.push(uid),
+            Ok(false) => {}
+            Err(e) => recovery
+                .problems
+                .push(format!("restoring the CDI spec of claim {uid}: {e}")),
+        }
+    }
+
+    /// Resumes the status writes of prepared claims. Markers of claims not
+    /// in the records are removals still to make, unless their records
+    /// were lost.
+    fn resume_status(&self, prepared_status: Vec<PreparedStatus>, lost: &Lost<ClaimEntry>) {
         if let Some(writer) = &self.deps.status {
-            // Markers of claims not in the records are removals still to
-            // make, unless their records were lost.
             writer.resume(prepared_status, !lost.unnamed, |uid| {
                 ClaimUid::parse(uid).is_ok_and(|c| lost.may_hold(&c))
             });
         }
+    }
 
-        if !lost.unnamed {
-            let this = self.clone();
-            let removed = blocking(move || {
-                let known: BTreeSet<ClaimUid> = this.checkpoint.lock().keys().cloned().collect();
-                this.specs
-                    .remove_orphans(|c| known.contains(c) || lost.claims.contains_key(c))
-            })
-            .await
-            .map_err(|source| SetupError::CdiDir {
-                dir: self.config.cdi_dir.clone(),
-                source,
-            })?;
-            if !removed.is_empty() {
-                info!(count = removed.len(), "removed orphaned CDI specs");
-            }
-            recovery.orphans_removed = removed;
-        } else {
-            warn!("a moved-aside record names no claim: orphaned CDI specs are left in place");
+    /// Removes CDI specs that neither a record nor a lost record accounts
+    /// for; what was removed.
+    async fn remove_orphan_specs(
+        self: &Arc<Self>,
+        lost: Lost<ClaimEntry>,
+    ) -> Result<Vec<ClaimUid>, SetupError> {
+        let this = self.clone();
+        let removed = blocking(move || {
+            let known: BTreeSet<ClaimUid> = this.checkpoint.lock().keys().cloned().collect();
+            this.specs
+                .remove_orphans(|c| known.contains(c) || lost.claims.contains_key(c))
+        })
+        .await
+        .map_err(|source| SetupError::CdiDir {
+            dir: self.config.cdi_dir.clone(),
+            source,
+        })?;
+        if !removed.is_empty() {
+            info!(count = removed.len(), "removed orphaned CDI specs");
         }
-        for p in &recovery.problems {
-            error!("start-up recovery: {p}");
-        }
-        Ok(recovery)
+        Ok(removed)
     }
 
     /// Rewrites the spec of a completed claim if it is missing or differs.

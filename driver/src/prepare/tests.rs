@@ -507,7 +507,7 @@ async fn the_gpus_are_read_again_only_after_they_changed() {
     assert_eq!(took(&f), [NodeChange::Records]);
     assert!(mig.switches().is_empty());
     let on_disk =
-        crate::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir, None).unwrap();
+        crate::state::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir, None).unwrap();
     let entry = &on_disk.claims[&ClaimUid::parse(&uid(3)).unwrap()];
     assert_eq!(entry.state, EntryState::Completed);
     assert!(entry.mig_mode_holds().any(|g| g == GPU));
@@ -818,7 +818,7 @@ async fn a_newer_versions_record_keeps_its_claim_with_what_is_known() {
     let (preparer, recovery) = f.open(Vec::new()).await;
     assert_eq!(
         recovery.outcome,
-        crate::checkpoint::LoadOutcome::Restored { claims: 1 }
+        crate::state::checkpoint::LoadOutcome::Restored { claims: 1 }
     );
     assert!(preparer.entry(&claim).is_some());
     assert!(!preparer.lost_claims().may_hold(&claim));
@@ -842,7 +842,7 @@ async fn a_newer_versions_record_keeps_its_claim_with_what_is_known() {
 #[test]
 fn fuzz_seed_is_a_valid_checkpoint() {
     let seed = include_bytes!("../../fuzz/seeds/two_claims.json");
-    let (boot, entries) = crate::checkpoint::decode_legacy::<ClaimEntry>(seed).unwrap();
+    let (boot, entries) = crate::state::checkpoint::decode_legacy::<ClaimEntry>(seed).unwrap();
     assert_eq!(boot, "boot-a");
     assert_eq!(entries.len(), 2);
     let first = entries.values().next().unwrap();

@@ -15,7 +15,7 @@
 //! Fields are added, never repurposed: an older version reading a newer
 //! entry (a rollback) ignores the fields, actions and spec it does not know
 //! and keeps the claim with the rest; the checkpoint reports what it
-//! ignored ([`crate::checkpoint::Checkpoint::unknown_fields`]).
+//! ignored ([`crate::state::checkpoint::Checkpoint::unknown_fields`]).
 
 use serde::{Deserialize, Serialize};
 use tessera_api::config::{Limits, Quantity};
@@ -130,7 +130,7 @@ fn items<T: serde::de::DeserializeOwned>(entry: &serde_json::Value, field: &str)
         .collect()
 }
 
-impl crate::checkpoint::Entry for ClaimEntry {
+impl crate::state::checkpoint::Entry for ClaimEntry {
     /// Of a damaged entry: the actions, devices and status entries that
     /// still decode one by one (what to release), never its spec.
     fn salvage(entry: &serde_json::Value) -> Option<Self> {

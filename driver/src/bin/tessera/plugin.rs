@@ -6,10 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tessera_controller::publisher::{MIN_FULL_MODEL, ServerVersion};
-use tessera_driver::checkpoint::KERNEL_BOOT_ID;
 use tessera_driver::metrics::server::parse_address;
 use tessera_driver::node::config::{DriverRoot, HostCgroupPlace, KubeletPaths};
 use tessera_driver::node::{self, NodeConfig};
+use tessera_driver::state::checkpoint::KERNEL_BOOT_ID;
 
 use crate::flags::{
     CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, PolicyFlags, init_logging,

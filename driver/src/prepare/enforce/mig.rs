@@ -18,10 +18,10 @@ use super::mig_caps;
 use super::whole::push_node;
 use super::{Device, Effects, EnforceError, Enforcer, Report, Request, Undo};
 use crate::cdi::ContainerEdits;
-use crate::checkpoint::Checkpoint;
 use crate::claim_uid::ClaimUid;
 use crate::host::port::{CreateError, MigManager};
 use crate::prepare::resolve::Kind;
+use crate::state::checkpoint::Checkpoint;
 use crate::state::records::{Action, ClaimEntry, MigRecord};
 use crate::sync::ReadWrite;
 

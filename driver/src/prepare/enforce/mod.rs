@@ -29,10 +29,10 @@ use tessera_api::config::EffectiveConfig;
 use super::claims::{ClaimError, ClaimRef};
 use super::resolve::Resolved;
 use crate::cdi::ContainerEdits;
-use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::claim_uid::ClaimUid;
 use crate::host::driver_root::Layout;
 use crate::host::port::{HostError, MigManager, MpsClient, MpsControl, TimeSliceControl};
+use crate::state::checkpoint::{Checkpoint, CheckpointError};
 use crate::state::records::{Action, ClaimEntry, DeviceData};
 use crate::sync::{Locked, ReadWrite};
 

@@ -22,10 +22,10 @@ use std::process::ExitCode;
 use clap::ValueEnum;
 
 use tessera_api::inventory::Inventory;
-use tessera_driver::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::discovery;
 use tessera_driver::host::mps::generation;
+use tessera_driver::state::checkpoint::{self, KERNEL_BOOT_ID};
 use tessera_driver::state::records::ClaimEntry;
 
 use crate::flags::{DriverFlags, KubeFlags};
