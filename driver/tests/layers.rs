@@ -210,6 +210,18 @@ fn the_docs_list_the_units() {
 }
 
 #[test]
+fn the_error_of_a_result_is_its_last_argument() {
+    let found = |line| error_types(line).collect::<Vec<_>>();
+    assert_eq!(found("fn f() -> Result<(), String> {"), ["String"]);
+    assert_eq!(
+        found("-> Result<BTreeMap<String, String>, PublishError>"),
+        ["PublishError"]
+    );
+    assert_eq!(found("-> Result<(String, u8), Box<E>>"), ["Box<E>"]);
+    assert!(found("-> io::Result<String>").is_empty());
+}
+
+#[test]
 fn a_unit_is_its_longest_listed_prefix() {
     let module = |path: &str| path.split('/').map(str::to_owned).collect::<Vec<_>>();
     assert_eq!(unit_of(&module("host/mps/daemon")), Some("adapters"));
@@ -217,4 +229,48 @@ fn a_unit_is_its_longest_listed_prefix() {
     assert_eq!(unit_of(&[]), Some("root"));
     assert_eq!(unit_of(&module("hostile")), None);
     assert!(may_use("prepare", "port") && !may_use("prepare", "adapters"));
+}
+
+/// The error type of each `Result<T, E>` a line names.
+fn error_types(line: &str) -> impl Iterator<Item = &str> {
+    line.match_indices("Result<").filter_map(|(at, _)| {
+        let args = &line[at + "Result<".len()..];
+        let (mut depth, mut comma) = (0, None);
+        for (i, c) in args.char_indices() {
+            match c {
+                '<' | '(' => depth += 1,
+                '>' | ')' if depth == 0 => return comma.map(|c: usize| args[c + 1..i].trim()),
+                '>' | ')' => depth -= 1,
+                ',' if depth == 0 => comma = Some(i),
+                _ => {}
+            }
+        }
+        None
+    })
+}
+
+#[test]
+fn library_errors_are_typed() {
+    let driver = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut untyped = Vec::new();
+    for (src, apart) in [
+        ("src", &["bin"][..]),
+        ("../controller/src", &[]),
+        ("../api/src", &[]),
+    ] {
+        let krate = Crate::read(&driver.join(src), apart);
+        for (module, (_, text)) in &krate.files {
+            for (n, line) in text.lines().enumerate() {
+                if error_types(line).any(|e| e == "String") || line.contains("anyhow") {
+                    untyped.push(format!("{}:{}: {}", krate.name(module), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        untyped.is_empty(),
+        "library code returns typed errors (thiserror, keeping the cause as its source), \
+         never a String or anyhow; the binary may use anyhow:\n{}",
+        untyped.join("\n")
+    );
 }

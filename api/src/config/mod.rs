@@ -53,8 +53,8 @@ pub use resolve::{
 };
 pub use types::{
     Config, GpuConfig, GpuSharing, GpuSharingStrategy, Kind, MigConfig, MigSharing,
-    MigSharingStrategy, MpsSettings, ProcessLimits, Quantity, ShareConfig, TimeSliceInterval,
-    TimeSlicing,
+    MigSharingStrategy, MpsSettings, ProcessLimits, Quantity, QuantityError, ShareConfig,
+    TimeSliceInterval, TimeSlicing,
 };
 
 /// API group of the config kinds.

@@ -310,9 +310,22 @@ impl Quantity {
     }
 
     /// Parses the string form.
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, QuantityError> {
         parse_quantity(s).map(Quantity)
     }
+}
+
+/// Why a string is not a quantity of bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuantityError {
+    #[error("quantity `{0}` has unknown suffix `{1}`")]
+    Suffix(String, String),
+    #[error("`{0}` is not a quantity")]
+    NotANumber(String),
+    #[error("quantity `{0}` is too large or too precise")]
+    TooPrecise(String),
+    #[error("quantity `{0}` does not fit in 64 bits of bytes")]
+    TooLarge(String),
 }
 
 impl fmt::Display for Quantity {
@@ -329,7 +342,7 @@ impl fmt::Display for Quantity {
     }
 }
 
-fn parse_quantity(s: &str) -> Result<u64, String> {
+fn parse_quantity(s: &str) -> Result<u64, QuantityError> {
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
@@ -349,7 +362,7 @@ fn parse_quantity(s: &str) -> Result<u64, String> {
         "P" => 1_000_000_000_000_000,
         "E" => 1_000_000_000_000_000_000,
         other => {
-            return Err(format!("quantity `{s}` has unknown suffix `{other}`"));
+            return Err(QuantityError::Suffix(s.into(), other.into()));
         }
     };
     let (whole, frac) = match number.split_once('.') {
@@ -357,13 +370,13 @@ fn parse_quantity(s: &str) -> Result<u64, String> {
         None => (number, ""),
     };
     if whole.is_empty() || (number.contains('.') && frac.is_empty()) || frac.contains('.') {
-        return Err(format!("`{s}` is not a quantity"));
+        return Err(QuantityError::NotANumber(s.into()));
     }
     // At most 19 fractional digits keeps every intermediate within u128.
     if whole.len() > 20 || frac.len() > 19 {
-        return Err(format!("quantity `{s}` is too large or too precise"));
+        return Err(QuantityError::TooPrecise(s.into()));
     }
-    let too_large = || format!("quantity `{s}` does not fit in 64 bits of bytes");
+    let too_large = || QuantityError::TooLarge(s.into());
     let whole: u128 = whole.parse().map_err(|_| too_large())?;
     let mut bytes = whole.checked_mul(multiplier).ok_or_else(too_large)?;
     if !frac.is_empty() {

@@ -12,9 +12,12 @@ use nvml_wrapper::Nvml;
 use tracing::{info, warn};
 
 use super::config::{HostCgroupPlace, NodeConfig};
-use super::readiness::{Phase, PreFlight, Readiness};
+use super::readiness::{Check, CheckFailed, Phase, PreFlight, Readiness};
 use super::state_lock::{LOCK_FILE, StateLock};
 use crate::discovery;
+use crate::host::mps::HostCgroup;
+use crate::state::checkpoint::read_snapshot;
+use crate::state::records::ClaimEntry;
 
 /// Where the records a takeover reads are.
 #[derive(Clone, Debug)]
@@ -30,15 +33,16 @@ impl Takeover {
     /// Whether a daemon could be placed in the host cgroup, as start-up
     /// will check (a forked child joins it and exits); nothing to check
     /// without one.
-    pub fn check_placement(&self) -> Result<String, String> {
+    pub fn check_placement(&self) -> Check {
         let Some(HostCgroupPlace { fs, name }) = &self.mps_cgroup else {
             return Ok("MPS daemons stay in this process's cgroup".into());
         };
-        let cgroup = crate::host::mps::HostCgroup::open(fs, name)
-            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
-        std::sync::Arc::new(cgroup)
-            .check()
-            .map_err(|e| format!("cannot place MPS daemons in the host cgroup {name}: {e}"))?;
+        let failed = |source| CheckFailed::Placement {
+            name: name.clone(),
+            source: Arc::new(source),
+        };
+        let cgroup = HostCgroup::open(fs, name).map_err(failed)?;
+        Arc::new(cgroup).check().map_err(failed)?;
         Ok(format!(
             "MPS daemons can be placed in the host cgroup {name}"
         ))
@@ -46,28 +50,19 @@ impl Takeover {
 
     /// Reads the prepared-claim records of this boot as start-up will,
     /// changing nothing (the active process owns them).
-    pub fn check_records(&self) -> Result<String, String> {
-        let boot = std::fs::read_to_string(&self.boot_id_file).map_err(|e| {
-            format!(
-                "cannot read the boot id {}: {e}",
-                self.boot_id_file.display()
-            )
-        })?;
-        let snapshot =
-            crate::state::checkpoint::read_snapshot::<crate::state::records::ClaimEntry>(
-                &self.state_dir,
-                Some(boot.trim()),
-            )
-            .map_err(|e| format!("cannot read the prepared-claim records: {e}"))?;
+    pub fn check_records(&self) -> Check {
+        let boot =
+            std::fs::read_to_string(&self.boot_id_file).map_err(|source| CheckFailed::BootId {
+                path: self.boot_id_file.clone(),
+                source: Arc::new(source),
+            })?;
+        let snapshot = read_snapshot::<ClaimEntry>(&self.state_dir, Some(boot.trim()))
+            .map_err(|e| CheckFailed::Records(Arc::new(e)))?;
         if !snapshot.unreadable.is_empty() {
-            return Err(format!(
-                "{} prepared-claim record(s) do not decode in this version ({}); taking over \
-                 would set their claims aside as lost. Fix: roll back to the version serving \
-                 now, or check the records under {}",
-                snapshot.unreadable.len(),
-                snapshot.unreadable.join("; "),
-                self.state_dir.display()
-            ));
+            return Err(CheckFailed::Undecodable {
+                why: snapshot.unreadable,
+                dir: self.state_dir.clone(),
+            });
         }
         Ok(format!(
             "{} prepared-claim record(s) decode",
@@ -93,7 +88,7 @@ pub async fn preflight(
                 let library = nvml_library.to_owned();
                 let loaded = blocking(move || discovery::init(Some(&library)))
                     .await?
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| CheckFailed::NvmlLoad(Arc::new(e)))?;
                 nvml.get_or_init(|| Arc::new(loaded)).clone()
             }
         };
@@ -102,8 +97,8 @@ pub async fn preflight(
     let api_server = async {
         match tokio::time::timeout(timeout, client.apiserver_version()).await {
             Ok(Ok(v)) => Ok(format!("the API server ({}) answers", v.git_version)),
-            Ok(Err(e)) => Err(format!("the API server does not answer: {e}")),
-            Err(_) => Err(format!("the API server did not answer within {timeout:?}")),
+            Ok(Err(e)) => Err(CheckFailed::ApiServer(Arc::new(e))),
+            Err(_) => Err(CheckFailed::ApiServerSilent(timeout)),
         }
     };
     let records = {
@@ -124,8 +119,8 @@ pub async fn preflight(
 }
 
 /// Lists the GPUs, as the active instance will.
-fn list_gpus(nvml: &Nvml) -> Result<String, String> {
-    let found = discovery::discover(nvml).map_err(|e| format!("NVML: {e}"))?;
+fn list_gpus(nvml: &Nvml) -> Check {
+    let found = discovery::discover(nvml).map_err(|e| CheckFailed::Nvml(Arc::new(e)))?;
     let mut line = format!(
         "NVML {} lists {} GPUs",
         found.inventory.driver_version,
@@ -137,10 +132,12 @@ fn list_gpus(nvml: &Nvml) -> Result<String, String> {
     Ok(line)
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, CheckFailed> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| format!("NVML check failed: {e}"))
+        .map_err(|e| CheckFailed::Panicked(Arc::new(e)))
 }
 
 /// While another process holds the state lock: runs the pre-flight checks

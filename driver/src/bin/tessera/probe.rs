@@ -81,7 +81,10 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
-    match tessera_api::config::Quantity::parse(s)?.bytes() {
+    match tessera_api::config::Quantity::parse(s)
+        .map_err(|e| e.to_string())?
+        .bytes()
+    {
         0 => Err("must be more than 0 bytes".into()),
         n => Ok(n),
     }
