@@ -39,7 +39,8 @@ export TESSERA_REQUIRE_PODMAN=1
 "$PREREQS" selftest
 
 # --- 0. static checks (fast; a formatting or lint error fails the run) ----
-say "cargo fmt --check, cargo clippy -D warnings"
+say "commit messages, cargo fmt --check, cargo clippy -D warnings"
+"$REPO_ROOT/conformance/check-commits.sh"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
