@@ -402,20 +402,18 @@ async fn logs(pods: &Api<Pod>, pod: &str) -> String {
 }
 
 /// The one daemon pod running `tag`, once it is Ready and its node process
-/// registered with the kubelet.
+/// serves: registered with the kubelet, its slices published.
 async fn registered_daemon(pods: &Api<Pod>, release: &str, tag: &str) -> Result<Pod> {
+    let kubelet = tessera_conformance::ClusterEnv::from_env()?
+        .kubelet
+        .context("the chart's pod needs the cluster's kubelet")?;
     wait_for(
-        &format!("the daemon pod of tag {tag} registered with the kubelet"),
+        &format!("the daemon pod of tag {tag} serving (registered, slices published)"),
         TIMEOUT,
         || async {
             for (pod, t) in daemon_pods(pods, release).await? {
                 stuck(&pod)?;
-                if t == tag
-                    && ready(&pod)
-                    && logs(pods, &name(&pod))
-                        .await
-                        .contains("registered with the kubelet")
-                {
+                if t == tag && ready(&pod) && serving(&kubelet.root, &pod) {
                     return Ok(Some(pod));
                 }
             }
@@ -423,6 +421,25 @@ async fn registered_daemon(pods: &Api<Pod>, release: &str, tag: &str) -> Result<
         },
     )
     .await
+}
+
+/// Whether the pod's node process says it serves (`tessera health --probe
+/// status`), asked on its probe socket: the pod's `health` emptyDir, which
+/// the kubelet of this host keeps under its root. The path is longer than a
+/// socket address may be, so the probe runs in that directory.
+fn serving(kubelet_root: &Path, pod: &Pod) -> bool {
+    let Some(uid) = pod.metadata.uid.as_deref() else {
+        return false;
+    };
+    let dir = kubelet_root
+        .join("pods")
+        .join(uid)
+        .join("volumes/kubernetes.io~empty-dir/health");
+    Command::new(tessera_conformance::artifacts::tessera())
+        .args(["health", "--probe", "status", "--socket", "health.sock"])
+        .current_dir(&dir)
+        .output()
+        .is_ok_and(|out| out.status.success())
 }
 
 /// The node's slices of `driver` once the pool is complete: name -> resourceVersion.
