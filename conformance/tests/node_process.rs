@@ -597,11 +597,14 @@ async fn a_second_node_process_waits_for_the_first_and_keeps_what_it_prepared() 
     let mut new = PluginProcess::start(&w.dirs, &options)?;
     let new_log = new.log.clone();
     wait_for(
-        "the new process to wait for the state lock",
+        "the new process to wait for the state lock (phase standby)",
         TIMEOUT,
         || {
-            let text = std::fs::read_to_string(&new_log).unwrap_or_default();
-            async move { Ok(text.contains("waiting for it to exit").then_some(())) }
+            let status = new.status();
+            async move {
+                let standby = status?.is_some_and(|s| s["phase"] == "standby");
+                Ok(standby.then_some(()))
+            }
         },
     )
     .await?;

@@ -396,7 +396,16 @@ impl PluginProcess {
         let registry_before = std::fs::read_dir(dirs.registry())
             .map(|rd| rd.filter_map(|e| Some(e.ok()?.path())).collect())
             .unwrap_or_default();
-        let health = dirs.path("health.sock");
+        // Its probe socket: the one the test gives, else one of its own.
+        let health = opts
+            .args
+            .iter()
+            .position(|a| a == "--health-socket")
+            .and_then(|at| opts.args.get(at + 1))
+            .map_or_else(
+                || dirs.path(&opts.log.replace(".log", ".sock")),
+                PathBuf::from,
+            );
         let mut command = Command::new(&b.tessera);
         if let Some(events) = &opts.events {
             command.env("TESSERA_FAKE_NVML_EVENTS", events);
@@ -487,23 +496,30 @@ impl PluginProcess {
         self.child.id() as i32
     }
 
-    /// The metrics endpoint's address, from the plugin's log (`serving
-    /// metrics on http://<address>/metrics`), once it is there.
+    /// What the process says of itself on its probe socket (`tessera
+    /// health --probe status`: phase, readiness, registration, published
+    /// generation, metrics address); `None` while nothing answers.
+    pub fn status(&self) -> Result<Option<serde_json::Value>> {
+        let asked = Command::new(&binaries().tessera)
+            .args(["health", "--probe", "status", "--socket"])
+            .arg(&self.health)
+            .output()
+            .context("running tessera health")?;
+        Ok(serde_json::from_slice(&asked.stdout).ok())
+    }
+
+    /// The metrics endpoint's address, as the process says on its probe
+    /// socket (`tessera health --probe status`), once it is bound.
     pub async fn metrics_address(&mut self) -> Result<std::net::SocketAddr> {
-        const MARK: &str = "serving metrics on http://";
         let deadline = std::time::Instant::now() + TIMEOUT;
         loop {
             self.check_running()?;
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            // The last start's line (the log is appended to across restarts).
-            if let Some(found) = log.rsplit_once(MARK).and_then(|(_, rest)| {
-                rest.split_once("/metrics")
-                    .and_then(|(address, _)| address.parse().ok())
-            }) {
-                return Ok(found);
+            let status = self.status()?.unwrap_or_default();
+            if let Some(address) = status["metricsAddress"].as_str() {
+                return Ok(address.parse()?);
             }
             if std::time::Instant::now() > deadline {
-                bail!("the plugin logged no metrics address within {TIMEOUT:?}");
+                bail!("the plugin said no metrics address within {TIMEOUT:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -115,7 +115,7 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
         standby::take_state_lock(nvml_library, config, &client, &readiness).await?;
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
     readiness.set(Phase::Active(catalog.clone()));
-    let metrics = serve_metrics(config).await;
+    let metrics = serve_metrics(config, &readiness).await;
     let nvml = match checked_nvml {
         Some(nvml) => nvml,
         None => Arc::new(discovery::init(Some(nvml_library)).map_err(StartError::Nvml)?),
@@ -163,11 +163,14 @@ async fn serve_probes(config: &NodeConfig) -> Result<Arc<Readiness>, ProbeSocket
 /// After the lock: during a rolling update the old instance holds the port
 /// until it exits. A port that cannot be bound costs the metrics, never the
 /// kubelet plugin.
-async fn serve_metrics(config: &NodeConfig) -> Option<Arc<Metrics>> {
+async fn serve_metrics(config: &NodeConfig, readiness: &Readiness) -> Option<Arc<Metrics>> {
     let address = config.metrics_address?;
     let metrics = Arc::new(Metrics::new());
     match crate::metrics::server::serve(address, metrics.clone()).await {
-        Ok(_) => Some(metrics),
+        Ok(bound) => {
+            readiness.set_metrics_address(bound);
+            Some(metrics)
+        }
         Err(e) => {
             error!("{e}; serving no metrics");
             None

@@ -22,6 +22,7 @@
 
 use std::convert::Infallible;
 use std::io::{Read, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -143,6 +144,8 @@ pub struct Readiness {
     /// The pool's generation after the last reconcile that left the
     /// server with the model; 0 before the first.
     published: AtomicI64,
+    /// Where metrics are served, once bound.
+    metrics_address: Mutex<Option<SocketAddr>>,
 }
 
 /// `GET /status`: where the node process stands, as JSON, for tools and
@@ -159,6 +162,9 @@ pub struct NodeStatus {
     /// The node's slices were written (or found up to date) at least
     /// once; the pool's generation then.
     pub published_generation: Option<i64>,
+    /// Where Prometheus metrics are served (the port bound, when asked
+    /// for any); `None` when they are not (yet).
+    pub metrics_address: Option<SocketAddr>,
 }
 
 impl NodeStatus {
@@ -222,6 +228,11 @@ impl Readiness {
         self.published.store(generation.max(1), Ordering::SeqCst);
     }
 
+    /// Metrics are served at `address`.
+    pub fn set_metrics_address(&self, address: SocketAddr) {
+        *self.metrics_address.locked() = Some(address);
+    }
+
     pub fn status(&self) -> NodeStatus {
         let phase = match self.phase() {
             Phase::Starting => "starting",
@@ -234,6 +245,7 @@ impl Readiness {
             ready: self.ready().ok,
             registered: self.registered.load(Ordering::SeqCst),
             published_generation: (published > 0).then_some(published),
+            metrics_address: *self.metrics_address.locked(),
         }
     }
 
