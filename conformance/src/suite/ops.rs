@@ -192,6 +192,7 @@ impl Kube {
         let deadline = self.deadline();
         loop {
             let pods = self.get_pods(names).await?;
+            self.record_allocations(&pods).await;
             if pods.iter().all(&done) {
                 return Ok(pods);
             }
@@ -203,6 +204,36 @@ impl Kube {
                 bail!("not {what} within {:?}: {}", self.timeout, why.join("; "));
             }
             tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Records the allocation of each of `pods`' claims not in the claim log
+    /// yet, read now: a second source beside the watch, which misses a
+    /// claim allocated and deleted while it relists.
+    async fn record_allocations(&self, pods: &[Pod]) {
+        let claims = pods
+            .iter()
+            .filter_map(|p| p.status.as_ref()?.resource_claim_statuses.as_ref())
+            .flatten()
+            .filter_map(|s| s.resource_claim_name.clone());
+        for claim in claims {
+            if self
+                .claim_log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(&claim)
+            {
+                continue;
+            }
+            if let Ok(Some(found)) = self.claims().get_opt(&claim).await {
+                let allocated = allocation_of(&found);
+                if !allocated.is_empty() {
+                    self.claim_log
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(claim, allocated);
+                }
+            }
         }
     }
 
