@@ -112,10 +112,14 @@ fn beside_test(file: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// `cargo build -p package <target>`, and the artifact cargo reports.
+/// `cargo build --workspace <target>`, and the artifact of `package` cargo
+/// reports. The whole workspace is the selection, as for the `cargo build
+/// --workspace` and `cargo test --workspace` around the tests: a narrower
+/// one unifies dependency features differently and rebuilds shared
+/// libraries in place, under the feet of the cargo that runs the tests.
 fn build(package: &str, target: Target) -> PathBuf {
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "-p", package, "--message-format=json"]);
+    cmd.args(["build", "--workspace", "--message-format=json"]);
     match target {
         Target::Bin(name) => cmd.args(["--bin", name]),
         Target::Cdylib => cmd.arg("--lib"),
@@ -127,14 +131,30 @@ fn build(package: &str, target: Target) -> PathBuf {
         .expect("running cargo build");
     assert!(
         out.status.success(),
-        "cargo build -p {package} ({target:?}) failed"
+        "cargo build --workspace ({package} {target:?}) failed"
     );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|m| m["reason"] == "compiler-artifact")
+        .filter(|m| m["reason"] == "compiler-artifact" && of_package(m, package))
         .find_map(|m| artifact(&m, package, target))
         .unwrap_or_else(|| panic!("cargo reported no {target:?} artifact of {package}"))
+}
+
+/// Whether a `compiler-artifact` message is of `package` (its package id
+/// names it: `path+file:///...#tessera-driver@0.1.0` or `...#0.1.0` after
+/// a directory of that name).
+fn of_package(message: &Value, package: &str) -> bool {
+    let Some((url, fragment)) = message["package_id"]
+        .as_str()
+        .and_then(|id| id.split_once('#'))
+    else {
+        return false;
+    };
+    match fragment.split_once('@') {
+        Some((name, _version)) => name == package,
+        None => url.rsplit('/').next() == Some(package),
+    }
 }
 
 /// The path of `target` in one `compiler-artifact` message, if it is that.
@@ -227,6 +247,22 @@ mod tests {
             Some(PathBuf::from("/t/debug/libtessera_fake_nvml.so"))
         );
         assert_eq!(artifact(&lib, "tessera-fake-cuda", Target::Cdylib), None);
+    }
+
+    #[test]
+    fn an_artifact_is_taken_only_from_its_package() {
+        let of = |id: &str| serde_json::json!({ "package_id": id });
+        let driver = of("path+file:///src/driver#tessera-driver@0.1.0");
+        assert!(of_package(&driver, "tessera-driver"));
+        assert!(!of_package(&driver, "tessera"));
+        assert!(of_package(
+            &of("path+file:///src/tessera-api#0.1.0"),
+            "tessera-api"
+        ));
+        assert!(!of_package(
+            &of("path+file:///src/api#tessera-api@0.1.0"),
+            "api"
+        ));
     }
 
     #[test]
