@@ -470,14 +470,9 @@ impl PluginProcess {
     /// Waits until the process says it serves (`tessera health --probe
     /// status`): registered with the kubelet, its slices published.
     pub async fn serving(&self) -> Result<()> {
-        let tessera = binaries().tessera.clone();
         let deadline = std::time::Instant::now() + TIMEOUT;
         loop {
-            let asked = Command::new(&tessera)
-                .args(["health", "--probe", "status", "--socket"])
-                .arg(&self.health)
-                .output()
-                .context("running tessera health")?;
+            let asked = self.ask_status()?;
             if asked.status.success() {
                 return Ok(());
             }
@@ -500,12 +495,17 @@ impl PluginProcess {
     /// health --probe status`: phase, readiness, registration, published
     /// generation, metrics address); `None` while nothing answers.
     pub fn status(&self) -> Result<Option<serde_json::Value>> {
-        let asked = Command::new(&binaries().tessera)
+        Ok(serde_json::from_slice(&self.ask_status()?.stdout).ok())
+    }
+
+    /// `tessera health --probe status` on this process's probe socket: its
+    /// JSON on stdout, and success once the process serves.
+    fn ask_status(&self) -> Result<std::process::Output> {
+        Command::new(&binaries().tessera)
             .args(["health", "--probe", "status", "--socket"])
             .arg(&self.health)
             .output()
-            .context("running tessera health")?;
-        Ok(serde_json::from_slice(&asked.stdout).ok())
+            .context("running tessera health")
     }
 
     /// The metrics endpoint's address, as the process says on its probe

@@ -106,7 +106,7 @@ impl Plugin {
     /// fails.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
         let sockets = self.bind_sockets()?;
-        let (mut servers, stops) = self.serve(sockets.listeners);
+        let (mut servers, stops) = self.serve(sockets.listeners, &sockets.dra);
         info!(
             registration = %sockets.registration.display(),
             dra = %sockets.dra.display(),
@@ -168,7 +168,7 @@ impl Plugin {
     }
 
     /// Starts both servers; each stops when told through `Stops`.
-    fn serve(&self, listeners: Listeners) -> (Servers, Stops) {
+    fn serve(&self, listeners: Listeners, dra_socket: &Path) -> (Servers, Stops) {
         let (stop_reg, reg_stopped) = watch::channel(false);
         let (stop_dra, dra_stopped) = watch::channel(false);
         let until = |mut rx: watch::Receiver<bool>| async move {
@@ -176,7 +176,7 @@ impl Plugin {
         };
         let registration = Registration {
             driver: self.config.driver_name.clone(),
-            endpoint: self.config.dra_socket().to_string_lossy().into_owned(),
+            endpoint: dra_socket.to_string_lossy().into_owned(),
             health: self.health.is_some(),
             on_registration: self.on_registration.clone(),
         };
