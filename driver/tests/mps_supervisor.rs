@@ -220,6 +220,8 @@ fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
             client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
             (true, format!("{limit}\n"))
         );
+        // From the daemon's environment alone: no second process set them.
+        assert!(!s.log(k).contains("set_default"), "{}", s.log(k));
     }
     // Idempotent per key; another request or device is another daemon.
     assert_eq!(sup.ensure(&k1, LIMITS).unwrap().pid, a.pid);
@@ -1146,6 +1148,60 @@ fn a_daemon_that_listens_after_its_endpoint_appears_still_gets_its_limits() {
         client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
         (true, "8192M\n".to_owned())
     );
+}
+
+#[test]
+fn confirm_defaults_also_sets_the_limits_through_the_endpoint() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    config.confirm_defaults = true;
+    config
+        .env
+        .push(("TESSERA_FAKE_MPS_LISTEN_DELAY_MS".into(), "200".into()));
+    let sup = MpsSupervisor::new(config);
+    let k = key(1, GPU0);
+    let d = sup.ensure(&k, LIMITS).unwrap();
+    let log = s.log(&k);
+    assert!(
+        log.contains("Command: set_default_active_thread_percentage 25")
+            && log.contains("Command: set_default_device_pinned_mem_limit 0 8192M"),
+        "{log}"
+    );
+    assert_eq!(
+        client(&d.pipe_dir, "get_default_device_pinned_mem_limit 0"),
+        (true, "8192M\n".to_owned())
+    );
+    sup.release(&k).unwrap();
+}
+
+#[test]
+fn a_daemon_that_exits_at_start_is_reported_at_once_not_at_the_deadline() {
+    let s = Scratch::new();
+    let mut config = s.config();
+    // A control binary that exits at once, before any endpoint exists.
+    config.control_binary = which("false");
+    config.ready_timeout = Duration::from_secs(30);
+    let sup = MpsSupervisor::new(config);
+    let began = Instant::now();
+    let err = sup.ensure(&key(1, GPU0), LIMITS).unwrap_err();
+    assert!(matches!(err, MpsError::LaunchFailed { .. }), "{err}");
+    // Its exit woke the wait (the deadline is 30 s away).
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        began.elapsed()
+    );
+    assert!(sup.daemons().is_empty());
+}
+
+/// A command's path from `PATH`.
+fn which(name: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("{name} is not on PATH"))
 }
 
 #[test]

@@ -11,7 +11,7 @@
 
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -63,19 +63,11 @@ impl Pidfd {
         if !id.is_running() {
             return Ok(None);
         }
-        // SAFETY: pidfd_open(2) takes a PID and flags and returns a new file
-        // descriptor or -1; no memory is passed.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, id.pid, 0) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            return if e.raw_os_error() == Some(libc::ESRCH) {
-                Ok(None)
-            } else {
-                Err(e)
-            };
-        }
-        // SAFETY: a descriptor pidfd_open just returned, owned by no one else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let fd = match pidfd_open(id.pid) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         Ok(id.is_running().then(|| Pidfd { fd, id: id.clone() }))
     }
 
@@ -86,28 +78,11 @@ impl Pidfd {
     /// Whether the process has exited, waiting at most `timeout`. An exited
     /// child of this process is reaped.
     pub fn wait(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let mut pfd = libc::pollfd {
-                fd: self.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            let ms = left.as_millis().min(i32::MAX as u128) as i32;
-            // SAFETY: one pollfd that lives across the call.
-            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if n > 0 {
-                // A pidfd is readable once its process has exited.
-                self.reap();
-                return true;
-            }
-            let interrupted =
-                n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted;
-            if !interrupted || left.is_zero() {
-                return false;
-            }
+        let exited = poll_readable(&[self.fd.as_fd()], Instant::now() + timeout).is_some();
+        if exited {
+            self.reap();
         }
+        exited
     }
 
     /// SIGKILL the process; one that has already exited is fine.
@@ -150,6 +125,61 @@ impl Pidfd {
             );
         }
     }
+}
+
+/// A pidfd on `pid` (CLOEXEC, as every pidfd): readable once it exits.
+fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open(2) takes a PID and flags and returns a new file
+    // descriptor or -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor pidfd_open just returned, owned by no one else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Waits until one of `fds` is readable (its index) or `deadline` passes
+/// (`None`): one poll(2), restarted after a signal.
+pub fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Instant) -> Option<usize> {
+    let mut polled: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|fd| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Rounded up: a wait of 0.4 ms must not become a busy loop.
+        let ms = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        // SAFETY: `polled` lives across the call and holds `len` entries.
+        let n = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, ms) };
+        if n > 0 {
+            return polled.iter().position(|p| p.revents != 0);
+        }
+        let interrupted = n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted;
+        if !interrupted || left.is_zero() {
+            return None;
+        }
+    }
+}
+
+/// Waits for `child` to exit until `deadline`, through its pidfd (a clock
+/// where none can be had); its status, or `None` while it still runs.
+pub fn wait_child(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
+    match pidfd_open(child.id() as i32) {
+        Ok(fd) => {
+            poll_readable(&[fd.as_fd()], deadline);
+        }
+        Err(_) => {
+            while child.try_wait().ok()?.is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    child.try_wait().ok().flatten()
 }
 
 /// The oldest live process whose environment holds exactly `entry`
@@ -226,22 +256,38 @@ impl Stat {
     }
 }
 
-/// How often a spawned daemon is checked while waiting for it to exit.
-const HANDLE_POLL: Duration = Duration::from_millis(10);
-
 /// The driver's own hold on its daemon.
 pub(super) enum Handle {
-    /// Spawned by this supervisor: its PID stays ours until we reap it.
-    Spawned(Child),
+    /// Spawned by this supervisor: its PID stays ours until we reap it, so
+    /// its pidfd, opened right after the spawn, is that very process's.
+    Spawned(Child, OwnedFd),
     /// Recorded by an earlier run, held through a checked pidfd.
     Adopted(Pidfd),
 }
 
 impl Handle {
+    /// Holds a child just spawned (its pidfd makes its exit an event).
+    /// Without a pidfd the child is given back with the error.
+    pub(super) fn spawned(child: Child) -> Result<Handle, (Child, io::Error)> {
+        match pidfd_open(child.id() as i32) {
+            Ok(pidfd) => Ok(Handle::Spawned(child, pidfd)),
+            Err(e) => Err((child, e)),
+        }
+    }
+
     pub(super) fn pid(&self) -> i32 {
         match self {
-            Handle::Spawned(c) => c.id() as i32,
+            Handle::Spawned(c, _) => c.id() as i32,
             Handle::Adopted(p) => p.id().pid,
+        }
+    }
+
+    /// Readable once the daemon has exited: to wait on together with other
+    /// events.
+    pub(super) fn exit_event(&self) -> BorrowedFd<'_> {
+        match self {
+            Handle::Spawned(_, fd) => fd.as_fd(),
+            Handle::Adopted(p) => p.fd.as_fd(),
         }
     }
 
@@ -249,7 +295,7 @@ impl Handle {
     /// (reaping it).
     pub(super) fn exit(&mut self) -> Option<String> {
         match self {
-            Handle::Spawned(c) => match c.try_wait() {
+            Handle::Spawned(c, _) => match c.try_wait() {
                 Ok(None) => None,
                 Ok(Some(status)) => Some(format!("exited ({status})")),
                 Err(e) => Some(format!("could not be waited for ({e})")),
@@ -260,24 +306,18 @@ impl Handle {
 
     /// Whether the daemon exited within `timeout`.
     pub(super) fn wait(&mut self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
         match self {
-            Handle::Spawned(_) => loop {
-                if self.exit().is_some() {
-                    return true;
-                }
-                if Instant::now() >= deadline {
-                    return false;
-                }
-                std::thread::sleep(HANDLE_POLL);
-            },
+            Handle::Spawned(_, fd) => {
+                poll_readable(&[fd.as_fd()], Instant::now() + timeout).is_some()
+                    && self.exit().is_some()
+            }
             Handle::Adopted(p) => p.wait(timeout),
         }
     }
 
     pub(super) fn kill(&mut self) -> std::io::Result<()> {
         match self {
-            Handle::Spawned(c) => match c.kill() {
+            Handle::Spawned(c, _) => match c.kill() {
                 // Already exited and reaped.
                 Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
                 other => other,

@@ -5,7 +5,9 @@
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::Metrics;
@@ -14,6 +16,23 @@ use super::Metrics;
 pub(super) const LATENCY_BUCKETS: [f64; 14] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0,
 ];
+
+/// Buckets for the steps of one prepare, in seconds (50 µs .. 1 s).
+pub(super) const PHASE_BUCKETS: [f64; 12] = [
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1.0,
+];
+
+/// A histogram family of prepare steps.
+pub(super) type PhaseFamily = Family<PhaseLabels, Histogram, fn() -> Histogram>;
+
+pub(super) fn phase_family() -> PhaseFamily {
+    Family::new_with_constructor(|| Histogram::new(PHASE_BUCKETS))
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct PhaseLabels {
+    pub(super) phase: &'static str,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(super) struct ResultLabels {
@@ -115,6 +134,12 @@ impl Metrics {
             "Time prepare waited for the API server to return a claim (part of prepare_duration)",
             Unit::Seconds,
             self.claim_read_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "prepare_phase_duration",
+            "Time of each step of prepare, by phase (recorded, resolve, handover, effects, spec, record; after_read: all but the claim read)",
+            Unit::Seconds,
+            self.prepare_phases.clone(),
         );
         registry.register(
             "claim_operations",

@@ -34,13 +34,14 @@ use tokio::sync::watch;
 use tracing::debug;
 
 use crate::health::{Health, HealthMap, HealthTracker};
-use crate::prepare::{PrepareObserver, Preparer};
+use crate::prepare::{Phase, PrepareObserver, Preparer};
 use crate::state::catalog::{Catalog, DeviceCatalog};
 use crate::state::records::EntryState;
 use crate::sync::Locked;
 use families::{
     ClaimLabels, FloatGauge, GpuHealthLabels, GpuInfoLabels, GpuLabels, GuardLabels, HealthLabels,
-    KindLabels, LATENCY_BUCKETS, MigLabels, ResultLabels, WriteLabels, XidLabels,
+    KindLabels, LATENCY_BUCKETS, MigLabels, PhaseFamily, PhaseLabels, ResultLabels, WriteLabels,
+    XidLabels,
 };
 
 /// Every metric of the node process.
@@ -49,6 +50,7 @@ pub struct Metrics {
     prepare_seconds: Histogram,
     unprepare_seconds: Histogram,
     claim_read_seconds: Histogram,
+    prepare_phases: PhaseFamily,
     results: Family<ResultLabels, Counter>,
     prepared_claims: Gauge,
     devices: Family<KindLabels, Gauge>,
@@ -90,6 +92,7 @@ impl Metrics {
             prepare_seconds: latency(),
             unprepare_seconds: latency(),
             claim_read_seconds: latency(),
+            prepare_phases: families::phase_family(),
             results: Family::default(),
             prepared_claims: Gauge::default(),
             devices: Family::default(),
@@ -224,6 +227,14 @@ impl PrepareObserver for Metrics {
 
     fn claim_read(&self, took: Duration) {
         self.claim_read_seconds.observe(took.as_secs_f64());
+    }
+
+    fn prepare_phase(&self, phase: Phase, took: Duration) {
+        (self.prepare_phases)
+            .get_or_create(&PhaseLabels {
+                phase: phase.as_str(),
+            })
+            .observe(took.as_secs_f64());
     }
 }
 

@@ -7,8 +7,11 @@ fn names_carry_the_prefix_and_units() {
     m.prepared(Duration::from_millis(20), false);
     m.unprepared(Duration::from_millis(3), true);
     m.claim_read(Duration::from_millis(2));
+    m.prepare_phase(Phase::Spec, Duration::from_micros(80));
     let text = m.render();
     for line in [
+        "tessera_prepare_phase_duration_seconds_count{phase=\"spec\"} 1",
+        "tessera_prepare_phase_duration_seconds_bucket{le=\"0.0001\",phase=\"spec\"} 1",
         "tessera_prepare_duration_seconds_count 2",
         "tessera_unprepare_duration_seconds_count 1",
         "tessera_claim_read_duration_seconds_count 1",

@@ -59,6 +59,8 @@ pub enum StartError {
     MpsCgroup(#[from] HostCgroupError),
     #[error(transparent)]
     Recovery(#[from] SetupError),
+    #[error("starting the claim status ledger's thread: {0}")]
+    StatusLedger(#[source] std::io::Error),
     #[error("the first look at the GPUs: {0}")]
     FirstLook(#[source] discovery::Error),
     #[error("the first look at the GPUs did not finish: {0}")]
@@ -222,6 +224,7 @@ fn host_adapters(node: &Node) -> Result<HostAdapters, StartError> {
     };
     let mut mps_config = MpsConfig::new(root, config.mps_dir.clone());
     mps_config.shm = ShmPolicy::from(&config.policy.mps);
+    mps_config.confirm_defaults = config.policy.mps.confirm_defaults;
     mps_config.dev_root = layout.dev_root.clone();
     if let Some(place) = &config.mps_cgroup {
         let cgroup = Arc::new(HostCgroup::open(&place.fs, &place.name)?);
@@ -247,7 +250,7 @@ async fn open_preparer(
     node: &Node<'_>,
     host: &HostAdapters,
     poke: Sender<NodeChange>,
-) -> Result<Arc<Preparer>, SetupError> {
+) -> Result<Arc<Preparer>, StartError> {
     let config = node.config;
     let prepare = PrepareConfig {
         driver: config.driver.as_str().to_owned(),
@@ -263,14 +266,18 @@ async fn open_preparer(
         mps: host.mps.clone(),
         time_slice: Arc::new(NvidiaSmiTimeSlice::new(&config.driver_root.root)),
         mig: host.mig.clone(),
-        status: config.device_status.then(|| {
-            StatusWriter::new(
-                node.client.clone(),
-                config.driver.as_str().to_owned(),
-                &config.state_dir,
-                Some(node.events.clone()),
-            )
-        }),
+        status: match config.device_status {
+            true => Some(
+                StatusWriter::new(
+                    node.client.clone(),
+                    config.driver.as_str().to_owned(),
+                    &config.state_dir,
+                    Some(node.events.clone()),
+                )
+                .map_err(StartError::StatusLedger)?,
+            ),
+            false => None,
+        },
         events: Some(node.events.clone()),
         on_change: Some(Arc::new(move |change| {
             let _ = poke.send(change);

@@ -135,6 +135,42 @@ pub trait PrepareObserver: Send + Sync {
     fn unprepared(&self, took: Duration, ok: bool);
     /// One claim read from the API server.
     fn claim_read(&self, took: Duration);
+    /// One step of a prepare that went that far, and how long it took.
+    fn prepare_phase(&self, _phase: Phase, _took: Duration) {}
+}
+
+/// The steps of a prepare the node's metrics time apart (the claim read is
+/// [`PrepareObserver::claim_read`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Waiting for the claim's lock, and its recorded answer looked up.
+    Recorded,
+    /// The claim's devices resolved through the slice model.
+    Resolve,
+    /// From the hand-over to a blocking thread until it runs.
+    HandOver,
+    /// The enforcers' side effects (MIG, time slice, MPS daemons).
+    Effects,
+    /// The CDI spec built and written.
+    Spec,
+    /// The completed record written.
+    Record,
+    /// Everything but the claim read: the node process's own time.
+    AfterRead,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Recorded => "recorded",
+            Phase::Resolve => "resolve",
+            Phase::HandOver => "handover",
+            Phase::Effects => "effects",
+            Phase::Spec => "spec",
+            Phase::Record => "record",
+            Phase::AfterRead => "after_read",
+        }
+    }
 }
 
 /// Held for writing while prepare changes the GPUs' MIG layout and records
@@ -316,24 +352,40 @@ impl Preparer {
     /// validate -> (recorded answer) -> fetch -> resolve -> effects -> edits
     /// -> spec -> record.
     async fn prepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<Vec<PreparedDevice>> {
+        let began = Instant::now();
+        let mut clock = PhaseClock::new(self.observer.get());
         let uid = validate(claim)?;
         let _guard = self.locks.lock(&uid).await;
         if let Some(devices) = self.recorded(claim, &uid).await? {
             return Ok(devices);
         }
+        clock.lap(Phase::Recorded);
         let object = self.fetch(claim).await?;
+        let read = clock.skip();
         let devices = self.resolve(claim, &object).await?;
+        clock.lap(Phase::Resolve);
         let this = self.clone();
         let (who, id) = (claim.clone(), uid.clone());
-        let (entry, change) = tokio::task::spawn_blocking(move || this.enforce(&who, &id, devices))
-            .await
-            .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
+        let handed = Instant::now();
+        let (entry, change) = tokio::task::spawn_blocking(move || {
+            this.phase(Phase::HandOver, handed.elapsed());
+            this.enforce(&who, &id, devices)
+        })
+        .await
+        .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
         self.reserved_for.remember(&uid, consumer_pods(&object));
         self.changed(change);
         if let Some(writer) = &self.deps.status {
             writer.write(&claim.namespace, &claim.name, &claim.uid, entry.status);
         }
+        self.phase(Phase::AfterRead, began.elapsed().saturating_sub(read));
         Ok(entry.devices)
+    }
+
+    fn phase(&self, phase: Phase, took: Duration) {
+        if let Some(o) = self.observer.get() {
+            o.prepare_phase(phase, took);
+        }
     }
 
     /// The answer of a claim prepared before; an unfinished earlier
@@ -464,6 +516,7 @@ impl Preparer {
         entry: &mut ClaimEntry,
         devices: &mut [Device],
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
+        let mut clock = PhaseClock::new(self.observer.get());
         let mut cx = Effects::new(claim, uid, entry, &self.checkpoint, &self.hardware);
         let mut gpus_changed = false;
         for enforcer in self.enforcers.iter() {
@@ -471,6 +524,7 @@ impl Preparer {
                 .apply(&mut cx, devices)
                 .map_err(|e| e.for_claim(claim))?;
         }
+        clock.lap(Phase::Effects);
         let built = spec::build(claim, uid, &self.config.layout, &self.enforcers, devices)?;
         self.specs.write(uid, &built.spec).map_err(|e| {
             ClaimError::new(claim, format!("cannot write its CDI spec: {e}")).fix(format!(
@@ -478,6 +532,7 @@ impl Preparer {
                 self.config.cdi_dir.display()
             ))
         })?;
+        clock.lap(Phase::Spec);
         entry.state = EntryState::Completed;
         entry.devices = built.answer;
         entry.spec = Some(built.spec);
@@ -487,6 +542,7 @@ impl Preparer {
             .map_err(|e| {
                 ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
             })?;
+        clock.lap(Phase::Record);
         Ok((entry.clone(), NodeChange::gpus_if(gpus_changed)))
     }
 }
@@ -497,6 +553,37 @@ impl Preparer {
 pub fn fuzz_decode_checkpoint(bytes: &[u8]) {
     let _ = crate::state::checkpoint::decode_legacy::<ClaimEntry>(bytes);
     let _ = crate::state::checkpoint::decode_record::<ClaimEntry>(bytes);
+}
+
+/// Times consecutive phases of one prepare for its observer.
+struct PhaseClock<'a> {
+    observer: Option<&'a Arc<dyn PrepareObserver>>,
+    since: Instant,
+}
+
+impl<'a> PhaseClock<'a> {
+    fn new(observer: Option<&'a Arc<dyn PrepareObserver>>) -> Self {
+        PhaseClock {
+            observer,
+            since: Instant::now(),
+        }
+    }
+
+    /// `phase` ended now; the next one starts.
+    fn lap(&mut self, phase: Phase) {
+        let took = self.skip();
+        if let Some(o) = self.observer {
+            o.prepare_phase(phase, took);
+        }
+    }
+
+    /// What passed since the last lap, not reported (timed elsewhere).
+    fn skip(&mut self) -> Duration {
+        let now = Instant::now();
+        let took = now - self.since;
+        self.since = now;
+        took
+    }
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {

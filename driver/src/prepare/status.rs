@@ -48,7 +48,7 @@ use crate::state::records::DeviceStatus;
 use crate::sync::Locked;
 
 mod ledger;
-use ledger::{Ledger, Marked};
+use ledger::{Marked, SharedLedger};
 
 /// Applies in flight at once: enough to keep up with prepares, few enough
 /// that they do not compete with the claim reads prepares wait on.
@@ -188,7 +188,7 @@ impl Drop for KubeletCall<'_> {
 pub struct StatusWriter {
     client: Client,
     driver: String,
-    ledger: Mutex<Ledger>,
+    ledger: SharedLedger,
     queue: Mutex<Queue>,
     wake: Notify,
     calls: watch::Sender<KubeletCalls>,
@@ -203,12 +203,12 @@ impl StatusWriter {
         driver: impl Into<String>,
         state_dir: &std::path::Path,
         events: Option<NodeEvents>,
-    ) -> Arc<Self> {
-        let writer = Self::unstarted(client, driver, state_dir, events);
+    ) -> std::io::Result<Arc<Self>> {
+        let writer = Self::unstarted(client, driver, state_dir, events)?;
         for _ in 0..WORKERS {
             tokio::spawn(writer.clone().work());
         }
-        writer
+        Ok(writer)
     }
 
     fn unstarted(
@@ -216,11 +216,12 @@ impl StatusWriter {
         driver: impl Into<String>,
         state_dir: &std::path::Path,
         events: Option<NodeEvents>,
-    ) -> Arc<Self> {
-        Arc::new(StatusWriter {
+    ) -> std::io::Result<Arc<Self>> {
+        let ledger = SharedLedger::open(state_dir)?;
+        Ok(Arc::new(StatusWriter {
             client,
             driver: driver.into(),
-            ledger: Mutex::new(Ledger::open(state_dir)),
+            ledger,
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
             calls: watch::Sender::new(KubeletCalls {
@@ -228,7 +229,7 @@ impl StatusWriter {
                 last_end: Instant::now(),
             }),
             events,
-        })
+        }))
     }
 
     /// The kubelet called: writes yield until the guard is dropped (and
@@ -262,7 +263,7 @@ impl StatusWriter {
         // Read under the queue lock: a write that settles meanwhile marks
         // the ledger before it leaves `busy`, so one of the two says its
         // entries may be there (the ledger alone, read first, may not).
-        let written = self.ledger().contains(uid);
+        let written = self.ledger.contains(uid);
         if queue.cancel_unwritten(uid, written) {
             return;
         }
@@ -273,7 +274,7 @@ impl StatusWriter {
     /// Removes the entries of a claim known only by the ledger (one whose
     /// record was lost); nothing if the ledger does not name it.
     pub fn remove_marked(&self, uid: &str) {
-        let marked = self.ledger().get(uid).cloned();
+        let marked = self.ledger.get(uid);
         if let Some(m) = marked {
             self.remove(&m.namespace, &m.name, uid);
         }
@@ -295,7 +296,7 @@ impl StatusWriter {
             if devices.is_empty() {
                 continue;
             }
-            if !self.ledger().contains(&uid) {
+            if !self.ledger.contains(&uid) {
                 self.write(&namespace, &name, &uid, devices);
             }
             with_entries.insert(uid);
@@ -303,9 +304,8 @@ impl StatusWriter {
         if !complete {
             return;
         }
-        let removals: Vec<(String, Marked)> = (self.ledger().iter())
-            .filter(|(uid, _)| !with_entries.contains(*uid) && !kept(uid))
-            .map(|(uid, m)| (uid.clone(), m.clone()))
+        let removals: Vec<(String, Marked)> = (self.ledger.marked().into_iter())
+            .filter(|(uid, _)| !with_entries.contains(uid) && !kept(uid))
             .collect();
         for (uid, m) in removals {
             self.write(&m.namespace, &m.name, &uid, Vec::new());
@@ -314,10 +314,6 @@ impl StatusWriter {
 
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.locked()
-    }
-
-    fn ledger(&self) -> MutexGuard<'_, Ledger> {
-        self.ledger.locked()
     }
 
     /// Queue `devices` as this driver's entries of the claim's status
@@ -366,14 +362,10 @@ impl StatusWriter {
                     namespace: want.namespace.clone(),
                     name: want.name.clone(),
                 };
-                if let Err(e) = self.ledger().written(uid, marked) {
-                    warn!(claim = %claim, "cannot record that the claim's status is written: {e}");
-                }
+                self.ledger.written(uid, marked);
             }
             Ok(_) => {
-                if let Err(e) = self.ledger().removed(uid) {
-                    warn!(claim = %claim, "cannot record that the claim's status is removed: {e}");
-                }
+                self.ledger.removed(uid);
             }
             Err(e) => {
                 want.attempts += 1;

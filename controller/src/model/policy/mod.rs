@@ -24,6 +24,7 @@
 //!   sharedMemory: 256Mi              # its /dev/shm, unless the claim asks
 //!   maxSharedMemory: 4Gi             # the most a claim's sharedMemory may be
 //!   inodes: 4096                     # files in its /dev/shm (its pipe directory: 1/8)
+//!   confirmDefaults: false           # also set the limits through the control endpoint
 //! ```
 //!
 //! Rules apply in order and field by field: for each GPU, every rule whose

@@ -21,6 +21,12 @@ pub struct MpsPolicy {
     /// MPS keeps a few sockets and fifos per client, gets an eighth.
     #[serde(default = "MpsPolicy::default_inodes")]
     pub inodes: u64,
+    /// Also set each new daemon's limits through its control endpoint (a
+    /// second process per daemon). Off: the limits are the daemon's
+    /// defaults from its environment at start, which NVIDIA documents as
+    /// binding every server it starts; on, for a driver shown otherwise.
+    #[serde(default)]
+    pub confirm_defaults: bool,
 }
 
 impl MpsPolicy {
@@ -79,6 +85,7 @@ impl Default for MpsPolicy {
             shared_memory: Self::default_shared_memory(),
             max_shared_memory: Self::default_max_shared_memory(),
             inodes: Self::default_inodes(),
+            confirm_defaults: false,
         }
     }
 }

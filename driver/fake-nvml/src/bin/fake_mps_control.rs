@@ -35,7 +35,10 @@
 //!   does: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<p>` and
 //!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<amount>[,...]`, ordinals
 //!   counting the devices in its `CUDA_VISIBLE_DEVICES`. A value it cannot
-//!   use is logged and ignored. Defaults bind clients: a client's own
+//!   use is logged and ignored. The server starts at the first client with
+//!   the defaults of that moment and keeps them: a `set_default_*` after it
+//!   changes what `get_default_*` says and what the next server would get,
+//!   not what this server's clients get. Defaults bind clients: a client's own
 //!   environment can only lower its limits (that rule is applied by the
 //!   simulated CUDA library, `driver/fake-cuda`).
 //!
@@ -460,6 +463,10 @@ fn shared_memory(pid: u32) -> std::io::Result<Segment> {
 #[derive(Debug, Clone, PartialEq)]
 struct Defaults {
     config: protocol::ClientConfig,
+    /// What the running server was started with: it starts at the first
+    /// client and keeps them, a later `set_default_*` reaches only the next
+    /// server (as NVIDIA's command list says).
+    server: Option<protocol::ClientConfig>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -491,6 +498,7 @@ impl Defaults {
                 pinned_mem_limits: Default::default(),
                 shared_memory: String::new(),
             },
+            server: None,
         };
         let mut problems = Vec::new();
         if let Some(p) = percentage.filter(|p| !p.is_empty()) {
@@ -569,7 +577,8 @@ impl Defaults {
                 }
             }
             [protocol::CLIENT_CONFIG_COMMAND] => {
-                serde_json::to_string(&self.config).unwrap_or_default() + "\n"
+                let served = self.server.get_or_insert_with(|| self.config.clone());
+                serde_json::to_string(served).unwrap_or_default() + "\n"
             }
             _ => format!("Unrecognized command: {command}\n"),
         };

@@ -37,6 +37,10 @@ pub struct MpsConfig {
     pub driver_root: PathBuf,
     /// Where the GPU device nodes a daemon sees are (`<dev_root>/dev`).
     pub dev_root: PathBuf,
+    /// Also set the limits through the control endpoint once a daemon
+    /// started (a second process per daemon), for drivers shown not to take
+    /// them from the daemon's environment alone.
+    pub confirm_defaults: bool,
 }
 
 impl MpsConfig {
@@ -53,6 +57,7 @@ impl MpsConfig {
             shm: ShmPolicy::default(),
             driver_root: driver_root.to_owned(),
             dev_root: driver_root.to_owned(),
+            confirm_defaults: false,
         }
     }
 }

@@ -28,7 +28,9 @@
 //!   waited for through a pidfd opened and then checked against that record,
 //!   so a recycled PID is never hit.
 //! - The driver opens nothing there. It looks at the control endpoint with
-//!   `lstat` (ready means a socket or fifo, never a symlink).
+//!   `lstat` (ready means a socket or fifo, never a symlink); it connects
+//!   to it once, empty, only in a directory the new daemon alone has had,
+//!   to see that it listens before any container gets the directory.
 //! - Every start gets a fresh, empty pipe directory (and shared memory
 //!   directory, which containers can write too): the old one is removed
 //!   whole (the standard library's `remove_dir_all` does not follow
@@ -40,9 +42,10 @@
 //!   end up in Pod events, name paths and conditions only.
 //!
 //! The limits are the daemon's own defaults, given in its environment at
-//! spawn and set again through its control endpoint before the pipe
-//! directory is handed to any container, so a client holds them whatever
-//! its own environment says (its environment can only lower them).
+//! spawn (NVIDIA: every server the daemon starts observes them; with
+//! `confirm_defaults` also set through its control endpoint) before the
+//! pipe directory is handed to any container, so a client holds them
+//! whatever its own environment says (its environment can only lower them).
 //!
 //! The record is written atomically *before* a daemon is spawned, naming a
 //! fresh random launch id that the daemon gets in its environment, and again
@@ -57,6 +60,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+use tracing::debug;
 
 mod control;
 mod record;
@@ -73,7 +77,6 @@ use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{self as limits, ClientLimits};
 use crate::host::process::{self, Handle, Pidfd, ProcessId};
 
-const POLL: Duration = Duration::from_millis(10);
 /// How long a daemon may take to die after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
@@ -313,23 +316,33 @@ impl Daemon {
     }
 
     /// Spawn `nvidia-cuda-mps-control -f` as our child with the limits as
-    /// its defaults, wait for its control endpoint and set the limits again
-    /// through it. Called only when no recorded daemon runs.
+    /// its defaults and wait until its control endpoint listens. Called only
+    /// when no recorded daemon runs.
     fn start(&mut self, config: &MpsConfig) -> Result<(), MpsError> {
-        self.make_dirs(config)?;
         let limit_env = limits::client_limit_env(&self.record.key.device, self.record.limits)
             .map_err(|e| MpsError::Limits {
                 device: self.record.key.device.clone(),
                 source: e,
             })?;
+        // Recorded before its directories are mounted: a crash from here on
+        // leaves a record that leads to them.
+        let mut steps = Steps::start();
         let launch = self.record_launch()?;
+        steps.lap("record");
+        self.make_dirs(config)?;
+        steps.lap("dirs");
         let log = self.log_dir.join(LAUNCHER_LOG);
         let out = launch::open_log(&log).map_err(self.io_err("creating", &log))?;
         let err = out.try_clone().map_err(self.io_err("opening", &log))?;
         let deadline = Instant::now() + config.ready_timeout;
         let child = self.spawn(config, &launch, &limit_env, [out, err])?;
+        steps.lap("spawn");
         self.record_spawned(child)?;
-        self.await_ready(config, deadline, log)
+        steps.lap("identity");
+        self.await_ready(config, deadline, log)?;
+        steps.lap("ready");
+        debug!(device = %self.record.key.device, steps = %steps, "MPS daemon started");
+        Ok(())
     }
 
     /// The daemon's directories: its own and its log's, and fresh client
@@ -404,11 +417,25 @@ impl Daemon {
     /// The spawned daemon's identity recorded in place of its launch id, and
     /// the driver's hold on it.
     fn record_spawned(&mut self, child: Child) -> Result<(), MpsError> {
+        let handle = match Handle::spawned(child) {
+            Ok(handle) => handle,
+            Err((mut child, source)) => {
+                // Not held, it could not be waited on: do not leave it.
+                let _ = child.kill();
+                let _ = child.wait();
+                self.record.launch = None;
+                let _ = self.persist();
+                return Err(self.io_err(
+                    "taking hold of the spawned daemon (pidfd_open, Linux 5.3 or later)",
+                    &self.pipe_dir,
+                )(source));
+            }
+        };
         // Our child: its PID cannot be reused before we reap it. `None` if it
         // already exited (waiting for it says how).
-        self.record.daemon = ProcessId::of(child.id() as i32);
+        self.record.daemon = ProcessId::of(handle.pid());
         self.record.launch = None;
-        self.handle = Some(Handle::Spawned(child));
+        self.handle = Some(handle);
         if let Err(e) = self.persist() {
             // Unrecorded, it could not be found again: do not leave it.
             let _ = self.kill();
@@ -417,16 +444,25 @@ impl Daemon {
         Ok(())
     }
 
-    /// Wait for the new daemon's control endpoint, then set its defaults; a
-    /// daemon not ready by `deadline` is stopped.
+    /// Wait for the new daemon's control endpoint to listen (its limits are
+    /// its defaults from its environment; with `confirm_defaults` they are
+    /// set again through the endpoint); a daemon not ready by `deadline` is
+    /// stopped.
     fn await_ready(
         &mut self,
         config: &MpsConfig,
         deadline: Instant,
         log: PathBuf,
     ) -> Result<(), MpsError> {
-        match self.wait_ready(deadline) {
-            Readiness::Ready => self.set_defaults(config, deadline),
+        let readiness = match self.wait_ready(deadline) {
+            Readiness::Ready if config.confirm_defaults => {
+                return self.set_defaults(config, deadline);
+            }
+            Readiness::Ready => self.wait_listening(deadline),
+            other => other,
+        };
+        match readiness {
+            Readiness::Ready => Ok(()),
             Readiness::Exited(outcome) => Err(MpsError::LaunchFailed {
                 device: self.record.key.device.clone(),
                 binary: config.control_binary.clone(),
@@ -512,6 +548,37 @@ impl Daemon {
         self.handle = None;
         self.record.daemon = None;
         self.persist()
+    }
+}
+
+/// How long each step of a daemon's start took, for the debug log.
+struct Steps {
+    since: Instant,
+    laps: Vec<(&'static str, Duration)>,
+}
+
+impl Steps {
+    fn start() -> Self {
+        Steps {
+            since: Instant::now(),
+            laps: Vec::new(),
+        }
+    }
+
+    fn lap(&mut self, step: &'static str) {
+        let now = Instant::now();
+        self.laps.push((step, now - self.since));
+        self.since = now;
+    }
+}
+
+impl std::fmt::Display for Steps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (step, took)) in self.laps.iter().enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            write!(f, "{sep}{step}={:.3}ms", took.as_secs_f64() * 1e3)?;
+        }
+        Ok(())
     }
 }
 

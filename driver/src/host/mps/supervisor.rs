@@ -123,7 +123,8 @@ impl MpsSupervisor {
                 d.kill()?;
                 d.record.limits = limits;
             }
-            d.persist()?;
+            // A daemon started is recorded by its start, before anything of
+            // it exists; a running one already is.
             match d.ensure_running(&self.config) {
                 Ok(_) => Ok(d.info()),
                 Err(e) => {

@@ -9,10 +9,14 @@
 //! When dead lines outnumber the live ones the file is rewritten with the
 //! live ones alone (atomically, so a crash leaves the old or the new file).
 //!
-//! Every change is on disk (fsynced, and the directory once the file is
-//! created) before it counts: the ledger must survive a reboot or power
-//! loss, unlike the records of prepared claims, since the entries it names
-//! stay on the API server.
+//! Every line is on disk (fsynced, and the directory once the file is
+//! created) before the next one is written: the ledger must survive a
+//! reboot or power loss, unlike the records of prepared claims, since the
+//! entries it names stay on the API server. The status writer reads and
+//! changes it in memory ([`SharedLedger`]) and one thread of its own
+//! appends the lines, in the order of the changes: no prepare, unprepare or
+//! write waits for an fsync. A change the process did not get on disk
+//! before it died is made again at start, as after a torn line.
 //!
 //! A line torn by a crash is dropped at replay: a torn `written` means the
 //! entries are written again (an apply is idempotent), a torn `removed`
@@ -25,6 +29,9 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, mpsc};
+
+use crate::sync::Locked;
 
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -89,15 +96,8 @@ impl Ledger {
         ledger
     }
 
-    pub fn get(&self, uid: &str) -> Option<&Marked> {
-        self.marked.get(uid)
-    }
-
-    pub fn contains(&self, uid: &str) -> bool {
-        self.marked.contains_key(uid)
-    }
-
-    /// Claims with entries on the API server.
+    /// Claims with entries on the API server (tests).
+    #[cfg(test)]
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Marked)> {
         self.marked.iter()
     }
@@ -199,6 +199,117 @@ impl Ledger {
     }
 }
 
+/// The ledger as the status writer shares it: what it names, changed and
+/// read in memory at once, and its file, appended behind (module
+/// documentation).
+pub struct SharedLedger {
+    marked: Mutex<HashMap<String, Marked>>,
+    appends: mpsc::Sender<Change>,
+}
+
+/// One change for the appending thread.
+enum Change {
+    Line(Line),
+    /// Answered once every change before it is on disk (tests).
+    #[cfg(test)]
+    Flushed(mpsc::Sender<()>),
+}
+
+impl SharedLedger {
+    /// The ledger of `state_dir` (see [`Ledger::open`]) and its appending
+    /// thread, which ends with the last handle.
+    pub fn open(state_dir: &Path) -> std::io::Result<Self> {
+        let ledger = Ledger::open(state_dir);
+        let marked = ledger.marked.clone();
+        let (appends, changes) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("claim-status-ledger".into())
+            .spawn(move || append_all(ledger, changes))?;
+        Ok(SharedLedger {
+            marked: Mutex::new(marked),
+            appends,
+        })
+    }
+
+    pub fn get(&self, uid: &str) -> Option<Marked> {
+        self.marked.locked().get(uid).cloned()
+    }
+
+    pub fn contains(&self, uid: &str) -> bool {
+        self.marked.locked().contains_key(uid)
+    }
+
+    /// Claims with entries on the API server, now.
+    pub fn marked(&self) -> Vec<(String, Marked)> {
+        let marked = self.marked.locked();
+        marked.iter().map(|(u, m)| (u.clone(), m.clone())).collect()
+    }
+
+    /// The claim's entries are on the API server.
+    pub fn written(&self, uid: &str, marked: Marked) {
+        let mut all = self.marked.locked();
+        if all.get(uid) == Some(&marked) {
+            return;
+        }
+        all.insert(uid.to_owned(), marked.clone());
+        // Sent under the lock: the file gets the changes in their order.
+        self.append(Line::Written {
+            uid: uid.to_owned(),
+            marked,
+        });
+    }
+
+    /// The claim's entries are gone from the API server.
+    pub fn removed(&self, uid: &str) {
+        let mut all = self.marked.locked();
+        if all.remove(uid).is_some() {
+            self.append(Line::Removed {
+                uid: uid.to_owned(),
+            });
+        }
+    }
+
+    fn append(&self, line: Line) {
+        if self.appends.send(Change::Line(line)).is_err() {
+            warn!("the claim status ledger's thread has ended; the change is made again at start");
+        }
+    }
+
+    /// Waits until every change made so far is on disk (tests).
+    #[cfg(test)]
+    pub fn flush(&self) {
+        let (done, flushed) = mpsc::channel();
+        self.appends
+            .send(Change::Flushed(done))
+            .expect("the thread runs");
+        flushed.recv().expect("the thread answers");
+    }
+}
+
+/// The appending thread: each change on disk before the next.
+fn append_all(mut ledger: Ledger, changes: mpsc::Receiver<Change>) {
+    for change in changes {
+        let (uid, done) = match change {
+            Change::Line(Line::Written { uid, marked }) => {
+                let done = ledger.written(&uid, marked);
+                (uid, done)
+            }
+            Change::Line(Line::Removed { uid }) => {
+                let done = ledger.removed(&uid);
+                (uid, done)
+            }
+            #[cfg(test)]
+            Change::Flushed(answer) => {
+                let _ = answer.send(());
+                continue;
+            }
+        };
+        if let Err(e) = done {
+            warn!(claim_uid = %uid, "cannot record a change of the claim's status entries in {}: {e}; it is made again at start", ledger.path.display());
+        }
+    }
+}
+
 /// `line` as one line of the file.
 fn encode(bytes: &mut Vec<u8>, line: &Line) -> std::io::Result<()> {
     serde_json::to_writer(&mut *bytes, line).map_err(std::io::Error::other)?;
@@ -287,6 +398,24 @@ mod tests {
         assert_eq!(SYNCS.with(|n| n.get()) - after_write, 1);
     }
 
+    #[test]
+    fn a_shared_ledger_changes_at_once_and_syncs_on_its_own_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = SharedLedger::open(dir.path()).unwrap();
+        let before = SYNCS.with(|n| n.get());
+        shared.written("a", marked("a"));
+        shared.written("b", marked("b"));
+        shared.removed("a");
+        // Seen at once by readers ...
+        assert!(!shared.contains("a") && shared.contains("b"));
+        // ... and no fsync on the caller's thread.
+        assert_eq!(SYNCS.with(|n| n.get()), before);
+        shared.flush();
+        let reopened = Ledger::open(dir.path());
+        assert_eq!(live(&reopened), ["b"]);
+        assert_eq!(reopened.lines, 3, "each change a line, in order");
+    }
+
     fn marked(name: &str) -> Marked {
         Marked {
             namespace: "ns".into(),
@@ -312,7 +441,7 @@ mod tests {
 
         let ledger = Ledger::open(dir.path());
         assert_eq!(live(&ledger), ["b", "c"]);
-        assert_eq!(ledger.get("b"), Some(&marked("b")));
+        assert_eq!(ledger.marked.get("b"), Some(&marked("b")));
     }
 
     #[test]

@@ -1,3 +1,4 @@
+use super::ledger::Ledger;
 use super::*;
 use crate::state::records::DeviceData;
 
@@ -124,7 +125,7 @@ fn offline_client() -> Client {
 #[tokio::test(start_paused = true)]
 async fn writes_yield_to_the_kubelet_until_quiet_or_their_deadline() {
     let dir = tempfile::tempdir().unwrap();
-    let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None);
+    let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None).unwrap();
 
     let start = Instant::now();
     let call = writer.call_started();
@@ -164,7 +165,7 @@ async fn writes_yield_to_the_kubelet_until_quiet_or_their_deadline() {
 #[tokio::test]
 async fn a_removal_is_not_skipped_while_the_write_settles() {
     let dir = tempfile::tempdir().unwrap();
-    let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None);
+    let writer = StatusWriter::unstarted(offline_client(), "d", dir.path(), None).unwrap();
     writer.write("ns", "c", "a", vec![entry("gpu-0")]);
     let (uid, taken) = writer.lock().take(Instant::now()).unwrap();
     let settling = writer.clone();
@@ -176,7 +177,7 @@ async fn a_removal_is_not_skipped_while_the_write_settles() {
         })))
     });
     writer.remove("ns", "c", "a");
-    assert!(writer.ledger().contains("a"), "the write settled");
+    assert!(writer.ledger.contains("a"), "the write settled");
     let q = writer.lock();
     let removal = q.wants.get("a").expect("the removal is queued");
     assert!(removal.devices.is_empty());
@@ -213,7 +214,7 @@ async fn resume_follows_the_ledger() {
         ),
     ];
 
-    let writer = StatusWriter::unstarted(client.clone(), "d", dir.path(), None);
+    let writer = StatusWriter::unstarted(client.clone(), "d", dir.path(), None).unwrap();
     writer.resume(prepared.clone(), true, |_| false);
     let q = writer.lock();
     let mut got: Vec<(&str, &str, usize)> = q
@@ -226,7 +227,7 @@ async fn resume_follows_the_ledger() {
     assert!(q.busy.is_empty());
     drop(q);
 
-    let writer = StatusWriter::unstarted(client, "d", dir.path(), None);
+    let writer = StatusWriter::unstarted(client, "d", dir.path(), None).unwrap();
     writer.resume(prepared, false, |_| false);
     let uids: Vec<String> = writer.lock().wants.keys().cloned().collect();
     assert_eq!(uids, ["new"], "records may be lost: no removal");

@@ -115,3 +115,26 @@ fn the_private_command_answers_one_json_line() {
         "{\"devices\":null,\"activeThreadPercentage\":100.0,\"pinnedMemLimits\":{},\"sharedMemory\":\"\"}\n"
     );
 }
+
+#[test]
+fn a_running_server_keeps_the_defaults_it_started_with() {
+    let (mut d, _) = Defaults::from_env(Some("GPU-a"), Some("25"), Some("0=8G"));
+    let first = text(&mut d, protocol::CLIENT_CONFIG_COMMAND);
+    assert_eq!(
+        text(&mut d, "set_default_active_thread_percentage 90"),
+        "90.0\n"
+    );
+    assert_eq!(
+        text(&mut d, "set_default_device_pinned_mem_limit 0 64G"),
+        ""
+    );
+    // The daemon's defaults changed ...
+    assert_eq!(
+        text(&mut d, "get_default_active_thread_percentage"),
+        "90.0\n"
+    );
+    // ... the running server's clients still get what it started with.
+    assert_eq!(text(&mut d, protocol::CLIENT_CONFIG_COMMAND), first);
+    let config: protocol::ClientConfig = serde_json::from_str(&first).unwrap();
+    assert_eq!(config.active_thread_percentage, 25.0);
+}

@@ -3,18 +3,31 @@
 //! The endpoint is looked at with `lstat` only (see the module
 //! documentation of `daemon` for why).
 
-use std::io::Write;
+use std::ffi::CString;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Stdio;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::{Daemon, Liveness, POLL};
+use super::{Daemon, Liveness};
 use crate::host::mps::config::{MpsConfig, MpsError};
 use crate::host::mps::launch;
 use crate::host::mps::paths::CONTROL;
 use crate::host::mps::view::{Role, View};
 use crate::host::mps_client as limits;
+use crate::host::process;
+
+/// How often an endpoint is looked for where no directory watch could be
+/// had (the user's inotify instances used up).
+const UNWATCHED: Duration = Duration::from_millis(2);
+/// The first and the longest pause between connection attempts while a
+/// bound endpoint does not listen yet.
+const FIRST_RETRY: Duration = Duration::from_micros(250);
+const LAST_RETRY: Duration = Duration::from_millis(8);
 
 /// How waiting for a daemon's control endpoint ended.
 pub(super) enum Readiness {
@@ -36,6 +49,7 @@ impl Daemon {
         deadline: Instant,
     ) -> Result<(), MpsError> {
         let commands = limits::daemon_default_commands(self.record.limits);
+        let mut pause = FIRST_RETRY;
         loop {
             if self.send(config, &commands) {
                 return Ok(());
@@ -44,7 +58,8 @@ impl Daemon {
             if Instant::now() >= deadline || !alive {
                 break;
             }
-            std::thread::sleep(POLL);
+            self.sleep_until(deadline.min(Instant::now() + pause), None);
+            pause = (pause * 2).min(LAST_RETRY);
         }
         self.kill()?;
         Err(MpsError::LimitsRefused {
@@ -53,20 +68,16 @@ impl Daemon {
         })
     }
 
-    /// Poll until the held daemon's control endpoint exists, the daemon
-    /// exits (then it is forgotten) or `deadline` passes.
+    /// Wait until the held daemon's control endpoint exists, the daemon
+    /// exits (then it is forgotten) or `deadline` passes: woken by the
+    /// endpoint's creation (inotify on the pipe directory) or the daemon's
+    /// exit (its pidfd), not by a clock.
     pub(super) fn wait_ready(&mut self, deadline: Instant) -> Readiness {
+        // Watched before the first look: a creation in between is seen.
+        let watch = DirWatch::new(&self.pipe_dir).ok();
         loop {
-            let Some(handle) = self.handle.as_mut() else {
-                return Readiness::Exited("is not running".into());
-            };
-            if let Some(outcome) = handle.exit() {
-                self.handle = None;
-                self.record.daemon = None;
-                // Best effort: the record is checked against the kernel
-                // before it is acted on anyway.
-                let _ = self.persist();
-                return Readiness::Exited(outcome);
+            if let Some(exited) = self.exited() {
+                return exited;
             }
             if endpoint_ready(&self.pipe_dir) {
                 return Readiness::Ready;
@@ -74,7 +85,64 @@ impl Daemon {
             if Instant::now() >= deadline {
                 return Readiness::TimedOut;
             }
-            std::thread::sleep(POLL);
+            // Without a watch (no inotify instance left), look again soon.
+            let wake = match &watch {
+                Some(_) => deadline,
+                None => deadline.min(Instant::now() + UNWATCHED),
+            };
+            self.sleep_until(wake, watch.as_ref());
+        }
+    }
+
+    /// Wait until the new daemon accepts connections on its endpoint: it
+    /// binds it (the file appears) a moment before it listens, and a client
+    /// refused in between would run without MPS. One empty connection,
+    /// retried at growing intervals; made only on a fresh pipe directory
+    /// the daemon alone has had (no container has it yet).
+    pub(super) fn wait_listening(&mut self, deadline: Instant) -> Readiness {
+        let mut pause = FIRST_RETRY;
+        loop {
+            match UnixStream::connect(self.pipe_dir.join(CONTROL)) {
+                Ok(_) => return Readiness::Ready,
+                // A full backlog: it listens.
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => return Readiness::Ready,
+                Err(_) => {}
+            }
+            if let Some(exited) = self.exited() {
+                return exited;
+            }
+            if Instant::now() >= deadline {
+                return Readiness::TimedOut;
+            }
+            self.sleep_until(deadline.min(Instant::now() + pause), None);
+            pause = (pause * 2).min(LAST_RETRY);
+        }
+    }
+
+    /// How the held daemon ended, if it has (then it is forgotten).
+    fn exited(&mut self) -> Option<Readiness> {
+        let Some(handle) = self.handle.as_mut() else {
+            return Some(Readiness::Exited("is not running".into()));
+        };
+        let outcome = handle.exit()?;
+        self.handle = None;
+        self.record.daemon = None;
+        // Best effort: the record is checked against the kernel before it is
+        // acted on anyway.
+        let _ = self.persist();
+        Some(Readiness::Exited(outcome))
+    }
+
+    /// Sleeps until `wake`, the daemon's exit or an event of `watch`.
+    fn sleep_until(&self, wake: Instant, watch: Option<&DirWatch>) {
+        let Some(handle) = self.handle.as_ref() else {
+            return;
+        };
+        let mut events = vec![handle.exit_event()];
+        events.extend(watch.map(DirWatch::event));
+        process::poll_readable(&events, wake);
+        if let Some(watch) = watch {
+            watch.drain();
         }
     }
 
@@ -106,15 +174,12 @@ impl Daemon {
             let _ = stdin.write_all(commands.as_bytes());
         }
         let deadline = Instant::now() + config.quit_timeout;
-        loop {
-            match client.try_wait() {
-                Ok(Some(status)) => return status.success(),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-                _ => {
-                    let _ = client.kill();
-                    let _ = client.wait();
-                    return false;
-                }
+        match process::wait_child(&mut client, deadline) {
+            Some(status) => status.success(),
+            None => {
+                let _ = client.kill();
+                let _ = client.wait();
+                false
             }
         }
     }
@@ -136,4 +201,39 @@ pub(in crate::host::mps) fn endpoint_ready(pipe_dir: &Path) -> bool {
         let t = m.file_type();
         t.is_socket() || t.is_fifo()
     })
+}
+
+/// Creations in one directory, as an fd that is readable once there were
+/// some (inotify; non-blocking and close-on-exec, so no child gets it).
+struct DirWatch(OwnedFd);
+
+impl DirWatch {
+    fn new(dir: &Path) -> io::Result<DirWatch> {
+        let path = CString::new(dir.as_os_str().as_bytes())?;
+        // SAFETY: inotify_init1(2) takes flags and returns a new fd or -1.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor just returned, owned by no one else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let mask = libc::IN_CREATE | libc::IN_MOVED_TO | libc::IN_ONLYDIR | libc::IN_DONT_FOLLOW;
+        // SAFETY: our inotify fd and a NUL-terminated path that outlives the
+        // call.
+        if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), path.as_ptr(), mask) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(DirWatch(fd))
+    }
+
+    fn event(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+
+    /// Reads the pending events away (what they say is looked at anew).
+    fn drain(&self) {
+        let mut buf = [0u8; 4096];
+        // SAFETY: reads at most `buf.len()` bytes into `buf` from our fd.
+        while unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+    }
 }
