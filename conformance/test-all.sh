@@ -74,6 +74,16 @@ done
 t0=$SECONDS
 cargo build --workspace
 cargo test --workspace --no-run "${cargo_args[@]}"
+# Both must build each library the same way: the simulated libraries' rlibs
+# (beside a cdylib) have no hash in their file names, so two builds of one
+# share a file, and the tests' own cargo builds would swap it under the
+# feet of whatever was compiled against the other (a crate that then "cannot
+# be found"). With the features unified, a build now compiles nothing.
+if cargo build --workspace 2>&1 | grep -E '^ +Compiling '; then
+	say "cargo build rebuilt the above after cargo test: the build and test graphs build them" \
+		"differently (unify their dependencies' features, see driver/fake-nvml/Cargo.toml)"
+	exit 1
+fi
 say "Rust build done ($((SECONDS - t0))s)"
 
 # --- hook: Helm chart -------------------------------------------------------

@@ -26,9 +26,10 @@
 //! * Boot-scoped: CDI specs live on tmpfs and MIG instances and MPS daemons do
 //!   not survive a reboot, so a record from another boot describes nothing
 //!   that still exists and is removed.
-//! * Atomic, for this boot: written to a temp file and renamed over, without
-//!   fsync (see [`crate::cdi::write_for_this_boot`]: a killed process loses
-//!   nothing, and what the record describes ends with the boot anyway).
+//! * Atomic, for this boot: written to a temp file (or a spare, the file of
+//!   a removed record: [`spare`]) and renamed over, without fsync (see
+//!   [`crate::cdi::write_for_this_boot`]: a killed process loses nothing,
+//!   and what the record describes ends with the boot anyway).
 //! * Migrated: version 1 kept every claim in one `checkpoint.json`; start-up
 //!   splits it into records and removes it, so an upgrade keeps every
 //!   prepared claim.
@@ -36,6 +37,7 @@
 mod lost;
 mod record;
 mod snapshot;
+mod spare;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -45,7 +47,6 @@ use std::sync::{Mutex, MutexGuard};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cdi::write_for_this_boot;
 use crate::claim_uid::ClaimUid;
 use crate::sync::Locked;
 
@@ -56,6 +57,7 @@ pub(crate) use record::{decode_legacy, decode_record};
 use record::{encode_record, read_record};
 use snapshot::record_files;
 pub use snapshot::{Snapshot, SnapshotError, fuzz_decode, read_snapshot};
+use spare::Spares;
 
 /// The directory of records, under the state directory.
 pub const RECORDS_DIR: &str = "prepared-claims";
@@ -135,6 +137,8 @@ pub struct Checkpoint<T> {
     /// Restored claims whose records have fields this version does not
     /// know (written by a newer one), with those fields.
     unknown: Mutex<BTreeMap<ClaimUid, Vec<String>>>,
+    /// Files of removed records, reused by the next writes.
+    spares: Spares,
 }
 
 /// What start-up found, before it becomes a [`LoadOutcome`].
@@ -159,8 +163,10 @@ impl<T: Entry> Checkpoint<T> {
             })?
             .trim()
             .to_owned();
+        let dir = state_dir.join(RECORDS_DIR);
         let checkpoint = Checkpoint {
-            dir: state_dir.join(RECORDS_DIR),
+            spares: Spares::adopt(&dir),
+            dir,
             boot_id,
             claims: Mutex::new(BTreeMap::new()),
             lost: Mutex::new(Lost::default()),
@@ -349,7 +355,7 @@ impl<T: Entry> Checkpoint<T> {
             return Ok(None);
         };
         let path = self.record_path(claim);
-        match remove_if_present(&path) {
+        match self.spares.remove(&path) {
             Ok(()) => {
                 self.unknown_lock().remove(claim);
                 Ok(Some(old))
@@ -371,7 +377,9 @@ impl<T: Entry> Checkpoint<T> {
             path: path.clone(),
             source,
         };
-        write_for_this_boot(&path, &encode_record(&self.boot_id, entry)).map_err(failed)
+        (self.spares)
+            .write(&path, &encode_record(&self.boot_id, entry))
+            .map_err(failed)
     }
 }
 

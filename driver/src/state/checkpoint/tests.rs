@@ -512,3 +512,81 @@ fn decoder_never_panics_on_noise() {
         fuzz_decode(&noise);
     }
 }
+
+fn inode(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::symlink_metadata(path).unwrap().ino()
+}
+
+fn spares(f: &Fixture) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = fs::read_dir(f.state().join(RECORDS_DIR))
+        .unwrap()
+        .flatten()
+        .filter(|e| spare::is_spare(e.file_name().to_str().unwrap()))
+        .map(|e| e.path())
+        .collect();
+    found.sort();
+    found
+}
+
+#[test]
+fn a_removed_record_file_is_reused_by_the_next_write() {
+    let f = Fixture::new();
+    let (cp, _) = f.open();
+    cp.put(uid(1), entry("gpu-0")).unwrap();
+    let file = inode(&f.record(&uid(1)));
+    cp.remove(&uid(1)).unwrap();
+    assert!(!f.record(&uid(1)).exists());
+    assert_eq!(spares(&f).len(), 1, "kept as a spare, not unlinked");
+    // The next record goes into that file: no file is created.
+    cp.put(uid(2), entry("gpu-1")).unwrap();
+    assert_eq!(inode(&f.record(&uid(2))), file);
+    assert!(spares(&f).is_empty());
+    // Spares are never read as records, by this process or the next.
+    cp.put(uid(3), entry("gpu-3")).unwrap();
+    cp.remove(&uid(3)).unwrap();
+    let (again, outcome) = f.open();
+    assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
+    assert_eq!(again.lock()[&uid(2)].device, "gpu-1");
+    assert_eq!(again.spares.len(), 1, "adopted");
+    let snapshot = read_snapshot::<Entry>(&f.state(), Some("boot-a")).unwrap();
+    assert_eq!(snapshot.claims.len(), 1);
+}
+
+#[test]
+fn a_spare_holding_anything_is_overwritten_whole_and_links_are_not_followed() {
+    let f = Fixture::new();
+    let records = f.state().join(RECORDS_DIR);
+    fs::create_dir_all(&records).unwrap();
+    // A long half-written spare, and a spare that is a link to a file
+    // elsewhere (as if planted).
+    fs::write(records.join(".spare-1-0"), vec![b'x'; 64 << 10]).unwrap();
+    let outside = f.dir.path().join("outside");
+    fs::write(&outside, "keep").unwrap();
+    std::os::unix::fs::symlink(&outside, records.join(".spare-1-1")).unwrap();
+    let (cp, outcome) = f.open();
+    assert_eq!(outcome, LoadOutcome::Fresh);
+    cp.put(uid(1), entry("gpu-0")).unwrap();
+    cp.put(uid(2), entry("gpu-1")).unwrap();
+    assert_eq!(fs::read_to_string(&outside).unwrap(), "keep");
+    let (again, outcome) = f.open();
+    assert_eq!(outcome, LoadOutcome::Restored { claims: 2 });
+    assert_eq!(again.lock()[&uid(1)].device, "gpu-0");
+    assert_eq!(again.lock()[&uid(2)].device, "gpu-1");
+}
+
+#[test]
+fn spares_are_kept_up_to_their_bound() {
+    let f = Fixture::new();
+    let (cp, _) = f.open();
+    let n = spare::MAX_SPARES + 3;
+    for i in 0..n {
+        let claim = ClaimUid::parse(&format!("{i:08x}-0000-4000-8000-000000000001")).unwrap();
+        cp.put(claim, entry("gpu-0")).unwrap();
+    }
+    let claims: Vec<ClaimUid> = cp.lock().keys().cloned().collect();
+    for claim in claims {
+        cp.remove(&claim).unwrap();
+    }
+    assert_eq!(spares(&f).len(), spare::MAX_SPARES);
+}
