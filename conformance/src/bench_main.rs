@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tessera_conformance::TestCluster;
-use tessera_conformance::bench::{cluster, grpc, scale};
+use tessera_conformance::bench::{cluster, grpc, scale, stats};
 
 #[derive(Parser)]
 #[command(about = "Benchmarks a DRA kubelet plugin on the local cluster")]
@@ -163,6 +163,11 @@ async fn main() -> Result<()> {
                     };
                     let ns = cluster.create_namespace("bench").await?;
                     let refs = grpc::create_claims(&client, ns.name(), &run).await?;
+                    let requests = || async {
+                        let metrics = cluster::apiserver_metrics(&client).await?;
+                        anyhow::Ok(stats::requests_of(&metrics, &grpc::CLAIM_RESOURCES))
+                    };
+                    let before = requests().await?;
                     let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
                     let rss = pid.map(grpc::rss_kib).transpose()?;
                     let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
@@ -181,8 +186,15 @@ async fn main() -> Result<()> {
                         }
                     };
                     let status_written = settled(true).await?;
+                    let prepared = requests().await?;
                     let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
                     let status_removed = settled(false).await?;
+                    let after = requests().await?;
+                    let per_claim = claims as f64;
+                    let api_requests = json!({
+                        "prepare": stats::requests_delta(&before, &prepared, per_claim),
+                        "unprepare": stats::requests_delta(&prepared, &after, per_claim),
+                    });
                     ns.delete().await?;
                     println!(
                         "{}",
@@ -191,6 +203,7 @@ async fn main() -> Result<()> {
                             "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
                             "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
                             "device_status_removed_ms": status_removed,
+                            "api_requests_per_claim": api_requests,
                         })
                     );
                 }

@@ -39,6 +39,7 @@ use serde_json::{Value, json};
 
 use super::cluster::{apiserver_metrics, claim_watch_events, claim_watchers, slice_writes};
 use super::grpc::rss_kib;
+use super::stats::{requests_delta, requests_of, round2};
 use super::stats::{Histogram, parse_histogram, quantile, sum_counter};
 use crate::cluster::{TestCluster, TestNamespace, wait_for};
 
@@ -72,18 +73,6 @@ pub async fn fake_nodes(client: &Client, count: usize) -> Result<Vec<String>> {
 
 // ------------------------------------------------------------ requests ----
 
-const VERBS: [&str; 9] = [
-    "GET",
-    "LIST",
-    "WATCH",
-    "POST",
-    "PUT",
-    "PATCH",
-    "APPLY",
-    "DELETE",
-    "DELETECOLLECTION",
-];
-
 /// What a publisher asks the API server about, as `apiserver_request_total`
 /// names it: (resource, subresource). Discovery is `("", "api")` and
 /// `("", "apis")`.
@@ -98,51 +87,7 @@ const PUBLISHER_RESOURCES: [(&str, &str); 5] = [
 /// Requests the API server counted, by `"<VERB> <resource>"` (dry runs
 /// apart), for [`PUBLISHER_RESOURCES`].
 pub fn publisher_requests(metrics: &str) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    for (resource, sub) in PUBLISHER_RESOURCES {
-        let what = if resource.is_empty() {
-            format!("/{sub}")
-        } else {
-            resource.to_owned()
-        };
-        for verb in VERBS {
-            for (dry, suffix) in [("", ""), ("All", " (dry run)")] {
-                let n = sum_counter(
-                    metrics,
-                    "apiserver_request_total",
-                    &[
-                        ("resource", resource),
-                        ("subresource", sub),
-                        ("verb", verb),
-                        ("dry_run", dry),
-                    ],
-                );
-                if n > 0.0 {
-                    out.insert(format!("{verb} {what}{suffix}"), n);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// `after - before` per key, divided by `per`, without the zeros.
-pub fn requests_delta(
-    before: &BTreeMap<String, f64>,
-    after: &BTreeMap<String, f64>,
-    per: f64,
-) -> BTreeMap<String, f64> {
-    after
-        .iter()
-        .filter_map(|(k, a)| {
-            let d = a - before.get(k).copied().unwrap_or(0.0);
-            (d > 0.0).then(|| (k.clone(), round2(d / per)))
-        })
-        .collect()
-}
-
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
+    requests_of(metrics, &PUBLISHER_RESOURCES)
 }
 
 // ------------------------------------------------------------- watches ----

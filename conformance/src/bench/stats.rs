@@ -1,5 +1,6 @@
 //! Latency samples and what a benchmark reports about them.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -159,6 +160,66 @@ pub fn parse_histogram(text: &str, name: &str, want: &[(&str, &str)]) -> Histogr
     }
     h.buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     h
+}
+
+const VERBS: [&str; 9] = [
+    "GET",
+    "LIST",
+    "WATCH",
+    "POST",
+    "PUT",
+    "PATCH",
+    "APPLY",
+    "DELETE",
+    "DELETECOLLECTION",
+];
+
+/// Requests the API server counted (`apiserver_request_total`) for each
+/// (resource, subresource) of `resources`, by `"<VERB> <resource>[/<sub>]"`
+/// (`"<VERB> /<sub>"` without a resource: discovery), dry runs apart.
+pub fn requests_of(metrics: &str, resources: &[(&str, &str)]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for &(resource, sub) in resources {
+        let what = match (resource, sub) {
+            ("", sub) => format!("/{sub}"),
+            (resource, "") => resource.to_owned(),
+            (resource, sub) => format!("{resource}/{sub}"),
+        };
+        for verb in VERBS {
+            for (dry, suffix) in [("", ""), ("All", " (dry run)")] {
+                let labels = [
+                    ("resource", resource),
+                    ("subresource", sub),
+                    ("verb", verb),
+                    ("dry_run", dry),
+                ];
+                let n = sum_counter(metrics, "apiserver_request_total", &labels);
+                if n > 0.0 {
+                    out.insert(format!("{verb} {what}{suffix}"), n);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `after - before` per key, divided by `per`, without the zeros.
+pub fn requests_delta(
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    per: f64,
+) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .filter_map(|(k, a)| {
+            let d = a - before.get(k).copied().unwrap_or(0.0);
+            (d > 0.0).then(|| (k.clone(), round2(d / per)))
+        })
+        .collect()
+}
+
+pub fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
 }
 
 /// Sums a counter's series whose labels include every `want` pair.
