@@ -65,6 +65,14 @@ fn check_files(dirs: &PluginDirs, cycle: usize) -> Result<Vec<String>> {
         );
         completed.push(uid.clone());
     }
+    // After a restart only spares of removed specs are hidden there: the
+    // temp files of writes the kill cut short are gone.
+    for file in dirs.cdi_hidden() {
+        ensure!(
+            file.starts_with(".gpu.tessera.dev-claim_spare-") && !file.ends_with(".json"),
+            "cycle {cycle}: unexpected hidden file {file} in the CDI dir"
+        );
+    }
     for file in dirs.cdi_files() {
         let uid = file
             .strip_prefix("gpu.tessera.dev-claim_")

@@ -1,19 +1,23 @@
 //! CDI specs: one JSON file per prepared claim.
 //!
 //! The driver only *produces* specs; the container runtime consumes them. A
-//! spec is written atomically (temp file, fsync, rename, fsync of the
-//! directory) so a runtime never reads half a file and a crash leaves either
-//! the old spec or the new one. `cdiVersion` is the lowest version whose
+//! spec is written atomically for this boot (into a spare file, [`spare`],
+//! or a temp file, then renamed into place) so a runtime never reads half a
+//! file and a killed process leaves either the old spec or the new one. `cdiVersion` is the lowest version whose
 //! features the content uses, because older runtimes (podman 4.3 in Debian 12
 //! accepts 0.5.0 but not 0.6.0) reject versions they do not know.
+
+pub mod spare;
 
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::claim_uid::ClaimUid;
+use spare::Spares;
 
 /// CDI vendor (the part before `/` in a kind) used for every Tessera spec.
 pub const VENDOR: &str = "gpu.tessera.dev";
@@ -159,11 +163,17 @@ pub fn qualified_name(device: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct SpecDir {
     dir: PathBuf,
+    /// Files of removed specs, reused by the next writes.
+    spares: Arc<Spares>,
 }
 
 impl SpecDir {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        SpecDir { dir: dir.into() }
+        let dir = dir.into();
+        SpecDir {
+            spares: Arc::new(Spares::adopt(&dir, FILE_PREFIX)),
+            dir,
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -183,17 +193,15 @@ impl SpecDir {
         // Compact: the runtime parses every spec of the directory again
         // after each change.
         let bytes = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
-        write_for_this_boot(&path, &bytes)?;
+        self.spares.write(&path, &bytes)?;
         Ok(path)
     }
 
-    /// Remove the claim's spec; absent is fine (unprepare is idempotent).
-    /// Like the write, for this boot only (see [`write_for_this_boot`]).
+    /// Remove the claim's spec (its file kept as a spare); absent is fine
+    /// (unprepare is idempotent). Like the write, for this boot only (see
+    /// [`write_for_this_boot`]).
     pub fn remove(&self, claim: &ClaimUid) -> std::io::Result<()> {
-        match fs::remove_file(self.spec_path(claim)) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-            _ => Ok(()),
-        }
+        self.spares.remove(&self.spec_path(claim))
     }
 
     /// Claims that have a spec file here (ours only; other vendors' files
@@ -429,6 +437,45 @@ mod tests {
         specs.remove(&uid()).unwrap();
         specs.remove(&uid()).unwrap();
         assert!(specs.claims().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_removed_spec_file_is_reused_and_never_taken_for_a_spec() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let specs = SpecDir::new(dir.path());
+        let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
+        let first = specs.write(&uid(), &spec).unwrap();
+        let inode = fs::metadata(&first).unwrap().ino();
+        specs.remove(&uid()).unwrap();
+        let names = |d: &Path| -> Vec<String> {
+            let mut n: Vec<String> = fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            n.sort();
+            n
+        };
+        let left = names(dir.path());
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(
+            left[0].starts_with(".gpu.tessera.dev-claim_spare-"),
+            "{left:?}"
+        );
+        assert!(
+            !left[0].ends_with(".json"),
+            "a runtime's CDI cache skips it"
+        );
+        // Not a claim, not an orphan, not a stale temp file.
+        assert!(specs.claims().unwrap().is_empty());
+        assert!(specs.remove_orphans(|_| false).unwrap().is_empty());
+        assert!(specs.remove_stale_temp_files().unwrap().is_empty());
+        // The next spec goes into it; another process adopts it too.
+        let other = ClaimUid::parse("1b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e").unwrap();
+        let path = SpecDir::new(dir.path()).write(&other, &spec).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().ino(), inode);
+        let back: Spec = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(back, spec);
     }
 
     #[test]

@@ -1205,6 +1205,40 @@ fn which(name: &str) -> PathBuf {
 }
 
 #[test]
+fn a_record_torn_before_this_boot_is_replaced_and_one_torn_now_is_not() {
+    let s = Scratch::new();
+    let sup = MpsSupervisor::new(s.config());
+    let (k, lost) = (key(1, GPU0), key(2, GPU0));
+    let torn = |k: &DaemonKey| {
+        let root = s.root(k);
+        fs::create_dir_all(root.join("pipe")).unwrap();
+        let record = root.join("daemon.json");
+        fs::write(&record, b"{\"key\":{\"cla").unwrap();
+        record
+    };
+    let before_boot = |record: &Path| {
+        let file = fs::File::options().write(true).open(record).unwrap();
+        file.set_modified(std::time::UNIX_EPOCH + Duration::from_secs(1))
+            .unwrap();
+    };
+    // Torn in this boot: not guessed at.
+    let record = torn(&k);
+    let err = sup.ensure(&k, LIMITS).unwrap_err();
+    assert!(err.to_string().contains("record"), "{err}");
+    // Written before this boot (a power loss tore it): what it named ended
+    // with that boot, so a new daemon replaces it ...
+    before_boot(&record);
+    let d = sup.ensure(&k, LIMITS).unwrap();
+    assert!(alive(d.pid));
+    // ... and the directory of one no claim holds any more goes.
+    before_boot(&torn(&lost));
+    sup.retain_claims(|c| *c == k.claim);
+    assert!(!s.root(&lost).exists());
+    assert!(alive(d.pid));
+    sup.release(&k).unwrap();
+}
+
+#[test]
 fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
     let s = Scratch::new();
     let mut config = s.config();

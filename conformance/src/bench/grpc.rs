@@ -107,7 +107,8 @@ pub async fn published_devices(
 /// `apiserver_request_total` names it. In a run only the driver reads
 /// single claims (`GET`) and writes their status; the bench creates the
 /// claims before it counts and watches them (`LIST`, `WATCH`).
-pub const CLAIM_RESOURCES: [(&str, &str); 2] = [("resourceclaims", ""), ("resourceclaims", "status")];
+pub const CLAIM_RESOURCES: [(&str, &str); 2] =
+    [("resourceclaims", ""), ("resourceclaims", "status")];
 
 /// One run: `claims` claims of `per_claim` devices each.
 #[derive(Debug, Clone)]

@@ -39,8 +39,8 @@ use serde_json::{Value, json};
 
 use super::cluster::{apiserver_metrics, claim_watch_events, claim_watchers, slice_writes};
 use super::grpc::rss_kib;
-use super::stats::{requests_delta, requests_of, round2};
 use super::stats::{Histogram, parse_histogram, quantile, sum_counter};
+use super::stats::{requests_delta, requests_of, round2};
 use crate::cluster::{TestCluster, TestNamespace, wait_for};
 
 /// Field manager of the replica slices this benchmark writes.

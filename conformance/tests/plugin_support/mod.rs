@@ -262,7 +262,22 @@ impl PluginDirs {
         Ok(())
     }
 
+    /// The files of the CDI directory a runtime reads (not hidden ones).
     pub fn cdi_files(&self) -> Vec<String> {
+        let mut names = self.cdi_all();
+        names.retain(|n| !n.starts_with('.'));
+        names
+    }
+
+    /// The hidden files of the CDI directory: the spares the plugin keeps
+    /// of removed specs, and temp files of writes in flight.
+    pub fn cdi_hidden(&self) -> Vec<String> {
+        let mut names = self.cdi_all();
+        names.retain(|n| n.starts_with('.'));
+        names
+    }
+
+    fn cdi_all(&self) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(self.cdi())
             .map(|rd| {
                 rd.filter_map(|e| e.ok()?.file_name().into_string().ok())

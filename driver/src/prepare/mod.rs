@@ -364,15 +364,20 @@ impl Preparer {
         let read = clock.skip();
         let devices = self.resolve(claim, &object).await?;
         clock.lap(Phase::Resolve);
-        let this = self.clone();
-        let (who, id) = (claim.clone(), uid.clone());
-        let handed = Instant::now();
-        let (entry, change) = tokio::task::spawn_blocking(move || {
-            this.phase(Phase::HandOver, handed.elapsed());
-            this.enforce(&who, &id, devices)
-        })
-        .await
-        .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?;
+        let (entry, change) = match self.enforce_here(claim, &uid, devices) {
+            Ok(made) => made?,
+            Err(devices) => {
+                let this = self.clone();
+                let (who, id) = (claim.clone(), uid.clone());
+                let handed = Instant::now();
+                tokio::task::spawn_blocking(move || {
+                    this.phase(Phase::HandOver, handed.elapsed());
+                    this.enforce(&who, &id, devices)
+                })
+                .await
+                .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?
+            }
+        };
         self.reserved_for.remember(&uid, consumer_pods(&object));
         self.changed(change);
         if let Some(writer) = &self.deps.status {
@@ -470,6 +475,46 @@ impl Preparer {
             .collect())
     }
 
+    /// [`Self::enforce`] on this async worker, for a claim that changes
+    /// nothing on the host (a whole GPU in the mode it is in): no hand-over
+    /// to a blocking thread, only two small file writes. The devices come
+    /// back, untouched on disk, when the claim needs more (planned side
+    /// effects, a host change an enforcer finds, the hardware lock taken).
+    fn enforce_here(
+        &self,
+        claim: &ClaimRef,
+        uid: &ClaimUid,
+        mut devices: Vec<Device>,
+    ) -> Result<ClaimResult<(ClaimEntry, NodeChange)>, Vec<Device>> {
+        let mut entry = self.started(claim, &devices);
+        if !entry.actions.is_empty() {
+            return Err(devices);
+        }
+        let Ok(held) = self.hardware.try_write() else {
+            return Err(devices);
+        };
+        let made = self.make(claim, uid, &mut entry, &mut devices, None);
+        drop(held);
+        match made {
+            Err(Made::WouldBlock) => Err(devices),
+            made => Ok(self.settle_made(claim, uid, entry, made)),
+        }
+    }
+
+    /// The claim's entry before any effect: `Started`, with the planned
+    /// side effects.
+    fn started(&self, claim: &ClaimRef, devices: &[Device]) -> ClaimEntry {
+        ClaimEntry {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: EntryState::Started,
+            actions: self.enforcers.plan(devices),
+            devices: Vec::new(),
+            spec: None,
+            status: Vec::new(),
+        }
+    }
+
     /// effects -> edits -> spec -> record, on a blocking thread; a failure
     /// rolls back what was recorded.
     fn enforce(
@@ -478,15 +523,7 @@ impl Preparer {
         uid: &ClaimUid,
         mut devices: Vec<Device>,
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
-        let mut entry = ClaimEntry {
-            namespace: claim.namespace.clone(),
-            name: claim.name.clone(),
-            state: EntryState::Started,
-            actions: self.enforcers.plan(&devices),
-            devices: Vec::new(),
-            spec: None,
-            status: Vec::new(),
-        };
+        let mut entry = self.started(claim, &devices);
         // Recorded before any side effect it must undo (MIG changes are
         // recorded by their enforcer, before each one). A claim without
         // one (a whole GPU, a share without MPS or time slice) is recorded
@@ -499,7 +536,22 @@ impl Preparer {
                     ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
                 })?;
         }
-        let made = self.make(claim, uid, &mut entry, &mut devices);
+        let made = self.make(claim, uid, &mut entry, &mut devices, Some(&self.hardware));
+        self.settle_made(claim, uid, entry, made)
+    }
+
+    /// A failed make rolls back what was recorded.
+    fn settle_made(
+        &self,
+        claim: &ClaimRef,
+        uid: &ClaimUid,
+        entry: ClaimEntry,
+        made: Result<(ClaimEntry, NodeChange), Made>,
+    ) -> ClaimResult<(ClaimEntry, NodeChange)> {
+        let made = made.map_err(|e| match e {
+            Made::Failed(e) => e,
+            Made::WouldBlock => EnforceError::WouldBlock.for_claim(claim),
+        });
         if made.is_err() {
             let recorded = self.entry(uid).unwrap_or(entry);
             if let Err(undo) = self.undo_now(uid, &recorded) {
@@ -509,20 +561,24 @@ impl Preparer {
         made
     }
 
+    /// `hardware`: the lock to take when an enforcer needs it, or `None`
+    /// when this thread holds it and must not wait (see [`Effects::new`]).
     fn make(
         &self,
         claim: &ClaimRef,
         uid: &ClaimUid,
         entry: &mut ClaimEntry,
         devices: &mut [Device],
-    ) -> ClaimResult<(ClaimEntry, NodeChange)> {
+        hardware: Option<&RwLock<()>>,
+    ) -> Result<(ClaimEntry, NodeChange), Made> {
         let mut clock = PhaseClock::new(self.observer.get());
-        let mut cx = Effects::new(claim, uid, entry, &self.checkpoint, &self.hardware);
+        let mut cx = Effects::new(claim, uid, entry, &self.checkpoint, hardware);
         let mut gpus_changed = false;
         for enforcer in self.enforcers.iter() {
-            gpus_changed |= enforcer
-                .apply(&mut cx, devices)
-                .map_err(|e| e.for_claim(claim))?;
+            gpus_changed |= enforcer.apply(&mut cx, devices).map_err(|e| match e {
+                EnforceError::WouldBlock => Made::WouldBlock,
+                e => Made::Failed(e.for_claim(claim)),
+            })?;
         }
         clock.lap(Phase::Effects);
         let built = spec::build(claim, uid, &self.config.layout, &self.enforcers, devices)?;
@@ -544,6 +600,20 @@ impl Preparer {
             })?;
         clock.lap(Phase::Record);
         Ok((entry.clone(), NodeChange::gpus_if(gpus_changed)))
+    }
+}
+
+/// How making a claim's devices ended, short of success.
+enum Made {
+    Failed(ClaimError),
+    /// An enforcer needs to wait where nothing may (see [`Effects::new`]);
+    /// nothing was changed.
+    WouldBlock,
+}
+
+impl From<ClaimError> for Made {
+    fn from(e: ClaimError) -> Self {
+        Made::Failed(e)
     }
 }
 

@@ -254,9 +254,14 @@ impl Fixture {
         cp.dir().join(format!("{}.json", claim.as_str()))
     }
 
+    /// Spec files (not the hidden spares of removed ones).
     fn cdi_files(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("cdi"))
-            .map(|d| d.count())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+                    .count()
+            })
             .unwrap_or(0)
     }
 }

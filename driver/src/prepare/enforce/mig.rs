@@ -48,6 +48,9 @@ impl Mig {
                 .map_err(EnforceError::host(format!(
                     "read the MIG mode of GPU {gpu}"
                 )))?;
+            if current != enabled && !cx.may_block() {
+                return Err(EnforceError::WouldBlock);
+            }
             if !cx.entry.mig_mode_holds().any(|g| g == gpu) {
                 cx.entry.actions.push(Action::MigMode {
                     gpu_uuid: gpu.clone(),
@@ -229,6 +232,18 @@ impl Enforcer for Mig {
         });
         if !changes_gpus {
             return Ok(false);
+        }
+        let creates = devices.iter().any(|d| {
+            matches!(
+                d.resolved.kind,
+                Kind::Mig {
+                    create: Some(_),
+                    ..
+                }
+            )
+        });
+        if creates && !cx.may_block() {
+            return Err(EnforceError::WouldBlock);
         }
         let _hardware = cx.hardware();
         let switched = self.hold_modes(cx, devices)?;

@@ -168,16 +168,23 @@ pub struct Effects<'a> {
     pub uid: &'a ClaimUid,
     pub entry: &'a mut ClaimEntry,
     records: &'a Checkpoint<ClaimEntry>,
-    hardware: &'a RwLock<()>,
+    /// `None`: the caller holds the write side and runs on a thread that
+    /// must not wait (see [`Effects::may_block`]).
+    hardware: Option<&'a RwLock<()>>,
 }
 
 impl<'a> Effects<'a> {
+    /// `hardware`: the node's hardware lock to take when needed, or `None`
+    /// when the caller already holds its write side on an async worker:
+    /// then an enforcer that would change the hardware answers
+    /// [`EnforceError::WouldBlock`] before doing anything, and the caller
+    /// runs the claim again on a blocking thread.
     pub fn new(
         claim: &'a ClaimRef,
         uid: &'a ClaimUid,
         entry: &'a mut ClaimEntry,
         records: &'a Checkpoint<ClaimEntry>,
-        hardware: &'a RwLock<()>,
+        hardware: Option<&'a RwLock<()>>,
     ) -> Self {
         Effects {
             claim,
@@ -199,9 +206,16 @@ impl<'a> Effects<'a> {
         self.records.stage(self.uid.clone(), self.entry.clone());
     }
 
-    /// Held while changing what several claims share on a GPU.
-    pub fn hardware(&self) -> RwLockWriteGuard<'a, ()> {
-        write(self.hardware)
+    /// Held while changing what several claims share on a GPU (`None`: the
+    /// caller holds it already).
+    pub fn hardware(&self) -> Option<RwLockWriteGuard<'a, ()>> {
+        self.hardware.map(write)
+    }
+
+    /// Whether an enforcer may wait here (a host change: a MIG mode switch,
+    /// a MIG device made); if not, it answers [`EnforceError::WouldBlock`].
+    pub fn may_block(&self) -> bool {
+        self.hardware.is_some()
     }
 }
 
@@ -304,6 +318,10 @@ pub enum EnforceError {
     /// Recording an effect before it is made failed.
     #[error("cannot update its checkpoint entry: {0}")]
     Checkpoint(#[from] CheckpointError),
+    /// A host change is needed where nothing may wait: nothing was done,
+    /// the claim is made again on a blocking thread (never a user's error).
+    #[error("a host change is needed; made on a blocking thread")]
+    WouldBlock,
 }
 
 impl EnforceError {
@@ -316,7 +334,7 @@ impl EnforceError {
     pub fn for_claim(self, claim: &ClaimRef) -> ClaimError {
         let problem = self.to_string();
         match self {
-            EnforceError::Host { .. } | EnforceError::Checkpoint(_) => {
+            EnforceError::Host { .. } | EnforceError::Checkpoint(_) | EnforceError::WouldBlock => {
                 ClaimError::new(claim, problem)
             }
             EnforceError::Request { request, fix, .. } => {

@@ -126,7 +126,11 @@ impl Enforcer for Mps {
 
     fn apply(&self, cx: &mut Effects<'_>, devices: &mut [Device]) -> Result<bool, EnforceError> {
         one_daemon_per_request(devices)?;
-        for (target, limits) in daemons(devices) {
+        let daemons = daemons(devices);
+        if !daemons.is_empty() && !cx.may_block() {
+            return Err(EnforceError::WouldBlock);
+        }
+        for (target, limits) in daemons {
             if record_target(cx, &target) {
                 cx.record()?;
             }

@@ -57,6 +57,9 @@ impl Enforcer for TimeSlice {
             let Some(interval) = interval(&device.resolved, &device.config) else {
                 continue;
             };
+            if !cx.may_block() {
+                return Err(EnforceError::WouldBlock);
+            }
             // Under the hardware lock, so it cannot cross another claim's
             // reset.
             let gpu = &device.resolved.gpu.uuid;

@@ -27,7 +27,7 @@
 //!   not survive a reboot, so a record from another boot describes nothing
 //!   that still exists and is removed.
 //! * Atomic, for this boot: written to a temp file (or a spare, the file of
-//!   a removed record: [`spare`]) and renamed over, without fsync (see
+//!   a removed record: [`crate::cdi::spare`]) and renamed over, without fsync (see
 //!   [`crate::cdi::write_for_this_boot`]: a killed process loses nothing,
 //!   and what the record describes ends with the boot anyway).
 //! * Migrated: version 1 kept every claim in one `checkpoint.json`; start-up
@@ -37,7 +37,6 @@
 mod lost;
 mod record;
 mod snapshot;
-mod spare;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -50,6 +49,7 @@ use serde::de::DeserializeOwned;
 use crate::claim_uid::ClaimUid;
 use crate::sync::Locked;
 
+use crate::cdi::spare::Spares;
 pub use lost::Lost;
 use lost::{find_lost, mark_released, prune_quarantined, quarantine};
 pub use record::RecordError;
@@ -57,7 +57,6 @@ pub(crate) use record::{decode_legacy, decode_record};
 use record::{encode_record, read_record};
 use snapshot::record_files;
 pub use snapshot::{Snapshot, SnapshotError, fuzz_decode, read_snapshot};
-use spare::Spares;
 
 /// The directory of records, under the state directory.
 pub const RECORDS_DIR: &str = "prepared-claims";
@@ -165,7 +164,7 @@ impl<T: Entry> Checkpoint<T> {
             .to_owned();
         let dir = state_dir.join(RECORDS_DIR);
         let checkpoint = Checkpoint {
-            spares: Spares::adopt(&dir),
+            spares: Spares::adopt(&dir, ""),
             dir,
             boot_id,
             claims: Mutex::new(BTreeMap::new()),

@@ -522,7 +522,7 @@ fn spares(f: &Fixture) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = fs::read_dir(f.state().join(RECORDS_DIR))
         .unwrap()
         .flatten()
-        .filter(|e| spare::is_spare(e.file_name().to_str().unwrap()))
+        .filter(|e| crate::cdi::spare::is_spare(e.file_name().to_str().unwrap(), ".spare-"))
         .map(|e| e.path())
         .collect();
     found.sort();
@@ -579,7 +579,7 @@ fn a_spare_holding_anything_is_overwritten_whole_and_links_are_not_followed() {
 fn spares_are_kept_up_to_their_bound() {
     let f = Fixture::new();
     let (cp, _) = f.open();
-    let n = spare::MAX_SPARES + 3;
+    let n = crate::cdi::spare::MAX_SPARES + 3;
     for i in 0..n {
         let claim = ClaimUid::parse(&format!("{i:08x}-0000-4000-8000-000000000001")).unwrap();
         cp.put(claim, entry("gpu-0")).unwrap();
@@ -588,5 +588,5 @@ fn spares_are_kept_up_to_their_bound() {
     for claim in claims {
         cp.remove(&claim).unwrap();
     }
-    assert_eq!(spares(&f).len(), spare::MAX_SPARES);
+    assert_eq!(spares(&f).len(), crate::cdi::spare::MAX_SPARES);
 }

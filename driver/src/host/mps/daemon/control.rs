@@ -11,6 +11,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Stdio;
+use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use super::{Daemon, Liveness};
@@ -139,7 +140,7 @@ impl Daemon {
             return;
         };
         let mut events = vec![handle.exit_event()];
-        events.extend(watch.map(DirWatch::event));
+        events.extend(watch.and_then(DirWatch::event));
         process::poll_readable(&events, wake);
         if let Some(watch) = watch {
             watch.drain();
@@ -205,7 +206,33 @@ pub(in crate::host::mps) fn endpoint_ready(pipe_dir: &Path) -> bool {
 
 /// Creations in one directory, as an fd that is readable once there were
 /// some (inotify; non-blocking and close-on-exec, so no child gets it).
-struct DirWatch(OwnedFd);
+struct DirWatch(Option<OwnedFd>);
+
+impl Drop for DirWatch {
+    fn drop(&mut self) {
+        if let Some(fd) = self.0.take() {
+            close_later(fd);
+        }
+    }
+}
+
+/// Closing an inotify instance waits for the kernel's grace period (ten
+/// milliseconds and more, measured): a thread of its own does it, off the
+/// prepare's path. Without that thread, here.
+fn close_later(fd: OwnedFd) {
+    static CLOSER: OnceLock<Option<mpsc::Sender<OwnedFd>>> = OnceLock::new();
+    let closer = CLOSER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<OwnedFd>();
+        std::thread::Builder::new()
+            .name("inotify-close".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(Err(mpsc::SendError(fd))) = closer.as_ref().map(|tx| tx.send(fd)) {
+        drop(fd);
+    }
+}
 
 impl DirWatch {
     fn new(dir: &Path) -> io::Result<DirWatch> {
@@ -223,17 +250,18 @@ impl DirWatch {
         if unsafe { libc::inotify_add_watch(fd.as_raw_fd(), path.as_ptr(), mask) } < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(DirWatch(fd))
+        Ok(DirWatch(Some(fd)))
     }
 
-    fn event(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
+    fn event(&self) -> Option<BorrowedFd<'_>> {
+        self.0.as_ref().map(AsFd::as_fd)
     }
 
     /// Reads the pending events away (what they say is looked at anew).
     fn drain(&self) {
         let mut buf = [0u8; 4096];
+        let Some(fd) = &self.0 else { return };
         // SAFETY: reads at most `buf.len()` bytes into `buf` from our fd.
-        while unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
+        while unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) } > 0 {}
     }
 }

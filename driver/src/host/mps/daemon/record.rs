@@ -4,6 +4,7 @@
 
 use std::fs;
 use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -45,18 +46,23 @@ impl Record {
             path: path.clone(),
             source,
         };
-        let record = match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice::<Record>(&bytes)
-                .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match limits {
-                Some(limits) => Record {
-                    key: key.clone(),
-                    limits,
-                    daemon: None,
-                    launch: None,
-                },
-                None => return Ok(None),
-            },
+        let read = fs::read(&path).and_then(|bytes| {
+            serde_json::from_slice::<Record>(&bytes)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        });
+        let record = match read {
+            Ok(record) => record,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound || torn_before_this_boot(&path) => {
+                match limits {
+                    Some(limits) => Record {
+                        key: key.clone(),
+                        limits,
+                        daemon: None,
+                        launch: None,
+                    },
+                    None => return Ok(None),
+                }
+            }
             Err(e) => return Err(io(e)),
         };
         if record.key != *key {
@@ -68,7 +74,9 @@ impl Record {
         Ok(Some(record))
     }
 
-    /// Written atomically into `root`, made if missing.
+    /// Written atomically into `root`, made if missing, for this boot (no
+    /// fsync: the daemon it names ends with the boot; a record torn by a
+    /// power loss is told apart by its age at the next boot).
     pub fn write(&self, root: &Path) -> Result<(), MpsError> {
         let io = |what, path: &Path| {
             let device = self.key.device.clone();
@@ -83,6 +91,29 @@ impl Record {
         fs::create_dir_all(root).map_err(io("creating", root))?;
         let path = root.join(RECORD);
         let bytes = serde_json::to_vec_pretty(self).expect("a record serializes");
-        cdi::write_atomically(&path, &bytes).map_err(io("writing the record", &path))
+        cdi::write_for_this_boot(&path, &bytes).map_err(io("writing the record", &path))
     }
+}
+
+/// Whether the record at `path` is unreadable and was written before the
+/// running kernel booted: torn by a power loss or crash, as a record written
+/// without fsync may be. What it named ended with that boot.
+pub(in crate::host::mps) fn torn_before_this_boot(path: &Path) -> bool {
+    let readable = fs::read(path)
+        .ok()
+        .is_some_and(|b| serde_json::from_slice::<Record>(&b).is_ok());
+    let written = fs::metadata(path).and_then(|m| m.modified()).ok();
+    !readable && written.zip(booted_at()).is_some_and(|(w, b)| w < b)
+}
+
+/// When the running kernel booted (`btime` of `/proc/stat`).
+fn booted_at() -> Option<SystemTime> {
+    let stat = fs::read_to_string("/proc/stat").ok()?;
+    let secs = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(UNIX_EPOCH + Duration::from_secs(secs))
 }
