@@ -122,7 +122,7 @@ impl Spares {
 
     /// How many spares are kept now (tests).
     #[cfg(test)]
-    pub fn len(&self) -> usize {
+    pub fn count(&self) -> usize {
         self.free.locked().len()
     }
 }

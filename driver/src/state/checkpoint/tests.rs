@@ -548,7 +548,7 @@ fn a_removed_record_file_is_reused_by_the_next_write() {
     let (again, outcome) = f.open();
     assert_eq!(outcome, LoadOutcome::Restored { claims: 1 });
     assert_eq!(again.lock()[&uid(2)].device, "gpu-1");
-    assert_eq!(again.spares.len(), 1, "adopted");
+    assert_eq!(again.spares.count(), 1, "adopted");
     let snapshot = read_snapshot::<Entry>(&f.state(), Some("boot-a")).unwrap();
     assert_eq!(snapshot.claims.len(), 1);
 }
