@@ -68,7 +68,7 @@ GO_CLIENT_FLAGS=()
 start_go() {
 	rm -f "$GO_DIR/pid"
 	"$GO_BIN" --kubeconfig "$KUBECONFIG" "${GO_CLIENT_FLAGS[@]}" --drivername "$GO_DRIVER" kubelet-plugin \
-		--node-name "$TESSERA_NODE_NAME" --num-devices 8 \
+		--node-name "$TESSERA_NODE_NAME" --num-devices "${GO_DEVICES:-8}" \
 		--datadir "$D/kubelet/plugins" --plugin-registration-path "$D/kubelet/plugins_registry" \
 		--cdi-dir "$D/cdi" >>"$GO_DIR/log" 2>&1 &
 	go_pid=$!
@@ -176,4 +176,34 @@ EOF
 chmod +x "$GO_DIR/restart.sh"
 "$BENCH" slice-writes --window 10 -- "$GO_DIR/restart.sh" | record
 go_pid=$(cat "$GO_DIR/pid")
+
+# --- what a user waits for: 24 pods, creation to Running ---------------------
+# Each pod's time from its create call to the watch event that says it runs,
+# and the requests on claims per pod (every client: the scheduler's and the
+# controller manager's are the same for both drivers). Whole GPUs need 24 of
+# them at once: a bench-only topology, not a real machine. The Go driver
+# gets 24 devices and no client limit; Isolated pods ask for a share each.
+if ((!quick)); then
+	kill "$go_pid"
+	while kill -0 "$go_pid" 2>/dev/null; do sleep 0.05; done
+	rm -f "$D/kubelet/plugins_registry/$GO_DRIVER-reg.sock"
+	GO_DEVICES=24 start_go
+	"$CLUSTER" node-stop >&2
+	rm -rf "$D/node"
+	"$CLUSTER" node-start --topology conformance/bench/h100x24.yaml >&2
+	until [[ -S "$D/kubelet/plugins_registry/$GO_DRIVER-reg.sock" ]]; do
+		kill -0 "$go_pid" || { say "the Go test driver died (log: $GO_DIR/log)"; exit 1; }
+		sleep 0.05
+	done
+	for ((round = 1; round <= 3; round++)); do
+		say "24 pods, round $round of 3: Go test driver, Tessera whole GPUs, Tessera Isolated shares"
+		"$BENCH" pods --driver "$GO_DRIVER" --class "$GO_DRIVER" --pods 24 |
+			sed "s/^{/{\"round\":$round,\"phase\":\"pods24\",/" | record
+		"$BENCH" pods --driver "$TESSERA" --class gpu.tessera.dev --pods 24 |
+			sed "s/^{/{\"round\":$round,\"phase\":\"pods24\",/" | record
+		"$BENCH" pods --driver "$TESSERA" --class gpu-isolated.tessera.dev --pods 24 \
+			--capacity memory=1Gi --capacity cores=1 |
+			sed "s/^{/{\"round\":$round,\"phase\":\"pods24\",\"isolated\":true,/" | record
+	done
+fi
 say "results in $RESULTS"

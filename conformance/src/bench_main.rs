@@ -69,6 +69,10 @@ enum Command {
         pods: usize,
         #[arg(long, default_value = "tessera.local/probe:1")]
         image: String,
+        /// Capacity each claim's request asks for (`NAME=QUANTITY`, e.g.
+        /// `memory=1Gi`, repeated): a share of a device.
+        #[arg(long = "capacity")]
+        capacity: Vec<String>,
     },
     /// Waits for the driver's first slice for the pool and reports how long
     /// after the start of the process in --pid-file it appeared.
@@ -98,6 +102,17 @@ enum Command {
     GrpcMedians { results: PathBuf },
 }
 
+/// `NAME=VALUE` arguments of `flag`, as a map.
+fn pairs(args: &[String], flag: &str) -> Result<std::collections::BTreeMap<String, String>> {
+    args.iter()
+        .map(|c| {
+            c.split_once('=')
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .with_context(|| format!("{flag} takes NAME=QUANTITY, not {c:?}"))
+        })
+        .collect()
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -119,14 +134,7 @@ async fn main() -> Result<()> {
             pid,
             device_status,
         } => {
-            let consumed = consumed
-                .iter()
-                .map(|c| {
-                    c.split_once('=')
-                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                        .context("--consumed takes NAME=QUANTITY")
-                })
-                .collect::<Result<std::collections::BTreeMap<_, _>>>()?;
+            let consumed = pairs(&consumed, "--consumed")?;
             let pool = pool.unwrap_or(node);
             let attr = device_attr
                 .as_deref()
@@ -214,7 +222,9 @@ async fn main() -> Result<()> {
             class,
             pods,
             image,
+            capacity,
         } => {
+            let capacity = pairs(&capacity, "--capacity")?;
             let ns = cluster.create_namespace("bench-pods").await?;
             let run = cluster::PodsRun {
                 node,
@@ -223,6 +233,7 @@ async fn main() -> Result<()> {
                 image,
                 pods,
                 timeout: Duration::from_secs(300),
+                capacity,
             };
             let kubelet = cluster::kubelet_client(&cluster).await?;
             let result = cluster::pods_run(&kubelet, &ns, &run).await;

@@ -426,6 +426,11 @@ impl TestNamespace {
         &self.name
     }
 
+    /// The API server client the namespace was made with.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// An `Api` for a namespaced kind in this namespace.
     pub fn api<K>(&self) -> Api<K>
     where

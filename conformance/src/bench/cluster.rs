@@ -2,6 +2,7 @@
 //! pods, the API server's write counters, and when a driver's first slice
 //! appears.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -14,7 +15,7 @@ use kube::{Api, Client, Config};
 use serde::Serialize;
 use serde_json::json;
 
-use super::stats::{Histogram, parse_histogram, sum_counter};
+use super::stats::{Histogram, Summary, parse_histogram, requests_delta, requests_of, sum_counter};
 use crate::cluster::{TestCluster, TestNamespace, wait_for};
 
 const KUBELET_HISTOGRAM: &str = "dra_grpc_operations_duration_seconds";
@@ -150,6 +151,15 @@ pub struct PodsResult {
     pub unprepare: KubeletView,
     /// From the first pod created to all running.
     pub all_running_s: f64,
+    /// Per pod, from its create call's return to the first watch event that
+    /// says it runs (the bench's clock, a watch opened before the creates).
+    pub creation_to_running: Summary,
+    /// Requests on claims (`resourceclaims`, `resourceclaims/status`) per
+    /// pod, every client together, from the claims' creation to every
+    /// unprepare counted: the driver's are `GET resourceclaims` and the
+    /// writes of `status`; the scheduler and the controller manager add the
+    /// same for both drivers.
+    pub api_requests_per_pod: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -182,6 +192,8 @@ pub struct PodsRun {
     pub image: String,
     pub pods: usize,
     pub timeout: Duration,
+    /// Capacity each claim requests (`NAME` -> quantity): a share.
+    pub capacity: BTreeMap<String, String>,
 }
 
 /// Creates the run's pods at once, waits until they run, deletes them;
@@ -194,9 +206,15 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
         image,
         pods,
         timeout,
+        capacity,
     } = run;
     let (node, driver, pods, timeout) = (node.as_str(), driver.as_str(), *pods, *timeout);
     let pp = PostParams::default();
+    let requests = || async {
+        let metrics = apiserver_metrics(ns.client()).await?;
+        anyhow::Ok(requests_of(&metrics, &super::grpc::CLAIM_RESOURCES))
+    };
+    let requests_before = requests().await?;
     // One named claim per pod, created first: the API server's node
     // authorizer then knows the pod -> claim edge from the pod's spec when
     // the kubelet reads the claim. (Claims from a template are named in the
@@ -207,13 +225,15 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
         let claim: ResourceClaim = serde_json::from_value(json!({
             "metadata": { "name": format!("bench-{i:03}") },
             "spec": { "devices": { "requests": [{
-                "name": "gpu", "exactly": { "deviceClassName": class },
+                "name": "gpu", "exactly": exactly(class, capacity),
             }]}},
         }))?;
         claims.create(&pp, &claim).await?;
     }
     let before = kubelet_metrics(kubelet).await?;
     let api = ns.api::<Pod>();
+    let running = RunningWatch::start(api.clone()).await?;
+    let mut created = BTreeMap::new();
     let began = Instant::now();
     for i in 0..pods {
         let pod: Pod = serde_json::from_value(json!({
@@ -232,25 +252,17 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
             },
         }))?;
         api.create(&pp, &pod).await?;
+        created.insert(format!("bench-{i:03}"), Instant::now());
     }
     let lp = ListParams::default().labels("app=bench");
-    wait_for("every bench pod running", timeout, || async {
-        let list = api.list(&lp).await?;
-        for p in &list.items {
-            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
-            if phase == Some("Failed") {
-                bail!("pod {:?} failed", p.metadata.name);
-            }
-        }
-        let running = list
-            .items
-            .iter()
-            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
-            .count();
-        Ok((running == pods).then_some(()))
-    })
-    .await?;
-    let all_running_s = began.elapsed().as_secs_f64();
+    let seen = running.wait_all(pods, timeout).await?;
+    let all_running_s = (seen.values().max().copied().unwrap_or(began) - began).as_secs_f64();
+    let latencies: Vec<Duration> = (created.iter())
+        .map(|(name, at)| {
+            seen.get(name)
+                .map_or(Duration::ZERO, |r| r.saturating_duration_since(*at))
+        })
+        .collect();
     api.delete_collection(&DeleteParams::default().grace_period(0), &lp)
         .await?;
     wait_for("every bench pod gone", timeout, || async {
@@ -274,12 +286,88 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
     let delta = |method| {
         kubelet_histogram(&after, driver, method).since(&kubelet_histogram(&before, driver, method))
     };
+    let requests_after = requests().await?;
     Ok(PodsResult {
         pods,
         prepare: KubeletView::of(&delta("NodePrepareResources")),
         unprepare: KubeletView::of(&delta("NodeUnprepareResources")),
         all_running_s,
+        creation_to_running: Summary::of(&latencies, pods, Duration::from_secs_f64(all_running_s)),
+        api_requests_per_pod: requests_delta(&requests_before, &requests_after, pods as f64),
     })
+}
+
+/// A request's `exactly`: the class, and the capacity a share asks for.
+fn exactly(class: &str, capacity: &BTreeMap<String, String>) -> serde_json::Value {
+    if capacity.is_empty() {
+        json!({ "deviceClassName": class })
+    } else {
+        json!({ "deviceClassName": class, "capacity": { "requests": capacity } })
+    }
+}
+
+/// When each pod of a namespace was first seen running, from a watch
+/// opened before the pods are created.
+struct RunningWatch {
+    seen: std::sync::Arc<std::sync::Mutex<BTreeMap<String, Instant>>>,
+    failed: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningWatch {
+    async fn start(api: Api<Pod>) -> Result<Self> {
+        use futures::StreamExt;
+        use kube::runtime::{WatchStreamExt, watcher};
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+        let failed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (s, f) = (seen.clone(), failed.clone());
+        let task = tokio::spawn(async move {
+            let mut events = watcher(api, watcher::Config::default().labels("app=bench"))
+                .default_backoff()
+                .boxed();
+            let mut ready = Some(ready_tx);
+            while let Some(Ok(event)) = events.next().await {
+                if let watcher::Event::InitDone = event
+                    && let Some(tx) = ready.take()
+                {
+                    let _ = tx.send(());
+                }
+                let (watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) = event else {
+                    continue;
+                };
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                match pod.status.as_ref().and_then(|s| s.phase.as_deref()) {
+                    Some("Running") => {
+                        s.lock()
+                            .expect("not poisoned")
+                            .entry(name)
+                            .or_insert_with(Instant::now);
+                    }
+                    Some("Failed") => *f.lock().expect("not poisoned") = Some(name),
+                    _ => {}
+                }
+            }
+        });
+        ready_rx
+            .await
+            .context("the pod watch ended before its first list")?;
+        Ok(RunningWatch { seen, failed, task })
+    }
+
+    /// Waits until `pods` pods were seen running; when each was.
+    async fn wait_all(self, pods: usize, timeout: Duration) -> Result<BTreeMap<String, Instant>> {
+        let result = wait_for("every bench pod running", timeout, || async {
+            if let Some(name) = self.failed.lock().expect("not poisoned").clone() {
+                bail!("pod {name} failed");
+            }
+            let seen = self.seen.lock().expect("not poisoned");
+            Ok((seen.len() >= pods).then(|| seen.clone()))
+        })
+        .await;
+        self.task.abort();
+        result
+    }
 }
 
 /// Whether `driver` has published a slice for `pool`.
