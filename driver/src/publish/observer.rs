@@ -82,10 +82,11 @@ impl Observer {
         }
     }
 
-    /// Observes every `period`, and at once when poked (prepare and
-    /// unprepare poke after each change, saying whether the GPUs changed or
-    /// only the records); sends views that differ. Ends when every poke
-    /// sender is gone.
+    /// Observes every `period`, at once when poked with a GPU change, and
+    /// when a burst of record changes has settled (prepare and unprepare
+    /// poke after each change, saying whether the GPUs changed or only the
+    /// records); sends views that differ. Ends when every poke sender is
+    /// gone.
     pub fn spawn(
         self: Arc<Self>,
         views: watch::Sender<NodeView>,
@@ -94,16 +95,13 @@ impl Observer {
     ) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
             loop {
-                let mut change = match pokes.recv_timeout(period) {
-                    Ok(change) => change,
+                let change = match pokes.recv_timeout(period) {
+                    Ok(NodeChange::Records) => records_settled(&pokes),
+                    Ok(NodeChange::Gpus) => NodeChange::Gpus,
                     Err(mpsc::RecvTimeoutError::Timeout) => NodeChange::Gpus,
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 };
-                while let Ok(more) = pokes.try_recv() {
-                    if more == NodeChange::Gpus {
-                        change = more;
-                    }
-                }
+                let change = drain(&pokes, change);
                 let last = views.borrow().clone();
                 let looked = match change {
                     NodeChange::Records => Ok(self.refresh(&last)),
@@ -131,6 +129,40 @@ impl Observer {
             }
         })
     }
+}
+
+/// How long the records must stay unchanged before they are read again,
+/// and the longest they wait: a burst of prepares and unprepares (the
+/// kubelet's, or a bench's) is read once, after it, not once per claim on
+/// the CPUs the next claims need. A GPU change is read at once.
+const RECORDS_QUIET: Duration = Duration::from_millis(20);
+const RECORDS_MAX_LAG: Duration = Duration::from_secs(1);
+
+/// After a records change: waits until no poke came for [`RECORDS_QUIET`]
+/// (at most [`RECORDS_MAX_LAG`]); a GPU change ends the wait.
+fn records_settled(pokes: &mpsc::Receiver<NodeChange>) -> NodeChange {
+    let until = std::time::Instant::now() + RECORDS_MAX_LAG;
+    loop {
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return NodeChange::Records;
+        }
+        match pokes.recv_timeout(RECORDS_QUIET.min(left)) {
+            Ok(NodeChange::Records) => {}
+            Ok(NodeChange::Gpus) => return NodeChange::Gpus,
+            Err(_) => return NodeChange::Records,
+        }
+    }
+}
+
+/// `change`, or a GPU change if one is waiting among the pokes (taken).
+fn drain(pokes: &mpsc::Receiver<NodeChange>, mut change: NodeChange) -> NodeChange {
+    while let Ok(more) = pokes.try_recv() {
+        if more == NodeChange::Gpus {
+            change = more;
+        }
+    }
+    change
 }
 
 /// Puts `last`'s entry for GPU `uuid` into `inventory` (in NVML order, by
@@ -189,5 +221,33 @@ mod tests {
         assert_eq!(keep_last_look(&mut now, Some(&last), "GPU-x"), None);
         assert_eq!(keep_last_look(&mut now, None, "GPU-x"), None);
         assert_eq!(now, last);
+    }
+
+    #[test]
+    fn record_changes_are_read_once_settled_and_a_gpu_change_at_once() {
+        let (tx, rx) = mpsc::channel();
+        // Quiet: a single records change waits out the quiet period.
+        let began = std::time::Instant::now();
+        assert_eq!(records_settled(&rx), NodeChange::Records);
+        assert!(began.elapsed() >= RECORDS_QUIET);
+        // A GPU change among them ends the wait.
+        tx.send(NodeChange::Records).unwrap();
+        tx.send(NodeChange::Gpus).unwrap();
+        assert_eq!(records_settled(&rx), NodeChange::Gpus);
+        // Changes without end are still read within the longest lag.
+        let feeder = std::thread::spawn(move || {
+            let end = std::time::Instant::now() + 3 * RECORDS_MAX_LAG;
+            while std::time::Instant::now() < end {
+                if tx.send(NodeChange::Records).is_err() {
+                    return;
+                }
+                // Pokes closer together than the quiet period.
+                std::thread::sleep(RECORDS_QUIET / 4);
+            }
+        });
+        assert_eq!(records_settled(&rx), NodeChange::Records);
+        assert!(!feeder.is_finished(), "read while the changes went on");
+        drop(rx);
+        feeder.join().unwrap();
     }
 }

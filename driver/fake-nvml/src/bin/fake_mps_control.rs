@@ -35,10 +35,8 @@
 //!   does: `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<p>` and
 //!   `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<amount>[,...]`, ordinals
 //!   counting the devices in its `CUDA_VISIBLE_DEVICES`. A value it cannot
-//!   use is logged and ignored. The server starts at the first client with
-//!   the defaults of that moment and keeps them: a `set_default_*` after it
-//!   changes what `get_default_*` says and what the next server would get,
-//!   not what this server's clients get. Defaults bind clients: a client's own
+//!   use is logged and ignored. A server keeps the defaults it started with
+//!   (later ones reach the next server). Defaults bind clients: a client's own
 //!   environment can only lower its limits (that rule is applied by the
 //!   simulated CUDA library, `driver/fake-cuda`).
 //!
@@ -463,9 +461,7 @@ fn shared_memory(pid: u32) -> std::io::Result<Segment> {
 #[derive(Debug, Clone, PartialEq)]
 struct Defaults {
     config: protocol::ClientConfig,
-    /// What the running server was started with: it starts at the first
-    /// client and keeps them, a later `set_default_*` reaches only the next
-    /// server (as NVIDIA's command list says).
+    /// What the running server started with, at its first client.
     server: Option<protocol::ClientConfig>,
 }
 
