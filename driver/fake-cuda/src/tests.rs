@@ -692,7 +692,9 @@ fn daemon_limits_bind_clients_and_end_with_the_daemon() {
         client_view(pipe, &[(VISIBLE_DEVICES_ENV, GPU2)]),
         Err(NO_DEVICE)
     );
-    // Defaults changed at run time apply to new clients.
+    // Defaults changed at run time reach only the next server (NVIDIA's
+    // command list): the daemon says them, the running server's clients
+    // keep what it started with.
     assert_eq!(
         daemon.control("set_default_active_thread_percentage 50"),
         "50.0\n"
@@ -702,9 +704,10 @@ fn daemon_limits_bind_clients_and_end_with_the_daemon() {
         ""
     );
     assert_eq!(
-        client_view(pipe, &[]),
-        Ok(vec![(GPU0.into(), 66, 16 * GIB)])
+        daemon.control("get_default_active_thread_percentage"),
+        "50.0\n"
     );
+    assert_eq!(client_view(pipe, &[]), Ok(vec![(GPU0.into(), 32, 8 * GIB)]));
 
     let pipe = pipe.to_owned();
     daemon.quit();
