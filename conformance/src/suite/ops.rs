@@ -426,6 +426,15 @@ impl Kube {
             } else {
                 live
             };
+            // A claim the controller generated for the pod again after the
+            // pod had run (its status then names the new, never allocated
+            // one): the allocation of the pod's own earlier claim, named
+            // `<pod>-<pod claim>-<suffix>` as the controller names them.
+            let results = if results.is_empty() {
+                self.pods_earlier_claim(&name, &c)
+            } else {
+                results
+            };
             if results.is_empty() {
                 bail!(
                     "ResourceClaim {}/{c} of pod {name} was never seen allocated",
@@ -439,6 +448,24 @@ impl Kube {
 
     /// The allocation the claim watch saw for `claim` (briefly waits for
     /// the watch to catch up).
+    fn pods_earlier_claim(&self, pod: &str, claim: &str) -> Vec<Allocated> {
+        let Some((prefix, _)) = claim
+            .strip_prefix(&format!("{pod}-"))
+            .and_then(|rest| rest.rsplit_once('-'))
+        else {
+            return Vec::new();
+        };
+        let prefix = format!("{pod}-{prefix}-");
+        let log = self.claim_log.lock().unwrap_or_else(|e| e.into_inner());
+        let mut earlier = log
+            .iter()
+            .filter(|(name, a)| name.starts_with(&prefix) && *name != claim && !a.is_empty());
+        match (earlier.next(), earlier.next()) {
+            (Some((_, allocated)), None) => allocated.clone(),
+            _ => Vec::new(),
+        }
+    }
+
     async fn seen_allocation(&self, claim: &str) -> Vec<Allocated> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
