@@ -3,8 +3,8 @@
 //! The driver only *produces* specs; the container runtime consumes them. A
 //! spec is written atomically for this boot (into a spare file, [`spare`],
 //! or a temp file, then renamed into place) so a runtime never reads half a
-//! file and a killed process leaves either the old spec or the new one. `cdiVersion` is the lowest version whose
-//! features the content uses, because older runtimes (podman 4.3 in Debian 12
+//! file and a killed process leaves either the old spec or the new one.
+//! `cdiVersion` is the lowest version whose features the content uses, because older runtimes (podman 4.3 in Debian 12
 //! accepts 0.5.0 but not 0.6.0) reject versions they do not know.
 
 pub mod spare;
@@ -308,6 +308,14 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// file is discarded (a torn one is set aside as unreadable).
 pub fn write_for_this_boot(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     replace(path, bytes, Durability::ThisBoot)
+}
+
+/// Removes `path`; a file already gone is fine.
+pub fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

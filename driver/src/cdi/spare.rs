@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::cdi::write_for_this_boot;
+use crate::cdi::{remove_if_present, write_for_this_boot};
 use crate::sync::Locked;
 
 /// Spares kept at most per directory: a burst of unprepares beyond it
@@ -133,8 +133,8 @@ pub fn is_spare(name: &str, stem: &str) -> bool {
 }
 
 /// Opens a spare for writing from its start, without creating one and
-/// without following a link put in its place.
-/// Its length now, to know whether the write must cut it.
+/// without following a link put in its place; with its length now, to know
+/// whether the write must cut it.
 fn open_spare(spare: &Path) -> io::Result<(File, u64)> {
     let file = OpenOptions::new()
         .write(true)
@@ -145,12 +145,5 @@ fn open_spare(spare: &Path) -> io::Result<(File, u64)> {
         Ok((file, meta.len()))
     } else {
         Err(io::Error::other("not a regular file"))
-    }
-}
-
-fn remove_if_present(path: &Path) -> io::Result<()> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
     }
 }

@@ -166,18 +166,13 @@ pub fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Instant) -> Option<usize>
     }
 }
 
-/// Waits for `child` to exit until `deadline`, through its pidfd (a clock
-/// where none can be had); its status, or `None` while it still runs.
+/// Waits for `child` to exit until `deadline`, through its pidfd; its
+/// status, or `None` while it still runs. Without a pidfd (a kernel before
+/// 5.3, where no daemon is ever spawned or adopted either) it is not waited
+/// for.
 pub fn wait_child(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
-    match pidfd_open(child.id() as i32) {
-        Ok(fd) => {
-            poll_readable(&[fd.as_fd()], deadline);
-        }
-        Err(_) => {
-            while child.try_wait().ok()?.is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
+    if let Ok(fd) = pidfd_open(child.id() as i32) {
+        poll_readable(&[fd.as_fd()], deadline);
     }
     child.try_wait().ok().flatten()
 }

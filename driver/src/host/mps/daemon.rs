@@ -66,7 +66,7 @@ mod control;
 mod record;
 
 use control::{Readiness, endpoint_ready};
-pub(super) use record::{Record, torn_before_this_boot};
+pub(super) use record::{Record, written_before_this_boot};
 
 use super::config::{MpsConfig, MpsError};
 use super::launch;

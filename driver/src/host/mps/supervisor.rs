@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::config::{MpsConfig, MpsError};
-use super::daemon::{Daemon, DaemonKey, MpsDaemon, Outcome, torn_before_this_boot};
+use super::daemon::{Daemon, DaemonKey, MpsDaemon, Outcome, written_before_this_boot};
 use super::paths::{RECORD, ignore_missing};
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{ClientLimits, is_device_uuid};
@@ -474,7 +474,7 @@ impl MpsSupervisor {
                     .and_then(|v| serde_json::from_value::<DaemonKey>(v["key"].clone()).ok());
                 if let Some(key) = record {
                     keys.insert(key);
-                } else if torn_before_this_boot(&path) {
+                } else if written_before_this_boot(&path) {
                     // Torn by a crash of an earlier boot: nothing it named
                     // runs, and no mount survived the reboot.
                     let _ = fs::remove_dir_all(tag.path());

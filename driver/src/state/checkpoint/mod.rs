@@ -49,6 +49,7 @@ use serde::de::DeserializeOwned;
 use crate::claim_uid::ClaimUid;
 use crate::sync::Locked;
 
+use crate::cdi::remove_if_present;
 use crate::cdi::spare::Spares;
 pub use lost::Lost;
 use lost::{find_lost, mark_released, prune_quarantined, quarantine};
@@ -379,13 +380,6 @@ impl<T: Entry> Checkpoint<T> {
         (self.spares)
             .write(&path, &encode_record(&self.boot_id, entry))
             .map_err(failed)
-    }
-}
-
-fn remove_if_present(path: &Path) -> std::io::Result<()> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
     }
 }
 

@@ -52,7 +52,12 @@ impl Record {
         });
         let record = match read {
             Ok(record) => record,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound || torn_before_this_boot(&path) => {
+            // Unreadable and written before this boot: torn by a power loss
+            // or crash, as a record written without fsync may be; what it
+            // named ended with that boot.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound || written_before_this_boot(&path) =>
+            {
                 match limits {
                     Some(limits) => Record {
                         key: key.clone(),
@@ -95,15 +100,11 @@ impl Record {
     }
 }
 
-/// Whether the record at `path` is unreadable and was written before the
-/// running kernel booted: torn by a power loss or crash, as a record written
-/// without fsync may be. What it named ended with that boot.
-pub(in crate::host::mps) fn torn_before_this_boot(path: &Path) -> bool {
-    let readable = fs::read(path)
-        .ok()
-        .is_some_and(|b| serde_json::from_slice::<Record>(&b).is_ok());
+/// Whether the file at `path` was last written before the running kernel
+/// booted (for a record found unreadable: torn by that boot's end).
+pub(in crate::host::mps) fn written_before_this_boot(path: &Path) -> bool {
     let written = fs::metadata(path).and_then(|m| m.modified()).ok();
-    !readable && written.zip(booted_at()).is_some_and(|(w, b)| w < b)
+    written.zip(booted_at()).is_some_and(|(w, b)| w < b)
 }
 
 /// When the running kernel booted (`btime` of `/proc/stat`).
