@@ -9,7 +9,6 @@
 
 use std::ffi::OsStr;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, Sender};
 
 use kube::Client;
 use nvml_wrapper::Nvml;
@@ -38,7 +37,7 @@ use crate::metrics::claims::Consumers;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::status::StatusWriter;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer, SetupError};
-use crate::publish::{NodeTruth, Observer};
+use crate::publish::{NodeTruth, Observer, Poke, Pokes};
 use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
 
@@ -139,7 +138,7 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
         events,
     };
     let host = host_adapters(&node)?;
-    let (poke, pokes) = std::sync::mpsc::channel::<NodeChange>();
+    let (poke, pokes) = crate::publish::pokes();
     follow_health(&node, poke.clone());
     let preparer = open_preparer(&node, &host, poke).await?;
     mps_watch::supervise(&host.mps, &preparer, node.metrics.clone());
@@ -192,7 +191,7 @@ fn watch_health(config: &NodeConfig, nvml: &Arc<Nvml>) -> Result<Arc<HealthTrack
 
 /// Health changes reach the slices (taints) through the observer, and the
 /// Node's events. One recorder: repeats count together whoever reports them.
-fn follow_health(node: &Node, poke: Sender<NodeChange>) {
+fn follow_health(node: &Node, poke: Poke) {
     health::spawn_follower(
         node.health.clone(),
         Some(node.events.clone()),
@@ -249,7 +248,7 @@ fn host_adapters(node: &Node) -> Result<HostAdapters, StartError> {
 async fn open_preparer(
     node: &Node<'_>,
     host: &HostAdapters,
-    poke: Sender<NodeChange>,
+    poke: Poke,
 ) -> Result<Arc<Preparer>, StartError> {
     let config = node.config;
     let prepare = PrepareConfig {
@@ -323,7 +322,7 @@ async fn start_publishing(
     node: &Node<'_>,
     host: &HostAdapters,
     preparer: &Arc<Preparer>,
-    pokes: Receiver<NodeChange>,
+    pokes: Pokes,
 ) -> Result<
     (
         tokio::task::JoinHandle<()>,

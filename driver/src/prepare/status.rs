@@ -39,7 +39,7 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::events::EventType;
 use kube::{Api, Client};
 use serde_json::json;
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -173,14 +173,13 @@ impl KubeletCalls {
 /// A prepare or unprepare in flight, from [`StatusWriter::call_started`];
 /// writes yield to it until it is dropped.
 #[must_use = "writes yield only while the guard lives"]
-pub struct KubeletCall<'a>(&'a watch::Sender<KubeletCalls>);
+pub struct KubeletCall<'a>(&'a Mutex<KubeletCalls>);
 
 impl Drop for KubeletCall<'_> {
     fn drop(&mut self) {
-        self.0.send_modify(|p| {
-            p.in_flight -= 1;
-            p.last_end = Instant::now();
-        });
+        let mut calls = self.0.locked();
+        calls.in_flight -= 1;
+        calls.last_end = Instant::now();
     }
 }
 
@@ -191,7 +190,9 @@ pub struct StatusWriter {
     ledger: SharedLedger,
     queue: Mutex<Queue>,
     wake: Notify,
-    calls: watch::Sender<KubeletCalls>,
+    /// Read by the workers when they look, never pushed to them: a burst
+    /// of calls wakes no worker per call.
+    calls: Mutex<KubeletCalls>,
     events: Option<NodeEvents>,
 }
 
@@ -224,7 +225,7 @@ impl StatusWriter {
             ledger,
             queue: Mutex::new(Queue::default()),
             wake: Notify::new(),
-            calls: watch::Sender::new(KubeletCalls {
+            calls: Mutex::new(KubeletCalls {
                 in_flight: 0,
                 last_end: Instant::now(),
             }),
@@ -235,22 +236,23 @@ impl StatusWriter {
     /// The kubelet called: writes yield until the guard is dropped (and
     /// for [`QUIET`] after).
     pub fn call_started(&self) -> KubeletCall<'_> {
-        self.calls.send_modify(|c| c.in_flight += 1);
+        self.calls.locked().in_flight += 1;
         KubeletCall(&self.calls)
     }
 
     /// Waits until no call of the kubelet has been in flight for
-    /// [`QUIET`], or until `deadline`.
+    /// [`QUIET`], or until `deadline`. While calls are in flight it looks
+    /// again every [`QUIET`]: a call that ends meanwhile is seen by the
+    /// next look, which then waits until exactly [`QUIET`] after its end.
     async fn yield_to_kubelet(&self, deadline: Instant) {
-        let mut calls = self.calls.subscribe();
         loop {
             let now = Instant::now();
-            let quiet_from = calls.borrow_and_update().quiet_from();
+            let quiet_from = self.calls.locked().quiet_from();
             if now >= deadline || quiet_from.is_some_and(|q| now >= q) {
                 return;
             }
-            let until = quiet_from.map_or(deadline, |q| q.min(deadline));
-            let _ = tokio::time::timeout_at(until, calls.changed()).await;
+            let until = quiet_from.unwrap_or(now + QUIET).min(deadline);
+            tokio::time::sleep_until(until).await;
         }
     }
 

@@ -19,5 +19,5 @@
 mod observer;
 mod truth;
 
-pub use observer::Observer;
+pub use observer::{Observer, Poke, Pokes, pokes};
 pub use truth::{GPU_INDICES_FILE, NodeTruth};

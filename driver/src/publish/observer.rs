@@ -1,3 +1,4 @@
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
@@ -90,18 +91,21 @@ impl Observer {
     pub fn spawn(
         self: Arc<Self>,
         views: watch::Sender<NodeView>,
-        pokes: mpsc::Receiver<NodeChange>,
+        pokes: Pokes,
         period: Duration,
     ) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
             loop {
-                let change = match pokes.recv_timeout(period) {
-                    Ok(NodeChange::Records) => records_settled(&pokes),
+                let change = match pokes.rx.recv_timeout(period) {
+                    Ok(NodeChange::Records) => pokes.records_settled(),
                     Ok(NodeChange::Gpus) => NodeChange::Gpus,
                     Err(mpsc::RecvTimeoutError::Timeout) => NodeChange::Gpus,
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 };
-                let change = drain(&pokes, change);
+                let change = pokes.drain(change);
+                // From here a records change pokes again: what changed
+                // before is in the look below, which comes after it.
+                pokes.counted.pending.store(false, Ordering::SeqCst);
                 let last = views.borrow().clone();
                 let looked = match change {
                     NodeChange::Records => Ok(self.refresh(&last)),
@@ -138,31 +142,93 @@ impl Observer {
 const RECORDS_QUIET: Duration = Duration::from_millis(20);
 const RECORDS_MAX_LAG: Duration = Duration::from_secs(1);
 
-/// After a records change: waits until no poke came for [`RECORDS_QUIET`]
-/// (at most [`RECORDS_MAX_LAG`]); a GPU change ends the wait.
-fn records_settled(pokes: &mpsc::Receiver<NodeChange>) -> NodeChange {
-    let until = std::time::Instant::now() + RECORDS_MAX_LAG;
-    loop {
-        let left = until.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            return NodeChange::Records;
+/// Records changes since the observer last looked: only the first of a
+/// burst is sent (and wakes the observer); the others are counted, and the
+/// observer sees them by the count when it looks again.
+#[derive(Debug, Default)]
+struct Counted {
+    /// A records poke was sent and the observer has not looked since.
+    pending: AtomicBool,
+    changes: AtomicU64,
+}
+
+/// What prepare, unprepare and health tell the observer.
+#[derive(Debug, Clone)]
+pub struct Poke {
+    tx: mpsc::Sender<NodeChange>,
+    counted: Arc<Counted>,
+}
+
+impl Poke {
+    /// A GPU change is sent at once; a records change only when none is
+    /// pending. `false` once the observer is gone.
+    pub fn send(&self, change: NodeChange) -> bool {
+        if change == NodeChange::Records {
+            self.counted.changes.fetch_add(1, Ordering::SeqCst);
+            if self.counted.pending.swap(true, Ordering::SeqCst) {
+                return true;
+            }
         }
-        match pokes.recv_timeout(RECORDS_QUIET.min(left)) {
-            Ok(NodeChange::Records) => {}
-            Ok(NodeChange::Gpus) => return NodeChange::Gpus,
-            Err(_) => return NodeChange::Records,
-        }
+        self.tx.send(change).is_ok()
     }
 }
 
-/// `change`, or a GPU change if one is waiting among the pokes (taken).
-fn drain(pokes: &mpsc::Receiver<NodeChange>, mut change: NodeChange) -> NodeChange {
-    while let Ok(more) = pokes.try_recv() {
-        if more == NodeChange::Gpus {
-            change = more;
+/// The observer's end of [`Poke`].
+#[derive(Debug)]
+pub struct Pokes {
+    rx: mpsc::Receiver<NodeChange>,
+    counted: Arc<Counted>,
+}
+
+/// A connected [`Poke`] and [`Pokes`].
+pub fn pokes() -> (Poke, Pokes) {
+    let (tx, rx) = mpsc::channel();
+    let counted = Arc::new(Counted::default());
+    (
+        Poke {
+            tx,
+            counted: counted.clone(),
+        },
+        Pokes { rx, counted },
+    )
+}
+
+impl Pokes {
+    /// After a records change: waits until the count of records changes
+    /// stayed the same for [`RECORDS_QUIET`] (at most [`RECORDS_MAX_LAG`]);
+    /// a GPU change ends the wait.
+    fn records_settled(&self) -> NodeChange {
+        let until = std::time::Instant::now() + RECORDS_MAX_LAG;
+        let mut seen = self.counted.changes.load(Ordering::SeqCst);
+        loop {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return NodeChange::Records;
+            }
+            match self.rx.recv_timeout(RECORDS_QUIET.min(left)) {
+                Ok(NodeChange::Records) => {}
+                Ok(NodeChange::Gpus) => return NodeChange::Gpus,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let now = self.counted.changes.load(Ordering::SeqCst);
+                    if now == seen {
+                        return NodeChange::Records;
+                    }
+                    seen = now;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return NodeChange::Records,
+            }
         }
     }
-    change
+
+    /// `change`, or a GPU change if one is waiting among the pokes (taken).
+    fn drain(&self, mut change: NodeChange) -> NodeChange {
+        while let Ok(more) = self.rx.try_recv() {
+            if more == NodeChange::Gpus {
+                change = more;
+            }
+        }
+        change
+    }
 }
 
 /// Puts `last`'s entry for GPU `uuid` into `inventory` (in NVML order, by
@@ -225,27 +291,36 @@ mod tests {
 
     #[test]
     fn record_changes_are_read_once_settled_and_a_gpu_change_at_once() {
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = pokes();
         // Quiet: a single records change waits out the quiet period.
         let began = std::time::Instant::now();
-        assert_eq!(records_settled(&rx), NodeChange::Records);
+        assert!(tx.send(NodeChange::Records));
+        assert_eq!(rx.rx.recv().unwrap(), NodeChange::Records);
+        assert_eq!(rx.records_settled(), NodeChange::Records);
         assert!(began.elapsed() >= RECORDS_QUIET);
+        // Only the first of a burst is sent until the observer looks.
+        assert!(tx.send(NodeChange::Records));
+        assert!(rx.rx.try_recv().is_err(), "the observer has not looked yet");
+        rx.counted.pending.store(false, Ordering::SeqCst);
+        assert!(tx.send(NodeChange::Records));
+        assert_eq!(rx.rx.try_recv().unwrap(), NodeChange::Records);
         // A GPU change among them ends the wait.
-        tx.send(NodeChange::Records).unwrap();
-        tx.send(NodeChange::Gpus).unwrap();
-        assert_eq!(records_settled(&rx), NodeChange::Gpus);
+        assert!(tx.send(NodeChange::Gpus));
+        assert_eq!(rx.records_settled(), NodeChange::Gpus);
         // Changes without end are still read within the longest lag.
         let feeder = std::thread::spawn(move || {
             let end = std::time::Instant::now() + 3 * RECORDS_MAX_LAG;
             while std::time::Instant::now() < end {
-                if tx.send(NodeChange::Records).is_err() {
+                if !tx.send(NodeChange::Records) {
                     return;
                 }
-                // Pokes closer together than the quiet period.
+                // Changes closer together than the quiet period.
                 std::thread::sleep(RECORDS_QUIET / 4);
             }
         });
-        assert_eq!(records_settled(&rx), NodeChange::Records);
+        let began = std::time::Instant::now();
+        assert_eq!(rx.records_settled(), NodeChange::Records);
+        assert!(began.elapsed() >= RECORDS_MAX_LAG, "the changes went on");
         assert!(!feeder.is_finished(), "read while the changes went on");
         drop(rx);
         feeder.join().unwrap();
