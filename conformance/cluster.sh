@@ -611,6 +611,7 @@ cmd_stop() {
 	stop_group containerd etcd
 	remove_pod_network
 	unmount_state_dir
+	unmount_mps_dir
 	log "cluster in $DIR stopped"
 }
 
@@ -748,6 +749,30 @@ node_log() { echo "$NODE_DIR/tessera.log"; }
 # MPS pipes are Unix sockets (paths up to ~100 bytes): a short directory of
 # its own per cluster dir.
 node_mps_dir() { echo "${TMPDIR:-/tmp}/tessera-mps-$(printf '%s' "$DIR" | sha256sum | cut -c1-8)"; }
+MPS_TMPFS_SOURCE=tessera-mps
+# A node's /run is a tmpfs, and the chart keeps the MPS daemons' directories
+# there (mpsDir: /run/tessera/mps): the simulated node's are on a tmpfs too,
+# not on whatever file system holds TMPDIR (on ext4, every directory a
+# daemon start creates costs an inode search).
+mount_mps_dir() {
+	local d
+	d=$(node_mps_dir)
+	mkdir -p "$d"
+	if [[ "$(stat -f -c %T "$d")" != tmpfs ]] &&
+		! mount -t tmpfs -o size=256m,mode=700,nosuid,nodev "$MPS_TMPFS_SOURCE" "$d"; then
+		log "could not mount a tmpfs on $d; MPS daemons keep their directories on $(stat -f -c %T "$d")"
+	fi
+	chmod 700 "$d"
+}
+# Our tmpfs on the MPS directory goes with the cluster (daemons still running
+# keep their own views).
+unmount_mps_dir() {
+	local d
+	d=$(node_mps_dir)
+	if [[ "$(findmnt -n -o SOURCE --mountpoint "$d" 2>/dev/null)" == "$MPS_TMPFS_SOURCE" ]]; then
+		umount -l "$d" || log "could not unmount $d"
+	fi
+}
 
 # What node.env records (the node's settings, reused by a restart).
 NODE_DRIVER=""
@@ -908,8 +933,8 @@ cmd_node_start() {
 	fi
 	node_binaries
 
-	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(sim_kernel_dir)" "$(node_mps_dir)"
-	chmod 700 "$(node_mps_dir)"
+	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(sim_kernel_dir)"
+	mount_mps_dir
 	if [[ ! -f "$(sim_kernel_dir)/topology.yaml" ]]; then
 		cp "$topology" "$(sim_kernel_dir)/topology.yaml.tmp"
 		mv "$(sim_kernel_dir)/topology.yaml.tmp" "$(sim_kernel_dir)/topology.yaml"

@@ -12,10 +12,12 @@
 use std::fs;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+
+mod spawn;
+pub use spawn::{Exit, Launch, Started};
 
 /// A process, identified beyond its PID: the kernel's start time (clock
 /// ticks since boot) and the boot it ran in. A recycled PID has a different
@@ -87,25 +89,7 @@ impl Pidfd {
 
     /// SIGKILL the process; one that has already exited is fine.
     pub fn kill(&self) -> io::Result<()> {
-        // SAFETY: pidfd_send_signal(2) on our pidfd, no siginfo, no flags.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.fd.as_raw_fd(),
-                libc::SIGKILL,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            )
-        };
-        if rc == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ESRCH) {
-            Ok(())
-        } else {
-            Err(e)
-        }
+        send_kill(&self.fd)
     }
 
     /// Collect the exit status if the process is our child (a daemon a
@@ -164,17 +148,6 @@ pub fn poll_readable(fds: &[BorrowedFd<'_>], deadline: Instant) -> Option<usize>
             return None;
         }
     }
-}
-
-/// Waits for `child` to exit until `deadline`, through its pidfd; its
-/// status, or `None` while it still runs. Without a pidfd (a kernel before
-/// 5.3, where no daemon is ever spawned or adopted either) it is not waited
-/// for.
-pub fn wait_child(child: &mut Child, deadline: Instant) -> Option<std::process::ExitStatus> {
-    if let Ok(fd) = pidfd_open(child.id() as i32) {
-        poll_readable(&[fd.as_fd()], deadline);
-    }
-    child.try_wait().ok().flatten()
 }
 
 /// The oldest live process whose environment holds exactly `entry`
@@ -253,26 +226,17 @@ impl Stat {
 
 /// The driver's own hold on its daemon.
 pub(super) enum Handle {
-    /// Spawned by this supervisor: its PID stays ours until we reap it, so
-    /// its pidfd, opened right after the spawn, is that very process's.
-    Spawned(Child, OwnedFd),
+    /// Started by this supervisor: its PID stays ours until we reap it, so
+    /// its pidfd, from the very clone that made it, is that process's.
+    Spawned(Started),
     /// Recorded by an earlier run, held through a checked pidfd.
     Adopted(Pidfd),
 }
 
 impl Handle {
-    /// Holds a child just spawned (its pidfd makes its exit an event).
-    /// Without a pidfd the child is given back with the error.
-    pub(super) fn spawned(child: Child) -> Result<Handle, (Child, io::Error)> {
-        match pidfd_open(child.id() as i32) {
-            Ok(pidfd) => Ok(Handle::Spawned(child, pidfd)),
-            Err(e) => Err((child, e)),
-        }
-    }
-
     pub(super) fn pid(&self) -> i32 {
         match self {
-            Handle::Spawned(c, _) => c.id() as i32,
+            Handle::Spawned(s) => s.pid,
             Handle::Adopted(p) => p.id().pid,
         }
     }
@@ -281,7 +245,7 @@ impl Handle {
     /// events.
     pub(super) fn exit_event(&self) -> BorrowedFd<'_> {
         match self {
-            Handle::Spawned(_, fd) => fd.as_fd(),
+            Handle::Spawned(s) => s.pidfd.as_fd(),
             Handle::Adopted(p) => p.fd.as_fd(),
         }
     }
@@ -290,9 +254,9 @@ impl Handle {
     /// (reaping it).
     pub(super) fn exit(&mut self) -> Option<String> {
         match self {
-            Handle::Spawned(c, _) => match c.try_wait() {
+            Handle::Spawned(s) => match s.try_wait() {
                 Ok(None) => None,
-                Ok(Some(status)) => Some(format!("exited ({status})")),
+                Ok(Some(how)) => Some(format!("exited ({how})")),
                 Err(e) => Some(format!("could not be waited for ({e})")),
             },
             Handle::Adopted(p) => p.wait(Duration::ZERO).then(|| "exited".to_owned()),
@@ -302,8 +266,8 @@ impl Handle {
     /// Whether the daemon exited within `timeout`.
     pub(super) fn wait(&mut self, timeout: Duration) -> bool {
         match self {
-            Handle::Spawned(_, fd) => {
-                poll_readable(&[fd.as_fd()], Instant::now() + timeout).is_some()
+            Handle::Spawned(s) => {
+                poll_readable(&[s.pidfd.as_fd()], Instant::now() + timeout).is_some()
                     && self.exit().is_some()
             }
             Handle::Adopted(p) => p.wait(timeout),
@@ -312,13 +276,33 @@ impl Handle {
 
     pub(super) fn kill(&mut self) -> std::io::Result<()> {
         match self {
-            Handle::Spawned(c, _) => match c.kill() {
-                // Already exited and reaped.
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
-                other => other,
-            },
+            Handle::Spawned(s) => s.kill(),
             Handle::Adopted(p) => p.kill(),
         }
+    }
+}
+
+/// SIGKILL through a pidfd; a process that has already exited (or been
+/// reaped) is fine.
+fn send_kill(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: pidfd_send_signal(2) on our pidfd, no siginfo, no flags.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ESRCH) {
+        Ok(())
+    } else {
+        Err(e)
     }
 }
 

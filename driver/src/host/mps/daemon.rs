@@ -22,7 +22,7 @@
 //! - The control daemon's pid file there
 //!   ([`PID_FILE`](super::paths::PID_FILE)) is never read. The daemon
 //!   runs in the foreground (`nvidia-cuda-mps-control -f`) as the
-//!   driver's direct child, so the driver holds its [`Child`] handle; a
+//!   driver's direct child, so the driver holds its pidfd from the start; a
 //!   daemon that outlived a driver restart is the process recorded as PID +
 //!   start time + boot id in the host-only record, and is signalled and
 //!   waited for through a pidfd opened and then checked against that record,
@@ -53,10 +53,9 @@
 //! between finds its daemon on restart by that id: a secret kept host-only,
 //! so no container can make another process carry it.
 
+use std::ffi::OsStr;
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -75,7 +74,7 @@ use super::tmpfs::{self, ClientDir};
 use super::view::{Role, View, ViewSpec};
 use crate::claim_uid::ClaimUid;
 use crate::host::mps_client::{self as limits, ClientLimits};
-use crate::host::process::{self, Handle, Pidfd, ProcessId};
+use crate::host::process::{self, Handle, Launch, Pidfd, ProcessId, Started};
 
 /// How long a daemon may take to die after SIGKILL.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -280,13 +279,19 @@ impl Daemon {
         Ok(Outcome::Started)
     }
 
-    fn command(&self, config: &MpsConfig) -> Command {
-        let mut cmd = Command::new(&config.control_binary);
-        cmd.env("CUDA_VISIBLE_DEVICES", &self.record.key.device)
-            .env(limits::PIPE_DIRECTORY, &self.pipe_dir)
-            .env(limits::LOG_DIRECTORY, &self.log_dir)
-            .envs(config.env.iter().map(|(k, v)| (k, v)));
-        cmd
+    /// What the daemon and its control client find in their environment
+    /// beside the node process's.
+    fn env<'a>(&'a self, config: &'a MpsConfig) -> impl Iterator<Item = (&'a OsStr, &'a OsStr)> {
+        [
+            (
+                "CUDA_VISIBLE_DEVICES".as_ref(),
+                self.record.key.device.as_ref(),
+            ),
+            (limits::PIPE_DIRECTORY.as_ref(), self.pipe_dir.as_os_str()),
+            (limits::LOG_DIRECTORY.as_ref(), self.log_dir.as_os_str()),
+        ]
+        .into_iter()
+        .chain(config.env.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
     }
 
     /// Fresh, empty pipe and shared memory directories (see the module
@@ -377,32 +382,19 @@ impl Daemon {
     fn spawn(
         &mut self,
         config: &MpsConfig,
-        launch: &str,
+        launch_id: &str,
         limit_env: &[String],
         [out, err]: [fs::File; 2],
-    ) -> Result<Child, MpsError> {
-        let mut command = self.command(config);
+    ) -> Result<Started, MpsError> {
         let view = self
             .view_spec(config)
             .and_then(|spec| View::prepare(&spec, Role::Daemon))
             .map_err(self.io_err("preparing the mount view of the daemon in", &self.root))?;
-        launch::confine(&mut command, view, config.host_cgroup.clone());
-        for entry in limit_env {
-            let (name, value) = entry.split_once('=').expect("NAME=value");
-            command.env(name, value);
-        }
-        let spawned = command
-            .arg("-f")
-            .env(LAUNCH_ID_ENV, launch)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            // Its own process group: signals meant for the driver's group (a
-            // terminal's Ctrl-C) do not reach it; it outlives a driver restart
-            // and is adopted by the next run.
-            .process_group(0)
-            .spawn();
-        spawned.map_err(|source| {
+        let confine = launch::confinement(view, config.host_cgroup.clone());
+        let started = self
+            .launch(config, launch_id, limit_env, [out, err])
+            .and_then(|l| l.start(&confine));
+        started.map_err(|source| {
             self.record.launch = None;
             // The launch error is the one to report.
             let _ = self.persist();
@@ -414,23 +406,38 @@ impl Daemon {
         })
     }
 
+    /// `nvidia-cuda-mps-control -f` with its environment, in a process
+    /// group of its own: signals meant for the driver's group (a terminal's
+    /// Ctrl-C) do not reach it; it outlives a driver restart and is adopted
+    /// by the next run.
+    fn launch(
+        &self,
+        config: &MpsConfig,
+        launch_id: &str,
+        limit_env: &[String],
+        [out, err]: [fs::File; 2],
+    ) -> std::io::Result<Launch> {
+        let stdin = fs::File::open("/dev/null")?;
+        let mut launch = Launch::new(
+            &config.control_binary,
+            [stdin.into(), out.into(), err.into()],
+        )?;
+        launch.arg("-f")?.process_group();
+        for (name, value) in self.env(config) {
+            launch.env(name, value)?;
+        }
+        for entry in limit_env {
+            let (name, value) = entry.split_once('=').expect("NAME=value");
+            launch.env(name, value)?;
+        }
+        launch.env(LAUNCH_ID_ENV, launch_id)?;
+        Ok(launch)
+    }
+
     /// The spawned daemon's identity recorded in place of its launch id, and
     /// the driver's hold on it.
-    fn record_spawned(&mut self, child: Child) -> Result<(), MpsError> {
-        let handle = match Handle::spawned(child) {
-            Ok(handle) => handle,
-            Err((mut child, source)) => {
-                // Not held, it could not be waited on: do not leave it.
-                let _ = child.kill();
-                let _ = child.wait();
-                self.record.launch = None;
-                let _ = self.persist();
-                return Err(self.io_err(
-                    "taking hold of the spawned daemon (pidfd_open, Linux 5.3 or later)",
-                    &self.pipe_dir,
-                )(source));
-            }
-        };
+    fn record_spawned(&mut self, started: Started) -> Result<(), MpsError> {
+        let handle = Handle::Spawned(started);
         // Our child: its PID cannot be reused before we reap it. `None` if it
         // already exited (waiting for it says how).
         self.record.daemon = ProcessId::of(handle.pid());

@@ -252,17 +252,19 @@ fn inherit_cpuset(hierarchy: &Path, dir: &Path) -> io::Result<()> {
 }
 
 /// How a daemon (or its control client) is placed: in its own view (see
-/// the `view` module), and in the host cgroup if there is one.
-pub(super) fn confine(cmd: &mut Command, view: View, cgroup: Option<Arc<HostCgroup>>) {
-    let closure = move || {
+/// the `view` module), and in the host cgroup if there is one. Run in the
+/// child before it executes: async-signal-safe system calls on values
+/// prepared before, no allocation.
+pub(super) fn confinement(
+    view: View,
+    cgroup: Option<Arc<HostCgroup>>,
+) -> impl Fn() -> io::Result<()> + Send + Sync + 'static {
+    move || {
         if let Some(cgroup) = &cgroup {
             cgroup.join()?;
         }
         view.enter()
-    };
-    // SAFETY: the closure makes only async-signal-safe system calls on
-    // values prepared before the fork.
-    unsafe { cmd.pre_exec(closure) };
+    }
 }
 
 /// A fresh launcher log in the host-only log directory; the previous one is

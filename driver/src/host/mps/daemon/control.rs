@@ -10,7 +10,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
@@ -20,7 +19,7 @@ use crate::host::mps::launch;
 use crate::host::mps::paths::CONTROL;
 use crate::host::mps::view::{Role, View};
 use crate::host::mps_client as limits;
-use crate::host::process;
+use crate::host::process::{self, Launch};
 
 /// How often an endpoint is looked for where no directory watch could be
 /// had (the user's inotify instances used up).
@@ -161,28 +160,39 @@ impl Daemon {
         else {
             return false;
         };
-        let mut command = self.command(config);
-        launch::confine(&mut command, view, None);
-        let Ok(mut client) = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
+        let confine = launch::confinement(view, None);
+        let Ok((client, mut stdin)) = self
+            .client(config)
+            .and_then(|(launch, stdin)| Ok((launch.start(&confine)?, stdin)))
         else {
             return false;
         };
-        if let Some(mut stdin) = client.stdin.take() {
-            let _ = stdin.write_all(commands.as_bytes());
-        }
+        let _ = stdin.write_all(commands.as_bytes());
+        drop(stdin);
         let deadline = Instant::now() + config.quit_timeout;
-        match process::wait_child(&mut client, deadline) {
-            Some(status) => status.success(),
+        match client.wait_until(deadline) {
+            Some(exit) => exit.success(),
             None => {
                 let _ = client.kill();
-                let _ = client.wait();
+                let _ = client.wait_until(Instant::now() + config.quit_timeout);
                 false
             }
         }
+    }
+
+    /// The control client with the daemon's environment, reading its
+    /// commands from the pipe returned.
+    fn client(&self, config: &MpsConfig) -> io::Result<(Launch, std::io::PipeWriter)> {
+        let (commands, writer) = std::io::pipe()?;
+        let null = || std::fs::OpenOptions::new().write(true).open("/dev/null");
+        let mut launch = Launch::new(
+            &config.control_binary,
+            [commands.into(), null()?.into(), null()?.into()],
+        )?;
+        for (name, value) in self.env(config) {
+            launch.env(name, value)?;
+        }
+        Ok((launch, writer))
     }
 }
 
