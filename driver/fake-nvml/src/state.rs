@@ -31,6 +31,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+mod stamp;
+
 use crate::caps;
 use crate::codes::*;
 use crate::machine::placements::compute_profile_slices;
@@ -345,6 +347,9 @@ pub struct Store {
     /// The file's bytes as this process last read or wrote them; `None`
     /// forces a reload.
     seen: Option<Vec<u8>>,
+    /// The file behind `seen` when it was read (not after this process's own
+    /// writes: the next call reads the file back once).
+    read: Option<stamp::Read>,
     /// The last error reported on stderr, so a broken file is reported once,
     /// not on every call.
     pub last_error: Option<String>,
@@ -359,6 +364,7 @@ impl Store {
             lock_path: PathBuf::from(lock_path),
             seed,
             seen: None,
+            read: None,
             last_error: None,
         }
     }
@@ -415,6 +421,7 @@ impl Store {
                     return self.write_failed(e);
                 }
                 self.seen = Some(bytes);
+                self.read = None;
                 caps::reconcile(machine);
             }
         }
@@ -485,8 +492,15 @@ impl Store {
 
     /// Brings `machine` up to date with the file (seeding a missing one).
     fn load(&mut self, machine: &mut Machine) -> Result<(), String> {
-        let bytes = match std::fs::read(&self.path) {
-            Ok(bytes) => bytes,
+        let unchanged = |read: &stamp::Read| {
+            std::fs::metadata(&self.path).is_ok_and(|now| read.unchanged(&now))
+        };
+        if self.seen.is_some() && self.read.as_ref().is_some_and(unchanged) {
+            return Ok(());
+        }
+        let at = std::time::SystemTime::now();
+        let (bytes, meta) = match read_file(&self.path) {
+            Ok(read) => read,
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 let bytes = encode(&self.seed);
                 machine
@@ -495,6 +509,7 @@ impl Store {
                 self.write(&bytes)
                     .map_err(|e| format!("seeding the state file {}: {e}", self.path.display()))?;
                 self.seen = Some(bytes);
+                self.read = None;
                 caps::reconcile(machine);
                 return Ok(());
             }
@@ -505,6 +520,14 @@ impl Store {
                 ));
             }
         };
+        let read = stamp::Read {
+            stamp: stamp::Stamp::of(&meta),
+            at,
+        };
+        if self.seen.as_deref() == Some(bytes.as_slice()) {
+            self.read = Some(read);
+            return Ok(());
+        }
         if self.seen.as_deref() == Some(bytes.as_slice()) {
             return Ok(());
         }
@@ -523,6 +546,7 @@ impl Store {
             )
         })?;
         self.seen = Some(bytes);
+        self.read = Some(read);
         Ok(())
     }
 
@@ -539,6 +563,16 @@ impl Store {
         }
         written
     }
+}
+
+/// The file's bytes and its metadata, from one open.
+fn read_file(path: &std::path::Path) -> std::io::Result<(Vec<u8>, std::fs::Metadata)> {
+    use std::io::Read as _;
+    let mut file = File::open(path)?;
+    let meta = file.metadata()?;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.read_to_end(&mut bytes)?;
+    Ok((bytes, meta))
 }
 
 /// The lock a call holds on `<state>.lock` (released when dropped).
