@@ -16,6 +16,10 @@ use crate::claim_uid::ClaimUid;
 use crate::state::records::{Action, ClaimEntry, EntryState};
 use crate::sync::Locked;
 
+/// How long after an unprepare released a MIG mode hold the GPU is
+/// settled: the releases of a burst of unprepares are settled together.
+const SETTLE_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The fix of an unprepare that failed part way.
 const RETRIED: &str = "see the driver's log; the kubelet retries";
 
@@ -132,11 +136,12 @@ impl Preparer {
         Ok(())
     }
 
-    /// Settles `gpus` on a blocking thread, together with whatever other
-    /// unprepares release meanwhile: a burst of them costs a few passes
-    /// under the hardware lock, not one each. A settle reads the holds
-    /// under that lock, so a prepare that came first keeps its GPU as it
-    /// needs it; one lost to a crash is settled at the next start.
+    /// Settles `gpus` on a blocking thread [`SETTLE_AFTER`] from now,
+    /// together with whatever other unprepares release meanwhile: a burst
+    /// of them costs one pass under the hardware lock (which prepares would
+    /// otherwise find taken), not one each. A settle reads the holds under
+    /// that lock, so a prepare that came first keeps its GPU as it needs
+    /// it; one lost to a crash is settled at the next start.
     fn settle_later(self: &Arc<Self>, gpus: impl IntoIterator<Item = String>) {
         let mut unsettled = self.unsettled();
         unsettled.gpus.extend(gpus);
@@ -145,19 +150,25 @@ impl Preparer {
         }
         unsettled.running = true;
         let this = self.clone();
-        tokio::task::spawn_blocking(move || {
-            loop {
-                let gpus = {
-                    let mut unsettled = this.unsettled();
-                    if unsettled.gpus.is_empty() {
-                        unsettled.running = false;
-                        return;
-                    }
-                    std::mem::take(&mut unsettled.gpus)
-                };
-                this.settle_mig_modes(gpus.iter().map(String::as_str));
-            }
+        tokio::spawn(async move {
+            tokio::time::sleep(SETTLE_AFTER).await;
+            let _ = tokio::task::spawn_blocking(move || this.settle_unsettled()).await;
         });
+    }
+
+    /// Settles the released GPUs until none are left to settle.
+    fn settle_unsettled(&self) {
+        loop {
+            let gpus = {
+                let mut unsettled = self.unsettled();
+                if unsettled.gpus.is_empty() {
+                    unsettled.running = false;
+                    return;
+                }
+                std::mem::take(&mut unsettled.gpus)
+            };
+            self.settle_mig_modes(gpus.iter().map(String::as_str));
+        }
     }
 
     fn unsettled(&self) -> MutexGuard<'_, Unsettled> {
