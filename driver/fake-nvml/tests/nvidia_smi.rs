@@ -249,11 +249,36 @@ fn a_container_given_one_mig_device_sees_it_and_its_gpu_only() {
 }
 
 #[test]
+fn the_summary_names_the_driver_and_cuda_versions_and_each_gpu() {
+    let s = Scratch::new();
+    let text = std::fs::read_to_string(topology_path(H100X8)).unwrap();
+    let t = Topology::parse(&text).unwrap();
+    let gpu_rows = |out: &str| {
+        out.lines()
+            .filter(|l| l.contains(" NVIDIA H100 80GB HBM3 "))
+            .count()
+    };
+    let out = s.ok(H100X8, None, &[]);
+    let header = out.lines().nth(1).unwrap();
+    assert!(
+        header.contains(&format!("Driver Version: {} ", t.driver_version))
+            && header.contains(&format!("CUDA Version: {} ", t.cuda_driver_version)),
+        "{out}"
+    );
+    assert_eq!(gpu_rows(&out), 8, "{out}");
+    // In a container given one GPU's node: that GPU alone.
+    let dev = s.0.join("dev");
+    if mknod(&dev.join("nvidia3"), 195, 3) && mknod(&dev.join("nvidiactl"), 195, 255) {
+        let one = s.ok(H100X8, Some(&dev), &[]);
+        assert_eq!(gpu_rows(&one), 1, "{one}");
+    }
+}
+
+#[test]
 fn failures_answer_like_the_real_tool() {
     let s = Scratch::new();
     let code = |out: Output| out.status.code();
     assert_eq!(code(s.smi(H100X8, None, &["--bogus"])), Some(2));
-    assert_eq!(code(s.smi(H100X8, None, &[])), Some(2));
     assert_eq!(code(s.smi(H100X8, None, &["--query-gpu=uuid"])), Some(2));
     assert_eq!(
         code(s.smi(H100X8, None, &["--query-gpu=power.draw", "--format=csv"])),

@@ -5,6 +5,8 @@
 //! fake library shows there (see `TESSERA_FAKE_NVML_DEV_ROOT`). Only the
 //! subset scripts use is supported, printed as the real tool prints it:
 //!
+//! - no arguments: the summary table, whose first row names the driver
+//!   version and the CUDA version (see `summary.rs`)
 //! - `-L` / `--list-gpus`
 //! - `--query-gpu=<fields> --format=csv[,noheader][,nounits]` with fields
 //!   `index`, `uuid`, `name`, `memory.total`, `pci.bus_id`, `mig.mode.current`
@@ -19,6 +21,9 @@
 //! Anything else is refused with exit 2, never answered with a silent success.
 
 use std::process::ExitCode;
+
+#[path = "nvidia_smi/summary.rs"]
+mod summary;
 
 use nvml_wrapper::Device;
 use nvml_wrapper::Nvml;
@@ -64,6 +69,11 @@ fn run(argv: &[String]) -> Result<String, Exit> {
         return compute_policy(&argv[1..]);
     }
     let args = parse(argv)?;
+    if argv.is_empty() {
+        let nvml = init()?;
+        let gpus = select(&nvml, None)?;
+        return Ok(summary::render(&nvml, &gpus));
+    }
     if args.list == args.query.is_some() {
         return Err(usage_error(
             "this nvidia-smi stand-in supports exactly one of -L and --query-gpu",
@@ -150,6 +160,7 @@ fn parse(argv: &[String]) -> Result<Args, Exit> {
 
 fn help() -> String {
     "NVIDIA System Management Interface -- Tessera's simulated-GPU stand-in\n\n\
+     nvidia-smi\n\
      nvidia-smi [-i <id>] -L\n\
      nvidia-smi [-i <id>] --query-gpu=<fields> --format=csv[,noheader][,nounits]\n\
      nvidia-smi compute-policy [-i <id>] --set-timeslice=<0|1|2|3>\n\
