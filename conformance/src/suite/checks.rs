@@ -67,6 +67,7 @@ pub async fn run(ctx: &Ctx, id: &str) -> Result<Outcome> {
         "over-allocation-blocked" => over_allocation_blocked(ctx).await,
         "mig-distinct" => mig_distinct(ctx).await,
         "secure-one-device" => secure_one_device(ctx).await,
+        "driver-versions" => super::versions::driver_versions(ctx).await,
         "secure-no-claim" => secure_no_claim(ctx).await,
         "secure-two-containers" => secure_two_containers(ctx).await,
         "extended-resource" => extended_resource(ctx).await,
@@ -279,8 +280,8 @@ pub fn same_gpu_verdict(target: Option<&str>, pods: &[PodEvidence]) -> Outcome {
 }
 
 /// A pod that ran: the Pod object and each container's probe output.
-struct PodRun {
-    pod: Pod,
+pub(super) struct PodRun {
+    pub(super) pod: Pod,
     outputs: Vec<(String, ProbeOutput)>,
 }
 
@@ -295,7 +296,7 @@ impl PodRun {
             .and_then(|s| s.node_name.clone())
             .unwrap_or_default()
     }
-    fn output(&self) -> &ProbeOutput {
+    pub(super) fn output(&self) -> &ProbeOutput {
         &self.outputs[0].1
     }
 }
@@ -319,7 +320,7 @@ fn record(ctx: &Ctx, check: &str, pod: &ProbePod, outputs: &[(String, ProbeOutpu
 
 /// Creates the pods, waits until they finished, and reads each container's
 /// probe output (recorded for `health-script`).
-async fn run_pods(ctx: &Ctx, check: &str, pods: &[ProbePod]) -> Result<Vec<PodRun>> {
+pub(super) async fn run_pods(ctx: &Ctx, check: &str, pods: &[ProbePod]) -> Result<Vec<PodRun>> {
     for p in pods {
         ctx.kube.create::<Pod>(p.to_json()).await?;
     }
@@ -349,7 +350,7 @@ async fn run_pods(ctx: &Ctx, check: &str, pods: &[ProbePod]) -> Result<Vec<PodRu
     Ok(runs)
 }
 
-fn lookup<'a>(ctx: &'a Ctx, a: &Allocated) -> Option<&'a SliceDevice> {
+pub(super) fn lookup<'a>(ctx: &'a Ctx, a: &Allocated) -> Option<&'a SliceDevice> {
     ctx.devices
         .iter()
         .find(|d| a.driver == ctx.driver && d.pool == a.pool && d.name == a.device)
@@ -842,7 +843,7 @@ pub fn count_verdict(what: &str, expected: u32, out: &ProbeOutput) -> Result<Str
     }
 }
 
-fn gpu_template(ctx: &Ctx, check: &str, name: &str) -> serde_json::Value {
+pub(super) fn gpu_template(ctx: &Ctx, check: &str, name: &str) -> serde_json::Value {
     let req = probe::device_request("gpu", &ctx.classes.gpu, &[], &BTreeMap::new());
     probe::claim_template(name, check, req)
 }

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod ops;
 pub mod probe;
 pub mod report;
+pub mod versions;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -56,6 +57,10 @@ pub const CHECKS: &[(&str, &str)] = &[
     (
         "secure-one-device",
         "a pod with a one-device claim sees exactly one accelerator",
+    ),
+    (
+        "driver-versions",
+        "a pod's nvidia-smi reports the driver and CUDA versions its device publishes",
     ),
     (
         "secure-no-claim",

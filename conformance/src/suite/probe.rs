@@ -30,6 +30,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   echo "$L" | while IFS= read -r l; do [ -n "$l" ] && echo "SMI-L: $l"; done
   h=$(nvidia-smi --query-gpu=uuid,name,memory.total --format=csv,noheader 2>&1); hrc=$?
   echo "$h" | while IFS= read -r l; do [ -n "$l" ] && echo "SMI-Q: $l"; done
+  v=$(nvidia-smi 2>&1 | grep 'Driver Version' | head -n 1)
+  [ -n "$v" ] && echo "SMI-VERSIONS: $v"
   if [ "$hrc" -ne 0 ] || [ "$lrc" -ne 0 ]; then health="nvidia-smi exited with $hrc (query) / $lrc (-L)"
   elif ! echo "$L" | grep -q '^GPU '; then health="nvidia-smi -L lists no GPU"
   elif echo "$h$L" | grep -q -e 'ERR!' -e 'Unknown Error'; then health="nvidia-smi reports an error: $(echo "$h$L" | grep -e 'ERR!' -e 'Unknown Error' | head -n 1)"
@@ -66,6 +68,9 @@ pub struct ProbeOutput {
     /// `nvidia-smi -L` lines.
     pub list: Vec<String>,
     pub health: Option<Health>,
+    /// The row of `nvidia-smi`'s summary that names the driver and CUDA
+    /// versions.
+    pub versions: Option<String>,
     pub done: bool,
 }
 
@@ -87,6 +92,8 @@ impl ProbeOutput {
                 } else {
                     Health::Skip(h.strip_prefix("SKIP ").unwrap_or(h).to_owned())
                 });
+            } else if let Some(v) = line.strip_prefix("SMI-VERSIONS: ") {
+                out.versions = Some(v.to_owned());
             } else if line == "PROBE: DONE" {
                 out.done = true;
             }
@@ -102,6 +109,17 @@ impl ProbeOutput {
             .map(|u| u.trim_end_matches(')').trim().to_owned())
             .filter(|u| u.starts_with(prefix))
             .collect()
+    }
+
+    /// The driver version and the CUDA version `nvidia-smi` printed
+    /// (`Driver Version: 570.133.20   CUDA Version: 12.8`).
+    pub fn driver_versions(&self) -> Option<(String, String)> {
+        let row = self.versions.as_deref()?;
+        let after = |label: &str| {
+            let (_, rest) = row.split_once(label)?;
+            rest.split_whitespace().next().map(str::to_owned)
+        };
+        Some((after("Driver Version:")?, after("CUDA Version:")?))
     }
 
     pub fn listed_gpus(&self) -> Vec<String> {
