@@ -4,8 +4,9 @@
 //! spec is written atomically for this boot (into a spare file, [`spare`],
 //! or a temp file, then renamed into place) so a runtime never reads half a
 //! file and a killed process leaves either the old spec or the new one.
-//! `cdiVersion` is the lowest version whose features the content uses, because older runtimes (podman 4.3 in Debian 12
-//! accepts 0.5.0 but not 0.6.0) reject versions they do not know.
+//! `cdiVersion` is the lowest version whose features the content uses,
+//! because older runtimes (podman 4.3 in Debian 12 accepts 0.5.0 but not
+//! 0.6.0) reject versions they do not know.
 
 pub mod spare;
 

@@ -97,17 +97,7 @@ impl Pidfd {
     /// stay a zombie. Any other process is left alone: waitid on a pidfd
     /// only ever concerns that process.
     fn reap(&self) {
-        // SAFETY: waitid(2) with P_PIDFD and WNOHANG writes into the zeroed
-        // siginfo we pass and touches no other process.
-        unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            libc::waitid(
-                libc::P_PIDFD,
-                self.fd.as_raw_fd() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG,
-            );
-        }
+        let _ = spawn::wait_pidfd(&self.fd, libc::WNOHANG);
     }
 }
 

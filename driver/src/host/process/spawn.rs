@@ -71,27 +71,7 @@ impl std::fmt::Display for Exit {
 impl Started {
     /// How the child ended (reaping it), or `None` while it runs.
     pub fn try_wait(&self) -> io::Result<Option<Exit>> {
-        // SAFETY: waitid(2) on our child's pidfd into a zeroed siginfo;
-        // WNOHANG leaves `si_pid` 0 while the child runs.
-        unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            let rc = libc::waitid(
-                libc::P_PIDFD,
-                self.pidfd.as_raw_fd() as libc::id_t,
-                &mut info,
-                libc::WEXITED | libc::WNOHANG,
-            );
-            if rc < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if info.si_pid() == 0 {
-                return Ok(None);
-            }
-            Ok(Some(match info.si_code {
-                libc::CLD_EXITED => Exit::Code(info.si_status()),
-                _ => Exit::Signal(info.si_status()),
-            }))
-        }
+        wait_pidfd(&self.pidfd, libc::WNOHANG)
     }
 
     /// SIGKILL; a child that has already exited is fine.
@@ -185,7 +165,8 @@ impl Launch {
         match child.error.load(Ordering::SeqCst) {
             0 => Ok(Started { pid, pidfd }),
             errno => {
-                reap(&pidfd);
+                // It exited before it executed: collected here.
+                let _ = wait_pidfd(&pidfd, 0);
                 Err(io::Error::from_raw_os_error(errno))
             }
         }
@@ -335,17 +316,30 @@ impl Drop for Stack {
     }
 }
 
-/// Collects a child that failed before it executed.
-fn reap(pidfd: &OwnedFd) {
-    // SAFETY: waitid(2) on our child's pidfd, into a zeroed siginfo.
+/// Waits for (and reaps) the exited child behind `pidfd`: how it ended, or
+/// `None` while it runs under `WNOHANG`. Only ever that process: a pidfd
+/// names one.
+pub(super) fn wait_pidfd(pidfd: &OwnedFd, flags: libc::c_int) -> io::Result<Option<Exit>> {
+    // SAFETY: waitid(2) on a pidfd into a zeroed siginfo; under WNOHANG it
+    // leaves `si_pid` 0 while the process runs.
     unsafe {
         let mut info: libc::siginfo_t = std::mem::zeroed();
-        libc::waitid(
+        let rc = libc::waitid(
             libc::P_PIDFD,
             pidfd.as_raw_fd() as libc::id_t,
             &mut info,
-            libc::WEXITED,
+            libc::WEXITED | flags,
         );
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if info.si_pid() == 0 {
+            return Ok(None);
+        }
+        Ok(Some(match info.si_code {
+            libc::CLD_EXITED => Exit::Code(info.si_status()),
+            _ => Exit::Signal(info.si_status()),
+        }))
     }
 }
 
@@ -384,6 +378,27 @@ mod tests {
         [null(), null(), null()]
     }
 
+    /// `/bin/sh -c script`, its output and errors into the pipe returned.
+    fn shell(script: &str) -> (Launch, std::io::PipeReader) {
+        let (read, write) = std::io::pipe().unwrap();
+        let null = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
+        let out = OwnedFd::from(write);
+        let err = out.try_clone().unwrap();
+        let mut launch = Launch::new(Path::new("/bin/sh"), [null, out, err]).unwrap();
+        launch.arg("-c").unwrap().arg(script).unwrap();
+        (launch, read)
+    }
+
+    /// Starts `launch` and reads what it says until it ends.
+    fn said(launch: Launch, mut read: std::io::PipeReader) -> (String, Started) {
+        let started = launch.start(&|| Ok(())).unwrap();
+        // Our copies of the pipe's write end go with `launch`.
+        drop(launch);
+        let mut said = String::new();
+        read.read_to_string(&mut said).unwrap();
+        (said, started)
+    }
+
     fn exit_code(started: &Started) -> i32 {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         match started.wait_until(deadline) {
@@ -394,23 +409,11 @@ mod tests {
 
     #[test]
     fn the_child_gets_its_arguments_environment_and_streams() {
-        let (mut read, write) = std::io::pipe().unwrap();
-        let null = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
-        let out = OwnedFd::from(write);
-        let err = out.try_clone().unwrap();
-        let mut launch = Launch::new(Path::new("/bin/sh"), [null, out, err]).unwrap();
-        launch
-            .arg("-c")
-            .unwrap()
-            .arg("echo \"$1 $TESSERA_SPAWN_TEST\"; exit 3")
-            .unwrap();
+        let (mut launch, read) = shell("echo \"$1 $TESSERA_SPAWN_TEST\"; exit 3");
         launch.arg("sh").unwrap().arg("first").unwrap();
         launch.env("TESSERA_SPAWN_TEST", "old").unwrap();
         launch.env("TESSERA_SPAWN_TEST", "set").unwrap();
-        let started = launch.start(&|| Ok(())).unwrap();
-        drop(launch);
-        let mut said = String::new();
-        read.read_to_string(&mut said).unwrap();
+        let (said, started) = said(launch, read);
         assert_eq!(said, "first set\n");
         assert_eq!(exit_code(&started), 3);
     }
@@ -427,22 +430,12 @@ mod tests {
 
     #[test]
     fn the_child_has_default_signals_and_a_group_of_its_own() {
-        let (mut read, write) = std::io::pipe().unwrap();
-        let null = OwnedFd::from(std::fs::File::open("/dev/null").unwrap());
-        let out = OwnedFd::from(write);
-        let err = out.try_clone().unwrap();
-        let mut launch = Launch::new(Path::new("/bin/sh"), [null, out, err]).unwrap();
         // The signals the child blocks and ignores; its group beside its PID.
-        launch
-            .arg("-c")
-            .unwrap()
-            .arg("grep -E '^Sig(Blk|Ign)' /proc/$$/status; echo $$ $(cut -d' ' -f5 /proc/$$/stat)")
-            .unwrap();
+        let (mut launch, read) = shell(
+            "grep -E '^Sig(Blk|Ign)' /proc/$$/status; echo $$ $(cut -d' ' -f5 /proc/$$/stat)",
+        );
         launch.process_group();
-        let started = launch.start(&|| Ok(())).unwrap();
-        drop(launch);
-        let mut said = String::new();
-        read.read_to_string(&mut said).unwrap();
+        let (said, started) = said(launch, read);
         assert_eq!(exit_code(&started), 0);
         let lines: Vec<&str> = said.lines().collect();
         assert_eq!(lines[0], "SigBlk:\t0000000000000000", "{said}");
