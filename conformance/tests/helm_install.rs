@@ -102,6 +102,42 @@ fn chart() -> PathBuf {
     repo_root().join("deploy/helm/tessera")
 }
 
+/// The authenticated metrics Service only when asked for: its endpoint,
+/// the Service over the node pods alone, the reader's ClusterRole and the
+/// node's right to review tokens; a given certificate is mounted.
+async fn check_metrics_service(helm: &Helm, chart: &str, plain: &str) -> Result<()> {
+    ensure!(
+        !plain.contains("--metrics-secure-address") && !plain.contains("https-metrics"),
+        "the metrics Service must be off by default:\n{plain}"
+    );
+    let served = helm
+        .run(&[
+            "template",
+            "t",
+            chart,
+            "--set",
+            "metrics.service.enabled=true",
+            "--set",
+            "metrics.service.tls.secretName=metrics-cert",
+        ])
+        .await?;
+    for want in [
+        "--metrics-secure-address=0.0.0.0:9401",
+        "--metrics-tls-cert-file=/etc/tessera/metrics-tls/tls.crt",
+        "secretName: metrics-cert",
+        "name: https-metrics",
+        "name: t-tessera-metrics-reader",
+        "nonResourceURLs: [\"/metrics\"]",
+        "resources: [\"tokenreviews\"]",
+        "resources: [\"subjectaccessreviews\"]",
+    ] {
+        ensure!(served.contains(want), "{want} missing:\n{served}");
+    }
+    // The loopback endpoint stays as it was.
+    ensure!(served.contains("--metrics-address=127.0.0.1:9400"));
+    Ok(())
+}
+
 /// The default chart serves metrics on the node's loopback only, and its
 /// probes ask the pod's own process over a socket in an emptyDir (never the
 /// node's port, which the old pod of a rolling update holds).
@@ -1277,6 +1313,7 @@ async fn install_and_roll(
         "the PodMonitor must be rendered exactly when podMonitor.enabled"
     );
     check_endpoints(&plain)?;
+    check_metrics_service(helm, chart, &plain).await?;
     // Prometheus cannot scrape the default loopback address.
     let refused = helm
         .run(&["template", "t", chart, "--set", "podMonitor.enabled=true"])
@@ -1511,9 +1548,27 @@ async fn install_nvidia(
         "an extended resource in a reserved domain must fail: {reserved:?}"
     );
 
+    // The metrics through the chart's authenticated Service, as the CNCF
+    // check scrapes them (a free port of the host network).
+    let secure_port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port()
+        .to_string();
     let t0 = Instant::now();
-    helm.run(&["install", release, chart, "-n", ns.name(), "-f", values])
-        .await?;
+    helm.run(&[
+        "install",
+        release,
+        chart,
+        "-n",
+        ns.name(),
+        "-f",
+        values,
+        "--set",
+        "metrics.service.enabled=true",
+        "--set",
+        &format!("metrics.service.port={secure_port}"),
+    ])
+    .await?;
     let pods: Api<Pod> = ns.api();
     registered_daemon(&pods, release, tag).await?;
     published(&cluster.client(), cluster.node_name(), DRIVER).await?;
@@ -1528,14 +1583,10 @@ async fn install_nvidia(
     let out_dir = values_file.parent().context("values dir")?.to_owned();
     let env = cluster.env().clone();
     // The CUDA probe runs from Tessera's own image (`isolated-limits`,
-    // and the load of `accelerator-metrics` on the node pod's endpoint,
-    // on the host's loopback like the pod's network).
+    // and the load of `accelerator-metrics`, read through the Service).
     let image = format!("tessera.local/tessera:{tag}");
-    let port = serde_json::from_slice::<Value>(&std::fs::read(values_file)?)?["metrics"]["port"]
-        .as_u64()
-        .context("no metrics.port in the test's values")?;
-    let metrics_url = format!("http://127.0.0.1:{port}/metrics");
-    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir, &image, &metrics_url)).await?;
+    let service = format!("{}/{release}-tessera-metrics", ns.name());
+    let junit = blocking(move || run_suite(&env, DRIVER, &out_dir, &image, &service)).await?;
     ensure!(
         junit.contains("testcase") && !junit.contains("<failure"),
         "tessera-conformance --driver {DRIVER}: failures in its JUnit report:\n{junit}"
@@ -1657,7 +1708,7 @@ fn run_suite(
     driver: &str,
     out: &Path,
     cuda_probe_image: &str,
-    metrics_url: &str,
+    metrics_service: &str,
 ) -> Result<String> {
     let junit = out.join("junit.xml");
     let mut c = Command::new(env!("CARGO_BIN_EXE_tessera-conformance"));
@@ -1676,7 +1727,7 @@ fn run_suite(
         .arg("--report")
         .arg(out.join("report.md"))
         .args(["--cuda-probe-image", cuda_probe_image])
-        .args(["--metrics-url", metrics_url]);
+        .args(["--metrics-service", metrics_service]);
     if let Some(image) = std::env::var("TESSERA_PROBE_IMAGE")
         .ok()
         .filter(|i| !i.is_empty())

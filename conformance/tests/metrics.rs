@@ -209,3 +209,49 @@ async fn metrics_address_off_serves_nothing() -> Result<()> {
     plugin.terminate().await?;
     Ok(())
 }
+
+/// The authenticated endpoint answers only whom the API server allows:
+/// 401 without a token or with one it does not accept, 403 to an account
+/// without `get` on /metrics (saying how to grant it), the metrics to one
+/// bound to a ClusterRole that allows it. The plain endpoint is unchanged.
+#[tokio::test]
+async fn the_secure_endpoint_serves_only_whom_the_api_server_allows() -> Result<()> {
+    use tessera_conformance::suite::metrics_service::{Readers, get as get_tls};
+    let w = World::new("metrics-secure").await?;
+    let mut opts = w.options();
+    opts.args = vec!["--metrics-secure-address".into(), "127.0.0.1:0".into()];
+    let mut plugin = PluginProcess::start(&w.dirs, &opts)?;
+    let url = format!("https://{}/metrics", plugin.secure_metrics_address().await?);
+    let plain = plugin.metrics_address().await?;
+    let readers = Readers::make(&w.cluster.client(), w.ns(), "/metrics").await?;
+    let checked = async {
+        let (code, body) = get_tls(&url, None).await?;
+        ensure!(
+            code == 401 && body.contains("bearer token"),
+            "no token: {code} {body}"
+        );
+        let (code, body) = get_tls(&url, Some("not-a-token")).await?;
+        ensure!(code == 401, "a token the API server refuses: {code} {body}");
+        let (code, body) = get_tls(&url, Some(&readers.stranger)).await?;
+        ensure!(
+            code == 403 && body.contains("metrics-stranger") && body.contains("nonResourceURLs"),
+            "an account without access: {code} {body}"
+        );
+        let (code, body) = get_tls(&url, Some(&readers.allowed)).await?;
+        ensure!(
+            code == 200 && body.contains("tessera_prepared_claims"),
+            "the reader: {code} {body}"
+        );
+        // The same reader again: answered from the kept verdict.
+        let (code, _) = get_tls(&url, Some(&readers.allowed)).await?;
+        ensure!(code == 200, "the reader's second scrape: {code}");
+        let (code, _) = get(plain, "/metrics").await?;
+        ensure!(code == 200, "the plain endpoint answered {code}");
+        Ok(())
+    }
+    .await;
+    readers.remove().await;
+    checked?;
+    plugin.terminate().await?;
+    Ok(())
+}

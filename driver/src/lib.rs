@@ -20,4 +20,5 @@ pub mod probe;
 pub mod publish;
 pub mod state;
 pub mod sync;
+pub mod tls;
 pub mod webhook;

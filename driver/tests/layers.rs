@@ -40,6 +40,7 @@ const UNITS: &[(&str, &str)] = &[
     ("apiserver", "leaf"),
     ("cdi", "leaf"),
     ("claim_uid", "leaf"),
+    ("tls", "leaf"),
     ("discovery", "leaf"),
     ("sync", "leaf"),
 ];

@@ -5,9 +5,11 @@
 //! runs, the GPU's utilization must rise above 0 and the claim's memory
 //! reach what it allocated; after it ends, both fall back.
 //!
-//! The endpoint is the node process's `/metrics` (`--metrics-url`, plain
-//! HTTP: the chart serves it on the node's loopback, reach it with
-//! `kubectl port-forward` to the node's Tessera pod).
+//! The endpoint is the node process's `/metrics`: either its plain one
+//! (`--metrics-url`: the chart serves it on the node's loopback, reach it
+//! with `kubectl port-forward` to the node's Tessera pod), or the chart's
+//! authenticated Service (`--metrics-service`, [`super::metrics_service`]),
+//! as a scraper in the cluster reads it.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -20,8 +22,9 @@ use serde_json::json;
 
 use super::checks::Outcome;
 use super::facts;
+use super::metrics_service::{self, Scraper};
 use super::probe::{self, ClaimSource};
-use super::{Ctx, CudaProbe};
+use super::{Ctx, CudaProbe, MetricsSource};
 
 const CHECK: &str = "accelerator-metrics";
 /// What the probe allocates: 1 GiB, a multiple of any allocation
@@ -31,27 +34,54 @@ const ALLOC: u64 = 1 << 30;
 const BUSY_SECONDS: u64 = 20;
 
 pub async fn accelerator_metrics(ctx: &Ctx) -> Result<Outcome> {
-    let Some(url) = &ctx.metrics_url else {
-        return Ok(Outcome::skip(
-            "needs the node's metrics endpoint: pass --metrics-url (e.g. after `kubectl -n \
-             <namespace> port-forward pod/<tessera pod on the node> 9400`, \
-             http://127.0.0.1:9400/metrics)",
-        ));
-    };
-    let Some(cuda) = &ctx.cuda_probe else {
+    if ctx.cuda_probe.is_none() {
         return Ok(Outcome::skip(
             "needs a CUDA probe to load a GPU: pass --cuda-probe-image (Tessera's own image \
              runs `/bin/tessera probe`)",
         ));
-    };
-    let idle = scrape_async(url)
+    }
+    match &ctx.metrics {
+        None => Ok(Outcome::skip(
+            "needs the node's metrics: pass --metrics-service NAMESPACE/NAME (the chart's \
+             metrics.service), or --metrics-url (e.g. after `kubectl -n <namespace> \
+             port-forward pod/<tessera pod on the node> 9400`, http://127.0.0.1:9400/metrics)",
+        )),
+        Some(MetricsSource::Url(url)) => under_load(ctx, &Scraper::plain(url), Vec::new()).await,
+        Some(MetricsSource::Service(service)) => through_service(ctx, service).await,
+    }
+}
+
+/// Through the Service: its access checked first, then the load, with the
+/// run's ClusterRole removed whatever happened.
+async fn through_service(ctx: &Ctx, service: &str) -> Result<Outcome> {
+    let url = metrics_service::endpoint_on(&ctx.kube.client, service, &ctx.node).await?;
+    let readers =
+        metrics_service::Readers::make(&ctx.kube.client, &ctx.kube.ns, "/metrics").await?;
+    let checked = async {
+        let mut details = vec![format!("Service {service}: endpoint on node {}", ctx.node)];
+        match metrics_service::guarded_scraper(&url, &readers, &mut details).await? {
+            Ok(scraper) => under_load(ctx, &scraper, details).await,
+            Err(why) => Ok(Outcome::fail(why, details)),
+        }
+    }
+    .await;
+    readers.remove().await;
+    checked
+}
+
+/// The GPU's utilization and the claim's memory follow a probe's load.
+async fn under_load(ctx: &Ctx, scraper: &Scraper, mut details: Vec<String>) -> Result<Outcome> {
+    let url = &scraper.url;
+    let cuda = ctx.cuda_probe.as_ref().context("no CUDA probe")?;
+    let idle = scraper
+        .scrape()
         .await
         .with_context(|| format!("scraping {url}"))?;
     let gpus = series(&idle, "tessera_gpu_utilization_ratio");
     if gpus.is_empty() {
         return Ok(Outcome::fail(
             format!("{url} serves no tessera_gpu_utilization_ratio"),
-            vec![first_lines(&idle)],
+            [details, vec![first_lines(&idle)]].concat(),
         ));
     }
 
@@ -82,7 +112,7 @@ pub async fn accelerator_metrics(ctx: &Ctx) -> Result<Outcome> {
         .with_context(|| format!("device {} is not in the node's slices", one.id()))?
         .to_owned();
     let claim = one.claim.clone();
-    let mut details = vec![format!("pod {name}: claim {claim} got GPU {gpu}")];
+    details.push(format!("pod {name}: claim {claim} got GPU {gpu}"));
 
     // Under load: utilization above 0, the claim's memory what it holds.
     let reading = |text: &str| {
@@ -97,13 +127,13 @@ pub async fn accelerator_metrics(ctx: &Ctx) -> Result<Outcome> {
             ),
         )
     };
-    let loaded = wait_scrape(url, ctx.kube.timeout, |text| match reading(text) {
+    let loaded = wait_scrape(scraper, ctx.kube.timeout, |text| match reading(text) {
         (Some(util), Some(memory)) if util > 0.0 && memory >= ALLOC as f64 => Some((util, memory)),
         _ => None,
     })
     .await;
     let Some((util, memory)) = loaded else {
-        details.push(first_lines(&scrape_async(url).await.unwrap_or_default()));
+        details.push(first_lines(&scraper.scrape().await.unwrap_or_default()));
         return Ok(Outcome::fail(
             format!(
                 "while pod {name} loaded GPU {gpu} ({ALLOC} bytes, spin kernels), {url} never \
@@ -118,7 +148,7 @@ pub async fn accelerator_metrics(ctx: &Ctx) -> Result<Outcome> {
 
     // After: the pod ends by itself; both fall back.
     ctx.kube.wait_finished(std::slice::from_ref(&name)).await?;
-    let settled = wait_scrape(url, ctx.kube.timeout, |text| match reading(text) {
+    let settled = wait_scrape(scraper, ctx.kube.timeout, |text| match reading(text) {
         (Some(util), memory) if util == 0.0 && memory.unwrap_or(0.0) == 0.0 => Some(()),
         _ => None,
     })
@@ -160,13 +190,13 @@ fn load_container(cuda: &CudaProbe) -> serde_json::Value {
 
 /// Scrapes until `done` finds what it waits for, at most `timeout`.
 async fn wait_scrape<T>(
-    url: &str,
+    scraper: &Scraper,
     timeout: Duration,
     done: impl Fn(&str) -> Option<T>,
 ) -> Option<T> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(found) = scrape_async(url).await.ok().as_deref().and_then(&done) {
+        if let Some(found) = scraper.scrape().await.ok().as_deref().and_then(&done) {
             return Some(found);
         }
         if Instant::now() >= deadline {
@@ -174,12 +204,6 @@ async fn wait_scrape<T>(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-}
-
-/// [`scrape`] off the async runtime's threads.
-async fn scrape_async(url: &str) -> Result<String> {
-    let url = url.to_owned();
-    tokio::task::spawn_blocking(move || scrape(&url)).await?
 }
 
 /// `GET` of an `http://host:port/path` URL; the body.

@@ -11,6 +11,7 @@ pub mod checks;
 pub mod facts;
 pub mod isolation;
 pub mod metrics;
+pub mod metrics_service;
 pub mod ops;
 pub mod probe;
 pub mod report;
@@ -132,8 +133,14 @@ pub struct Args {
     /// HTTP, e.g. http://127.0.0.1:9400/metrics through `kubectl
     /// port-forward`), for `accelerator-metrics`; without it that check is
     /// skipped.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "metrics_service")]
     pub metrics_url: Option<String>,
+    /// The chart's authenticated metrics Service (`metrics.service`), as
+    /// NAMESPACE/NAME, for `accelerator-metrics`: its endpoint on the
+    /// checked node is read with a ServiceAccount token of the run, after
+    /// checking that requests without a token or access are refused.
+    #[arg(long)]
+    pub metrics_service: Option<String>,
     /// The probe's command in that image.
     #[arg(long, default_value = "/bin/tessera probe", value_delimiter = ' ')]
     pub cuda_probe_command: Vec<String>,
@@ -282,8 +289,17 @@ pub struct Ctx {
     pub probes: std::sync::Mutex<Vec<checks::ProbeRecord>>,
     /// Where the CUDA probe is, if given.
     pub cuda_probe: Option<CudaProbe>,
-    /// The node's metrics endpoint, if given.
-    pub metrics_url: Option<String>,
+    /// Where the node's metrics are read, if given.
+    pub metrics: Option<MetricsSource>,
+}
+
+/// Where `accelerator-metrics` reads the node's metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsSource {
+    /// The node process's plain endpoint.
+    Url(String),
+    /// The chart's authenticated Service, `namespace/name`.
+    Service(String),
 }
 
 /// An image with the CUDA probe and its command there.
@@ -402,7 +418,11 @@ pub async fn run(args: Args) -> Result<bool> {
                 .cloned()
                 .collect(),
         }),
-        metrics_url: args.metrics_url.clone(),
+        metrics: match (&args.metrics_service, &args.metrics_url) {
+            (Some(service), _) => Some(MetricsSource::Service(service.clone())),
+            (None, Some(url)) => Some(MetricsSource::Url(url.clone())),
+            (None, None) => None,
+        },
     };
     let mut report = Report {
         started: report::utc_timestamp(

@@ -526,15 +526,24 @@ impl PluginProcess {
     /// The metrics endpoint's address, as the process says on its probe
     /// socket (`tessera health --probe status`), once it is bound.
     pub async fn metrics_address(&mut self) -> Result<std::net::SocketAddr> {
+        self.said_address("metricsAddress").await
+    }
+
+    /// The authenticated metrics endpoint's address, once it is bound.
+    pub async fn secure_metrics_address(&mut self) -> Result<std::net::SocketAddr> {
+        self.said_address("secureMetricsAddress").await
+    }
+
+    async fn said_address(&mut self, field: &str) -> Result<std::net::SocketAddr> {
         let deadline = std::time::Instant::now() + TIMEOUT;
         loop {
             self.check_running()?;
             let status = self.status()?.unwrap_or_default();
-            if let Some(address) = status["metricsAddress"].as_str() {
+            if let Some(address) = status[field].as_str() {
                 return Ok(address.parse()?);
             }
             if std::time::Instant::now() > deadline {
-                bail!("the plugin said no metrics address within {TIMEOUT:?}");
+                bail!("the plugin said no {field} within {TIMEOUT:?}");
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -11,6 +11,7 @@
 //! own ([`renders`]). Every name starts with `tessera_` ([`families`]);
 //! docs/operations.md describes them all.
 
+pub mod access;
 pub mod claims;
 mod families;
 pub mod gpus;

@@ -6,6 +6,11 @@
 //! * `GET /healthz`: 200 once the node's first slice model is built
 //!   (prepare can resolve device names), 503 before;
 //! * anything else: 404.
+//!
+//! Two endpoints serve the same: `--metrics-address` in plain HTTP to
+//! anyone who reaches it (the chart keeps it on the node's loopback), and
+//! `--metrics-secure-address` over TLS to those the API server says may
+//! `get` the path ([`super::access`]), for a Service in front of the pods.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -16,14 +21,21 @@ use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::ServerConfig;
 use tracing::{debug, info, warn};
 
 use super::Metrics;
+use super::access::{Access, Verdict};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// How long one connection may take (slow or idle scrapers are dropped).
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a TLS handshake may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connections served at once (scrapers and probes need a few); one more is
 /// answered 503 and closed, so idle connections cannot pile up tasks and
@@ -33,52 +45,80 @@ const MAX_CONNECTIONS: usize = 32;
 /// How long a scrape waits for its render (NVML can hang on a failing GPU).
 const RENDER_WAIT: Duration = Duration::from_secs(10);
 
-/// `--metrics-address` is neither `host:port` nor `off`.
+/// A metrics address flag is neither `host:port` nor `off`.
 #[derive(Debug, thiserror::Error)]
-#[error("--metrics-address {flag:?}: expected host:port (e.g. 0.0.0.0:9400), or off: {source}")]
+#[error("{flag} {value:?}: expected host:port (e.g. 0.0.0.0:9400), or off: {source}")]
 pub struct AddressError {
-    pub flag: String,
+    pub flag: &'static str,
+    pub value: String,
     pub source: std::net::AddrParseError,
 }
 
-/// The metrics endpoint's address could not be bound.
+/// A metrics endpoint's address could not be bound.
 #[derive(Debug, thiserror::Error)]
-#[error("binding the metrics endpoint to {address} (--metrics-address): {source}")]
+#[error("binding the metrics endpoint to {address} ({flag}): {source}")]
 pub struct BindError {
+    pub flag: &'static str,
     pub address: SocketAddr,
     pub source: std::io::Error,
 }
 
-/// Parses `--metrics-address`: `off` or empty disables the endpoint.
-pub fn parse_address(flag: &str) -> Result<Option<SocketAddr>, AddressError> {
-    let flag = flag.trim();
-    if flag.is_empty() || flag.eq_ignore_ascii_case("off") {
+/// Parses a metrics address flag: `off` or empty disables the endpoint.
+pub fn parse_address(flag: &'static str, value: &str) -> Result<Option<SocketAddr>, AddressError> {
+    let value = value.trim();
+    if value.is_empty() || value.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    flag.parse().map(Some).map_err(|source| AddressError {
-        flag: flag.to_owned(),
+    value.parse().map(Some).map_err(|source| AddressError {
+        flag,
+        value: value.to_owned(),
         source,
     })
 }
 
-/// Binds `address` and serves in the background until the runtime ends;
-/// returns the bound address (port 0 picks a free port).
+/// The authenticated endpoint's TLS and its reviewer.
+pub struct Guard {
+    pub tls: Arc<ServerConfig>,
+    pub access: Arc<Access>,
+}
+
+/// Binds `address` and serves in plain HTTP in the background until the
+/// runtime ends; returns the bound address (port 0 picks a free port).
 pub async fn serve(address: SocketAddr, metrics: Arc<Metrics>) -> Result<SocketAddr, BindError> {
-    serve_at_most(address, metrics, MAX_CONNECTIONS).await
+    serve_at_most(address, metrics, None, MAX_CONNECTIONS).await
+}
+
+/// [`serve`] over TLS, each request reviewed by `guard.access`.
+pub async fn serve_guarded(
+    address: SocketAddr,
+    metrics: Arc<Metrics>,
+    guard: Guard,
+) -> Result<SocketAddr, BindError> {
+    serve_at_most(address, metrics, Some(Arc::new(guard)), MAX_CONNECTIONS).await
 }
 
 async fn serve_at_most(
     address: SocketAddr,
     metrics: Arc<Metrics>,
+    guard: Option<Arc<Guard>>,
     connections: usize,
 ) -> Result<SocketAddr, BindError> {
     let slots = Arc::new(tokio::sync::Semaphore::new(connections));
-    let bind_error = |source| BindError { address, source };
+    let flag = match guard {
+        Some(_) => "--metrics-secure-address",
+        None => "--metrics-address",
+    };
+    let bind_error = |source| BindError {
+        flag,
+        address,
+        source,
+    };
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .map_err(bind_error)?;
     let bound = listener.local_addr().map_err(bind_error)?;
-    info!("serving metrics on http://{bound}/metrics (readiness: /healthz)");
+    let scheme = if guard.is_some() { "https" } else { "http" };
+    info!("serving metrics on {scheme}://{bound}/metrics (readiness: /healthz)");
     tokio::spawn(async move {
         loop {
             let (stream, peer) = match listener.accept().await {
@@ -94,16 +134,25 @@ async fn serve_at_most(
                 tokio::spawn(refuse(stream));
                 continue;
             };
-            let metrics = metrics.clone();
+            let (metrics, guard) = (metrics.clone(), guard.clone());
             tokio::spawn(async move {
                 let _slot = slot;
-                let service = hyper::service::service_fn(move |request| {
-                    let metrics = metrics.clone();
-                    async move { Ok::<_, Infallible>(answer(request, metrics).await) }
-                });
-                let connection = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service);
-                match tokio::time::timeout(CONNECTION_TIMEOUT, connection).await {
+                let served = tokio::time::timeout(CONNECTION_TIMEOUT, async {
+                    match guard {
+                        None => serve_connection(stream, metrics, None).await,
+                        Some(guard) => {
+                            let acceptor = TlsAcceptor::from(guard.tls.clone());
+                            let stream =
+                                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                                    .await
+                                    .map_err(|_| ConnectionError::HandshakeTimedOut)?
+                                    .map_err(ConnectionError::Handshake)?;
+                            serve_connection(stream, metrics, Some(guard.access.clone())).await
+                        }
+                    }
+                })
+                .await;
+                match served {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => debug!(%peer, "metrics connection: {e}"),
                     Err(_) => debug!(%peer, "metrics connection timed out"),
@@ -112,6 +161,66 @@ async fn serve_at_most(
         }
     });
     Ok(bound)
+}
+
+/// Serves one connection's requests, each reviewed when `access` is set.
+async fn serve_connection(
+    stream: impl AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    metrics: Arc<Metrics>,
+    access: Option<Arc<Access>>,
+) -> Result<(), ConnectionError> {
+    let service = hyper::service::service_fn(move |request| {
+        let (metrics, access) = (metrics.clone(), access.clone());
+        async move {
+            if let Some(refused) = review(&request, access.as_deref()).await {
+                return Ok::<_, Infallible>(refused);
+            }
+            Ok(answer(request, metrics).await)
+        }
+    });
+    hyper::server::conn::http1::Builder::new()
+        .serve_connection(TokioIo::new(stream), service)
+        .await
+        .map_err(ConnectionError::Http)
+}
+
+/// How one connection ended early (logged at debug level).
+#[derive(Debug, thiserror::Error)]
+enum ConnectionError {
+    #[error("TLS handshake timed out")]
+    HandshakeTimedOut,
+    #[error("TLS handshake: {0}")]
+    Handshake(std::io::Error),
+    #[error("{0}")]
+    Http(hyper::Error),
+}
+
+/// The answer to a request the reviewer refuses; `None` when it may pass.
+async fn review(
+    request: &Request<Incoming>,
+    access: Option<&Access>,
+) -> Option<Response<Full<Bytes>>> {
+    let access = access?;
+    let authorization = request
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok());
+    match access.check(authorization, request.uri().path()).await {
+        Ok(Verdict::Allowed) => None,
+        Ok(Verdict::Unauthenticated(why)) => {
+            let mut refused = plain(StatusCode::UNAUTHORIZED, &format!("{why}\n"));
+            refused.headers_mut().insert(
+                hyper::header::WWW_AUTHENTICATE,
+                hyper::header::HeaderValue::from_static("Bearer"),
+            );
+            Some(refused)
+        }
+        Ok(Verdict::Forbidden(why)) => Some(plain(StatusCode::FORBIDDEN, &format!("{why}\n"))),
+        Err(e) => {
+            warn!("metrics endpoint: {e}");
+            Some(plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{e}\n")))
+        }
+    }
 }
 
 /// Answers a connection over the limit with a 503 (briefly: a peer that
@@ -181,13 +290,18 @@ mod tests {
 
     #[test]
     fn off_and_empty_disable_the_endpoint() {
-        assert_eq!(parse_address("off").unwrap(), None);
-        assert_eq!(parse_address("").unwrap(), None);
+        let flag = "--metrics-address";
+        assert_eq!(parse_address(flag, "off").unwrap(), None);
+        assert_eq!(parse_address(flag, "").unwrap(), None);
         assert_eq!(
-            parse_address("127.0.0.1:9400").unwrap(),
+            parse_address(flag, "127.0.0.1:9400").unwrap(),
             Some("127.0.0.1:9400".parse().unwrap())
         );
-        assert!(parse_address("localhost").is_err());
+        let e = parse_address(flag, "localhost").unwrap_err();
+        assert!(
+            e.to_string().starts_with("--metrics-address \"localhost\""),
+            "{e}"
+        );
     }
 
     async fn get(address: SocketAddr, path: &str) -> String {
@@ -339,7 +453,7 @@ mod tests {
     #[tokio::test]
     async fn connections_over_the_limit_are_refused() {
         let metrics = Arc::new(Metrics::new());
-        let address = serve_at_most("127.0.0.1:0".parse().unwrap(), metrics, 2)
+        let address = serve_at_most("127.0.0.1:0".parse().unwrap(), metrics, None, 2)
             .await
             .unwrap();
         let idle_one = tokio::net::TcpStream::connect(address).await.unwrap();

@@ -48,10 +48,27 @@ pub struct NodeConfig {
     /// How long after its last fatal XID a GPU is Healthy again; `None`:
     /// not while the process runs.
     pub xid_recovery: Option<Duration>,
-    /// Where Prometheus metrics are served; `None`: not at all.
+    /// Where Prometheus metrics are served to anyone; `None`: not at all.
     pub metrics_address: Option<SocketAddr>,
+    /// Where they are served over TLS to whom the API server allows.
+    pub secure_metrics: Option<SecureMetrics>,
     /// The unix socket the process's probes are answered on.
     pub health_socket: Option<PathBuf>,
+}
+
+/// The authenticated metrics endpoint.
+#[derive(Debug, Clone)]
+pub struct SecureMetrics {
+    pub address: SocketAddr,
+    /// The serving certificate's files; `None`: a self-signed one.
+    pub certificate: Option<CertificateFiles>,
+}
+
+/// A PEM certificate chain and its private key.
+#[derive(Debug, Clone)]
+pub struct CertificateFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// Where the kubelet looks for plugins.

@@ -17,7 +17,7 @@ use tessera_controller::publisher::{NodeView, Publisher, PublisherConfig};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
-use super::config::NodeConfig;
+use super::config::{NodeConfig, SecureMetrics};
 use super::readiness::{self, Phase, ProbeSocketError, Readiness};
 use super::standby::{self, LockError};
 use super::state_lock::StateLock;
@@ -34,12 +34,14 @@ use crate::kubelet::health::HealthService;
 use crate::kubelet::{Plugin, PluginConfig, ServeError, sockets};
 use crate::metrics::Metrics;
 use crate::metrics::claims::Consumers;
+use crate::metrics::server::BindError;
 use crate::prepare::claims::ApiClaims;
 use crate::prepare::status::StatusWriter;
 use crate::prepare::{Dependencies, NodeChange, PrepareConfig, Preparer, SetupError};
 use crate::publish::{NodeTruth, Observer, Poke, Pokes};
 use crate::state::catalog::DeviceCatalog;
 use crate::state::events::NodeEvents;
+use crate::tls::{TlsError, with_causes};
 
 /// Why the node process could not start; each names the step.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +66,17 @@ pub enum StartError {
     FirstLook(#[source] discovery::Error),
     #[error("the first look at the GPUs did not finish: {0}")]
     FirstLookPanicked(#[from] tokio::task::JoinError),
+}
+
+/// Why the authenticated metrics endpoint is not served.
+#[derive(Debug, thiserror::Error)]
+enum SecureMetricsError {
+    #[error("--metrics-tls-cert-file, --metrics-tls-private-key-file")]
+    Certificate(#[source] TlsError),
+    #[error(transparent)]
+    SelfSigned(TlsError),
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 /// The node process, started: the kubelet plugin and the publisher.
@@ -116,7 +129,7 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
         standby::take_state_lock(nvml_library, config, &client, &readiness).await?;
     let catalog = Arc::new(DeviceCatalog::awaiting_model());
     readiness.set(Phase::Active(catalog.clone()));
-    let metrics = serve_metrics(config, &readiness).await;
+    let metrics = serve_metrics(config, &client, &readiness).await;
     let nvml = match checked_nvml {
         Some(nvml) => nvml,
         None => Arc::new(discovery::init(Some(nvml_library)).map_err(StartError::Nvml)?),
@@ -161,22 +174,64 @@ async fn serve_probes(config: &NodeConfig) -> Result<Arc<Readiness>, ProbeSocket
     Ok(readiness)
 }
 
-/// After the lock: during a rolling update the old instance holds the port
-/// until it exits. A port that cannot be bound costs the metrics, never the
-/// kubelet plugin.
-async fn serve_metrics(config: &NodeConfig, readiness: &Readiness) -> Option<Arc<Metrics>> {
-    let address = config.metrics_address?;
+/// After the lock: during a rolling update the old instance holds the ports
+/// until it exits. A port that cannot be bound costs the metrics there,
+/// never the kubelet plugin.
+async fn serve_metrics(
+    config: &NodeConfig,
+    client: &Client,
+    readiness: &Readiness,
+) -> Option<Arc<Metrics>> {
+    if config.metrics_address.is_none() && config.secure_metrics.is_none() {
+        return None;
+    }
     let metrics = Arc::new(Metrics::new());
-    match crate::metrics::server::serve(address, metrics.clone()).await {
-        Ok(bound) => {
-            readiness.set_metrics_address(bound);
-            Some(metrics)
-        }
-        Err(e) => {
-            error!("{e}; serving no metrics");
-            None
+    let mut served = false;
+    if let Some(address) = config.metrics_address {
+        match crate::metrics::server::serve(address, metrics.clone()).await {
+            Ok(bound) => {
+                readiness.set_metrics_address(bound);
+                served = true;
+            }
+            Err(e) => error!("{e}; serving no plain metrics"),
         }
     }
+    if let Some(secure) = &config.secure_metrics {
+        match serve_secure_metrics(secure, config, client, metrics.clone()).await {
+            Ok(bound) => {
+                readiness.set_secure_metrics_address(bound);
+                served = true;
+            }
+            Err(e) => error!("{}; serving no authenticated metrics", with_causes(&e)),
+        }
+    }
+    served.then_some(metrics)
+}
+
+/// The authenticated endpoint: its certificate (given, or self-signed for
+/// the node's name and the address bound), each request reviewed.
+async fn serve_secure_metrics(
+    secure: &SecureMetrics,
+    config: &NodeConfig,
+    client: &Client,
+    metrics: Arc<Metrics>,
+) -> Result<std::net::SocketAddr, SecureMetricsError> {
+    let tls = match &secure.certificate {
+        Some(files) => crate::tls::load_tls(&files.cert, &files.key)
+            .map_err(SecureMetricsError::Certificate)?,
+        None => {
+            let mut names = vec![config.node_name.clone(), "localhost".to_owned()];
+            if !secure.address.ip().is_unspecified() {
+                names.push(secure.address.ip().to_string());
+            }
+            crate::tls::self_signed_tls(names).map_err(SecureMetricsError::SelfSigned)?
+        }
+    };
+    let guard = crate::metrics::server::Guard {
+        tls,
+        access: Arc::new(crate::metrics::access::Access::new(client.clone())),
+    };
+    Ok(crate::metrics::server::serve_guarded(secure.address, metrics, guard).await?)
 }
 
 /// Device health: XID events of every GPU, from now on.

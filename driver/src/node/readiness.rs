@@ -146,6 +146,8 @@ pub struct Readiness {
     published: AtomicI64,
     /// Where metrics are served, once bound.
     metrics_address: Mutex<Option<SocketAddr>>,
+    /// Where they are served over TLS, once bound.
+    secure_metrics_address: Mutex<Option<SocketAddr>>,
 }
 
 /// `GET /status`: where the node process stands, as JSON, for tools and
@@ -165,6 +167,9 @@ pub struct NodeStatus {
     /// Where Prometheus metrics are served (the port bound, when asked
     /// for any); `None` when they are not (yet).
     pub metrics_address: Option<SocketAddr>,
+    /// Where they are served over TLS to whom the API server allows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_metrics_address: Option<SocketAddr>,
 }
 
 impl NodeStatus {
@@ -233,6 +238,11 @@ impl Readiness {
         *self.metrics_address.locked() = Some(address);
     }
 
+    /// Authenticated metrics are served at `address`.
+    pub fn set_secure_metrics_address(&self, address: SocketAddr) {
+        *self.secure_metrics_address.locked() = Some(address);
+    }
+
     pub fn status(&self) -> NodeStatus {
         let phase = match self.phase() {
             Phase::Starting => "starting",
@@ -246,6 +256,7 @@ impl Readiness {
             registered: self.registered.load(Ordering::SeqCst),
             published_generation: (published > 0).then_some(published),
             metrics_address: *self.metrics_address.locked(),
+            secure_metrics_address: *self.secure_metrics_address.locked(),
         }
     }
 

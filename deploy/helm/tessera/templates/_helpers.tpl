@@ -119,3 +119,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $host := .Values.metrics.bindAddress | toString | trimPrefix "[" | trimSuffix "]" -}}
 {{- if or (hasPrefix "127." $host) (eq $host "::1") -}}true{{- end -}}
 {{- end -}}
+
+{{/* metrics.service.bindAddress:metrics.service.port, an IPv6 address in brackets. */}}
+{{- define "tessera.secureMetricsAddress" -}}
+{{- $host := .Values.metrics.service.bindAddress | toString | trimPrefix "[" | trimSuffix "]" -}}
+{{- if contains ":" $host -}}
+{{- printf "[%s]:%v" $host .Values.metrics.service.port -}}
+{{- else -}}
+{{- printf "%s:%v" $host .Values.metrics.service.port -}}
+{{- end -}}
+{{- end -}}

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use tessera_controller::publisher::{MIN_FULL_MODEL, ServerVersion};
 use tessera_driver::metrics::server::parse_address;
-use tessera_driver::node::config::{DriverRoot, HostCgroupPlace, KubeletPaths};
+use tessera_driver::node::config::{
+    CertificateFiles, DriverRoot, HostCgroupPlace, KubeletPaths, SecureMetrics,
+};
 use tessera_driver::node::{self, NodeConfig};
 use tessera_driver::state::checkpoint::KERNEL_BOOT_ID;
 
@@ -152,6 +154,30 @@ pub struct PluginArgs {
     )]
     pub metrics_address: String,
 
+    /// Where to serve the same metrics over TLS to callers the API server
+    /// allows (a bearer token it accepts, whose user may `get` the path as
+    /// a non-resource URL): host:port, or `off`. For a Service in front of
+    /// the node pods.
+    #[arg(long, env = "TESSERA_METRICS_SECURE_ADDRESS", default_value = "off")]
+    pub metrics_secure_address: String,
+
+    /// The secure endpoint's certificate chain (PEM); without it, a
+    /// self-signed certificate made at start. Re-read when it changes.
+    #[arg(
+        long,
+        env = "TESSERA_METRICS_TLS_CERT_FILE",
+        requires = "metrics_tls_private_key_file"
+    )]
+    pub metrics_tls_cert_file: Option<PathBuf>,
+
+    /// The private key (PEM) of --metrics-tls-cert-file.
+    #[arg(
+        long,
+        env = "TESSERA_METRICS_TLS_PRIVATE_KEY_FILE",
+        requires = "metrics_tls_cert_file"
+    )]
+    pub metrics_tls_private_key_file: Option<PathBuf>,
+
     /// Unix socket this process answers its probes on (`tessera health
     /// --socket`), bound before waiting for the state lock: in a directory
     /// of this pod alone (an emptyDir), never one another instance shares.
@@ -198,9 +224,30 @@ impl PluginArgs {
             benign_xids: self.benign_xids.clone(),
             xid_recovery: (self.xid_recovery_seconds > 0)
                 .then(|| Duration::from_secs(self.xid_recovery_seconds)),
-            metrics_address: parse_address(&self.metrics_address)?,
+            metrics_address: parse_address("--metrics-address", &self.metrics_address)?,
+            secure_metrics: self.secure_metrics()?,
             health_socket: self.health_socket.clone(),
         })
+    }
+}
+
+impl PluginArgs {
+    fn secure_metrics(&self) -> anyhow::Result<Option<SecureMetrics>> {
+        let address = parse_address("--metrics-secure-address", &self.metrics_secure_address)?;
+        let files = self
+            .metrics_tls_cert_file
+            .clone()
+            .zip(self.metrics_tls_private_key_file.clone());
+        if address.is_none() && files.is_some() {
+            anyhow::bail!(
+                "--metrics-tls-cert-file is for the secure endpoint: set --metrics-secure-address \
+                 too, or leave both out"
+            );
+        }
+        Ok(address.map(|address| SecureMetrics {
+            address,
+            certificate: files.map(|(cert, key)| CertificateFiles { cert, key }),
+        }))
     }
 }
 

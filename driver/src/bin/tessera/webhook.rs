@@ -41,7 +41,8 @@ pub struct WebhookArgs {
 pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
     init_logging();
     args.driver.driver()?;
-    let tls = server::load_tls(&args.tls_cert_file, &args.tls_private_key_file)?;
+    let tls = tessera_driver::tls::load_tls(&args.tls_cert_file, &args.tls_private_key_file)
+        .context("--tls-cert-file and --tls-private-key-file")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -152,6 +152,7 @@ async fn answers_over_its_socket_and_replaces_only_a_stale_one() {
     assert_eq!(code, 503, "not registered yet: {body}");
     readiness.set_registered(true);
     readiness.set_metrics_address("127.0.0.1:9400".parse().unwrap());
+    readiness.set_secure_metrics_address("10.0.0.7:9401".parse().unwrap());
     let (code, body) = ask("/status").await.unwrap().unwrap();
     assert_eq!(code, 200, "{body}");
     assert_eq!(
@@ -162,6 +163,7 @@ async fn answers_over_its_socket_and_replaces_only_a_stale_one() {
             registered: true,
             published_generation: Some(3),
             metrics_address: Some("127.0.0.1:9400".parse().unwrap()),
+            secure_metrics_address: Some("10.0.0.7:9401".parse().unwrap()),
         }
     );
     readiness.set_registered(false);
