@@ -102,19 +102,20 @@ say "release binary and helm ready ($((SECONDS - t0))s)"
 STATE=$(mktemp -d "${TMPDIR:-/tmp}/tessera-test.XXXXXX")
 MAIN_DIR="$STATE/main"
 DEGRADED_DIR="$STATE/degraded"
+GROUPS_DIR="$STATE/groups"
 EXTRA_DIRS=() # clusters of the extra scheduler pass, once started
 
 finish() {
 	local rc=$?
 	trap - EXIT INT TERM
 	local d
-	for d in "$MAIN_DIR" "$DEGRADED_DIR" "${EXTRA_DIRS[@]}"; do
+	for d in "$MAIN_DIR" "$DEGRADED_DIR" "$GROUPS_DIR" "${EXTRA_DIRS[@]}"; do
 		TESSERA_CLUSTER_DIR="$d" "$CLUSTER" stop || rc=1
 	done
 	if ((rc != 0)); then
 		say "FAILED (exit $rc); cluster state and logs kept in $STATE"
 		TESSERA_CLUSTER_DIR="$MAIN_DIR" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
-		for d in "$DEGRADED_DIR" "${EXTRA_DIRS[@]}"; do
+		for d in "$DEGRADED_DIR" "$GROUPS_DIR" "${EXTRA_DIRS[@]}"; do
 			if [[ -d "$d/logs" ]]; then
 				say "cluster $d:"
 				TESSERA_CLUSTER_DIR="$d" TESSERA_LOG_LINES=30 "$CLUSTER" logs >&2 2>&1 || true
@@ -148,6 +149,16 @@ TESSERA_CLUSTER_DIR="$DEGRADED_DIR" TESSERA_KUBELET=0 \
 	"$CLUSTER" start
 export TESSERA_DEGRADED_KUBECONFIG="$DEGRADED_DIR/kubeconfig"
 
+# --- groups cluster -----------------------------------------------------------
+# A third one with compatibility groups (DRADeviceCompatibilityGroups, alpha
+# in 1.37) on its API server and scheduler: the same mixes must be refused
+# with groups published as without (conformance/tests/compatibility_groups.rs).
+# No kubelet either.
+TESSERA_CLUSTER_DIR="$GROUPS_DIR" TESSERA_KUBELET=0 \
+	TESSERA_FEATURE_GATES=DRADeviceCompatibilityGroups=true \
+	"$CLUSTER" start
+export TESSERA_GROUPS_KUBECONFIG="$GROUPS_DIR/kubeconfig"
+
 # --- 4. tests ----------------------------------------------------------------
 say "running cargo test --workspace against $TESSERA_APISERVER_URL ($TESSERA_KUBE_VERSION)"
 tests_rc=0
@@ -163,6 +174,7 @@ SCHEDULER_TESTS=(--test scheduler_allocates --test slices_scheduler --test slice
 if ((${#EXTRA_KUBE_VERSIONS[@]} > 0)); then
 	TESSERA_CLUSTER_DIR="$MAIN_DIR" "$CLUSTER" stop
 	TESSERA_CLUSTER_DIR="$DEGRADED_DIR" "$CLUSTER" stop
+	TESSERA_CLUSTER_DIR="$GROUPS_DIR" "$CLUSTER" stop
 fi
 for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	vdir="$STATE/k${v//[^0-9]/}"
@@ -171,7 +183,7 @@ for v in "${EXTRA_KUBE_VERSIONS[@]}"; do
 	# gates) may leak into these. (`set -e` does not hold inside a subshell
 	# followed by ||: each step says so itself.)
 	(
-		unset TESSERA_KUBE_BIN TESSERA_FEATURE_GATES TESSERA_DEGRADED_KUBECONFIG
+		unset TESSERA_KUBE_BIN TESSERA_FEATURE_GATES TESSERA_DEGRADED_KUBECONFIG TESSERA_GROUPS_KUBECONFIG
 		export TESSERA_KUBE_VERSION=$v
 		TESSERA_CLUSTER_DIR="$vdir" "$CLUSTER" start || exit 1
 		TESSERA_CLUSTER_DIR="$vdir-degraded" TESSERA_KUBELET=0 \

@@ -78,13 +78,14 @@ async fn run(
         .into_iter()
         .find(|c| c.metadata.name.as_deref() == Some(&format!("gpu.{domain}")))
         .context("deploy/deviceclasses.yaml has no whole-GPU class")?;
+    let spec = gpu_class.spec.get_or_insert_default();
     ensure!(
-        gpu_class.spec.extended_resource_name.as_deref() == Some(&format!("{domain}/gpu")),
+        spec.extended_resource_name.as_deref() == Some(&format!("{domain}/gpu")),
         "deploy/deviceclasses.yaml's whole-GPU class names {:?}, not {domain}/gpu",
-        gpu_class.spec.extended_resource_name
+        spec.extended_resource_name
     );
+    spec.extended_resource_name = Some(gpu_resource.clone());
     gpu_class.metadata.name = Some(format!("{id}-gpu"));
-    gpu_class.spec.extended_resource_name = Some(gpu_resource.clone());
     // A MIG profile's class, as the chart renders it.
     let mig_class: DeviceClass = serde_json::from_value(json!({
         "metadata": { "name": format!("{id}-mig") },

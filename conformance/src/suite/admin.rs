@@ -64,7 +64,8 @@ async fn claim_specs(client: &Client) -> kube::Result<Vec<ClaimSpec>> {
         specs.push(ClaimSpec {
             label: format!("claim {}", qualified(&claim.metadata)),
             devices_path: "spec.devices",
-            devices: serde_json::to_value(&claim.spec.devices).unwrap_or_default(),
+            devices: serde_json::to_value(claim.spec.as_ref().map(|s| &s.devices))
+                .unwrap_or_default(),
         });
     }
     for template in Api::<ResourceClaimTemplate>::all(client.clone())
@@ -74,7 +75,14 @@ async fn claim_specs(client: &Client) -> kube::Result<Vec<ClaimSpec>> {
         specs.push(ClaimSpec {
             label: format!("claim template {}", qualified(&template.metadata)),
             devices_path: "spec.spec.devices",
-            devices: serde_json::to_value(&template.spec.spec.devices).unwrap_or_default(),
+            devices: serde_json::to_value(
+                template
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.spec.as_ref())
+                    .map(|s| &s.devices),
+            )
+            .unwrap_or_default(),
         });
     }
     Ok(specs)

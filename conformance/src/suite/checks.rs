@@ -888,7 +888,7 @@ async fn extended_resource(ctx: &Ctx) -> Result<Outcome> {
             ctx.classes.gpu
         )));
     };
-    let Some(resource) = class.spec.extended_resource_name.clone() else {
+    let Some(resource) = class.spec.and_then(|s| s.extended_resource_name) else {
         return Ok(Outcome::skip(format!(
             "DeviceClass {} names no extendedResourceName (the API server is older than 1.36, \
              or the class was installed without one: the chart's \

@@ -329,9 +329,8 @@ async fn class_equalities(client: &Client, name: &str) -> Result<Vec<(String, St
     };
     Ok(class
         .spec
-        .selectors
         .iter()
-        .flatten()
+        .flat_map(|s| s.selectors.iter().flatten())
         .filter_map(|s| s.cel.as_ref())
         .flat_map(|c| facts::selector_equalities(&c.expression))
         .collect())

@@ -36,6 +36,10 @@ pub const SCHEDULING_TIMEOUT: Duration = Duration::from_secs(90);
 /// with partitionable devices and consumable capacity off.
 pub const DEGRADED_KUBECONFIG_ENV: &str = "TESSERA_DEGRADED_KUBECONFIG";
 
+/// Environment variable naming the kubeconfig of the cluster started with
+/// `DRADeviceCompatibilityGroups=true` (API server and scheduler).
+pub const GROUPS_KUBECONFIG_ENV: &str = "TESSERA_GROUPS_KUBECONFIG";
+
 const GIB: u64 = 1024 * 1024 * 1024;
 const MIB: u64 = 1024 * 1024;
 
@@ -104,8 +108,10 @@ fn output_text(out: &Output) -> String {
 pub struct Cluster {
     pub client: Client,
     pub kubeconfig: PathBuf,
-    /// `full` or `degraded`, for messages.
+    /// `full`, `degraded` or `groups`, for messages.
     pub label: &'static str,
+    /// Its API server and scheduler have `DRADeviceCompatibilityGroups`.
+    pub groups: bool,
 }
 
 impl Cluster {
@@ -116,20 +122,34 @@ impl Cluster {
             client: c.client(),
             kubeconfig: c.kubeconfig().to_path_buf(),
             label: "full",
+            groups: c.env().feature_gates.get("DRADeviceCompatibilityGroups") == Some(&true),
         })
     }
 
     /// The second cluster with `DRAPartitionableDevices=false,
     /// DRAConsumableCapacity=false`, from [`DEGRADED_KUBECONFIG_ENV`].
     pub async fn degraded() -> Result<Cluster> {
-        let path = std::env::var_os(DEGRADED_KUBECONFIG_ENV)
+        let hint = "the degraded-mode tests need a second cluster started with \
+                    TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,\
+                    DRAConsumableCapacity=false";
+        Cluster::from_env(DEGRADED_KUBECONFIG_ENV, "degraded", hint, false).await
+    }
+
+    /// The cluster with `DRADeviceCompatibilityGroups=true`, from
+    /// [`GROUPS_KUBECONFIG_ENV`].
+    pub async fn groups() -> Result<Cluster> {
+        let hint = "the compatibility-group tests need a Kubernetes 1.37+ cluster started with \
+                    TESSERA_FEATURE_GATES=DRADeviceCompatibilityGroups=true";
+        Cluster::from_env(GROUPS_KUBECONFIG_ENV, "groups", hint, true).await
+    }
+
+    async fn from_env(var: &str, label: &'static str, hint: &str, groups: bool) -> Result<Cluster> {
+        let path = std::env::var_os(var)
             .filter(|p| !p.is_empty())
             .map(PathBuf::from)
             .with_context(|| {
                 format!(
-                    "{DEGRADED_KUBECONFIG_ENV} is not set: the degraded-mode tests need a second \
-                     cluster started with TESSERA_FEATURE_GATES=DRAPartitionableDevices=false,\
-                     DRAConsumableCapacity=false (conformance/test-all.sh starts one; see \
+                    "{var} is not set: {hint} (conformance/test-all.sh starts one; see \
                      docs/development.md)"
                 )
             })?;
@@ -137,12 +157,13 @@ impl Cluster {
             Kubeconfig::read_from(&path).with_context(|| format!("reading {}", path.display()))?;
         let mut config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
             .await
-            .context("loading the degraded cluster's kubeconfig")?;
+            .with_context(|| format!("loading the {label} cluster's kubeconfig"))?;
         config.read_timeout = Some(Duration::from_secs(60));
         Ok(Cluster {
             client: Client::try_from(config)?,
             kubeconfig: path,
-            label: "degraded",
+            label,
+            groups,
         })
     }
 }
@@ -318,6 +339,9 @@ impl Pool {
             "--capabilities".into(),
             capabilities.into(),
         ];
+        if self.cluster.groups && capabilities == "full" {
+            args.push("--compatibility-groups".into());
+        }
         args.extend(self.pool_args());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = tessera_command(&self.topology, &args).output()?;

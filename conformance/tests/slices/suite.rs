@@ -178,6 +178,39 @@ fn max_gpu_memory(slices: &[ResourceSlice]) -> u64 {
         .unwrap_or(0)
 }
 
+/// Compatibility groups are published exactly where the cluster has the
+/// gate, on every counter consumption then (the mixes below are the same
+/// either way).
+fn check_groups(pool: &Pool, published: &Published, slices: &[ResourceSlice]) -> Result<()> {
+    let gate = pool.cluster.groups;
+    ensure!(
+        published.report["server"]["compatibilityGroups"] == gate,
+        "compatibility groups should be detected {}: {}",
+        if gate { "on" } else { "off" },
+        published.report["server"]
+    );
+    let consumptions: Vec<_> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .flat_map(|d| d.consumes_counters.iter().flatten().map(move |c| (d, c)))
+        .collect();
+    ensure!(!consumptions.is_empty(), "no device consumes counters");
+    for (device, c) in consumptions {
+        let named = c
+            .compatibility_groups
+            .as_ref()
+            .is_some_and(|g| g.len() == 1);
+        ensure!(
+            named == gate,
+            "{}: compatibilityGroups {:?} on a cluster with the gate {}",
+            device.name,
+            c.compatibility_groups,
+            if gate { "on" } else { "off" }
+        );
+    }
+    Ok(())
+}
+
 /// Full model (partitionable devices + consumable capacity).
 pub async fn full_model(cluster: &Cluster, topo: Topology) -> Result<()> {
     let pool = Pool::new(cluster, "full", topo.file).await?;
@@ -203,6 +236,7 @@ async fn full_model_on(pool: &Pool, topo: Topology) -> Result<()> {
         published.report["server"]
     );
     let slices = pool.slices().await?;
+    check_groups(pool, &published, &slices)?;
 
     // A whole GPU. While it is allocated, no share of that GPU can be.
     let whole = pool.request("whole", &pool.class("gpu"), &[], &[]).await?;

@@ -19,6 +19,12 @@ pub struct Capabilities {
     /// since 1.36): `devices[].taints` survive a write. Without them the
     /// health of a GPU reaches the kubelet and the Node's events only.
     pub device_taints: bool,
+    /// Compatibility groups (KEP-5963, `DRADeviceCompatibilityGroups`,
+    /// alpha in 1.37): `consumesCounters[].compatibilityGroups` survive a
+    /// write, and the operator has not turned them off. A scheduler
+    /// without the gate ignores slices that declare them, so they are
+    /// never assumed: only detected.
+    pub compatibility_groups: bool,
     /// Validation limits of the server.
     pub limits: SliceLimits,
 }
@@ -31,6 +37,7 @@ impl Capabilities {
             partitionable_devices: true,
             consumable_capacity: true,
             device_taints: true,
+            compatibility_groups: false,
             limits: SliceLimits::V1_36,
         }
     }
@@ -42,6 +49,7 @@ impl Capabilities {
             partitionable_devices: false,
             consumable_capacity: false,
             device_taints: false,
+            compatibility_groups: false,
             limits: SliceLimits::V1_36,
         }
     }

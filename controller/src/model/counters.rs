@@ -190,6 +190,8 @@ impl Consumption {
         DeviceCounterConsumption {
             counter_set: self.counter_set.clone(),
             counters: to_api_counters(&self.counters),
+            // Named by the model where the server keeps them (`groups`).
+            compatibility_groups: None,
         }
     }
 }

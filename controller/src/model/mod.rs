@@ -30,6 +30,7 @@
 pub mod capabilities;
 pub mod counters;
 pub mod devices;
+pub mod groups;
 mod held;
 pub mod naming;
 pub mod plan;
@@ -348,6 +349,9 @@ impl<'a> SliceModel<'a> {
         };
         output.devices.push(plan::monitor(&input));
         self.taint_unhealthy(gpu, &mut output);
+        if self.capabilities.compatibility_groups {
+            groups::label(&mut output);
+        }
         output
     }
 

@@ -15,7 +15,13 @@
 //!    * a slice with a device carrying a taint: device taints
 //!      (`DRADeviceTaints`, beta and on by default since 1.36). Without
 //!      them unhealthy GPUs are not tainted (their health still reaches the
-//!      kubelet and the Node's events).
+//!      kubelet and the Node's events);
+//!    * a slice whose device's counter consumption names a compatibility
+//!      group: compatibility groups (`DRADeviceCompatibilityGroups`, alpha
+//!      in 1.37). The scheduler's gate cannot be read through the API; a
+//!      scheduler without it ignores slices with groups, so the operator
+//!      can turn them off (`--compatibility-groups off`) where the two
+//!      differ.
 //!
 //!    A dry run persists nothing and is not counted as a write.
 //! 3. Version: the full model additionally needs a scheduler with the fixes
@@ -57,6 +63,8 @@ pub struct Detected {
     pub consumable_served: bool,
     /// The server keeps device taints.
     pub taints_served: bool,
+    /// The server keeps compatibility groups.
+    pub groups_served: bool,
     /// The version is at least the configured minimum for the full model.
     pub version_ok: bool,
     /// Why a feature counts as absent, for logs and `publish --once`.
@@ -72,11 +80,13 @@ impl Detected {
             "static per-GPU mode"
         };
         format!(
-            "server {}: partitionable devices {}, consumable capacity {}, device taints {}, {}",
+            "server {}: partitionable devices {}, consumable capacity {}, device taints {}, \
+             compatibility groups {}, {}",
             self.git_version,
             yes_no(self.capabilities.partitionable_devices),
             yes_no(self.capabilities.consumable_capacity),
             yes_no(self.capabilities.device_taints),
+            yes_no(self.capabilities.compatibility_groups),
             mode
         )
     }
@@ -87,13 +97,15 @@ fn yes_no(b: bool) -> &'static str {
 }
 
 /// Detects the server's capabilities for publishing `driver` slices of
-/// `node`. Errors are transport/authorization failures worth retrying;
-/// a feature that is simply absent is not an error.
+/// `node`; compatibility groups only where `groups_allowed`. Errors are
+/// transport/authorization failures worth retrying; a feature that is
+/// simply absent is not an error.
 pub async fn detect(
     client: &Client,
     node: &str,
     driver: &DriverName,
     min_full_model: ServerVersion,
+    groups_allowed: bool,
 ) -> Result<Detected, PublishError> {
     served(client).await?;
     let info = client
@@ -108,6 +120,12 @@ pub async fn detect(
     let partitionable_served = partitionable(&api, &probes, &mut reasons).await?;
     let consumable_served = consumable(&api, &probes.multi, &mut reasons).await?;
     let taints_served = taints(&api, &probes.taints, &mut reasons).await?;
+    let groups_served = groups(&api, &probes.groups, &mut reasons).await?;
+    if groups_served && !groups_allowed {
+        reasons.push(
+            "compatibility groups: served, but turned off (--compatibility-groups off)".into(),
+        );
+    }
 
     let version_ok = version.is_some_and(|v| v >= min_full_model);
     if partitionable_served && consumable_served && !version_ok {
@@ -122,6 +140,7 @@ pub async fn detect(
             partitionable_devices: partitionable_served && version_ok,
             consumable_capacity: consumable_served,
             device_taints: taints_served,
+            compatibility_groups: groups_served && groups_allowed,
             limits: SliceLimits::V1_36,
         },
         git_version: info.git_version,
@@ -129,6 +148,7 @@ pub async fn detect(
         partitionable_served,
         consumable_served,
         taints_served,
+        groups_served,
         version_ok,
         reasons,
     };
@@ -240,6 +260,37 @@ async fn taints(
     })
 }
 
+/// Whether the server keeps a counter consumption's compatibility groups.
+async fn groups(
+    api: &Api<ResourceSlice>,
+    grouped: &ResourceSlice,
+    reasons: &mut Vec<String>,
+) -> Result<bool, PublishError> {
+    Ok(match probe(api, grouped, "compatibilityGroups").await? {
+        Probe::Kept(s) => {
+            let kept = s.spec.devices.iter().flatten().any(|d| {
+                d.consumes_counters.iter().flatten().any(|c| {
+                    c.compatibility_groups
+                        .as_ref()
+                        .is_some_and(|g| !g.is_empty())
+                })
+            });
+            if !kept {
+                reasons.push(
+                    "compatibility groups: the server drops consumesCounters[].compatibilityGroups \
+                     (feature gate DRADeviceCompatibilityGroups off)"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("compatibility groups: probe rejected: {why}"));
+            false
+        }
+    })
+}
+
 /// Fails unless `resource.k8s.io/v1` serves ResourceSlices.
 async fn served(client: &Client) -> Result<(), PublishError> {
     match client.list_api_group_resources(RESOURCE_API).await {
@@ -286,6 +337,7 @@ struct Probes {
     consumes: ResourceSlice,
     multi: ResourceSlice,
     taints: ResourceSlice,
+    groups: ResourceSlice,
 }
 
 impl Probes {
@@ -296,6 +348,7 @@ impl Probes {
             consumes: slice("consumes", consumes_spec()),
             multi: slice("multi", multi_spec()),
             taints: slice("taints", taints_spec(driver)),
+            groups: slice("groups", groups_spec()),
         }
     }
 }
@@ -348,11 +401,23 @@ fn consumes_spec() -> ResourceSliceSpec {
             consumes_counters: Some(vec![DeviceCounterConsumption {
                 counter_set: "probe".into(),
                 counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
+                compatibility_groups: None,
             }]),
             ..Device::default()
         }]),
         ..ResourceSliceSpec::default()
     }
+}
+
+/// [`consumes_spec`] with a compatibility group on the consumption.
+fn groups_spec() -> ResourceSliceSpec {
+    let mut spec = consumes_spec();
+    for device in spec.devices.iter_mut().flatten() {
+        for consumption in device.consumes_counters.iter_mut().flatten() {
+            consumption.compatibility_groups = Some(vec!["probe".into()]);
+        }
+    }
+    spec
 }
 
 /// A multi-allocatable device whose capacity has a request policy.

@@ -165,6 +165,9 @@ pub struct PublisherConfig {
     pub min_full_model: ServerVersion,
     /// Skip detection and use these (tests; operators who know better).
     pub capabilities: Option<Capabilities>,
+    /// Publish compatibility groups where the server keeps them; off where
+    /// the scheduler's gate differs from the API server's.
+    pub compatibility_groups: bool,
     /// Periodic reconcile, re-detecting capabilities first.
     pub resync: Duration,
     /// Backoff after a failed reconcile.
@@ -185,6 +188,7 @@ impl PublisherConfig {
             policy,
             min_full_model: MIN_FULL_MODEL,
             capabilities: None,
+            compatibility_groups: true,
             resync: Duration::from_secs(600),
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(120),
@@ -322,6 +326,7 @@ impl Publisher {
                 partitionable_served: capabilities.partitionable_devices,
                 consumable_served: capabilities.consumable_capacity,
                 taints_served: capabilities.device_taints,
+                groups_served: capabilities.compatibility_groups,
                 version_ok: true,
                 reasons: vec!["capabilities set by configuration".into()],
             },
@@ -331,6 +336,7 @@ impl Publisher {
                     &self.config.node,
                     &self.config.driver,
                     self.config.min_full_model,
+                    self.config.compatibility_groups,
                 )
                 .await?
             }

@@ -41,6 +41,8 @@ pub struct NodeConfig {
     pub full_model_min_version: ServerVersion,
     /// What the API server serves; `None`: detect it.
     pub capabilities: Option<Capabilities>,
+    /// Compatibility groups where the API server keeps them.
+    pub compatibility_groups: bool,
     /// Whether prepared claims get their `status.devices` written.
     pub device_status: bool,
     /// XIDs that are only logged.

@@ -406,6 +406,7 @@ async fn start_publishing(
     );
     publisher_config.min_full_model = config.full_model_min_version;
     publisher_config.capabilities = config.capabilities;
+    publisher_config.compatibility_groups = config.compatibility_groups;
     let publisher = Publisher::new(node.client.clone(), publisher_config)
         .with_node_state(Arc::new(node_truth(node, preparer)));
     sample_metrics(node, host, preparer, &publisher, view.clone());

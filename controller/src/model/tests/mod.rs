@@ -1661,7 +1661,13 @@ fn device_classes_select_exactly_their_devices() {
     let model = full(&inv);
     let driver = "gpu.tessera.dev";
     let matching = |class: &str| -> BTreeSet<String> {
-        let selectors = by_name[class].spec.selectors.as_ref().unwrap();
+        let selectors = by_name[class]
+            .spec
+            .as_ref()
+            .unwrap()
+            .selectors
+            .as_ref()
+            .unwrap();
         all_devices(&model.slices)
             .into_iter()
             .filter(|d| {
@@ -1718,7 +1724,13 @@ fn device_classes_select_exactly_their_devices() {
     // at PCI bus 07 is gpu-0).
     let d = device(&model, "gpu-1");
     assert!(!selects(
-        &by_name["gpu.tessera.dev"].spec.selectors.as_ref().unwrap()[0]
+        &by_name["gpu.tessera.dev"]
+            .spec
+            .as_ref()
+            .unwrap()
+            .selectors
+            .as_ref()
+            .unwrap()[0]
             .cel
             .as_ref()
             .unwrap()
@@ -1754,4 +1766,66 @@ fn mps_directories_are_bounded_by_default_and_checked() {
         assert!(err.contains(field), "{yaml}: {err}");
     }
     assert!(NodePolicy::from_yaml("mps: {size: 1Gi}").is_err());
+}
+
+/// A device's counter set and compatibility groups, if it consumes any.
+fn consumption_of(d: &Device) -> Option<(String, Vec<String>)> {
+    let c = d.consumes_counters.as_ref()?.first()?;
+    Some((
+        c.counter_set.clone(),
+        c.compatibility_groups.clone().unwrap_or_default(),
+    ))
+}
+
+/// Allocates `a`, then `b`, each for one claim; whether both fit.
+fn both_fit(mut sim: Sim, a: &str, b: &str) -> bool {
+    sim.allocate(a, &[]).is_ok() && sim.allocate(b, &[]).is_ok()
+}
+
+/// With compatibility groups every counter consumption names its device's
+/// mode, and for any two devices the second fits beside the first exactly
+/// as it does by the counters alone: the groups refuse no mix the counters
+/// allow. Alone (no counters), they refuse every mix of two modes on one
+/// GPU and nothing across GPUs.
+#[test]
+fn compatibility_groups_refuse_what_the_counters_refuse_and_nothing_more() {
+    let inv = inventory(vec![h100_mig_disabled(0), h100_mig_disabled(1)]);
+    let plain = full(&inv);
+    let caps = Capabilities {
+        compatibility_groups: true,
+        ..Capabilities::full()
+    };
+    let grouped = build(&inv, &NodePolicy::default(), caps);
+    assert!(
+        all_devices(&plain.slices)
+            .iter()
+            .filter_map(|d| consumption_of(d))
+            .all(|(_, groups)| groups.is_empty()),
+        "groups published without the capability"
+    );
+    let mut modes = BTreeMap::new();
+    for d in all_devices(&grouped.slices) {
+        if let Some((set, groups)) = consumption_of(d) {
+            assert_eq!(groups.len(), 1, "{}: {groups:?}", d.name);
+            modes.insert(d.name.clone(), (set, groups[0].clone()));
+        }
+    }
+    let seen: BTreeSet<&str> = modes.values().map(|(_, g)| g.as_str()).collect();
+    assert_eq!(seen, BTreeSet::from(["isolated", "mig", "shared", "whole"]));
+    for (a, (set_a, mode_a)) in &modes {
+        for (b, (set_b, mode_b)) in &modes {
+            assert_eq!(
+                both_fit(Sim::new(&plain.slices), a, b),
+                both_fit(Sim::new(&grouped.slices), a, b),
+                "{a} then {b}: groups and counters disagree"
+            );
+            if a != b {
+                assert_eq!(
+                    both_fit(Sim::groups_only(&grouped.slices), a, b),
+                    set_a != set_b || mode_a == mode_b,
+                    "{a} ({mode_a}) then {b} ({mode_b}) by the groups alone"
+                );
+            }
+        }
+    }
 }

@@ -3,9 +3,11 @@
 //! are charged when it goes from unallocated to allocated (once, also for
 //! `allowMultipleAllocations` devices) and returned when its last allocation
 //! goes; each allocation of a multi-allocatable device consumes capacity per
-//! its request policy. It proves the model's counters express what we
-//! intend; the real kube-scheduler tests (publisher issue) prove the
-//! scheduler agrees.
+//! its request policy; devices whose consumptions name compatibility
+//! groups are co-allocated on a counter set only while the groups of every
+//! device allocated there intersect (KEP-5963). It proves the model's
+//! counters express what we intend; the real kube-scheduler tests
+//! (publisher issue) prove the scheduler agrees.
 
 use std::collections::BTreeMap;
 
@@ -17,6 +19,8 @@ pub struct Sim {
     devices: BTreeMap<String, Device>,
     remaining: BTreeMap<String, BTreeMap<String, u64>>,
     allocations: BTreeMap<String, Vec<BTreeMap<String, u64>>>,
+    /// Counters are checked (off: compatibility groups alone decide).
+    counters: bool,
 }
 
 impl Sim {
@@ -40,7 +44,43 @@ impl Sim {
             devices,
             remaining,
             allocations: BTreeMap::new(),
+            counters: true,
         }
+    }
+
+    /// The same, deciding by compatibility groups alone.
+    pub fn groups_only(slices: &[ResourceSlice]) -> Self {
+        Sim {
+            counters: false,
+            ..Sim::new(slices)
+        }
+    }
+
+    /// Whether `dev`'s groups intersect those of every device allocated on
+    /// each counter set it consumes from; no groups match only no groups.
+    fn groups_admit(&self, dev: &Device) -> bool {
+        let groups = |d: &Device, set: &str| -> Option<Vec<String>> {
+            let c = d
+                .consumes_counters
+                .iter()
+                .flatten()
+                .find(|c| c.counter_set == set)?;
+            Some(c.compatibility_groups.clone().unwrap_or_default())
+        };
+        dev.consumes_counters.iter().flatten().all(|c| {
+            let mine = groups(dev, &c.counter_set).unwrap_or_default();
+            let mut common: Option<Vec<String>> = Some(mine.clone());
+            for name in self.allocations.keys() {
+                let Some(theirs) = groups(&self.devices[name], &c.counter_set) else {
+                    continue;
+                };
+                if mine.is_empty() != theirs.is_empty() {
+                    return false;
+                }
+                common = common.map(|g| g.into_iter().filter(|x| theirs.contains(x)).collect());
+            }
+            mine.is_empty() || common.is_some_and(|g| !g.is_empty())
+        })
     }
 
     /// Allocates `device` for one claim asking for `request` capacity.
@@ -74,7 +114,10 @@ impl Sim {
                 }
             }
         }
-        if existing == 0 {
+        if existing == 0 && !self.groups_admit(dev) {
+            return Err(format!("{device}: no compatibility group in common"));
+        }
+        if existing == 0 && self.counters {
             for c in dev.consumes_counters.iter().flatten() {
                 let set = self
                     .remaining

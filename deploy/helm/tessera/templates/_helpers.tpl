@@ -129,3 +129,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%v" $host .Values.metrics.service.port -}}
 {{- end -}}
 {{- end -}}
+
+{{/* compatibilityGroups, checked: auto or off. */}}
+{{- define "tessera.compatibilityGroups" -}}
+{{- $v := .Values.compatibilityGroups | toString -}}
+{{- if not (has $v (list "auto" "off")) -}}
+{{- fail (printf "compatibilityGroups is %q: expected auto (publish them where the API server keeps them) or off (the scheduler's DRADeviceCompatibilityGroups gate is off)" $v) -}}
+{{- end -}}
+{{- $v -}}
+{{- end -}}

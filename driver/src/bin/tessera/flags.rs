@@ -110,6 +110,24 @@ pub enum CapabilityChoice {
     PartitionableOnly,
 }
 
+/// Whether compatibility groups are published where the API server keeps
+/// them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GroupsChoice {
+    /// Where the API server keeps them (`DRADeviceCompatibilityGroups` on
+    /// it, which must then be on for the scheduler too).
+    Auto,
+    /// Never: the scheduler's gate is off while the API server's is on (a
+    /// scheduler without the gate ignores slices with groups).
+    Off,
+}
+
+impl GroupsChoice {
+    pub fn allowed(self) -> bool {
+        self == GroupsChoice::Auto
+    }
+}
+
 impl CapabilityChoice {
     /// The capabilities chosen; `None` for `auto` (detect them).
     pub fn capabilities(self) -> Option<Capabilities> {

@@ -14,7 +14,7 @@ use tessera_driver::node::{self, NodeConfig};
 use tessera_driver::state::checkpoint::KERNEL_BOOT_ID;
 
 use crate::flags::{
-    CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, PolicyFlags, init_logging,
+    CapabilityChoice, DriverFlags, GroupsChoice, KubeFlags, NodeFlags, PolicyFlags, init_logging,
 };
 use crate::signals::termination;
 
@@ -127,6 +127,13 @@ pub struct PluginArgs {
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     pub capabilities: CapabilityChoice,
 
+    /// Compatibility groups on the devices' counter consumptions (KEP-5963):
+    /// `auto` publishes them where the API server keeps them; `off` where
+    /// the scheduler's DRADeviceCompatibilityGroups gate is off although
+    /// the API server's is on.
+    #[arg(long, value_enum, env = "TESSERA_COMPATIBILITY_GROUPS", default_value_t = GroupsChoice::Auto)]
+    pub compatibility_groups: GroupsChoice,
+
     /// XIDs that are only logged (application errors), comma-separated;
     /// replaces the default list. The fatal XIDs (48, 63, 64, 74, 79, 92,
     /// 94, 95, 119, 120) make a GPU Unhealthy whatever this says.
@@ -220,6 +227,7 @@ impl PluginArgs {
             rediscover: Duration::from_secs(self.rediscover_seconds.max(1)),
             full_model_min_version: self.full_model_min_version,
             capabilities: self.capabilities.capabilities(),
+            compatibility_groups: self.compatibility_groups.allowed(),
             device_status: self.device_status,
             benign_xids: self.benign_xids.clone(),
             xid_recovery: (self.xid_recovery_seconds > 0)

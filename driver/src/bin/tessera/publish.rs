@@ -18,7 +18,7 @@ use tessera_controller::publisher::{
 use tessera_driver::discovery;
 
 use crate::flags::{
-    CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, PolicyFlags, init_logging,
+    CapabilityChoice, DriverFlags, GroupsChoice, KubeFlags, NodeFlags, PolicyFlags, init_logging,
 };
 use crate::inventory::{quote_base60_lookalikes, write_stdout};
 use crate::signals::termination;
@@ -53,6 +53,11 @@ pub struct PublishArgs {
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     capabilities: CapabilityChoice,
 
+    /// Compatibility groups where the API server keeps them (`auto`), or
+    /// never (`off`: the scheduler's gate is off).
+    #[arg(long, value_enum, env = "TESSERA_COMPATIBILITY_GROUPS", default_value_t = GroupsChoice::Auto)]
+    compatibility_groups: GroupsChoice,
+
     /// Oldest server version that gets the full model (its scheduler must
     /// have the 2026 counter fixes; see docs/device-model.md).
     #[arg(long, default_value_t = MIN_FULL_MODEL)]
@@ -77,6 +82,11 @@ pub struct SlicesArgs {
     /// partitionable devices and consumable capacity).
     #[arg(long, conflicts_with = "capabilities")]
     legacy: bool,
+
+    /// Name each counter consumption's compatibility group, as `publish`
+    /// does where the API server keeps them.
+    #[arg(long)]
+    compatibility_groups: bool,
 
     /// Output format: YAML documents, or a JSON `v1 List`.
     #[arg(long, short, value_enum, default_value_t = SliceFormat::Yaml)]
@@ -109,9 +119,10 @@ pub fn slices(library: &OsStr, args: &SlicesArgs) -> anyhow::Result<ExitCode> {
     } else {
         args.capabilities
     };
-    let Some(capabilities) = choice.capabilities() else {
+    let Some(mut capabilities) = choice.capabilities() else {
         bail!("--capabilities auto needs an API server; use `tessera publish`, or pick one");
     };
+    capabilities.compatibility_groups = args.compatibility_groups;
     let policy = args.pool.policy.load()?;
     let driver = args.pool.driver.driver()?;
     let nvml = discovery::init(Some(library))?;
@@ -168,6 +179,7 @@ struct ServerReport {
     partitionable_devices: bool,
     consumable_capacity: bool,
     device_taints: bool,
+    compatibility_groups: bool,
     version_ok: bool,
     reasons: Vec<String>,
 }
@@ -179,6 +191,7 @@ impl From<&Detected> for ServerReport {
             partitionable_devices: d.capabilities.partitionable_devices,
             consumable_capacity: d.capabilities.consumable_capacity,
             device_taints: d.capabilities.device_taints,
+            compatibility_groups: d.capabilities.compatibility_groups,
             version_ok: d.version_ok,
             reasons: d.reasons.clone(),
         }
@@ -197,6 +210,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
     let mut config =
         PublisherConfig::new(&node, args.pool.driver.driver()?, args.pool.policy.load()?);
     config.capabilities = args.capabilities.capabilities();
+    config.compatibility_groups = args.compatibility_groups.allowed();
     config.min_full_model = args.full_model_min_version;
 
     let nvml = discovery::init(Some(library))?;
