@@ -147,3 +147,31 @@ mod tests {
         }
     }
 }
+
+/// Binding conditions (KEP-5007) of devices the node makes before the pod
+/// binds: the types of the `status.devices[].conditions` the scheduler
+/// waits on.
+pub mod binding {
+    /// True once the node made the device for the claim: the pod may bind.
+    pub const MADE: &str = "DeviceMade";
+    /// True when the node could not make it: the scheduler frees the
+    /// allocation and places the pod again.
+    pub const NOT_MADE: &str = "DeviceNotMade";
+
+    /// Label of the ConfigMaps the binder writes: the driver they are for.
+    pub const DRIVER_LABEL: &str = "binding.tessera.dev/driver";
+
+    /// The ConfigMap (in the driver's namespace) through which `tessera
+    /// binder` asks `node` to make its devices of `driver` ahead: one key
+    /// per claim UID, `{"namespace":..,"name":..}`.
+    pub fn requests(driver: &str, node: &str) -> String {
+        format!("binding.{driver}.{node}")
+    }
+
+    /// One request: the claim to prepare ahead.
+    #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    pub struct Request {
+        pub namespace: String,
+        pub name: String,
+    }
+}

@@ -138,6 +138,34 @@ async fn check_metrics_service(helm: &Helm, chart: &str, plain: &str) -> Result<
     Ok(())
 }
 
+/// The binder and the nodes' binding conditions only when asked for.
+async fn check_binder(helm: &Helm, chart: &str, plain: &str) -> Result<()> {
+    ensure!(
+        !plain.contains("--binding-conditions=auto") && !plain.contains("- binder"),
+        "binding conditions must be off by default:\n{plain}"
+    );
+    let bound = helm
+        .run(&[
+            "template",
+            "t",
+            chart,
+            "--set",
+            "bindingConditions.enabled=true",
+        ])
+        .await?;
+    for want in [
+        "--binding-conditions=auto",
+        "name: t-tessera-binder",
+        "- binder",
+        "resources: [\"resourceclaims\"]",
+        "name: t-tessera-binding-requests",
+        "fieldPath: metadata.namespace",
+    ] {
+        ensure!(bound.contains(want), "{want} missing:\n{bound}");
+    }
+    Ok(())
+}
+
 /// The default chart serves metrics on the node's loopback only, and its
 /// probes ask the pod's own process over a socket in an emptyDir (never the
 /// node's port, which the old pod of a rolling update holds).
@@ -1314,6 +1342,7 @@ async fn install_and_roll(
     );
     check_endpoints(&plain)?;
     check_metrics_service(helm, chart, &plain).await?;
+    check_binder(helm, chart, &plain).await?;
     // Prometheus cannot scrape the default loopback address.
     let refused = helm
         .run(&["template", "t", chart, "--set", "podMonitor.enabled=true"])

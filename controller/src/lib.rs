@@ -4,6 +4,7 @@
 //! The publisher (server-side apply, capability detection) is a thin
 //! reconcile loop over [`model::SliceModel`].
 
+pub mod binder;
 pub mod model;
 pub mod publisher;
 

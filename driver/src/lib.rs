@@ -6,6 +6,7 @@
 //! modules as layers and which may use which.
 
 pub mod apiserver;
+pub mod binding;
 pub mod cdi;
 pub mod claim_uid;
 pub mod discovery;

@@ -26,6 +26,7 @@ const UNITS: &[(&str, &str)] = &[
     ("probe", "tools"),
     ("webhook", "tools"),
     ("kubelet", "kubelet"),
+    ("binding", "binding"),
     ("publish", "publish"),
     ("guard", "guard"),
     ("metrics", "metrics"),
@@ -53,12 +54,13 @@ const MAY_USE: &[(&str, &[&str])] = &[
     (
         "node",
         &[
-            "tools", "kubelet", "publish", "guard", "metrics", "health", "prepare", "adapters",
-            "port", "process", "state", "leaf",
+            "tools", "kubelet", "binding", "publish", "guard", "metrics", "health", "prepare",
+            "adapters", "port", "process", "state", "leaf",
         ],
     ),
     ("tools", &["port", "state", "leaf"]),
     ("kubelet", &["prepare", "health", "state", "leaf"]),
+    ("binding", &["prepare", "state", "leaf"]),
     (
         "publish",
         &["prepare", "health", "metrics", "state", "leaf"],

@@ -25,6 +25,12 @@ pub struct Capabilities {
     /// without the gate ignores slices that declare them, so they are
     /// never assumed: only detected.
     pub compatibility_groups: bool,
+    /// Device binding conditions (KEP-5007, `DRADeviceBindingConditions`,
+    /// beta and on by default since 1.36): `bindingConditions` survive a
+    /// write, and something in the cluster (`tessera binder`) gets the node
+    /// to make such devices before their pod binds. Without it the
+    /// scheduler would wait for conditions nobody sets, so never assumed.
+    pub binding_conditions: bool,
     /// Validation limits of the server.
     pub limits: SliceLimits,
 }
@@ -38,6 +44,7 @@ impl Capabilities {
             consumable_capacity: true,
             device_taints: true,
             compatibility_groups: false,
+            binding_conditions: false,
             limits: SliceLimits::V1_36,
         }
     }
@@ -50,6 +57,7 @@ impl Capabilities {
             consumable_capacity: false,
             device_taints: false,
             compatibility_groups: false,
+            binding_conditions: false,
             limits: SliceLimits::V1_36,
         }
     }
@@ -108,5 +116,27 @@ impl SliceLimits {
 impl Default for SliceLimits {
     fn default() -> Self {
         SliceLimits::V1_36
+    }
+}
+
+/// What the operator lets the publisher use where the server serves it:
+/// features that need more than the API server (a scheduler with the same
+/// gate, a component that acts on them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Optional {
+    /// Compatibility groups: the scheduler's gate is on wherever the API
+    /// server's is (`--compatibility-groups auto`).
+    pub compatibility_groups: bool,
+    /// Binding conditions: `tessera binder` runs in the cluster
+    /// (`--binding-conditions auto`).
+    pub binding_conditions: bool,
+}
+
+impl Default for Optional {
+    fn default() -> Self {
+        Optional {
+            compatibility_groups: true,
+            binding_conditions: false,
+        }
     }
 }

@@ -30,12 +30,12 @@
 pub mod capabilities;
 pub mod counters;
 pub mod devices;
-pub mod groups;
 mod held;
 pub mod naming;
 pub mod plan;
 pub mod policy;
 pub mod quantity;
+pub mod scheduling;
 pub mod slices;
 pub mod taints;
 pub mod version;
@@ -49,7 +49,7 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use tessera_api::inventory::{Gpu, Inventory};
 
-pub use capabilities::{Capabilities, SliceLimits};
+pub use capabilities::{Capabilities, Optional, SliceLimits};
 pub use devices::{DeviceKind, DeviceRef, IsolationLevel};
 pub use naming::{DriverName, GpuIndices};
 pub use policy::{NodePolicy, PolicyError};
@@ -140,6 +140,7 @@ pub struct SliceModel<'a> {
     owned_mig: BTreeSet<String>,
     held: BTreeSet<String>,
     unhealthy: BTreeMap<String, Unhealthy>,
+    not_made: BTreeMap<String, i64>,
     owner: Option<OwnerReference>,
 }
 
@@ -161,6 +162,7 @@ impl<'a> SliceModel<'a> {
             owned_mig: BTreeSet::new(),
             held: BTreeSet::new(),
             unhealthy: BTreeMap::new(),
+            not_made: BTreeMap::new(),
             owner: None,
         }
     }
@@ -196,6 +198,14 @@ impl<'a> SliceModel<'a> {
     /// the inventory keeps its number while a claim holds one of its devices.
     pub fn held_devices(mut self, names: impl IntoIterator<Item = String>) -> Self {
         self.held = names.into_iter().collect();
+        self
+    }
+
+    /// Devices (by name) the node could not make ahead of binding, since
+    /// when (seconds since the Unix epoch): tainted `NoSchedule` where the
+    /// server serves device taints.
+    pub fn not_made_devices(mut self, devices: BTreeMap<String, i64>) -> Self {
+        self.not_made = devices;
         self
     }
 
@@ -349,10 +359,26 @@ impl<'a> SliceModel<'a> {
         };
         output.devices.push(plan::monitor(&input));
         self.taint_unhealthy(gpu, &mut output);
+        self.taint_not_made(&mut output);
         if self.capabilities.compatibility_groups {
-            groups::label(&mut output);
+            scheduling::label(&mut output);
+        }
+        if self.capabilities.binding_conditions {
+            scheduling::bind_when_made(&mut output);
         }
         output
+    }
+
+    /// Devices the node could not make are not allocated again a while.
+    fn taint_not_made(&self, output: &mut plan::GpuOutput) {
+        if !self.capabilities.device_taints || self.not_made.is_empty() {
+            return;
+        }
+        for planned in &mut output.devices {
+            if let Some(since) = self.not_made.get(&planned.device.name) {
+                taints::apply(&mut planned.device, taints::not_made(&self.driver, *since));
+            }
+        }
     }
 
     /// Where the server serves device taints, every device of a GPU the

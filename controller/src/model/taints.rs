@@ -14,6 +14,11 @@
 //!   watch the sick GPU without a toleration.
 //!
 //! A GPU that is healthy again loses its taints on the next reconcile.
+//!
+//! A device the node could not make ahead of its pod's binding (binding
+//! conditions) carries `<driver>/not-made` (`NoSchedule`) for a while: the
+//! claim still names it when the scheduler tries again (a device a claim
+//! holds is never dropped), and must not get it again.
 
 use k8s_openapi::api::resource::v1::{Device, DeviceTaint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -22,6 +27,9 @@ use super::naming::DriverName;
 
 /// Name part of the taint key (the prefix is the driver name).
 pub const UNHEALTHY: &str = "unhealthy";
+
+/// Name part of the key of the taint on a device the node could not make.
+pub const NOT_MADE: &str = "not-made";
 
 /// `NoSchedule`: claims that do not tolerate it are not allocated the device.
 pub const NO_SCHEDULE: &str = "NoSchedule";
@@ -51,6 +59,19 @@ pub fn taint(driver: &DriverName, unhealthy: &Unhealthy, effect: &str) -> Device
         value: Some(label_value(&unhealthy.reason)).filter(|v| !v.is_empty()),
         effect: effect.to_string(),
         time_added: k8s_openapi::jiff::Timestamp::from_second(unhealthy.since)
+            .ok()
+            .map(Time),
+    }
+}
+
+/// The taint of a device the node could not make, since `since` (seconds
+/// since the Unix epoch).
+pub fn not_made(driver: &DriverName, since: i64) -> DeviceTaint {
+    DeviceTaint {
+        key: format!("{driver}/{NOT_MADE}"),
+        value: Some("create-failed".to_owned()),
+        effect: NO_SCHEDULE.to_owned(),
+        time_added: k8s_openapi::jiff::Timestamp::from_second(since)
             .ok()
             .map(Time),
     }

@@ -21,7 +21,11 @@
 //!      in 1.37). The scheduler's gate cannot be read through the API; a
 //!      scheduler without it ignores slices with groups, so the operator
 //!      can turn them off (`--compatibility-groups off`) where the two
-//!      differ.
+//!      differ;
+//!    * a device with binding conditions: binding conditions
+//!      (`DRADeviceBindingConditions`, beta and on by default since 1.36),
+//!      used only where the operator says `tessera binder` runs
+//!      (`--binding-conditions auto`).
 //!
 //!    A dry run persists nothing and is not counted as a write.
 //! 3. Version: the full model additionally needs a scheduler with the fixes
@@ -44,7 +48,8 @@ use tracing::{info, warn};
 
 use super::PublishError;
 use super::version::ServerVersion;
-use crate::model::{Capabilities, DriverName, SliceLimits};
+use crate::model::{Capabilities, DriverName, Optional, SliceLimits};
+use tessera_api::names::binding;
 
 /// The group/version the publisher writes.
 pub const RESOURCE_API: &str = "resource.k8s.io/v1";
@@ -65,6 +70,8 @@ pub struct Detected {
     pub taints_served: bool,
     /// The server keeps compatibility groups.
     pub groups_served: bool,
+    /// The server keeps binding conditions.
+    pub binding_served: bool,
     /// The version is at least the configured minimum for the full model.
     pub version_ok: bool,
     /// Why a feature counts as absent, for logs and `publish --once`.
@@ -81,12 +88,13 @@ impl Detected {
         };
         format!(
             "server {}: partitionable devices {}, consumable capacity {}, device taints {}, \
-             compatibility groups {}, {}",
+             compatibility groups {}, binding conditions {}, {}",
             self.git_version,
             yes_no(self.capabilities.partitionable_devices),
             yes_no(self.capabilities.consumable_capacity),
             yes_no(self.capabilities.device_taints),
             yes_no(self.capabilities.compatibility_groups),
+            yes_no(self.capabilities.binding_conditions),
             mode
         )
     }
@@ -97,7 +105,7 @@ fn yes_no(b: bool) -> &'static str {
 }
 
 /// Detects the server's capabilities for publishing `driver` slices of
-/// `node`; compatibility groups only where `groups_allowed`. Errors are
+/// `node`; the optional features only where `allowed`. Errors are
 /// transport/authorization failures worth retrying; a feature that is
 /// simply absent is not an error.
 pub async fn detect(
@@ -105,7 +113,7 @@ pub async fn detect(
     node: &str,
     driver: &DriverName,
     min_full_model: ServerVersion,
-    groups_allowed: bool,
+    allowed: Optional,
 ) -> Result<Detected, PublishError> {
     served(client).await?;
     let info = client
@@ -121,9 +129,16 @@ pub async fn detect(
     let consumable_served = consumable(&api, &probes.multi, &mut reasons).await?;
     let taints_served = taints(&api, &probes.taints, &mut reasons).await?;
     let groups_served = groups(&api, &probes.groups, &mut reasons).await?;
-    if groups_served && !groups_allowed {
+    if groups_served && !allowed.compatibility_groups {
         reasons.push(
             "compatibility groups: served, but turned off (--compatibility-groups off)".into(),
+        );
+    }
+    let binding_served = binding(&api, &probes.binding, &mut reasons).await?;
+    if binding_served && !allowed.binding_conditions {
+        reasons.push(
+            "binding conditions: served, but off (--binding-conditions off: no tessera binder)"
+                .into(),
         );
     }
 
@@ -140,7 +155,8 @@ pub async fn detect(
             partitionable_devices: partitionable_served && version_ok,
             consumable_capacity: consumable_served,
             device_taints: taints_served,
-            compatibility_groups: groups_served && groups_allowed,
+            compatibility_groups: groups_served && allowed.compatibility_groups,
+            binding_conditions: binding_served && allowed.binding_conditions,
             limits: SliceLimits::V1_36,
         },
         git_version: info.git_version,
@@ -149,6 +165,7 @@ pub async fn detect(
         consumable_served,
         taints_served,
         groups_served,
+        binding_served,
         version_ok,
         reasons,
     };
@@ -291,6 +308,36 @@ async fn groups(
     })
 }
 
+/// Whether the server keeps a device's binding conditions.
+async fn binding(
+    api: &Api<ResourceSlice>,
+    bound: &ResourceSlice,
+    reasons: &mut Vec<String>,
+) -> Result<bool, PublishError> {
+    Ok(match probe(api, bound, "bindingConditions").await? {
+        Probe::Kept(s) => {
+            let kept = s.spec.devices.iter().flatten().any(|d| {
+                d.binding_conditions.as_ref().is_some_and(|c| !c.is_empty())
+                    && d.binding_failure_conditions
+                        .as_ref()
+                        .is_some_and(|c| !c.is_empty())
+            });
+            if !kept {
+                reasons.push(
+                    "binding conditions: the server drops bindingConditions (feature gate \
+                     DRADeviceBindingConditions or DRAResourceClaimDeviceStatus off)"
+                        .to_string(),
+                );
+            }
+            kept
+        }
+        Probe::Rejected(why) => {
+            reasons.push(format!("binding conditions: probe rejected: {why}"));
+            false
+        }
+    })
+}
+
 /// Fails unless `resource.k8s.io/v1` serves ResourceSlices.
 async fn served(client: &Client) -> Result<(), PublishError> {
     match client.list_api_group_resources(RESOURCE_API).await {
@@ -338,6 +385,7 @@ struct Probes {
     multi: ResourceSlice,
     taints: ResourceSlice,
     groups: ResourceSlice,
+    binding: ResourceSlice,
 }
 
 impl Probes {
@@ -349,6 +397,7 @@ impl Probes {
             multi: slice("multi", multi_spec()),
             taints: slice("taints", taints_spec(driver)),
             groups: slice("groups", groups_spec()),
+            binding: slice("binding", binding_spec()),
         }
     }
 }
@@ -403,6 +452,19 @@ fn consumes_spec() -> ResourceSliceSpec {
                 counters: BTreeMap::from([("units".to_string(), Counter { value: q("1") })]),
                 compatibility_groups: None,
             }]),
+            ..Device::default()
+        }]),
+        ..ResourceSliceSpec::default()
+    }
+}
+
+/// A device made at prepare: binding and failure conditions.
+fn binding_spec() -> ResourceSliceSpec {
+    ResourceSliceSpec {
+        devices: Some(vec![Device {
+            name: "probe".into(),
+            binding_conditions: Some(vec![binding::MADE.into()]),
+            binding_failure_conditions: Some(vec![binding::NOT_MADE.into()]),
             ..Device::default()
         }]),
         ..ResourceSliceSpec::default()

@@ -74,7 +74,7 @@ pub use held::{Published, dropped_devices, held_in, indices_from_slices, publish
 pub use version::{MIN_FULL_MODEL, ServerVersion};
 
 use crate::model::naming::GpuIndices;
-use crate::model::{Capabilities, DriverName, Model, ModelError, NodePolicy, Unhealthy};
+use crate::model::{Capabilities, DriverName, Model, ModelError, NodePolicy, Optional, Unhealthy};
 
 /// What a reconcile works from: the GPUs NVML reported and, in the node
 /// process, what the node itself had done to them at that moment. Taken
@@ -90,6 +90,9 @@ pub struct NodeView {
     /// GPUs (by UUID) the node's health monitor holds unhealthy: their
     /// devices are tainted where the server serves device taints.
     pub unhealthy: BTreeMap<String, Unhealthy>,
+    /// Devices (by name) the node could not make ahead of binding lately,
+    /// since when (seconds since the Unix epoch): tainted.
+    pub not_made: BTreeMap<String, i64>,
 }
 
 impl From<Inventory> for NodeView {
@@ -99,6 +102,7 @@ impl From<Inventory> for NodeView {
             owned_mig: BTreeSet::new(),
             prepared: BTreeSet::new(),
             unhealthy: BTreeMap::new(),
+            not_made: BTreeMap::new(),
         }
     }
 }
@@ -165,9 +169,9 @@ pub struct PublisherConfig {
     pub min_full_model: ServerVersion,
     /// Skip detection and use these (tests; operators who know better).
     pub capabilities: Option<Capabilities>,
-    /// Publish compatibility groups where the server keeps them; off where
-    /// the scheduler's gate differs from the API server's.
-    pub compatibility_groups: bool,
+    /// Compatibility groups and binding conditions, where the server keeps
+    /// them and the operator allows.
+    pub optional: Optional,
     /// Periodic reconcile, re-detecting capabilities first.
     pub resync: Duration,
     /// Backoff after a failed reconcile.
@@ -188,7 +192,7 @@ impl PublisherConfig {
             policy,
             min_full_model: MIN_FULL_MODEL,
             capabilities: None,
-            compatibility_groups: true,
+            optional: Optional::default(),
             resync: Duration::from_secs(600),
             backoff_initial: Duration::from_millis(500),
             backoff_max: Duration::from_secs(120),
@@ -327,6 +331,7 @@ impl Publisher {
                 consumable_served: capabilities.consumable_capacity,
                 taints_served: capabilities.device_taints,
                 groups_served: capabilities.compatibility_groups,
+                binding_served: capabilities.binding_conditions,
                 version_ok: true,
                 reasons: vec!["capabilities set by configuration".into()],
             },
@@ -336,7 +341,7 @@ impl Publisher {
                     &self.config.node,
                     &self.config.driver,
                     self.config.min_full_model,
-                    self.config.compatibility_groups,
+                    self.config.optional,
                 )
                 .await?
             }

@@ -220,6 +220,7 @@ impl Publisher {
         .held_devices(held.iter().cloned())
         .owned_mig_instances(view.owned_mig.iter().cloned())
         .unhealthy_gpus(view.unhealthy.clone())
+        .not_made_devices(view.not_made.clone())
         .previous_indices(world.indices.clone());
         if let Ok(owner) = &world.owner {
             builder = builder.owner(owner.clone());

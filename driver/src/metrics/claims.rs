@@ -306,6 +306,7 @@ mod tests {
                     devices: Vec::new(),
                     spec: None,
                     status: Vec::new(),
+                    ahead: false,
                 };
                 (uid.unwrap(), entry)
             })
@@ -386,7 +387,9 @@ mod tests {
                     consumed: None,
                     isolation_provider: None,
                 },
+                conditions: Vec::new(),
             }],
+            ahead: false,
         }
     }
 

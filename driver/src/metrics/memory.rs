@@ -133,8 +133,10 @@ mod tests {
                     device: "dev".into(),
                     share_id: None,
                     data,
+                    conditions: Vec::new(),
                 })
                 .collect(),
+            ahead: false,
         }
     }
 

@@ -41,8 +41,12 @@ pub struct NodeConfig {
     pub full_model_min_version: ServerVersion,
     /// What the API server serves; `None`: detect it.
     pub capabilities: Option<Capabilities>,
-    /// Compatibility groups where the API server keeps them.
-    pub compatibility_groups: bool,
+    /// Compatibility groups and binding conditions, where the API server
+    /// keeps them.
+    pub optional: tessera_controller::model::Optional,
+    /// Where `tessera binder` lists the claims to make ahead (with binding
+    /// conditions on).
+    pub binding_namespace: Option<String>,
     /// Whether prepared claims get their `status.devices` written.
     pub device_status: bool,
     /// XIDs that are only logged.

@@ -154,6 +154,7 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
     let (poke, pokes) = crate::publish::pokes();
     follow_health(&node, poke.clone());
     let preparer = open_preparer(&node, &host, poke).await?;
+    make_ahead_on_request(&node, &preparer);
     mps_watch::supervise(&host.mps, &preparer, node.metrics.clone());
     spawn_guard(&node, &preparer);
     let (publisher, stop_publisher) = start_publishing(&node, &host, &preparer, pokes).await?;
@@ -232,6 +233,23 @@ async fn serve_secure_metrics(
         access: Arc::new(crate::metrics::access::Access::new(client.clone())),
     };
     Ok(crate::metrics::server::serve_guarded(secure.address, metrics, guard).await?)
+}
+
+/// Where binding conditions are on: the claims the binder lists for this
+/// node are made before their pods bind.
+fn make_ahead_on_request(node: &Node, preparer: &Arc<Preparer>) {
+    let Some(namespace) = node.config.binding_namespace.clone() else {
+        return;
+    };
+    if !node.config.optional.binding_conditions {
+        return;
+    }
+    let config = crate::binding::BindingConfig {
+        namespace,
+        driver: node.config.driver.as_str().to_owned(),
+        node: node.config.node_name.clone(),
+    };
+    crate::binding::spawn(node.client.clone(), config, preparer.clone());
 }
 
 /// Device health: XID events of every GPU, from now on.
@@ -406,7 +424,7 @@ async fn start_publishing(
     );
     publisher_config.min_full_model = config.full_model_min_version;
     publisher_config.capabilities = config.capabilities;
-    publisher_config.compatibility_groups = config.compatibility_groups;
+    publisher_config.optional = config.optional;
     let publisher = Publisher::new(node.client.clone(), publisher_config)
         .with_node_state(Arc::new(node_truth(node, preparer)));
     sample_metrics(node, host, preparer, &publisher, view.clone());

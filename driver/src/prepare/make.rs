@@ -11,7 +11,7 @@ use super::claims::{ClaimError, ClaimRef};
 use super::enforce::{Device, Effects, EnforceError};
 use super::{ClaimResult, NodeChange, Phase, PrepareObserver, Preparer, spec};
 use crate::claim_uid::ClaimUid;
-use crate::state::records::{ClaimEntry, EntryState};
+use crate::state::records::{ClaimEntry, DeviceCondition, EntryState};
 
 impl Preparer {
     /// [`Self::enforce`] on this async worker, for a claim that changes
@@ -24,8 +24,9 @@ impl Preparer {
         claim: &ClaimRef,
         uid: &ClaimUid,
         mut devices: Vec<Device>,
+        origin: Origin,
     ) -> Result<ClaimResult<(ClaimEntry, NodeChange)>, Vec<Device>> {
-        let mut entry = self.started(claim, &devices);
+        let mut entry = self.started(claim, &devices, origin);
         if !entry.actions.is_empty() {
             return Err(devices);
         }
@@ -41,8 +42,9 @@ impl Preparer {
     }
 
     /// The claim's entry before any effect: `Started`, with the planned
-    /// side effects.
-    fn started(&self, claim: &ClaimRef, devices: &[Device]) -> ClaimEntry {
+    /// side effects, and whether the kubelet asked (it owns the claim's
+    /// unprepare) or the node makes it ahead of the pod's binding.
+    fn started(&self, claim: &ClaimRef, devices: &[Device], origin: Origin) -> ClaimEntry {
         ClaimEntry {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
@@ -51,6 +53,7 @@ impl Preparer {
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
+            ahead: origin == Origin::Binding,
         }
     }
 
@@ -61,8 +64,9 @@ impl Preparer {
         claim: &ClaimRef,
         uid: &ClaimUid,
         mut devices: Vec<Device>,
+        origin: Origin,
     ) -> ClaimResult<(ClaimEntry, NodeChange)> {
-        let mut entry = self.started(claim, &devices);
+        let mut entry = self.started(claim, &devices, origin);
         // Recorded before any side effect it must undo (MIG changes are
         // recorded by their enforcer, before each one). A claim without
         // one (a whole GPU, a share without MPS or time slice) is recorded
@@ -132,6 +136,12 @@ impl Preparer {
         entry.devices = built.answer;
         entry.spec = Some(built.spec);
         entry.status = built.status;
+        if entry.ahead {
+            let made = DeviceCondition::made(&self.config.node);
+            for status in &mut entry.status {
+                status.conditions = vec![made.clone()];
+            }
+        }
         self.checkpoint
             .put(uid.clone(), entry.clone())
             .map_err(|e| {
@@ -140,6 +150,16 @@ impl Preparer {
         clock.lap(Phase::Record);
         Ok((entry.clone(), NodeChange::gpus_if(gpus_changed)))
     }
+}
+
+/// Who asked for a claim's devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The kubelet, for a pod bound to the node.
+    Kubelet,
+    /// The scheduler's binding conditions (through `tessera binder`),
+    /// before the pod binds.
+    Binding,
 }
 
 /// How making a claim's devices ended, short of success.

@@ -31,6 +31,7 @@
 //!
 //! One bad claim never fails the others: every claim gets its own answer.
 
+mod ahead;
 pub mod claims;
 pub mod enforce;
 mod lost;
@@ -67,7 +68,7 @@ use enforce::{Device, EnforceError, Enforcers, Hosts};
 use status::StatusWriter;
 use validate::validate;
 
-use make::PhaseClock;
+use make::{Origin, PhaseClock};
 pub use recovery::{Recovery, SetupError};
 use reserved_for::ReservedFor;
 pub use reserved_for::{PodRef, consumer_pods, consumers};
@@ -219,6 +220,10 @@ pub struct Preparer {
     /// answered, still to settle ([`Preparer::settle_later`]).
     unsettled: Mutex<Unsettled>,
     observer: OnceLock<Arc<dyn PrepareObserver>>,
+    /// Claims the kubelet unprepared lately: never prepared ahead again.
+    released: Mutex<ahead::Released>,
+    /// Devices that could not be made ahead lately.
+    not_made: Mutex<ahead::NotMade>,
     /// What was told to the operator (tests).
     #[cfg(test)]
     reported: Mutex<Vec<enforce::Report>>,
@@ -254,6 +259,8 @@ impl Preparer {
             reserved_for: ReservedFor::default(),
             hardware: HardwareLock::default(),
             observer: OnceLock::new(),
+            released: Mutex::default(),
+            not_made: Mutex::default(),
             #[cfg(test)]
             reported: Mutex::default(),
         });
@@ -338,6 +345,7 @@ impl Preparer {
         let _status_writes_wait = self.deps.status.as_ref().map(|w| w.call_started());
         let futures = claims.into_iter().map(|claim| async move {
             let began = Instant::now();
+            self.released.locked().note(&claim.uid);
             let result = self.unprepare_one(&claim).await;
             if let Some(o) = self.observer.get() {
                 o.unprepared(began.elapsed(), result.is_ok());
@@ -354,11 +362,19 @@ impl Preparer {
     /// validate -> (recorded answer) -> fetch -> resolve -> effects -> edits
     /// -> spec -> record.
     async fn prepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<Vec<PreparedDevice>> {
+        self.prepare_for(claim, Origin::Kubelet).await
+    }
+
+    async fn prepare_for(
+        self: &Arc<Self>,
+        claim: &ClaimRef,
+        origin: Origin,
+    ) -> ClaimResult<Vec<PreparedDevice>> {
         let began = Instant::now();
         let mut clock = PhaseClock::new(self.observer.get());
         let uid = validate(claim)?;
         let _guard = self.locks.lock(&uid).await;
-        if let Some(devices) = self.recorded(claim, &uid).await? {
+        if let Some(devices) = self.recorded(claim, &uid, origin).await? {
             return Ok(devices);
         }
         clock.lap(Phase::Recorded);
@@ -366,7 +382,7 @@ impl Preparer {
         let read = clock.skip();
         let devices = self.resolve(claim, &object).await?;
         clock.lap(Phase::Resolve);
-        let (entry, change) = match self.enforce_here(claim, &uid, devices) {
+        let (entry, change) = match self.enforce_here(claim, &uid, devices, origin) {
             Ok(made) => made?,
             Err(devices) => {
                 let this = self.clone();
@@ -374,7 +390,7 @@ impl Preparer {
                 let handed = Instant::now();
                 tokio::task::spawn_blocking(move || {
                     this.phase(Phase::HandOver, handed.elapsed());
-                    this.enforce(&who, &id, devices)
+                    this.enforce(&who, &id, devices, origin)
                 })
                 .await
                 .unwrap_or_else(|e| Err(ClaimError::new(claim, format!("prepare panicked: {e}"))))?
@@ -401,6 +417,7 @@ impl Preparer {
         self: &Arc<Self>,
         claim: &ClaimRef,
         uid: &ClaimUid,
+        origin: Origin,
     ) -> ClaimResult<Option<Vec<PreparedDevice>>> {
         let Some(entry) = self.entry(uid) else {
             return Ok(None);
@@ -425,6 +442,9 @@ impl Preparer {
             )
             .field("uid")
             .fix("the kubelet's request is inconsistent; restart the kubelet"));
+        }
+        if entry.ahead && origin == Origin::Kubelet {
+            self.kubelet_took_over(claim, uid, &entry)?;
         }
         // A spec lost from the CDI directory is written again.
         let (this, id, recorded) = (self.clone(), uid.clone(), entry.clone());

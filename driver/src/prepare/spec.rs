@@ -184,6 +184,7 @@ fn status_of(enforcers: &Enforcers, device: &Device) -> DeviceStatus {
         device: d.selected.device.clone(),
         share_id: d.selected.share_id.clone(),
         data,
+        conditions: Vec::new(),
     }
 }
 

@@ -427,6 +427,9 @@ impl StatusWriter {
                 if let Some(share) = &d.share_id {
                     e["shareID"] = json!(share);
                 }
+                if !d.conditions.is_empty() {
+                    e["conditions"] = json!(d.conditions);
+                }
                 e
             })
             .collect();

@@ -248,6 +248,7 @@ impl Fixture {
             devices: Vec::new(),
             spec: None,
             status: Vec::new(),
+            ahead: false,
         };
         let claim = ClaimUid::parse(&uid(n)).unwrap();
         cp.put(claim.clone(), entry).unwrap();
@@ -583,6 +584,7 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
                     devices: Vec::new(),
                     spec: None,
                     status: Vec::new(),
+                    ahead: false,
                 },
             )
             .unwrap();

@@ -80,6 +80,7 @@ impl Observer {
                 .as_ref()
                 .map(|h| crate::health::unhealthy_gpus(&h.current()))
                 .unwrap_or_default(),
+            not_made: self.preparer.not_made_devices(),
         }
     }
 

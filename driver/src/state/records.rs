@@ -59,6 +59,11 @@ pub struct ClaimEntry {
     /// What was (or will be) written to `status.devices`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub status: Vec<DeviceStatus>,
+    /// Prepared before its pod was bound, at the scheduler's request
+    /// (binding conditions), and not asked for by the kubelet yet: if the
+    /// allocation goes away first, the node unprepares it itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ahead: bool,
 }
 
 /// A side effect of prepare that unprepare (or rollback) must undo.
@@ -147,6 +152,7 @@ impl crate::state::checkpoint::Entry for ClaimEntry {
             devices: items(entry, "devices"),
             spec: None,
             status: items(entry, "status"),
+            ahead: false,
         })
     }
 }
@@ -209,6 +215,52 @@ pub struct DeviceStatus {
     #[serde(rename = "shareID", default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
     pub data: DeviceData,
+    /// The device's conditions: `DeviceMade` for one made ahead of its
+    /// pod's binding (binding conditions).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<DeviceCondition>,
+}
+
+/// One `status.devices[].conditions` entry (a `metav1.Condition`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceCondition {
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `True` or `False`.
+    pub status: String,
+    pub reason: String,
+    pub message: String,
+    /// RFC 3339, when the condition last changed.
+    pub last_transition_time: String,
+}
+
+impl DeviceCondition {
+    /// `DeviceMade=True`: the node made the device; the pod may bind.
+    pub fn made(node: &str) -> Self {
+        DeviceCondition::now(
+            tessera_api::names::binding::MADE,
+            "Made",
+            format!("made on node {node} before the pod was bound"),
+        )
+    }
+
+    /// `DeviceNotMade=True` with the reason the node could not make it.
+    pub fn not_made(why: String) -> Self {
+        DeviceCondition::now(tessera_api::names::binding::NOT_MADE, "MakeFailed", why)
+    }
+
+    fn now(kind: &str, reason: &str, message: String) -> Self {
+        let now = k8s_openapi::jiff::Timestamp::now().round(k8s_openapi::jiff::Unit::Second);
+        DeviceCondition {
+            kind: kind.to_owned(),
+            status: "True".to_owned(),
+            reason: reason.to_owned(),
+            // The API server takes at most 32768 bytes.
+            message: message.chars().take(4096).collect(),
+            last_transition_time: now.map(|t| t.to_string()).unwrap_or_default(),
+        }
+    }
 }
 
 /// `status.devices[].data`: which physical device the claim got and what is

@@ -1829,3 +1829,61 @@ fn compatibility_groups_refuse_what_the_counters_refuse_and_nothing_more() {
         }
     }
 }
+
+/// Binding conditions go exactly on the MIG placements still to be made;
+/// without the capability nothing carries them.
+#[test]
+fn binding_conditions_only_on_mig_devices_still_to_be_made() {
+    let inv = inventory(vec![h100_mig_disabled(0), a100_with_instances()]);
+    let caps = Capabilities {
+        binding_conditions: true,
+        ..Capabilities::full()
+    };
+    let model = build(&inv, &NodePolicy::default(), caps);
+    let mut with = 0;
+    for d in all_devices(&model.slices) {
+        let dynamic_mig = matches!(
+            model.devices[&d.name].kind,
+            DeviceKind::Mig {
+                existing: None,
+                dynamic: true,
+                ..
+            }
+        );
+        let conditions = (
+            d.binding_conditions.as_deref(),
+            d.binding_failure_conditions.as_deref(),
+        );
+        if dynamic_mig {
+            with += 1;
+            assert_eq!(
+                conditions,
+                (
+                    Some(&["DeviceMade".to_owned()][..]),
+                    Some(&["DeviceNotMade".to_owned()][..])
+                ),
+                "{}",
+                d.name
+            );
+        } else {
+            assert_eq!(conditions, (None, None), "{}", d.name);
+        }
+    }
+    assert!(with > 0, "no dynamic MIG device published");
+    assert!(
+        model.devices.values().any(|r| matches!(
+            r.kind,
+            DeviceKind::Mig {
+                existing: Some(_),
+                ..
+            }
+        )),
+        "no existing instance published: the fixture should have some"
+    );
+    assert!(
+        all_devices(&full(&inv).slices)
+            .iter()
+            .all(|d| d.binding_conditions.is_none()),
+        "binding conditions without the capability"
+    );
+}

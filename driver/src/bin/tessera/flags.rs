@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use clap::ValueEnum;
-use tessera_controller::model::{Capabilities, DriverName, NodePolicy};
+use tessera_controller::model::{Capabilities, DriverName, NodePolicy, Optional};
 
 /// How to reach the API server.
 #[derive(Debug, Clone, clap::Args)]
@@ -125,6 +125,43 @@ pub enum GroupsChoice {
 impl GroupsChoice {
     pub fn allowed(self) -> bool {
         self == GroupsChoice::Auto
+    }
+}
+
+/// Whether devices the node makes at prepare carry binding conditions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BindingChoice {
+    /// Where the API server keeps them: `tessera binder` runs in the
+    /// cluster and relays each waiting allocation to its node.
+    Auto,
+    /// Never (no binder: the scheduler would wait for conditions nobody
+    /// sets).
+    Off,
+}
+
+/// The optional features the operator allows.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OptionalFlags {
+    /// Compatibility groups on the devices' counter consumptions
+    /// (KEP-5963): `auto` publishes them where the API server keeps them;
+    /// `off` where the scheduler's DRADeviceCompatibilityGroups gate is off
+    /// although the API server's is on.
+    #[arg(long, value_enum, env = "TESSERA_COMPATIBILITY_GROUPS", default_value_t = GroupsChoice::Auto)]
+    pub compatibility_groups: GroupsChoice,
+
+    /// Binding conditions on devices made at prepare (dynamic MIG, KEP-5007):
+    /// `auto` where the API server keeps them, for clusters that run
+    /// `tessera binder`; `off` (the default) otherwise.
+    #[arg(long, value_enum, env = "TESSERA_BINDING_CONDITIONS", default_value_t = BindingChoice::Off)]
+    pub binding_conditions: BindingChoice,
+}
+
+impl OptionalFlags {
+    pub fn optional(&self) -> Optional {
+        Optional {
+            compatibility_groups: self.compatibility_groups.allowed(),
+            binding_conditions: self.binding_conditions == BindingChoice::Auto,
+        }
     }
 }
 

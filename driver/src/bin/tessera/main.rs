@@ -4,6 +4,7 @@
 //! function that returns the process exit code, so adding one is adding a
 //! variant and a match arm.
 
+mod binder;
 mod flags;
 mod health;
 mod inventory;
@@ -71,6 +72,11 @@ enum Command {
     /// decode, with the message prepare would give (HTTPS, POST /validate).
     Webhook(webhook::WebhookArgs),
 
+    /// List each claim whose device the scheduler waits on (binding
+    /// conditions: dynamic MIG) in its node's ConfigMap, so the node makes
+    /// it before the pod binds. One per cluster.
+    Binder(binder::BinderArgs),
+
     /// Print as JSON what a CUDA process gets here: the devices libcuda
     /// enumerates with their SMs and free memory (under MPS: the client's
     /// limits), optionally whether an allocation fits. Exits non-zero when
@@ -93,6 +99,7 @@ fn main() -> ExitCode {
         Command::Plugin(args) => plugin::main(&cli.nvml_library, args).map(|()| ExitCode::SUCCESS),
         Command::Status(args) => status::status(&cli.nvml_library, args),
         Command::Webhook(args) => webhook::main(args).map(|()| ExitCode::SUCCESS),
+        Command::Binder(args) => binder::main(args).map(|()| ExitCode::SUCCESS),
         Command::Probe(args) => probe::main(args),
         Command::Health(args) => health::main(args),
     };

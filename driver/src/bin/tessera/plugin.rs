@@ -14,7 +14,7 @@ use tessera_driver::node::{self, NodeConfig};
 use tessera_driver::state::checkpoint::KERNEL_BOOT_ID;
 
 use crate::flags::{
-    CapabilityChoice, DriverFlags, GroupsChoice, KubeFlags, NodeFlags, PolicyFlags, init_logging,
+    CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, OptionalFlags, PolicyFlags, init_logging,
 };
 use crate::signals::termination;
 
@@ -127,12 +127,13 @@ pub struct PluginArgs {
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     pub capabilities: CapabilityChoice,
 
-    /// Compatibility groups on the devices' counter consumptions (KEP-5963):
-    /// `auto` publishes them where the API server keeps them; `off` where
-    /// the scheduler's DRADeviceCompatibilityGroups gate is off although
-    /// the API server's is on.
-    #[arg(long, value_enum, env = "TESSERA_COMPATIBILITY_GROUPS", default_value_t = GroupsChoice::Auto)]
-    pub compatibility_groups: GroupsChoice,
+    #[command(flatten)]
+    pub optional: OptionalFlags,
+
+    /// The driver's namespace, where `tessera binder` lists the claims this
+    /// node makes ahead of binding (needed with --binding-conditions auto).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub binding_namespace: Option<String>,
 
     /// XIDs that are only logged (application errors), comma-separated;
     /// replaces the default list. The fatal XIDs (48, 63, 64, 74, 79, 92,
@@ -227,7 +228,8 @@ impl PluginArgs {
             rediscover: Duration::from_secs(self.rediscover_seconds.max(1)),
             full_model_min_version: self.full_model_min_version,
             capabilities: self.capabilities.capabilities(),
-            compatibility_groups: self.compatibility_groups.allowed(),
+            optional: self.optional.optional(),
+            binding_namespace: self.binding_namespace()?,
             device_status: self.device_status,
             benign_xids: self.benign_xids.clone(),
             xid_recovery: (self.xid_recovery_seconds > 0)
@@ -240,6 +242,19 @@ impl PluginArgs {
 }
 
 impl PluginArgs {
+    fn binding_namespace(&self) -> anyhow::Result<Option<String>> {
+        if !self.optional.optional().binding_conditions {
+            return Ok(None);
+        }
+        match self.binding_namespace.as_deref().map(str::trim) {
+            Some(ns) if !ns.is_empty() => Ok(Some(ns.to_owned())),
+            _ => anyhow::bail!(
+                "--binding-conditions auto needs --binding-namespace (or POD_NAMESPACE): the \
+                 namespace where tessera binder lists the claims to make ahead"
+            ),
+        }
+    }
+
     fn secure_metrics(&self) -> anyhow::Result<Option<SecureMetrics>> {
         let address = parse_address("--metrics-secure-address", &self.metrics_secure_address)?;
         let files = self

@@ -18,7 +18,7 @@ use tessera_controller::publisher::{
 use tessera_driver::discovery;
 
 use crate::flags::{
-    CapabilityChoice, DriverFlags, GroupsChoice, KubeFlags, NodeFlags, PolicyFlags, init_logging,
+    CapabilityChoice, DriverFlags, KubeFlags, NodeFlags, OptionalFlags, PolicyFlags, init_logging,
 };
 use crate::inventory::{quote_base60_lookalikes, write_stdout};
 use crate::signals::termination;
@@ -53,10 +53,8 @@ pub struct PublishArgs {
     #[arg(long, value_enum, default_value_t = CapabilityChoice::Auto)]
     capabilities: CapabilityChoice,
 
-    /// Compatibility groups where the API server keeps them (`auto`), or
-    /// never (`off`: the scheduler's gate is off).
-    #[arg(long, value_enum, env = "TESSERA_COMPATIBILITY_GROUPS", default_value_t = GroupsChoice::Auto)]
-    compatibility_groups: GroupsChoice,
+    #[command(flatten)]
+    optional: OptionalFlags,
 
     /// Oldest server version that gets the full model (its scheduler must
     /// have the 2026 counter fixes; see docs/device-model.md).
@@ -87,6 +85,11 @@ pub struct SlicesArgs {
     /// does where the API server keeps them.
     #[arg(long)]
     compatibility_groups: bool,
+
+    /// Give devices made at prepare their binding conditions, as `publish
+    /// --binding-conditions auto` does where the API server keeps them.
+    #[arg(long)]
+    binding_conditions: bool,
 
     /// Output format: YAML documents, or a JSON `v1 List`.
     #[arg(long, short, value_enum, default_value_t = SliceFormat::Yaml)]
@@ -123,6 +126,7 @@ pub fn slices(library: &OsStr, args: &SlicesArgs) -> anyhow::Result<ExitCode> {
         bail!("--capabilities auto needs an API server; use `tessera publish`, or pick one");
     };
     capabilities.compatibility_groups = args.compatibility_groups;
+    capabilities.binding_conditions = args.binding_conditions;
     let policy = args.pool.policy.load()?;
     let driver = args.pool.driver.driver()?;
     let nvml = discovery::init(Some(library))?;
@@ -180,6 +184,7 @@ struct ServerReport {
     consumable_capacity: bool,
     device_taints: bool,
     compatibility_groups: bool,
+    binding_conditions: bool,
     version_ok: bool,
     reasons: Vec<String>,
 }
@@ -192,6 +197,7 @@ impl From<&Detected> for ServerReport {
             consumable_capacity: d.capabilities.consumable_capacity,
             device_taints: d.capabilities.device_taints,
             compatibility_groups: d.capabilities.compatibility_groups,
+            binding_conditions: d.capabilities.binding_conditions,
             version_ok: d.version_ok,
             reasons: d.reasons.clone(),
         }
@@ -210,7 +216,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
     let mut config =
         PublisherConfig::new(&node, args.pool.driver.driver()?, args.pool.policy.load()?);
     config.capabilities = args.capabilities.capabilities();
-    config.compatibility_groups = args.compatibility_groups.allowed();
+    config.optional = args.optional.optional();
     config.min_full_model = args.full_model_min_version;
 
     let nvml = discovery::init(Some(library))?;

@@ -25,6 +25,7 @@ fn entry(device: &str) -> DeviceStatus {
             limits: None,
             consumed: None,
         },
+        conditions: Vec::new(),
     }
 }
 

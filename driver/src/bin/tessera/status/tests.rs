@@ -88,6 +88,7 @@ fn claims_are_listed_under_their_gpu_with_allocated_and_used_memory() {
             }),
             isolation_provider: Some("hami-core".into()),
         },
+        conditions: Vec::new(),
     };
     let uid_text = "0b5c7a62-6b5e-4c3c-9d7e-6c1f6f0d2a11";
     let uid = ClaimUid::parse(uid_text).unwrap();
@@ -101,6 +102,7 @@ fn claims_are_listed_under_their_gpu_with_allocated_and_used_memory() {
             devices: Vec::new(),
             spec: None,
             status: vec![share],
+            ahead: false,
         },
     )];
     let used = [("GPU-0".to_owned(), GIB)].into_iter().collect();

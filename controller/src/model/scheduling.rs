@@ -1,3 +1,5 @@
+//! What the scheduler is told beyond counters.
+//!
 //! Compatibility groups (KEP-5963, `DRADeviceCompatibilityGroups`, alpha in
 //! 1.37): where the API server keeps them, each counter consumption names
 //! the mode its device puts the GPU in, so the scheduler refuses to
@@ -11,8 +13,12 @@
 //! A scheduler without the gate ignores a slice whose devices declare
 //! groups, and with it the pool: groups are published only where detected
 //! (and not turned off, see `Capabilities::compatibility_groups`).
+//!
+//! Binding conditions ([`bind_when_made`]) are the other scheduling-time
+//! rule the model adds to devices, where the cluster serves them.
 
 use tessera_api::config::IsolationLevel;
+use tessera_api::names::binding;
 
 use super::devices::DeviceKind;
 use super::plan::GpuOutput;
@@ -38,6 +44,26 @@ pub fn label(output: &mut GpuOutput) {
         };
         for consumption in planned.device.consumes_counters.iter_mut().flatten() {
             consumption.compatibility_groups = Some(vec![group.to_owned()]);
+        }
+    }
+}
+
+/// Where the node makes devices before their pod binds: every dynamic MIG
+/// placement not yet made carries the binding conditions (KEP-5007), so the
+/// scheduler waits for the node to create it, and places the pod again when
+/// the node cannot. Instances that exist need nothing made; whole GPUs and
+/// shares are ready at once (a MIG mode switch or an MPS daemon start at
+/// prepare depends on nothing another GPU would do better).
+pub fn bind_when_made(output: &mut GpuOutput) {
+    for planned in &mut output.devices {
+        if let DeviceKind::Mig {
+            dynamic: true,
+            existing: None,
+            ..
+        } = planned.reference.kind
+        {
+            planned.device.binding_conditions = Some(vec![binding::MADE.to_owned()]);
+            planned.device.binding_failure_conditions = Some(vec![binding::NOT_MADE.to_owned()]);
         }
     }
 }
