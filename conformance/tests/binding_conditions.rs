@@ -4,16 +4,20 @@
 //! allocation for its node, and the node makes the device before the pod
 //! binds.
 //!
-//! One test, its steps in order (it freezes the shared scheduler for one of
-//! them), on a simulated machine of two H100s with MIG on and nothing made:
+//! One test, its steps in order, on a simulated machine of two H100s with
+//! MIG on and nothing made:
 //! 0. a 7g.80gb pod runs without binding conditions (the time from its
 //!    creation to Running is printed);
 //! 1. the same with binding conditions: its device is made ahead;
 //! 2. a create that fails at the first GPU (another actor took a slice of
 //!    it while the pod waited): the node says `DeviceNotMade`, the
 //!    scheduler frees the allocation and the pod runs on the other GPU;
-//! 3. a pod deleted while its device waits (made, not bound: the scheduler
-//!    is stopped meanwhile) leaves no MIG device and no record.
+//! 3. a pod deleted while its device waits (made, not bound: its claim also
+//!    asks for a device of the test's own whose binding condition nobody
+//!    sets) leaves no MIG device and no record;
+//! 4. the same with the node process killed (SIGKILL) before the deletion
+//!    and started again after. (The binder is killed in step 2 while an
+//!    allocation waits, and started again.)
 
 mod plugin_support;
 
@@ -37,6 +41,8 @@ use tessera_driver::host::mig::{self, MigPlacement};
 use plugin_support::*;
 
 const PROFILE: &str = "7g.80gb";
+/// The held pods' profile.
+const SMALL: &str = "1g.20gb";
 /// What the intruder creates: a 1g.10gb (profile id 19) at slice 0.
 const INTRUDER_PROFILE_ID: u32 = 19;
 /// Set in the intruder's child process: the GPU to take a slice of.
@@ -116,10 +122,7 @@ async fn devices_are_made_before_the_pod_binds() -> Result<()> {
         let _ = binder.kill();
         let _ = binder.wait();
     }
-    if let Some(pid) = scheduler_pid(&cluster) {
-        // Never left stopped, whatever failed.
-        let _ = nix_kill(pid, libc::SIGCONT);
-    }
+    t.unhold().await;
     finish_kubelet_test(&cluster, &ns, &driver, &id, t.plugin, result).await
 }
 
@@ -156,7 +159,8 @@ impl Test<'_> {
         self.delete_and_forget("first", true).await?;
 
         self.create_fails_at_the_first_gpu().await?;
-        self.deleted_while_waiting().await
+        self.deleted_while_waiting("waiting", None).await?;
+        self.deleted_while_waiting("orphaned", Some(with)).await
     }
 
     async fn classes(&self) -> Result<()> {
@@ -180,7 +184,76 @@ impl Test<'_> {
             .api::<ResourceClaimTemplate>()
             .create(&PostParams::default(), &template)
             .await?;
+        self.hold().await
+    }
+
+    /// A device of a driver of the test's own whose binding condition
+    /// nobody sets, and a template asking for it beside the MIG device: the
+    /// scheduler waits on it, so a pod of that template stays unbound after
+    /// its MIG device was made (until its binding timeout).
+    async fn hold(&self) -> Result<()> {
+        let (pp, hold) = (PostParams::default(), format!("{}-hold", self.id));
+        let driver = format!("hold.{}", self.driver);
+        let slice: ResourceSlice = serde_json::from_value(json!({
+            "metadata": { "name": hold },
+            "spec": {
+                "driver": driver,
+                "nodeName": self.cluster.node_name(),
+                "pool": { "name": "hold", "generation": 1, "resourceSliceCount": 1 },
+                // One per held pod: the scheduler keeps a device it waited
+                // on a few seconds after its pod is gone.
+                "devices": (0..2).map(|i| json!({
+                    "name": format!("never-{i}"),
+                    "bindingConditions": ["NeverSet"],
+                    "bindingFailureConditions": ["NeverFailed"],
+                })).collect::<Vec<_>>(),
+            },
+        }))?;
+        Api::<ResourceSlice>::all(self.cluster.client())
+            .create(&pp, &slice)
+            .await?;
+        let class: DeviceClass = serde_json::from_value(json!({
+            "metadata": { "name": hold },
+            "spec": { "selectors": [{ "cel": { "expression": format!("device.driver == {driver:?}") } }] },
+        }))?;
+        Api::<DeviceClass>::all(self.cluster.client())
+            .create(&pp, &class)
+            .await?;
+        // A small profile with many placements, for the same reason.
+        let (d, small) = (self.driver, format!("{hold}-small"));
+        let expression = format!(
+            "device.driver == {d:?} && device.attributes[{d:?}].type == \"mig\" && \
+             device.attributes[{d:?}].profile == {SMALL:?}"
+        );
+        let class: DeviceClass = serde_json::from_value(json!({
+            "metadata": { "name": small },
+            "spec": { "selectors": [{ "cel": { "expression": expression } }] },
+        }))?;
+        Api::<DeviceClass>::all(self.cluster.client())
+            .create(&pp, &class)
+            .await?;
+        let template: ResourceClaimTemplate = serde_json::from_value(json!({
+            "metadata": { "name": "held" },
+            "spec": { "spec": { "devices": { "requests": [
+                { "name": "mig", "exactly": { "deviceClassName": small } },
+                { "name": "hold", "exactly": { "deviceClassName": hold } },
+            ]}}},
+        }))?;
+        self.ns
+            .api::<ResourceClaimTemplate>()
+            .create(&pp, &template)
+            .await?;
         Ok(())
+    }
+
+    /// Deletes what [`Self::hold`] made outside the namespace.
+    async fn unhold(&self) {
+        let hold = format!("{}-hold", self.id);
+        let _ =
+            delete_ignore_missing(&Api::<ResourceSlice>::all(self.cluster.client()), &hold).await;
+        let classes = Api::<DeviceClass>::all(self.cluster.client());
+        let _ = delete_ignore_missing(&classes, &hold).await;
+        let _ = delete_ignore_missing(&classes, &format!("{hold}-small")).await;
     }
 
     fn start_binder(&mut self) -> Result<()> {
@@ -206,12 +279,17 @@ impl Test<'_> {
     }
 
     async fn create_pod(&self, name: &str) -> Result<()> {
+        self.create_pod_of(name, "mig").await
+    }
+
+    /// Pod `name` with a claim from `template`.
+    async fn create_pod_of(&self, name: &str, template: &str) -> Result<()> {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": { "name": name },
             "spec": {
                 "terminationGracePeriodSeconds": 0,
                 "automountServiceAccountToken": false,
-                "resourceClaims": [{ "name": "mig", "resourceClaimTemplateName": "mig" }],
+                "resourceClaims": [{ "name": "mig", "resourceClaimTemplateName": template }],
                 "containers": [{
                     "name": "main",
                     "image": "registry.k8s.io/pause:3.10",
@@ -276,7 +354,7 @@ impl Test<'_> {
                 .and_then(|s| s.allocation.as_ref())
                 .and_then(|a| a.devices.as_ref())
                 .and_then(|d| d.results.as_ref())
-                .and_then(|r| r.first())
+                .and_then(|r| r.iter().find(|r| r.driver == self.driver))
                 .map(|r| {
                     ensure!(
                         r.binding_conditions.as_deref() == Some(&["DeviceMade".to_owned()][..]),
@@ -370,37 +448,64 @@ impl Test<'_> {
     }
 
     /// A pod deleted after its device was made and before it was bound
-    /// (the scheduler stopped in between): nothing of it stays.
-    async fn deleted_while_waiting(&mut self) -> Result<()> {
-        let scheduler = scheduler_pid(self.cluster).context("no kube-scheduler pid recorded")?;
+    /// (it also waits on the held device): nothing of it stays. With
+    /// `restart`, the node process is killed (SIGKILL) before the pod is
+    /// deleted and started again after: its record says the claim was made
+    /// ahead, and it ends it all the same.
+    async fn deleted_while_waiting(
+        &mut self,
+        name: &str,
+        restart: Option<&PluginOptions>,
+    ) -> Result<()> {
         let before = instances(self)?;
-        self.create_pod("waiting").await?;
-        let (claim, _) = self.allocated("waiting").await?;
-        nix_kill(scheduler, libc::SIGSTOP)?;
+        self.create_pod_of(name, "held").await?;
+        let (claim, _) = self.allocated(name).await?;
         let uid = claim.metadata.uid.clone().context("uid")?;
-        let held = async {
-            wait_for("the device made ahead", LONG, || async {
-                let entry = self.dirs.checkpoint().get(&uid).cloned();
-                Ok(entry.filter(|e| e["ahead"] == true && e["state"] == "Completed"))
+        self.made_then_deleted(name, &uid, &before, restart).await
+    }
+
+    async fn made_then_deleted(
+        &mut self,
+        name: &str,
+        uid: &str,
+        before: &[String],
+        restart: Option<&PluginOptions>,
+    ) -> Result<()> {
+        wait_for("the device made ahead", LONG, || async {
+            let entry = self.dirs.checkpoint().get(uid).cloned();
+            Ok(entry.filter(|e| e["ahead"] == true && e["state"] == "Completed"))
+        })
+        .await?;
+        ensure!(
+            instances(self)?.len() == before.len() + 1,
+            "no MIG device made"
+        );
+        let pod = self.ns.api::<Pod>().get(name).await?;
+        ensure!(
+            pod.spec.and_then(|s| s.node_name).is_none(),
+            "pod {name} was bound: it should wait on its held device"
+        );
+        if restart.is_some() {
+            nix_kill(self.plugin.pid(), libc::SIGKILL)?;
+            let plugin = &mut self.plugin;
+            wait_for("the node process gone", LONG, || {
+                let gone = plugin.check_running().is_err();
+                async move { Ok(gone.then_some(())) }
             })
             .await?;
-            ensure!(
-                instances(self)?.len() == before.len() + 1,
-                "no MIG device made"
-            );
-            self.ns
-                .api::<Pod>()
-                .delete("waiting", &DeleteParams::default().grace_period(0))
-                .await?;
-            wait_for("the device made ahead ended", LONG, || async {
-                let gone = !self.dirs.checkpoint().contains_key(&uid);
-                Ok((gone && instances(self)? == before).then_some(()))
-            })
-            .await
         }
-        .await;
-        nix_kill(scheduler, libc::SIGCONT)?;
-        held
+        self.ns
+            .api::<Pod>()
+            .delete(name, &DeleteParams::default().grace_period(0))
+            .await?;
+        if let Some(options) = restart {
+            self.plugin = PluginProcess::start(self.dirs, options)?;
+        }
+        wait_for("the device made ahead ended", LONG, || async {
+            let gone = !self.dirs.checkpoint().contains_key(uid);
+            Ok((gone && instances(self)? == before).then_some(()))
+        })
+        .await
     }
 
     /// Deletes pod `name`, waits until its claim is unprepared and every
@@ -449,12 +554,6 @@ fn instances(t: &Test<'_>) -> Result<Vec<String>> {
         .collect();
     all.sort();
     Ok(all)
-}
-
-/// The cluster's kube-scheduler, as `cluster.sh` recorded it.
-fn scheduler_pid(cluster: &TestCluster) -> Option<i32> {
-    tessera_test_kit::cluster::ClusterState::new(&cluster.env().state_dir)
-        .recorded_pid("kube-scheduler")
 }
 
 fn nix_kill(pid: i32, signal: i32) -> Result<()> {
