@@ -103,7 +103,9 @@ async fn devices_are_made_before_the_pod_binds() -> Result<()> {
             "--binding-namespace".into(),
             ns.name().to_owned(),
         ],
-        log: "plugin.log".into(),
+        // Each setting a log and probe socket of its own: the process of
+        // the other, ending while this one starts, removes its own.
+        log: format!("plugin-binding-{binding}.log"),
         events: None,
     };
     let plugin = PluginProcess::start(&dirs, &options("off"))?;
