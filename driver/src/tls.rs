@@ -12,7 +12,11 @@
 use crate::sync::Locked;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
+
+use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
 
 use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::rustls::crypto::{CryptoProvider, ring};
@@ -21,6 +25,31 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
 use tracing::{info, warn};
+
+/// How long a TLS handshake may take: a client's takes milliseconds.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How one HTTPS connection ended early (logged, at debug level).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("TLS handshake timed out")]
+    HandshakeTimedOut,
+    #[error("TLS handshake: {0}")]
+    Handshake(std::io::Error),
+    #[error("{0}")]
+    Http(hyper::Error),
+}
+
+/// The server's side of the TLS handshake, within [`HANDSHAKE_TIMEOUT`].
+pub async fn handshake(
+    acceptor: &TlsAcceptor,
+    stream: TcpStream,
+) -> Result<TlsStream<TcpStream>, ConnectionError> {
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+        .await
+        .map_err(|_| ConnectionError::HandshakeTimedOut)?
+        .map_err(ConnectionError::Handshake)
+}
 
 /// Why the serving certificate and key do not make a TLS config.
 #[derive(Debug, thiserror::Error)]

@@ -28,14 +28,12 @@ use tracing::{debug, info, warn};
 
 use super::Metrics;
 use super::access::{Access, Verdict};
+use crate::tls::{ConnectionError, handshake};
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// How long one connection may take (slow or idle scrapers are dropped).
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// How long a TLS handshake may take.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Connections served at once (scrapers and probes need a few); one more is
 /// answered 503 and closed, so idle connections cannot pile up tasks and
@@ -142,11 +140,7 @@ async fn serve_at_most(
                         None => serve_connection(stream, metrics, None).await,
                         Some(guard) => {
                             let acceptor = TlsAcceptor::from(guard.tls.clone());
-                            let stream =
-                                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream))
-                                    .await
-                                    .map_err(|_| ConnectionError::HandshakeTimedOut)?
-                                    .map_err(ConnectionError::Handshake)?;
+                            let stream = handshake(&acceptor, stream).await?;
                             serve_connection(stream, metrics, Some(guard.access.clone())).await
                         }
                     }
@@ -182,17 +176,6 @@ async fn serve_connection(
         .serve_connection(TokioIo::new(stream), service)
         .await
         .map_err(ConnectionError::Http)
-}
-
-/// How one connection ended early (logged at debug level).
-#[derive(Debug, thiserror::Error)]
-enum ConnectionError {
-    #[error("TLS handshake timed out")]
-    HandshakeTimedOut,
-    #[error("TLS handshake: {0}")]
-    Handshake(std::io::Error),
-    #[error("{0}")]
-    Http(hyper::Error),
 }
 
 /// The answer to a request the reviewer refuses; `None` when it may pass.

@@ -49,8 +49,8 @@ use tracing::{debug, info, warn};
 /// sends, and bounds what one connection can make the webhook buffer.
 pub const MAX_BODY_BYTES: usize = 7 << 20;
 
-/// How long a TLS handshake may take: the API server's takes milliseconds.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+pub use crate::tls::HANDSHAKE_TIMEOUT;
+use crate::tls::{ConnectionError, handshake};
 
 /// How long one request may take from its first header byte to the
 /// answer (the API server's own webhook timeout is at most 30 s, 10 s by
@@ -66,17 +66,6 @@ const CONNECTION_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct BindError {
     pub address: SocketAddr,
     pub source: std::io::Error,
-}
-
-/// How one connection ended early (logged, at debug level).
-#[derive(Debug, thiserror::Error)]
-enum ConnectionError {
-    #[error("TLS handshake timed out")]
-    HandshakeTimedOut,
-    #[error("TLS handshake: {0}")]
-    Handshake(std::io::Error),
-    #[error("{0}")]
-    Http(hyper::Error),
 }
 
 /// Binds the listening socket.
@@ -181,10 +170,7 @@ impl Connection {
 
     /// The TLS handshake, then HTTP/1.1 requests until the client is done.
     async fn serve(self, state: Arc<ConnectionState>) -> Result<(), ConnectionError> {
-        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(self.stream))
-            .await
-            .map_err(|_| ConnectionError::HandshakeTimedOut)?
-            .map_err(ConnectionError::Handshake)?;
+        let stream = handshake(&self.acceptor, self.stream).await?;
         let driver = self.driver;
         let service = hyper::service::service_fn(move |request| {
             request_in(state.clone(), driver.clone(), request)
