@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-use anyhow::Context as _;
 use tessera_controller::binder::{self, BinderConfig};
 
 use crate::flags::{DriverFlags, KubeFlags, init_logging};
@@ -27,11 +26,7 @@ pub struct BinderArgs {
 pub fn main(args: &BinderArgs) -> anyhow::Result<()> {
     init_logging();
     let driver = args.driver.driver()?.as_str().to_owned();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = crate::flags::runtime()?;
     runtime.block_on(async {
         let client = args.kube.client(Duration::from_secs(10)).await?;
         let config = BinderConfig {

@@ -184,3 +184,14 @@ impl CapabilityChoice {
         }
     }
 }
+
+/// The async runtime of the commands that serve (two workers: they wait on
+/// the API server, not on CPUs).
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    use anyhow::Context as _;
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}

@@ -222,11 +222,7 @@ pub fn publish(library: &OsStr, args: &PublishArgs) -> anyhow::Result<ExitCode> 
     let nvml = discovery::init(Some(library))?;
     let inventory = discover_once(&nvml)?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = crate::flags::runtime()?;
     if args.once {
         return runtime.block_on(async {
             let mut publisher = Publisher::new(client(&args.kube).await?, config);

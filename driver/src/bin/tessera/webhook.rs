@@ -43,11 +43,7 @@ pub fn main(args: &WebhookArgs) -> anyhow::Result<()> {
     args.driver.driver()?;
     let tls = tessera_driver::tls::load_tls(&args.tls_cert_file, &args.tls_private_key_file)
         .context("--tls-cert-file and --tls-private-key-file")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = crate::flags::runtime()?;
     runtime.block_on(async {
         let listener = server::bind(args.listen).await?;
         server::serve(
