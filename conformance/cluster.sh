@@ -8,6 +8,10 @@
 # usage: conformance/cluster.sh build|kube-bin|start|stop|status|env|add-nodes N|logs [component] [-f]
 #        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS]
 #        conformance/cluster.sh node-stop
+#        conformance/cluster.sh kill|revive COMPONENT
+#   kill ends one component (etcd, containerd, kube-apiserver,
+#   kube-controller-manager, kube-scheduler, kubelet) with SIGKILL; revive
+#   starts it again as it was started and waits until it serves.
 #   node-start runs Tessera's node process (tessera plugin: kubelet plugin and
 #   slice publisher) on the kubelet's node over simulated GPUs (a topology of
 #   driver/fake-nvml/topologies/), from binaries cargo built; the node's state
@@ -199,6 +203,7 @@ cmd_build() {
 # ---------------------------------------------------------------- state ----
 
 pidfile() { echo "$DIR/pids/$1.pid"; }
+cmdfile() { echo "$DIR/pids/$1.cmd"; }
 logfile() { echo "$DIR/logs/$1.log"; }
 
 proc_starttime() { # pid -> start time in clock ticks since boot (field 22 of /proc/PID/stat)
@@ -318,6 +323,8 @@ start_external() {
 	setsid "$@" >>"$lf" 2>&1 </dev/null 4>&- 9>&- &
 	local pid=$!
 	echo "$pid $(proc_starttime "$pid")" >"$(pidfile "$name")"
+	# What `revive` starts again: the search path, then the command line.
+	printf '%s\0' "$PATH" "$@" >"$(cmdfile "$name")"
 	log "started $name (pid $pid, log $lf)"
 }
 
@@ -613,6 +620,50 @@ cmd_stop() {
 	unmount_state_dir
 	unmount_mps_dir
 	log "cluster in $DIR stopped"
+}
+
+# ---------------------------------------------------------- kill/revive ----
+
+# Crash tests: `kill NAME` ends one component with SIGKILL, as an OOM kill or
+# a lost machine would, and waits until it is gone; `revive NAME` starts it
+# again with the command line it was started with and waits until it serves.
+component_ready() { # name
+	case $1 in
+	etcd) etcd_ready ;;
+	containerd) containerd_ready ;;
+	kube-apiserver) apiserver_ready ;;
+	kube-controller-manager) component_healthy "$1" "$CONTROLLER_MANAGER_PORT" ;;
+	kube-scheduler) component_healthy "$1" "$SCHEDULER_PORT" ;;
+	kubelet) node_ready ;;
+	esac
+}
+
+known_component() { # name
+	local c
+	for c in "${COMPONENTS[@]}"; do [[ "$c" == "$1" ]] && return 0; done
+	die "unknown component '$1' (one of: ${COMPONENTS[*]})"
+}
+
+cmd_kill() { # name
+	known_component "${1:-}"
+	load_state || die "no cluster state in $DIR"
+	local pid
+	pid=$(recorded_pid "$1") || die "$1 is not running"
+	kill -KILL "$pid"
+	while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+	log "killed $1 (pid $pid, SIGKILL)"
+}
+
+cmd_revive() { # name
+	known_component "${1:-}"
+	load_state || die "no cluster state in $DIR"
+	local f
+	f=$(cmdfile "$1")
+	[[ -f "$f" ]] || die "$1 was never started in $DIR"
+	local -a argv
+	mapfile -d '' -t argv <"$f"
+	PATH=${argv[0]} start_external "$1" "${argv[@]:1}"
+	wait_for "$START_TIMEOUT" "$1 serving again" component_ready "$1"
 }
 
 # --------------------------------------------------------------- status ----
@@ -1019,7 +1070,7 @@ cmd_logs() {
 source "$SRC/containerd.sh"
 
 usage() {
-	sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+	sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
 	cat <<EOF
 
 state dir: $DIR (TESSERA_CLUSTER_DIR)
@@ -1041,6 +1092,8 @@ main() {
 	node-start) cmd_node_start "$@" ;;
 	node-stop) cmd_node_stop ;;
 	logs) cmd_logs "$@" ;;
+	kill) cmd_kill "$@" ;;
+	revive) cmd_revive "$@" ;;
 	-h | --help | help) usage ;;
 	*)
 		usage >&2

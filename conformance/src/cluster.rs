@@ -199,6 +199,37 @@ impl TestCluster {
         &self.env.kubeconfig
     }
 
+    /// Ends one of the cluster's components (`kube-scheduler`, `kubelet`,
+    /// ...) with SIGKILL and waits until it is gone (`cluster.sh kill`).
+    pub async fn kill_component(&self, name: &str) -> Result<()> {
+        self.cluster_sh("kill", name).await
+    }
+
+    /// Starts a killed component again as it was started and waits until
+    /// it serves (`cluster.sh revive`).
+    pub async fn revive_component(&self, name: &str) -> Result<()> {
+        self.cluster_sh("revive", name).await
+    }
+
+    async fn cluster_sh(&self, command: &str, component: &str) -> Result<()> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("cluster.sh");
+        let mut cmd = std::process::Command::new("bash");
+        cmd.arg(&script)
+            .args([command, component])
+            .env("TESSERA_CLUSTER_DIR", self.state_dir());
+        let out = tokio::task::spawn_blocking(move || cmd.output())
+            .await?
+            .with_context(|| format!("running {}", script.display()))?;
+        if !out.status.success() {
+            bail!(
+                "cluster.sh {command} {component} failed ({}):\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+
     /// Whether a feature gate was set explicitly, and to what.
     pub fn feature_gate(&self, name: &str) -> Option<bool> {
         self.env.feature_gates.get(name).copied()

@@ -12,10 +12,13 @@
 //! 2. a create that fails at the first GPU (another actor took a slice of
 //!    it while the pod waited): the node says `DeviceNotMade`, the
 //!    scheduler frees the allocation and the pod runs on the other GPU;
-//! 3. a pod deleted while its device waits (made, not bound: its claim also
+//! 3. the scheduler killed (SIGKILL) while an allocation waits: the node
+//!    makes the device while no scheduler runs, and the scheduler started
+//!    again binds the pod to it, nothing made twice;
+//! 4. a pod deleted while its device waits (made, not bound: its claim also
 //!    asks for a device of the test's own whose binding condition nobody
 //!    sets) leaves no MIG device and no record;
-//! 4. the same with the node process killed (SIGKILL) before the deletion
+//! 5. the same with the node process killed (SIGKILL) before the deletion
 //!    and started again after. (The binder is killed in step 2 while an
 //!    allocation waits, and started again.)
 
@@ -161,6 +164,7 @@ impl Test<'_> {
         self.delete_and_forget("first", true).await?;
 
         self.create_fails_at_the_first_gpu().await?;
+        self.scheduler_killed_while_waiting().await?;
         self.deleted_while_waiting("waiting", None).await?;
         self.deleted_while_waiting("orphaned", Some(with)).await
     }
@@ -427,6 +431,74 @@ impl Test<'_> {
             "a create failed on {first_gpu}: the pod ran on {gpu} {took:?} after its creation"
         );
         self.delete_and_forget("moved", true).await
+    }
+
+    /// The scheduler killed (SIGKILL) while an allocation waits on its
+    /// device: the node makes it while no scheduler runs, and the scheduler
+    /// started after binds the pod to that device; nothing is made twice.
+    async fn scheduler_killed_while_waiting(&mut self) -> Result<()> {
+        let mut binder = self.binder.take().context("no binder")?;
+        binder.kill()?;
+        binder.wait()?;
+        let before = instances(self)?;
+        self.create_pod("resumed").await?;
+        let (claim, device) = self.allocated("resumed").await?;
+        self.cluster.kill_component("kube-scheduler").await?;
+        let made = self.made_while_no_scheduler(&claim, &device).await;
+        // Started again whatever happened: the steps after need it.
+        self.cluster.revive_component("kube-scheduler").await?;
+        made?;
+        let revived = Instant::now();
+        self.running("resumed").await?;
+        let took = revived.elapsed();
+        let claim = self.claim_of("resumed").await?;
+        let now = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref()?.results.as_ref()?.first())
+            .map(|r| r.device.clone());
+        ensure!(
+            now.as_deref() == Some(device.as_str()),
+            "the pod runs with {now:?}, not the device made while no scheduler ran ({device})"
+        );
+        let after = instances(self)?;
+        ensure!(
+            after.len() == before.len() + 1,
+            "{} MIG devices made for one claim: {after:?} (before: {before:?})",
+            after.len() - before.len()
+        );
+        eprintln!(
+            "the scheduler was killed while {device} waited: the pod ran on it {took:?} after the scheduler served again (its /healthz)"
+        );
+        self.delete_and_forget("resumed", true).await
+    }
+
+    /// Starts the binder and waits until the claim says its device is made.
+    async fn made_while_no_scheduler(&mut self, claim: &ResourceClaim, device: &str) -> Result<()> {
+        self.start_binder()?;
+        let name = claim.metadata.name.clone().context("claim name")?;
+        let claims = self.ns.api::<ResourceClaim>();
+        wait_for(&format!("DeviceMade on {name}"), LONG, || async {
+            let c = claims.get(&name).await?;
+            let made = c
+                .status
+                .and_then(|s| s.devices)
+                .and_then(|d| d.into_iter().find(|d| d.device == device))
+                .and_then(|d| d.conditions)
+                .is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c.type_ == "DeviceMade" && c.status == "True")
+                });
+            Ok(made.then_some(()))
+        })
+        .await?;
+        let pod = self.ns.api::<Pod>().get("resumed").await?;
+        ensure!(
+            pod.spec.and_then(|s| s.node_name).is_none(),
+            "pod resumed was bound while no scheduler ran"
+        );
+        Ok(())
     }
 
     /// Runs the intruder's child on this node's simulated machine.
