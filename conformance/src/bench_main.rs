@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tessera_conformance::TestCluster;
-use tessera_conformance::bench::{cluster, grpc, scale, stats};
+use tessera_conformance::bench::{binder, cluster, grpc, scale, stats};
 
 #[derive(Parser)]
 #[command(about = "Benchmarks a DRA kubelet plugin on the local cluster")]
@@ -97,6 +97,9 @@ enum Command {
     /// `conformance/bench-scale.sh`): one publisher per node, then pods on
     /// Isolated shares vs the same capacity as replica devices.
     Scale(scale::ScaleArgs),
+    /// `tessera binder` on a cluster of many claims: its start, memory and
+    /// CPU, a burst of allocations that wait on their nodes, their release.
+    Binder(binder::BinderArgs),
     /// Medians over rounds of the `grpc` results in RESULTS (JSON lines
     /// carrying a `round`, as `conformance/bench.sh` writes them).
     GrpcMedians { results: PathBuf },
@@ -276,6 +279,7 @@ async fn main() -> Result<()> {
             );
         }
         Command::Scale(args) => scale::run(&cluster, args).await?,
+        Command::Binder(args) => binder::run(&cluster, args).await?,
         // Needs no cluster: answered above.
         Command::GrpcMedians { .. } => {}
     }

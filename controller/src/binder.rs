@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use futures::StreamExt as _;
+use futures::{FutureExt as _, StreamExt as _};
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Client;
@@ -58,6 +58,11 @@ struct Listings {
 }
 
 impl Listings {
+    /// Every node some claim waits on.
+    fn nodes(&self) -> impl Iterator<Item = String> + '_ {
+        self.waiting.values().flat_map(|w| w.nodes.iter().cloned())
+    }
+
     /// Each node's listing.
     fn of(&self, node: &str) -> BTreeMap<String, Request> {
         self.waiting
@@ -118,54 +123,91 @@ fn waiting(driver: &str, claim: &ResourceClaim) -> Option<Waiting> {
     })
 }
 
+/// Watch events taken together at most (a cluster's busy claim churn must
+/// not hold the writes back).
+const EVENTS_PER_ROUND: usize = 1024;
+
+/// Node listings written at once.
+const WRITES_IN_FLIGHT: usize = 8;
+
 /// Watches the claims and keeps every node's listing; runs until the watch
-/// ends.
+/// ends. Events that already arrived are taken together, so a burst of
+/// allocations costs one write per node, not one per claim.
 pub async fn run(client: Client, config: BinderConfig) -> Result<(), BinderError> {
     info!(driver = %config.driver, namespace = %config.namespace, "listing claims that wait on their node");
     let claims: Api<ResourceClaim> = Api::all(client.clone());
-    let maps: Api<ConfigMap> = Api::namespaced(client, &config.namespace);
+    let mut binder = Binder {
+        maps: Api::namespaced(client, &config.namespace),
+        config,
+        listings: Listings::default(),
+        initial: None,
+    };
     let mut events =
         std::pin::pin!(watcher::watcher(claims, watcher::Config::default()).default_backoff());
-    let mut listings = Listings::default();
-    let mut initial: Option<Listings> = None;
     while let Some(event) = events.next().await {
-        let dirty = match event {
-            Ok(Event::Init) => {
-                initial = Some(Listings::default());
-                continue;
-            }
-            Ok(Event::InitApply(claim)) => {
-                if let Some(next) = &mut initial {
-                    next.update(&config.driver, &uid_of(&claim), Some(&claim));
-                }
-                continue;
-            }
-            Ok(Event::InitDone) => {
-                let before: BTreeSet<String> = listings
-                    .waiting
-                    .values()
-                    .flat_map(|w| w.nodes.clone())
-                    .collect();
-                listings = initial.take().unwrap_or_default();
-                let mut nodes = before;
-                nodes.extend(listings.waiting.values().flat_map(|w| w.nodes.clone()));
-                nodes.extend(listed_nodes(&maps, &config.driver).await);
-                nodes.into_iter().collect()
-            }
-            Ok(Event::Apply(claim)) => {
-                listings.update(&config.driver, &uid_of(&claim), Some(&claim))
-            }
-            Ok(Event::Delete(claim)) => listings.update(&config.driver, &uid_of(&claim), None),
-            Err(e) => {
-                warn!("watching ResourceClaims: {e}");
-                continue;
-            }
-        };
-        for node in dirty {
-            write(&maps, &config.driver, &node, &listings.of(&node)).await;
+        let mut dirty = BTreeSet::new();
+        binder.take(event, &mut dirty).await;
+        for _ in 1..EVENTS_PER_ROUND {
+            let Some(Some(event)) = events.next().now_or_never() else {
+                break;
+            };
+            binder.take(event, &mut dirty).await;
         }
+        binder.write(dirty).await;
     }
     Err(BinderError::WatchEnded)
+}
+
+struct Binder {
+    config: BinderConfig,
+    maps: Api<ConfigMap>,
+    listings: Listings,
+    /// The listings being rebuilt by a (re)list, until it is done.
+    initial: Option<Listings>,
+}
+
+impl Binder {
+    /// Records one watch event; adds the nodes whose listing changed.
+    async fn take(
+        &mut self,
+        event: Result<Event<ResourceClaim>, watcher::Error>,
+        dirty: &mut BTreeSet<String>,
+    ) {
+        let driver = &self.config.driver;
+        match event {
+            Ok(Event::Init) => self.initial = Some(Listings::default()),
+            Ok(Event::InitApply(claim)) => {
+                if let Some(next) = &mut self.initial {
+                    next.update(driver, &uid_of(&claim), Some(&claim));
+                }
+            }
+            Ok(Event::InitDone) => {
+                // Every node listed before or now, or with a ConfigMap:
+                // a restart drops what ended while it was away.
+                dirty.extend(self.listings.nodes());
+                self.listings = self.initial.take().unwrap_or_default();
+                dirty.extend(self.listings.nodes());
+                dirty.extend(listed_nodes(&self.maps, driver).await);
+            }
+            Ok(Event::Apply(claim)) => {
+                dirty.extend(self.listings.update(driver, &uid_of(&claim), Some(&claim)));
+            }
+            Ok(Event::Delete(claim)) => {
+                dirty.extend(self.listings.update(driver, &uid_of(&claim), None));
+            }
+            Err(e) => warn!("watching ResourceClaims: {e}"),
+        }
+    }
+
+    /// Writes the listing of each node in `dirty`.
+    async fn write(&self, dirty: BTreeSet<String>) {
+        futures::stream::iter(dirty)
+            .for_each_concurrent(WRITES_IN_FLIGHT, |node| async move {
+                let listed = self.listings.of(&node);
+                write(&self.maps, &self.config.driver, &node, &listed).await;
+            })
+            .await;
+    }
 }
 
 fn uid_of(claim: &ResourceClaim) -> String {

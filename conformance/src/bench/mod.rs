@@ -10,8 +10,11 @@
 //!   time from a process's start to its first slice;
 //! * [`scale`]: many simulated nodes on one control plane: publishing
 //!   every node's slices, and kube-scheduler's pace with Tessera's device
-//!   model vs plain replica devices.
+//!   model vs plain replica devices;
+//! * [`binder`]: `tessera binder` on a cluster of many claims: its start,
+//!   memory and CPU, and a burst of allocations waiting on their nodes.
 
+pub mod binder;
 pub mod cluster;
 pub mod grpc;
 pub mod scale;
