@@ -126,15 +126,15 @@ pub async fn detect(
     let api: Api<ResourceSlice> = Api::all(client.clone());
     let probes = Probes::new(node, driver);
     let partitionable_served = partitionable(&api, &probes, &mut reasons).await?;
-    let consumable_served = consumable(&api, &probes.multi, &mut reasons).await?;
-    let taints_served = taints(&api, &probes.taints, &mut reasons).await?;
-    let groups_served = groups(&api, &probes.groups, &mut reasons).await?;
+    let consumable_served = keeps(&api, &probes.multi, &CONSUMABLE, &mut reasons).await?;
+    let taints_served = keeps(&api, &probes.taints, &TAINTS, &mut reasons).await?;
+    let groups_served = keeps(&api, &probes.groups, &GROUPS, &mut reasons).await?;
     if groups_served && !allowed.compatibility_groups {
         reasons.push(
             "compatibility groups: served, but turned off (--compatibility-groups off)".into(),
         );
     }
-    let binding_served = binding(&api, &probes.binding, &mut reasons).await?;
+    let binding_served = keeps(&api, &probes.binding, &BINDING, &mut reasons).await?;
     if binding_served && !allowed.binding_conditions {
         reasons.push(
             "binding conditions: served, but off (--binding-conditions off: no tessera binder)"
@@ -216,123 +216,83 @@ async fn partitionable(
     })
 }
 
-/// Whether the server keeps a multi-allocatable device's request policy.
-async fn consumable(
-    api: &Api<ResourceSlice>,
-    multi: &ResourceSlice,
-    reasons: &mut Vec<String>,
-) -> Result<bool, PublishError> {
-    Ok(match probe(api, multi, "allowMultipleAllocations").await? {
-        Probe::Kept(s) => {
-            let kept = s.spec.devices.iter().flatten().any(|d| {
-                d.allow_multiple_allocations == Some(true)
-                    && d.capacity
-                        .iter()
-                        .flatten()
-                        .any(|(_, c)| c.request_policy.is_some())
-            });
-            if !kept {
-                reasons.push(
-                    "consumable capacity: the server drops allowMultipleAllocations/requestPolicy \
-                     (feature gate DRAConsumableCapacity off)"
-                        .to_string(),
-                );
-            }
-            kept
-        }
-        Probe::Rejected(why) => {
-            reasons.push(format!("consumable capacity: probe rejected: {why}"));
-            false
-        }
-    })
+/// A feature the server shows by keeping a field of a probe's device.
+struct DeviceField {
+    /// How the reasons name it.
+    feature: &'static str,
+    /// The field, as the probe's log names it.
+    field: &'static str,
+    /// Why the server would drop it, and what that costs.
+    dropped: &'static str,
+    kept: fn(&Device) -> bool,
 }
 
-/// Whether the server keeps a device's taints.
-async fn taints(
-    api: &Api<ResourceSlice>,
-    tainted: &ResourceSlice,
-    reasons: &mut Vec<String>,
-) -> Result<bool, PublishError> {
-    Ok(match probe(api, tainted, "taints").await? {
-        Probe::Kept(s) => {
-            let kept = s
-                .spec
-                .devices
+const CONSUMABLE: DeviceField = DeviceField {
+    feature: "consumable capacity",
+    field: "allowMultipleAllocations",
+    dropped: "the server drops allowMultipleAllocations/requestPolicy \
+              (feature gate DRAConsumableCapacity off)",
+    kept: |d| {
+        d.allow_multiple_allocations == Some(true)
+            && d.capacity
                 .iter()
                 .flatten()
-                .any(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty()));
-            if !kept {
-                reasons.push(
-                    "device taints: the server drops devices[].taints (feature gate \
-                     DRADeviceTaints off): unhealthy GPUs are not tainted"
-                        .to_string(),
-                );
-            }
-            kept
-        }
-        Probe::Rejected(why) => {
-            reasons.push(format!("device taints: probe rejected: {why}"));
-            false
-        }
-    })
-}
+                .any(|(_, c)| c.request_policy.is_some())
+    },
+};
 
-/// Whether the server keeps a counter consumption's compatibility groups.
-async fn groups(
+const TAINTS: DeviceField = DeviceField {
+    feature: "device taints",
+    field: "taints",
+    dropped: "the server drops devices[].taints (feature gate DRADeviceTaints off): \
+              unhealthy GPUs are not tainted",
+    kept: |d| d.taints.as_ref().is_some_and(|t| !t.is_empty()),
+};
+
+const GROUPS: DeviceField = DeviceField {
+    feature: "compatibility groups",
+    field: "compatibilityGroups",
+    dropped: "the server drops consumesCounters[].compatibilityGroups \
+              (feature gate DRADeviceCompatibilityGroups off)",
+    kept: |d| {
+        d.consumes_counters.iter().flatten().any(|c| {
+            c.compatibility_groups
+                .as_ref()
+                .is_some_and(|g| !g.is_empty())
+        })
+    },
+};
+
+const BINDING: DeviceField = DeviceField {
+    feature: "binding conditions",
+    field: "bindingConditions",
+    dropped: "the server drops bindingConditions (feature gate \
+              DRADeviceBindingConditions or DRAResourceClaimDeviceStatus off)",
+    kept: |d| {
+        d.binding_conditions.as_ref().is_some_and(|c| !c.is_empty())
+            && d.binding_failure_conditions
+                .as_ref()
+                .is_some_and(|c| !c.is_empty())
+    },
+};
+
+/// Whether the server keeps `f` of the probe slice's devices.
+async fn keeps(
     api: &Api<ResourceSlice>,
-    grouped: &ResourceSlice,
+    slice: &ResourceSlice,
+    f: &DeviceField,
     reasons: &mut Vec<String>,
 ) -> Result<bool, PublishError> {
-    Ok(match probe(api, grouped, "compatibilityGroups").await? {
+    Ok(match probe(api, slice, f.field).await? {
         Probe::Kept(s) => {
-            let kept = s.spec.devices.iter().flatten().any(|d| {
-                d.consumes_counters.iter().flatten().any(|c| {
-                    c.compatibility_groups
-                        .as_ref()
-                        .is_some_and(|g| !g.is_empty())
-                })
-            });
+            let kept = s.spec.devices.iter().flatten().any(f.kept);
             if !kept {
-                reasons.push(
-                    "compatibility groups: the server drops consumesCounters[].compatibilityGroups \
-                     (feature gate DRADeviceCompatibilityGroups off)"
-                        .to_string(),
-                );
+                reasons.push(format!("{}: {}", f.feature, f.dropped));
             }
             kept
         }
         Probe::Rejected(why) => {
-            reasons.push(format!("compatibility groups: probe rejected: {why}"));
-            false
-        }
-    })
-}
-
-/// Whether the server keeps a device's binding conditions.
-async fn binding(
-    api: &Api<ResourceSlice>,
-    bound: &ResourceSlice,
-    reasons: &mut Vec<String>,
-) -> Result<bool, PublishError> {
-    Ok(match probe(api, bound, "bindingConditions").await? {
-        Probe::Kept(s) => {
-            let kept = s.spec.devices.iter().flatten().any(|d| {
-                d.binding_conditions.as_ref().is_some_and(|c| !c.is_empty())
-                    && d.binding_failure_conditions
-                        .as_ref()
-                        .is_some_and(|c| !c.is_empty())
-            });
-            if !kept {
-                reasons.push(
-                    "binding conditions: the server drops bindingConditions (feature gate \
-                     DRADeviceBindingConditions or DRAResourceClaimDeviceStatus off)"
-                        .to_string(),
-                );
-            }
-            kept
-        }
-        Probe::Rejected(why) => {
-            reasons.push(format!("binding conditions: probe rejected: {why}"));
+            reasons.push(format!("{}: probe rejected: {why}", f.feature));
             false
         }
     })
