@@ -300,7 +300,7 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     // Unprepare: spec, entry and our status entries gone; twice is fine.
     let un = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(un.claims[&uid].error.is_empty(), "{:?}", un.claims[&uid]);
-    ensure!(w.dirs.spec(&uid).is_none(), "spec left behind");
+    w.dirs.spec_removed(&uid).await?;
     ensure!(!w.dirs.checkpoint().contains_key(&uid), "entry left behind");
     wait_for("status.devices cleared", TIMEOUT, || async {
         Ok(status_devices(&claims, "life")
@@ -535,7 +535,7 @@ async fn bad_claims_fail_alone() -> Result<()> {
         "{:?}",
         un.claims[&good_uid]
     );
-    ensure!(w.dirs.cdi_files().is_empty());
+    w.dirs.cdi_files_removed().await?;
     w.namespace.delete().await
 }
 
@@ -611,9 +611,11 @@ async fn many_claims_in_parallel() -> Result<()> {
             ensure!(a.error.is_empty(), "{uid}: {}", a.error);
         }
     }
-    ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
     ensure!(w.dirs.checkpoint().is_empty());
     plugin.check_running()?;
+    // Stopped at once: the specs still waiting to go go before it exits.
+    ensure!(plugin.terminate().await?.success());
+    ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
     w.namespace.delete().await
 }
 
@@ -837,6 +839,6 @@ async fn lost_record_keeps(w: &World) -> Result<()> {
         Ok(w.dirs.mps_daemons().is_empty().then_some(()))
     })
     .await?;
-    ensure!(w.dirs.spec(&uid).is_none(), "its spec is left");
+    w.dirs.spec_removed(&uid).await?;
     plugin.check_running()
 }

@@ -269,6 +269,30 @@ impl PluginDirs {
         names
     }
 
+    /// Waits until claim `uid`'s spec is removed (see
+    /// [`Self::cdi_files_removed`]).
+    pub async fn spec_removed(&self, uid: &str) -> Result<()> {
+        wait_for(
+            &format!("the CDI spec of claim {uid} removed"),
+            Duration::from_secs(30),
+            || async { Ok(self.spec(uid).is_none().then_some(())) },
+        )
+        .await
+    }
+
+    /// Waits until the CDI directory holds no spec: an unprepare answers
+    /// once a claim's record is gone, its spec goes when the unprepares
+    /// pause.
+    pub async fn cdi_files_removed(&self) -> Result<()> {
+        tessera_conformance::wait_for(
+            "the unprepared claims' CDI specs removed",
+            Duration::from_secs(30),
+            || async { Ok(self.cdi_files().is_empty().then_some(())) },
+        )
+        .await
+        .with_context(|| format!("{:?} left", self.cdi_files()))
+    }
+
     /// The hidden files of the CDI directory: the spares the plugin keeps
     /// of removed specs, and temp files of writes in flight.
     pub fn cdi_hidden(&self) -> Vec<String> {

@@ -84,6 +84,9 @@ pub struct NodeProcess {
     pub plugin: Plugin,
     publisher: tokio::task::JoinHandle<()>,
     stop_publisher: tokio::sync::oneshot::Sender<()>,
+    /// What the unprepares left to do after their answers is done before
+    /// the process ends.
+    preparer: Arc<Preparer>,
     /// Held until the process ends.
     _state_lock: StateLock,
 }
@@ -93,6 +96,7 @@ impl NodeProcess {
     /// next instance finds them up to date and writes nothing).
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
         let served = self.plugin.run(shutdown).await;
+        self.preparer.remove_pending_specs().await;
         let _ = self.stop_publisher.send(());
         let _ = self.publisher.await;
         served
@@ -159,9 +163,10 @@ pub async fn start(nvml_library: &OsStr, config: &NodeConfig) -> Result<NodeProc
     spawn_guard(&node, &preparer);
     let (publisher, stop_publisher) = start_publishing(&node, &host, &preparer, pokes).await?;
     Ok(NodeProcess {
-        plugin: kubelet_plugin(&node, preparer),
+        plugin: kubelet_plugin(&node, preparer.clone()),
         publisher,
         stop_publisher,
+        preparer,
         _state_lock: state_lock,
     })
 }

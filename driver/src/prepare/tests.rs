@@ -500,6 +500,28 @@ async fn a_managed_gpu_in_mig_mode_is_switched_off_for_a_whole_gpu_and_held_so()
 }
 
 #[tokio::test]
+async fn an_unprepared_spec_goes_after_the_answer_unless_prepared_again() {
+    let f = Fixture::new(false);
+    let preparer = f.open_managed(MigRecorder::new(false, 0)).await;
+    let three = ClaimUid::parse(&uid(3)).unwrap();
+    assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert_eq!(f.cdi_files(), 1);
+    assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert!(preparer.entry(&three).is_none(), "the record goes first");
+    settled("the spec removed", || !preparer.settling()).await;
+    assert_eq!(f.cdi_files(), 0);
+
+    // Prepared again while its spec waits to go: the spec stays with the
+    // new record.
+    assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    assert!(preparer.prepare(vec![claim_ref(3)]).await[0].1.is_ok());
+    settled("the spec removal done", || !preparer.settling()).await;
+    assert!(preparer.entry(&three).is_some());
+    assert_eq!(f.cdi_files(), 1, "the spec of a prepared claim was removed");
+}
+
+#[tokio::test]
 async fn the_gpus_are_read_again_only_after_they_changed() {
     let f = Fixture::new(false);
     let mig = MigRecorder::new(false, 0);

@@ -1,10 +1,13 @@
 //! NodeUnprepareResources: a claim's side effects are undone, newest
 //! first, each through the enforcer that made it; then its spec and its
 //! record go. The MIG modes no claim holds any more are settled after the
-//! answer, together with those of other unprepares.
+//! answer, together with those of other unprepares; a claim without side
+//! effects answers once its record is gone, and its spec goes when the
+//! unprepares pause.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
@@ -18,7 +21,13 @@ use crate::sync::Locked;
 
 /// How long after an unprepare released a MIG mode hold the GPU is
 /// settled: the releases of a burst of unprepares are settled together.
-const SETTLE_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
+const SETTLE_AFTER: Duration = Duration::from_millis(20);
+
+/// Specs of unprepared claims are removed once no unprepare came for this
+/// long...
+const SPECS_QUIET: Duration = Duration::from_millis(20);
+/// ...or this long after the first of them, whichever comes first.
+const SPECS_AT_MOST: Duration = Duration::from_secs(1);
 
 /// The fix of an unprepare that failed part way.
 const RETRIED: &str = "see the driver's log; the kubelet retries";
@@ -125,15 +134,76 @@ impl Preparer {
         self.changed(NodeChange::gpus_if(gpus_changed));
     }
 
-    /// Undoes a claim that did nothing but hold MIG modes: its spec and
-    /// record go here, on the async worker (two unlinks cost less than a
-    /// hand-over to a blocking thread and back); the settling its holds
-    /// allow (the hardware lock, an NVML read) runs after the answer.
+    /// Undoes a claim that did nothing but hold MIG modes: its record goes
+    /// here, on the async worker (a rename costs less than a hand-over to
+    /// a blocking thread and back). Its spec goes once the unprepares
+    /// pause, and the settling its holds allow (the hardware lock, an NVML
+    /// read) runs after the answer. A crash in between leaves a spec no
+    /// record accounts for, which start-up recovery removes.
     fn undo_holds(self: &Arc<Self>, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
-        self.remove_files(uid)?;
+        self.checkpoint.remove(uid).map_err(UndoError::Record)?;
         self.changed(NodeChange::Records);
+        self.remove_spec_later(uid.clone());
         self.settle_later(entry.mig_mode_holds().map(str::to_owned));
         Ok(())
+    }
+
+    /// Removes the spec of an unprepared claim once no unprepare came for
+    /// [`SPECS_QUIET`] (at most [`SPECS_AT_MOST`] later): the kubelet no
+    /// longer uses it, and a burst of unprepares answers without the
+    /// renames.
+    fn remove_spec_later(self: &Arc<Self>, uid: ClaimUid) {
+        let mut unsettled = self.unsettled();
+        unsettled.specs.push(uid);
+        unsettled.last_spec = Some(Instant::now());
+        if unsettled.removing {
+            return;
+        }
+        unsettled.removing = true;
+        let this = self.clone();
+        tokio::spawn(async move { this.remove_specs_when_quiet().await });
+    }
+
+    async fn remove_specs_when_quiet(self: Arc<Self>) {
+        let began = Instant::now();
+        loop {
+            let last = self.unsettled().last_spec.unwrap_or(began);
+            let quiet_at = (last + SPECS_QUIET).min(began + SPECS_AT_MOST);
+            if Instant::now() >= quiet_at {
+                break;
+            }
+            tokio::time::sleep_until(quiet_at.into()).await;
+        }
+        self.remove_pending_specs().await;
+    }
+
+    /// Removes now the specs of unprepared claims still to remove (the
+    /// node stopping: none is left behind for the next start to find).
+    pub async fn remove_pending_specs(&self) {
+        loop {
+            let specs = {
+                let mut unsettled = self.unsettled();
+                if unsettled.specs.is_empty() {
+                    unsettled.removing = false;
+                    return;
+                }
+                std::mem::take(&mut unsettled.specs)
+            };
+            for uid in specs {
+                self.remove_unheld_spec(&uid).await;
+            }
+        }
+    }
+
+    /// Removes `uid`'s spec unless the claim was prepared again meanwhile.
+    async fn remove_unheld_spec(&self, uid: &ClaimUid) {
+        let _guard = self.locks.lock(uid).await;
+        if self.checkpoint.lock().contains_key(uid) {
+            return;
+        }
+        if let Err(e) = self.specs.remove(uid) {
+            warn!(claim = %uid, "removing the CDI spec of an unprepared claim: {e} (start-up recovery removes it)");
+        }
     }
 
     /// Settles `gpus` on a blocking thread [`SETTLE_AFTER`] from now,
@@ -175,11 +245,12 @@ impl Preparer {
         self.unsettled.locked()
     }
 
-    /// Whether released MIG mode holds are still to settle (tests).
+    /// Whether released MIG mode holds are still to settle, or specs of
+    /// unprepared claims to remove (tests).
     #[cfg(test)]
     pub(super) fn settling(&self) -> bool {
         let unsettled = self.unsettled();
-        unsettled.running || !unsettled.gpus.is_empty()
+        unsettled.running || !unsettled.gpus.is_empty() || unsettled.removing
     }
 
     /// Logs each report and records it as a Node Event (in the background:
@@ -216,10 +287,15 @@ fn newer_fields(uid: &ClaimUid, fields: &[String]) -> enforce::Report {
     }
 }
 
-/// GPUs to settle after unprepares that answered, and whether a blocking
-/// thread is settling them.
+/// What unprepares that answered left to do: GPUs to settle (and whether
+/// a blocking thread is settling them), specs to remove (and whether a
+/// task waits to remove them).
 #[derive(Debug, Default)]
 pub(super) struct Unsettled {
     gpus: BTreeSet<String>,
     running: bool,
+    specs: Vec<ClaimUid>,
+    /// When the last spec was left to remove.
+    last_spec: Option<Instant>,
+    removing: bool,
 }
