@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -154,6 +154,13 @@ pub struct PodsResult {
     /// Per pod, from its create call's return to the first watch event that
     /// says it runs (the bench's clock, a watch opened before the creates).
     pub creation_to_running: Summary,
+    /// Pods whose claims the kubelet could not read at first: the node
+    /// authorizer did not know the pod's binding yet. Kubernetes' kubelet
+    /// tries again only at its next pod resync (`syncFrequency`, a minute),
+    /// whichever the driver; the driver was not called for them.
+    pub refused_by_node_authorizer: Vec<String>,
+    /// [`Self::creation_to_running`] of the other pods.
+    pub creation_to_running_unrefused: Summary,
     /// Requests on claims (`resourceclaims`, `resourceclaims/status`) per
     /// pod, every client together, from the claims' creation to every
     /// unprepare counted: the driver's are `GET resourceclaims` and the
@@ -263,6 +270,14 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
                 .map_or(Duration::ZERO, |r| r.saturating_duration_since(*at))
         })
         .collect();
+    let refused = refused_claim_reads(ns).await?;
+    let unrefused: Vec<Duration> = (created.iter())
+        .filter(|(name, _)| !refused.contains(*name))
+        .map(|(name, at)| {
+            seen.get(name)
+                .map_or(Duration::ZERO, |r| r.saturating_duration_since(*at))
+        })
+        .collect();
     api.delete_collection(&DeleteParams::default().grace_period(0), &lp)
         .await?;
     wait_for("every bench pod gone", timeout, || async {
@@ -293,8 +308,34 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
         unprepare: KubeletView::of(&delta("NodeUnprepareResources")),
         all_running_s,
         creation_to_running: Summary::of(&latencies, pods, Duration::from_secs_f64(all_running_s)),
+        creation_to_running_unrefused: Summary::of(
+            &unrefused,
+            unrefused.len(),
+            Duration::from_secs_f64(all_running_s),
+        ),
+        refused_by_node_authorizer: refused,
         api_requests_per_pod: requests_delta(&requests_before, &requests_after, pods as f64),
     })
+}
+
+/// The pods whose `FailedPrepareDynamicResources` Event says the kubelet
+/// was refused reading a claim by the node authorizer.
+async fn refused_claim_reads(ns: &TestNamespace) -> Result<Vec<String>> {
+    let events = ns.api::<Event>().list(&ListParams::default()).await?;
+    let mut pods: Vec<String> = events
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
+        .filter(|e| {
+            e.message
+                .as_deref()
+                .is_some_and(|m| m.contains("no relationship found"))
+        })
+        .filter_map(|e| e.involved_object.name)
+        .collect();
+    pods.sort();
+    pods.dedup();
+    Ok(pods)
 }
 
 /// A request's `exactly`: the class, and the capacity a share asks for.
