@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
-    DeviceClass, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
+    DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceClaimTemplate, ResourceSlice,
 };
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, PostParams};
@@ -262,6 +262,13 @@ impl Test<'_> {
         let _ = delete_ignore_missing(&classes, &format!("{hold}-small")).await;
     }
 
+    fn stop_binder(&mut self) -> Result<()> {
+        let mut binder = self.binder.take().context("no binder")?;
+        binder.kill()?;
+        binder.wait()?;
+        Ok(())
+    }
+
     fn start_binder(&mut self) -> Result<()> {
         let log = std::fs::File::create(self.dirs.path("binder.log"))?;
         let child = Command::new(&binaries().tessera)
@@ -391,9 +398,7 @@ impl Test<'_> {
     /// Another actor takes slice 0 of the GPU the first allocation is on,
     /// while the binder is away: the node cannot make the 7g.80gb there.
     async fn create_fails_at_the_first_gpu(&mut self) -> Result<()> {
-        let mut binder = self.binder.take().context("no binder")?;
-        binder.kill()?;
-        binder.wait()?;
+        self.stop_binder()?;
         let began = Instant::now();
         self.create_pod("moved").await?;
         let (_, first) = self.allocated("moved").await?;
@@ -403,30 +408,17 @@ impl Test<'_> {
         self.running("moved").await?;
         let took = began.elapsed();
         let claim = self.claim_of("moved").await?;
-        let result = claim
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref())
-            .and_then(|r| r.first())
-            .context("the running pod's claim is not allocated")?;
+        let result = first_result(&claim).context("the running pod's claim is not allocated")?;
         let gpu = self.gpu_of(&result.device).await?;
         ensure!(
             gpu != first_gpu,
             "the pod runs on {gpu}, the GPU whose create failed"
         );
-        let made = claim
-            .status
-            .as_ref()
-            .and_then(|s| s.devices.as_ref())
-            .and_then(|d| d.iter().find(|d| d.device == result.device))
-            .and_then(|d| d.conditions.as_ref())
-            .is_some_and(|c| {
-                c.iter()
-                    .any(|c| c.type_ == "DeviceMade" && c.status == "True")
-            });
-        ensure!(made, "no DeviceMade on the claim: {:?}", claim.status);
+        ensure!(
+            device_made(&claim, &result.device),
+            "no DeviceMade on the claim: {:?}",
+            claim.status
+        );
         eprintln!(
             "a create failed on {first_gpu}: the pod ran on {gpu} {took:?} after its creation"
         );
@@ -437,9 +429,7 @@ impl Test<'_> {
     /// device: the node makes it while no scheduler runs, and the scheduler
     /// started after binds the pod to that device; nothing is made twice.
     async fn scheduler_killed_while_waiting(&mut self) -> Result<()> {
-        let mut binder = self.binder.take().context("no binder")?;
-        binder.kill()?;
-        binder.wait()?;
+        self.stop_binder()?;
         let before = instances(self)?;
         self.create_pod("resumed").await?;
         let (claim, device) = self.allocated("resumed").await?;
@@ -452,12 +442,7 @@ impl Test<'_> {
         self.running("resumed").await?;
         let took = revived.elapsed();
         let claim = self.claim_of("resumed").await?;
-        let now = claim
-            .status
-            .as_ref()
-            .and_then(|s| s.allocation.as_ref())
-            .and_then(|a| a.devices.as_ref()?.results.as_ref()?.first())
-            .map(|r| r.device.clone());
+        let now = first_result(&claim).map(|r| r.device.clone());
         ensure!(
             now.as_deref() == Some(device.as_str()),
             "the pod runs with {now:?}, not the device made while no scheduler ran ({device})"
@@ -481,16 +466,7 @@ impl Test<'_> {
         let claims = self.ns.api::<ResourceClaim>();
         wait_for(&format!("DeviceMade on {name}"), LONG, || async {
             let c = claims.get(&name).await?;
-            let made = c
-                .status
-                .and_then(|s| s.devices)
-                .and_then(|d| d.into_iter().find(|d| d.device == device))
-                .and_then(|d| d.conditions)
-                .is_some_and(|c| {
-                    c.iter()
-                        .any(|c| c.type_ == "DeviceMade" && c.status == "True")
-                });
-            Ok(made.then_some(()))
+            Ok(device_made(&c, device).then_some(()))
         })
         .await?;
         let pod = self.ns.api::<Pod>().get("resumed").await?;
@@ -615,6 +591,26 @@ impl Test<'_> {
             .collect();
         Ok(!sevens.is_empty() && sevens.iter().all(|d| d.binding_conditions.is_some()))
     }
+}
+
+/// The first device allocated to `claim`.
+fn first_result(claim: &ResourceClaim) -> Option<&DeviceRequestAllocationResult> {
+    let allocation = claim.status.as_ref()?.allocation.as_ref()?;
+    allocation.devices.as_ref()?.results.as_ref()?.first()
+}
+
+/// Whether `claim`'s status says `DeviceMade=True` for `device`.
+fn device_made(claim: &ResourceClaim, device: &str) -> bool {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.devices.as_ref())
+        .and_then(|d| d.iter().find(|d| d.device == device))
+        .and_then(|d| d.conditions.as_ref())
+        .is_some_and(|c| {
+            c.iter()
+                .any(|c| c.type_ == "DeviceMade" && c.status == "True")
+        })
 }
 
 /// The MIG devices on the simulated machine now.

@@ -40,7 +40,7 @@ use tessera_api::names::binding::DRIVER_LABEL;
 use super::cluster::apiserver_metrics;
 use super::grpc::rss_kib;
 use super::scale::cpu_time;
-use super::stats::{quantile, requests_delta, requests_of};
+use super::stats::{quantile, requests_delta, requests_of, round2};
 use crate::cluster::{TestCluster, TestNamespace, unique_name, wait_for};
 
 #[derive(Debug, clap::Args)]
@@ -205,7 +205,7 @@ fn follow(
 }
 
 fn ms(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1e5).round() / 100.0
+    round2(d.as_secs_f64() * 1e3)
 }
 
 fn latency_summary(mut samples: Vec<f64>) -> Value {

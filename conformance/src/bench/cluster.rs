@@ -264,19 +264,16 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
     let lp = ListParams::default().labels("app=bench");
     let seen = running.wait_all(pods, timeout).await?;
     let all_running_s = (seen.values().max().copied().unwrap_or(began) - began).as_secs_f64();
-    let latencies: Vec<Duration> = (created.iter())
-        .map(|(name, at)| {
-            seen.get(name)
-                .map_or(Duration::ZERO, |r| r.saturating_duration_since(*at))
+    let latency = |name: &String| {
+        seen.get(name).map_or(Duration::ZERO, |r| {
+            r.saturating_duration_since(created[name])
         })
-        .collect();
+    };
+    let latencies: Vec<Duration> = created.keys().map(latency).collect();
     let refused = refused_claim_reads(ns).await?;
-    let unrefused: Vec<Duration> = (created.iter())
-        .filter(|(name, _)| !refused.contains(*name))
-        .map(|(name, at)| {
-            seen.get(name)
-                .map_or(Duration::ZERO, |r| r.saturating_duration_since(*at))
-        })
+    let unrefused: Vec<Duration> = (created.keys())
+        .filter(|name| !refused.contains(*name))
+        .map(latency)
         .collect();
     api.delete_collection(&DeleteParams::default().grace_period(0), &lp)
         .await?;
