@@ -260,113 +260,130 @@ async fn phases(cluster: &TestCluster, bench: &Bench<'_>, work: &std::path::Path
     let (listed, follower) = follow(&bench.client, bench.ns.name(), &bench.driver);
     let started = Instant::now();
     let mut binder = bench.start_binder(&work.join("binder.log"), cluster.kubeconfig())?;
-    let result = measure(
+    let measured = Measured {
         bench,
-        &listed,
-        &waiting,
-        &first[0].1,
-        started,
-        binder.id(),
+        listed: &listed,
+        pid: binder.id(),
         timeout,
-    )
-    .await;
+    };
+    let result = measure(measured, &waiting, &first[0].1, started).await;
     let _ = binder.kill();
     let _ = binder.wait();
     follower.abort();
     result
 }
 
+/// The binder under measurement, and what it listed.
+struct Measured<'a> {
+    bench: &'a Bench<'a>,
+    listed: &'a Arc<Mutex<Listed>>,
+    pid: u32,
+    timeout: Duration,
+}
+
 async fn measure(
-    bench: &Bench<'_>,
-    listed: &Arc<Mutex<Listed>>,
+    m: Measured<'_>,
     waiting: &[(String, String)],
     first_uid: &str,
     started: Instant,
-    pid: u32,
-    timeout: Duration,
 ) -> Result<()> {
-    let args = bench.args;
-    let seen = |uid: &str| {
-        listed
-            .lock()
-            .expect("listing lock")
-            .first_seen
-            .get(uid)
-            .copied()
-    };
-    let at = wait_for("the first claim listed", timeout, || async {
-        Ok(seen(first_uid))
-    })
-    .await?;
-    let cpu_start = cpu_time(pid)?;
-    println!(
-        "{}",
-        json!({
-            "phase": "start", "claims": args.claims + args.waiting + 1,
-            "first_listed_ms": ms(at - started), "rss_kib": rss_kib(pid)?,
-            "cpu_ms": ms(cpu_start),
-        })
-    );
+    let cpu_start = m.start(first_uid, started).await?;
+    let cpu_burst = m.burst(waiting, cpu_start).await?;
+    m.release(waiting, cpu_burst).await
+}
 
-    let requests = bench.configmap_requests().await?;
-    let burst = Instant::now();
-    let written = bench
-        .write_all(waiting, |i| {
-            allocated(&bench.driver, &pool_of(i, args.nodes), true, i)
+impl Measured<'_> {
+    fn listed(&self) -> std::sync::MutexGuard<'_, Listed> {
+        self.listed.lock().expect("listing lock")
+    }
+
+    /// Phase 1: until the claim waiting before the start is listed; the
+    /// binder's CPU time then.
+    async fn start(&self, first_uid: &str, started: Instant) -> Result<Duration> {
+        let args = self.bench.args;
+        let at = wait_for("the first claim listed", self.timeout, || async {
+            Ok(self.listed().first_seen.get(first_uid).copied())
         })
         .await?;
-    let all_written = Instant::now();
-    wait_for("every waiting claim listed", timeout, || async {
-        let l = listed.lock().expect("listing lock");
-        Ok(written
+        let cpu = cpu_time(self.pid)?;
+        println!(
+            "{}",
+            json!({
+                "phase": "start", "claims": args.claims + args.waiting + 1,
+                "first_listed_ms": ms(at - started), "rss_kib": rss_kib(self.pid)?,
+                "cpu_ms": ms(cpu),
+            })
+        );
+        Ok(cpu)
+    }
+
+    /// Phase 2: every waiting claim allocated at once; the binder's CPU
+    /// time at the end.
+    async fn burst(&self, waiting: &[(String, String)], cpu_start: Duration) -> Result<Duration> {
+        let (bench, args, pid) = (self.bench, self.bench.args, self.pid);
+        let requests = bench.configmap_requests().await?;
+        let burst = Instant::now();
+        let written = bench
+            .write_all(waiting, |i| {
+                allocated(&bench.driver, &pool_of(i, args.nodes), true, i)
+            })
+            .await?;
+        let all_written = Instant::now();
+        wait_for("every waiting claim listed", self.timeout, || async {
+            let l = self.listed();
+            Ok(written
+                .keys()
+                .all(|u| l.first_seen.contains_key(u))
+                .then_some(()))
+        })
+        .await?;
+        let l = self.listed().first_seen.clone();
+        let last = written
             .keys()
-            .all(|u| l.first_seen.contains_key(u))
-            .then_some(()))
-    })
-    .await?;
-    let l = listed.lock().expect("listing lock").first_seen.clone();
-    let last = written
-        .keys()
-        .filter_map(|u| l.get(u))
-        .max()
-        .copied()
-        .unwrap_or(burst);
-    let samples = written
-        .iter()
-        .map(|(u, w)| ms(l[u].saturating_duration_since(*w)))
-        .collect();
-    let cpu_burst = cpu_time(pid)?;
-    let writes = requests_delta(&requests, &bench.configmap_requests().await?, 1.0);
-    println!(
-        "{}",
-        json!({
-            "phase": "burst", "waiting": args.waiting, "nodes": args.nodes,
-            "concurrency": args.concurrency, "status_writes_ms": ms(all_written - burst),
-            "all_listed_ms": ms(last - burst), "write_to_listed": latency_summary(samples),
-            "cpu_ms": ms(cpu_burst - cpu_start), "rss_kib": rss_kib(pid)?,
-            "configmap_requests": writes,
-        })
-    );
+            .filter_map(|u| l.get(u))
+            .max()
+            .copied()
+            .unwrap_or(burst);
+        let samples = written
+            .iter()
+            .map(|(u, w)| ms(l[u].saturating_duration_since(*w)))
+            .collect();
+        let cpu = cpu_time(pid)?;
+        let writes = requests_delta(&requests, &bench.configmap_requests().await?, 1.0);
+        println!(
+            "{}",
+            json!({
+                "phase": "burst", "waiting": args.waiting, "nodes": args.nodes,
+                "concurrency": args.concurrency, "status_writes_ms": ms(all_written - burst),
+                "all_listed_ms": ms(last - burst), "write_to_listed": latency_summary(samples),
+                "cpu_ms": ms(cpu - cpu_start), "rss_kib": rss_kib(pid)?,
+                "configmap_requests": writes,
+            })
+        );
+        Ok(cpu)
+    }
 
-    let release = Instant::now();
-    bench
-        .write_all(waiting, |_| json!({ "status": { "reservedFor": null } }))
-        .await?;
-    wait_for("every listing empty", timeout, || async {
-        let l = listed.lock().expect("listing lock");
-        Ok((l.total() <= 1).then_some(()))
-    })
-    .await?;
-    ensure!(
-        listed.lock().expect("listing lock").total() == 1,
-        "the first claim (still reserved) left its listing"
-    );
-    println!(
-        "{}",
-        json!({
-            "phase": "release", "all_unlisted_ms": ms(release.elapsed()),
-            "cpu_ms": ms(cpu_time(pid)? - cpu_burst),
+    /// Phase 3: every reservation removed at once.
+    async fn release(&self, waiting: &[(String, String)], cpu_burst: Duration) -> Result<()> {
+        let release = Instant::now();
+        self.bench
+            .write_all(waiting, |_| json!({ "status": { "reservedFor": null } }))
+            .await?;
+        wait_for("every listing empty", self.timeout, || async {
+            Ok((self.listed().total() <= 1).then_some(()))
         })
-    );
-    Ok(())
+        .await?;
+        ensure!(
+            self.listed().total() == 1,
+            "the first claim (still reserved) left its listing"
+        );
+        println!(
+            "{}",
+            json!({
+                "phase": "release", "all_unlisted_ms": ms(release.elapsed()),
+                "cpu_ms": ms(cpu_time(self.pid)? - cpu_burst),
+            })
+        );
+        Ok(())
+    }
 }
