@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use tessera_conformance::TestCluster;
+use tessera_conformance::bench::pod_start::PodStart;
 use tessera_conformance::bench::{binder, cluster, grpc, scale, stats};
 
 #[derive(Parser)]
@@ -238,8 +239,8 @@ async fn main() -> Result<()> {
                 timeout: Duration::from_secs(300),
                 capacity,
             };
-            let kubelet = cluster::kubelet_client(&cluster).await?;
-            let result = cluster::pods_run(&kubelet, &ns, &run).await;
+            let start = PodStart::new(&cluster).await?;
+            let result = cluster::pods_run(&start, &ns, &run).await;
             ns.delete().await?;
             println!("{}", json!({ "driver": driver, "kubelet": result? }));
         }

@@ -15,6 +15,7 @@ use kube::{Api, Client, Config};
 use serde::Serialize;
 use serde_json::json;
 
+use super::pod_start::{PodStart, Stages};
 use super::stats::{Histogram, Summary, parse_histogram, requests_delta, requests_of, sum_counter};
 use crate::cluster::{TestCluster, TestNamespace, wait_for};
 
@@ -43,15 +44,15 @@ pub async fn component_client(cluster: &TestCluster, port_key: &str) -> Result<C
     Ok(Client::try_from(config)?)
 }
 
-/// The kubelet's metrics (a client from [`kubelet_client`]).
-pub async fn kubelet_metrics(kubelet: &Client) -> Result<String> {
+/// A component's metrics (a client from [`component_client`]).
+pub async fn component_metrics(component: &Client) -> Result<String> {
     let req = http::Request::get("/metrics")
         .body(Vec::new())
         .context("building the request")?;
-    kubelet
+    component
         .request_text(req)
         .await
-        .context("reading the kubelet's metrics")
+        .context("reading a component's metrics")
 }
 
 /// The API server's own metrics.
@@ -161,6 +162,8 @@ pub struct PodsResult {
     pub refused_by_node_authorizer: Vec<String>,
     /// [`Self::creation_to_running`] of the other pods.
     pub creation_to_running_unrefused: Summary,
+    /// Where the pods' start went, from the first create to all running.
+    pub stages: Stages,
     /// Requests on claims (`resourceclaims`, `resourceclaims/status`) per
     /// pod, every client together, from the claims' creation to every
     /// unprepare counted: the driver's are `GET resourceclaims` and the
@@ -204,8 +207,9 @@ pub struct PodsRun {
 }
 
 /// Creates the run's pods at once, waits until they run, deletes them;
-/// the kubelet's histogram deltas.
-pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
+/// the kubelet's histogram deltas and where the pods' start went.
+pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
+    let kubelet = start.kubelet();
     let PodsRun {
         node,
         driver,
@@ -237,7 +241,8 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
         }))?;
         claims.create(&pp, &claim).await?;
     }
-    let before = kubelet_metrics(kubelet).await?;
+    let before = component_metrics(kubelet).await?;
+    let stages_before = start.read().await?;
     let api = ns.api::<Pod>();
     let running = RunningWatch::start(api.clone()).await?;
     let mut created = BTreeMap::new();
@@ -263,6 +268,7 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
     }
     let lp = ListParams::default().labels("app=bench");
     let seen = running.wait_all(pods, timeout).await?;
+    let stages = Stages::between(&stages_before, &start.read().await?, pods);
     let all_running_s = (seen.values().max().copied().unwrap_or(began) - began).as_secs_f64();
     let latency = |name: &String| {
         seen.get(name).map_or(Duration::ZERO, |r| {
@@ -284,7 +290,7 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
     // The kubelet unprepares after the pod object is gone too (its pod
     // workers finish on their own): wait until it counted every call.
     let after = wait_for("the kubelet to count every unprepare", timeout, || async {
-        let text = kubelet_metrics(kubelet).await?;
+        let text = component_metrics(kubelet).await?;
         let done = kubelet_histogram(&text, driver, "NodeUnprepareResources")
             .since(&kubelet_histogram(
                 &before,
@@ -311,6 +317,7 @@ pub async fn pods_run(kubelet: &Client, ns: &TestNamespace, run: &PodsRun) -> Re
             Duration::from_secs_f64(all_running_s),
         ),
         refused_by_node_authorizer: refused,
+        stages,
         api_requests_per_pod: requests_delta(&requests_before, &requests_after, pods as f64),
     })
 }

@@ -8,6 +8,8 @@
 //! * [`cluster`]: the kubelet's own `dra_grpc_operations_duration_seconds`
 //!   for real pods, the API server's ResourceSlice write counters, and the
 //!   time from a process's start to its first slice;
+//! * [`pod_start`]: where those pods' start went, stage by stage and
+//!   process by process;
 //! * [`scale`]: many simulated nodes on one control plane: publishing
 //!   every node's slices, and kube-scheduler's pace with Tessera's device
 //!   model vs plain replica devices;
@@ -17,5 +19,6 @@
 pub mod binder;
 pub mod cluster;
 pub mod grpc;
+pub mod pod_start;
 pub mod scale;
 pub mod stats;
