@@ -243,6 +243,7 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     }
     let before = component_metrics(kubelet).await?;
     let stages_before = start.read().await?;
+    let cpu = start.sample_cpu();
     let api = ns.api::<Pod>();
     let running = RunningWatch::start(api.clone()).await?;
     let mut created = BTreeMap::new();
@@ -268,7 +269,8 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     }
     let lp = ListParams::default().labels("app=bench");
     let seen = running.wait_all(pods, timeout).await?;
-    let stages = Stages::between(&stages_before, &start.read().await?, pods);
+    let stages_after = start.read().await?;
+    let cpu = cpu.stop().await?;
     let all_running_s = (seen.values().max().copied().unwrap_or(began) - began).as_secs_f64();
     let latency = |name: &String| {
         seen.get(name).map_or(Duration::ZERO, |r| {
@@ -281,6 +283,18 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
         .filter(|name| !refused.contains(*name))
         .map(latency)
         .collect();
+    let last_unrefused = (seen.iter())
+        .filter(|(name, _)| !refused.contains(*name))
+        .map(|(_, at)| *at)
+        .max()
+        .unwrap_or(began);
+    let stages = Stages::between(
+        &stages_before,
+        &stages_after,
+        &cpu,
+        last_unrefused,
+        unrefused.len(),
+    );
     api.delete_collection(&DeleteParams::default().grace_period(0), &lp)
         .await?;
     wait_for("every bench pod gone", timeout, || async {

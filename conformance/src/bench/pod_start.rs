@@ -7,10 +7,13 @@
 //! write (the API server's CPU): this says which.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use kube::Client;
 use serde::Serialize;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 use super::cluster::{component_client, component_metrics, kubelet_client};
 use super::scale::{component_pid, cpu_time};
@@ -91,18 +94,27 @@ const PROCESSES: &[&str] = &[
 ];
 
 /// Reads the stages and the CPU of one cluster.
+#[derive(Clone)]
 pub struct PodStart {
     scheduler: Client,
     kubelet: Client,
     pids: Vec<(&'static str, u32)>,
 }
 
-/// Where the stages and the CPU stood at one moment.
-pub struct Reading {
-    /// Per stage: seconds in it and times it ran, so far.
-    stages: BTreeMap<&'static str, (f64, f64)>,
-    /// Per process: CPU seconds so far.
-    cpu: BTreeMap<&'static str, f64>,
+/// Where the stages stood at one moment: per stage, seconds in it and
+/// times it ran, so far.
+pub struct Reading(BTreeMap<&'static str, (f64, f64)>);
+
+/// CPU seconds so far, per process.
+pub type Cpu = BTreeMap<&'static str, f64>;
+
+/// How often the CPU is sampled while pods start.
+const CPU_EVERY: Duration = Duration::from_millis(250);
+
+/// The CPU, sampled every [`CPU_EVERY`] from a start until stopped.
+pub struct CpuSamples {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Vec<(Instant, Cpu)>>,
 }
 
 /// Between two readings: the mean of each stage and the CPU per pod.
@@ -110,8 +122,10 @@ pub struct Reading {
 pub struct Stages {
     /// Mean milliseconds per run of each stage.
     pub mean_ms: BTreeMap<&'static str, f64>,
-    /// CPU milliseconds per pod, per process (the containerd shims and the
-    /// pods' own processes are not among them).
+    /// CPU milliseconds per pod that ran, per process, from the first
+    /// create until the last pod the node authorizer did not hold back
+    /// runs (the containerd shims and the pods' own processes are not
+    /// among them).
     pub cpu_ms_per_pod: BTreeMap<&'static str, f64>,
 }
 
@@ -139,10 +153,39 @@ impl PodStart {
             .chain(KUBELET.iter().map(|s| (s, &kubelet)))
             .map(|(s, text)| (s.name, (series(text, s, "_sum"), series(text, s, "_count"))))
             .collect();
-        let cpu = (self.pids.iter())
+        Ok(Reading(stages))
+    }
+
+    pub fn cpu(&self) -> Cpu {
+        (self.pids.iter())
             .filter_map(|&(name, pid)| Some((name, cpu_time(pid).ok()?.as_secs_f64())))
-            .collect();
-        Ok(Reading { stages, cpu })
+            .collect()
+    }
+
+    /// Samples the CPU from now on: /proc only, nothing the API server or
+    /// the components serve, so sampling costs them nothing.
+    pub fn sample_cpu(&self) -> CpuSamples {
+        let (stop, mut stopped) = oneshot::channel();
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let mut samples = vec![(Instant::now(), this.cpu())];
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tokio::time::sleep(CPU_EVERY) => samples.push((Instant::now(), this.cpu())),
+                }
+            }
+            samples.push((Instant::now(), this.cpu()));
+            samples
+        });
+        CpuSamples { stop, task }
+    }
+}
+
+impl CpuSamples {
+    pub async fn stop(self) -> Result<Vec<(Instant, Cpu)>> {
+        let _ = self.stop.send(());
+        Ok(self.task.await?)
     }
 }
 
@@ -151,20 +194,35 @@ fn series(text: &str, stage: &Stage, suffix: &str) -> f64 {
 }
 
 impl Stages {
-    pub fn between(before: &Reading, after: &Reading, pods: usize) -> Self {
-        let mean_ms = (after.stages.iter())
+    /// The stages between two readings, and the CPU from the first sample
+    /// to the first taken once `until`.
+    pub fn between(
+        before: &Reading,
+        after: &Reading,
+        cpu: &[(Instant, Cpu)],
+        until: Instant,
+        pods: usize,
+    ) -> Self {
+        let mean_ms = (after.0.iter())
             .filter_map(|(&name, &(sum, count))| {
-                let (sum0, count0) = before.stages.get(name).copied().unwrap_or_default();
+                let (sum0, count0) = before.0.get(name).copied().unwrap_or_default();
                 let runs = count - count0;
                 (runs > 0.0).then(|| (name, round2((sum - sum0) * 1000.0 / runs)))
             })
             .collect();
-        let cpu_ms_per_pod = (after.cpu.iter())
-            .map(|(&name, &s)| {
-                let s0 = before.cpu.get(name).copied().unwrap_or(s);
-                (name, round2((s - s0) * 1000.0 / pods.max(1) as f64))
-            })
-            .collect();
+        let first = cpu.first().map(|(_, c)| c);
+        let last = (cpu.iter().find(|(at, _)| *at >= until))
+            .or(cpu.last())
+            .map(|(_, c)| c);
+        let cpu_ms_per_pod = match (first, last) {
+            (Some(first), Some(last)) => (last.iter())
+                .map(|(&name, &s)| {
+                    let s0 = first.get(name).copied().unwrap_or(s);
+                    (name, round2((s - s0) * 1000.0 / pods.max(1) as f64))
+                })
+                .collect(),
+            _ => BTreeMap::new(),
+        };
         Stages {
             mean_ms,
             cpu_ms_per_pod,
@@ -178,11 +236,26 @@ mod tests {
 
     #[test]
     fn a_stage_is_the_mean_of_its_runs_between_readings() {
-        let reading = |sum: f64, count: f64, cpu: f64| Reading {
-            stages: BTreeMap::from([("scheduler Filter", (sum, count))]),
-            cpu: BTreeMap::from([("kubelet", cpu)]),
+        let reading =
+            |sum: f64, count: f64| Reading(BTreeMap::from([("scheduler Filter", (sum, count))]));
+        let t0 = Instant::now();
+        let cpu = |after_ms: u64, s: f64| {
+            (
+                t0 + Duration::from_millis(after_ms),
+                Cpu::from([("kubelet", s)]),
+            )
         };
-        let stages = Stages::between(&reading(1.0, 10.0, 5.0), &reading(1.5, 20.0, 7.4), 24);
+        // The pods ran 600 ms in: the sample at 750 ms closes the CPU, not
+        // the last one (a refused pod's retry, a minute later).
+        let samples = [cpu(0, 5.0), cpu(250, 6.0), cpu(750, 7.4), cpu(60_000, 30.0)];
+        let until = t0 + Duration::from_millis(600);
+        let stages = Stages::between(
+            &reading(1.0, 10.0),
+            &reading(1.5, 20.0),
+            &samples,
+            until,
+            24,
+        );
         assert_eq!(stages.mean_ms["scheduler Filter"], 50.0);
         assert_eq!(stages.cpu_ms_per_pod["kubelet"], 100.0);
     }
