@@ -46,24 +46,24 @@ pub async fn component_client(cluster: &TestCluster, port_key: &str) -> Result<C
 
 /// A component's metrics (a client from [`component_client`]).
 pub async fn component_metrics(component: &Client) -> Result<String> {
-    let req = http::Request::get("/metrics")
-        .body(Vec::new())
-        .context("building the request")?;
-    component
-        .request_text(req)
-        .await
-        .context("reading a component's metrics")
+    metrics_of(component, "a component").await
 }
 
 /// The API server's own metrics.
 pub async fn apiserver_metrics(client: &Client) -> Result<String> {
+    metrics_of(client, "the API server").await
+}
+
+/// `GET /metrics` on whatever `client` points at (`whose` names it in
+/// errors).
+async fn metrics_of(client: &Client, whose: &str) -> Result<String> {
     let req = http::Request::get("/metrics")
         .body(Vec::new())
         .context("building the request")?;
     client
         .request_text(req)
         .await
-        .context("reading the API server's metrics")
+        .with_context(|| format!("reading {whose}'s metrics"))
 }
 
 /// ResourceClaim events the API server has sent to watchers since it
@@ -242,7 +242,7 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
         claims.create(&pp, &claim).await?;
     }
     let before = component_metrics(kubelet).await?;
-    let stages_before = start.read().await?;
+    let stages_before = start.read(&before).await?;
     let cpu = start.sample_cpu();
     let api = ns.api::<Pod>();
     let running = RunningWatch::start(api.clone()).await?;
@@ -269,7 +269,7 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     }
     let lp = ListParams::default().labels("app=bench");
     let seen = running.wait_all(pods, timeout).await?;
-    let stages_after = start.read().await?;
+    let stages_after = start.read(&component_metrics(kubelet).await?).await?;
     let cpu = cpu.stop().await?;
     let all_running_s = (seen.values().max().copied().unwrap_or(began) - began).as_secs_f64();
     let latency = |name: &String| {
