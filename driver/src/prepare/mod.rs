@@ -194,6 +194,8 @@ pub enum UndoError {
         #[source]
         source: EnforceError,
     },
+    #[error("cannot record it in the checkpoint: {0}")]
+    Mark(#[source] CheckpointError),
     #[error("removing its CDI spec: {0}")]
     Spec(#[source] std::io::Error),
     #[error("removing its checkpoint entry: {0}")]

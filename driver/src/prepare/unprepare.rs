@@ -38,39 +38,30 @@ impl Preparer {
     pub(super) async fn unprepare_one(self: &Arc<Self>, claim: &ClaimRef) -> ClaimResult<()> {
         let uid = validate(claim)?;
         let _guard = self.locks.lock(&uid).await;
-        let Some(mut entry) = self.entry(&uid) else {
+        let side_effects = (self.checkpoint.lock().get(&uid)).map(ClaimEntry::has_side_effects);
+        let removed = match side_effects {
             // Unknown: nothing of ours, except maybe a stray spec, or what
             // a claim whose record was lost may still hold.
-            let this = self.clone();
-            let id = uid.clone();
-            return blocking(move || this.release_lost(&id))
-                .await
-                .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED));
+            None => {
+                let this = self.clone();
+                let id = uid.clone();
+                return blocking(move || this.release_lost(&id))
+                    .await
+                    .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED));
+            }
+            // The record's own entry, moved out as it goes: a copy of every
+            // device's answer and edits only to read two names from is most
+            // of what an unprepare allocates.
+            Some(false) => self.undo_holds(&uid),
+            Some(true) => self.undo_side_effects(&uid).await,
         };
-        let written_status = !entry.status.is_empty();
-        // Only side effects need the mark: without one, a crash between
-        // removing the spec and the entry leaves a complete entry whose
-        // spec start-up recovery writes again, and the kubelet's retry
-        // removes both.
-        if entry.state == EntryState::Completed && entry.has_side_effects() {
-            entry.state = EntryState::Unpreparing;
-            let (this, id, marked) = (self.clone(), uid.clone(), entry.clone());
-            blocking(move || this.checkpoint.put(id, marked))
-                .await
-                .map_err(|e| {
-                    ClaimError::new(claim, format!("cannot record it in the checkpoint: {e}"))
-                })?;
-        }
-        let (namespace, name) = (entry.namespace.clone(), entry.name.clone());
-        let undone = if !entry.has_side_effects() {
-            self.undo_holds(&uid, &entry)
-        } else {
-            self.clone().undo(uid.clone(), entry).await
-        };
-        undone.map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
+        let entry = removed.map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
         self.reserved_for.forget(&uid);
-        if written_status && let Some(writer) = &self.deps.status {
-            writer.remove(&namespace, &name, uid.as_str());
+        if let Some(entry) = entry
+            && !entry.status.is_empty()
+            && let Some(writer) = &self.deps.status
+        {
+            writer.remove(&entry.namespace, &entry.name, uid.as_str());
         }
         if self.checkpoint.is_lost(&uid) {
             // Prepared again after its record was lost: the lost record
@@ -82,6 +73,29 @@ impl Preparer {
                 .map_err(|e| ClaimError::new(claim, e.to_string()).fix(RETRIED))?;
         }
         Ok(())
+    }
+
+    /// Marks a claim with side effects `Unpreparing` (a crash between
+    /// removing its spec and its record then leaves an entry start-up
+    /// recovery finishes: without the mark, a complete entry whose spec
+    /// recovery writes again, and the kubelet's retry removes both), then
+    /// undoes it; its entry, for what the caller still has to forget.
+    async fn undo_side_effects(
+        self: &Arc<Self>,
+        uid: &ClaimUid,
+    ) -> Result<Option<ClaimEntry>, UndoError> {
+        let Some(mut entry) = self.entry(uid) else {
+            return Ok(None);
+        };
+        if entry.state == EntryState::Completed {
+            entry.state = EntryState::Unpreparing;
+            let (this, id, marked) = (self.clone(), uid.clone(), entry.clone());
+            blocking(move || this.checkpoint.put(id, marked))
+                .await
+                .map_err(UndoError::Mark)?;
+        }
+        self.clone().undo(uid.clone(), entry.clone()).await?;
+        Ok(Some(entry))
     }
 
     /// [`Self::undo_now`] on a blocking thread.
@@ -140,12 +154,14 @@ impl Preparer {
     /// pause, and the settling its holds allow (the hardware lock, an NVML
     /// read) runs after the answer. A crash in between leaves a spec no
     /// record accounts for, which start-up recovery removes.
-    fn undo_holds(self: &Arc<Self>, uid: &ClaimUid, entry: &ClaimEntry) -> Result<(), UndoError> {
-        self.checkpoint.remove(uid).map_err(UndoError::Record)?;
+    fn undo_holds(self: &Arc<Self>, uid: &ClaimUid) -> Result<Option<ClaimEntry>, UndoError> {
+        let entry = self.checkpoint.remove(uid).map_err(UndoError::Record)?;
         self.changed(NodeChange::Records);
         self.remove_spec_later(uid.clone());
-        self.settle_later(entry.mig_mode_holds().map(str::to_owned));
-        Ok(())
+        if let Some(entry) = &entry {
+            self.settle_later(entry.mig_mode_holds().map(str::to_owned));
+        }
+        Ok(entry)
     }
 
     /// Removes the spec of an unprepared claim once no unprepare came for
