@@ -180,7 +180,10 @@ async fn main() -> Result<()> {
                         anyhow::Ok(stats::requests_of(&metrics, &grpc::CLAIM_RESOURCES))
                     };
                     let before = requests().await?;
+                    let ran = || pid.map(grpc::run_time).transpose();
+                    let ran_before = ran()?;
                     let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
+                    let ran_prepared = ran()?;
                     let rss = pid.map(grpc::rss_kib).transpose()?;
                     let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
                     let settled = |written| {
@@ -199,7 +202,9 @@ async fn main() -> Result<()> {
                     };
                     let status_written = settled(true).await?;
                     let prepared = requests().await?;
+                    let ran_unpreparing = ran()?;
                     let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
+                    let ran_unprepared = ran()?;
                     let status_removed = settled(false).await?;
                     let after = requests().await?;
                     let per_claim = claims as f64;
@@ -207,11 +212,21 @@ async fn main() -> Result<()> {
                         "prepare": stats::requests_delta(&before, &prepared, per_claim),
                         "unprepare": stats::requests_delta(&prepared, &after, per_claim),
                     });
+                    // The driver's CPU while the calls ran (what it defers
+                    // past its answers, such as status writes, is not in it).
+                    let per_call = |a: Option<Duration>, b: Option<Duration>| {
+                        Some((b? - a?).as_secs_f64() * 1e6 / per_claim)
+                    };
+                    let cpu_us = json!({
+                        "prepare": per_call(ran_before, ran_prepared),
+                        "unprepare": per_call(ran_unpreparing, ran_unprepared),
+                    });
                     ns.delete().await?;
                     println!(
                         "{}",
                         json!({
                             "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
+                            "driver_cpu_us_per_claim": cpu_us,
                             "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
                             "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
                             "device_status_removed_ms": status_removed,

@@ -270,7 +270,7 @@ fn parse_labels(s: &str) -> Vec<(String, String)> {
 /// The medians over rounds of `grpc` results (JSON lines carrying a
 /// `round`): one object per driver (and Go client limit), per_claim and
 /// concurrency, with the median and the per-round values of each phase's
-/// p50 and p99, ordered as first seen.
+/// p50, p99 and the driver's CPU per claim, ordered as first seen.
 pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
     use serde_json::{Value, json};
     type Key = (String, Value, Value, Value);
@@ -293,8 +293,10 @@ pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
             None => groups.push((key, vec![v])),
         }
     }
-    let per_round = |runs: &[Value], phase: &str, q: &str| -> Vec<f64> {
-        (runs.iter()).filter_map(|r| r[phase][q].as_f64()).collect()
+    let per_round = |runs: &[Value], pointer: &str| -> Vec<f64> {
+        (runs.iter())
+            .filter_map(|r| r.pointer(pointer)?.as_f64())
+            .collect()
     };
     let median = |mut xs: Vec<f64>| {
         xs.sort_by(f64::total_cmp);
@@ -315,8 +317,13 @@ pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
                 out["go_client_qps"] = qps;
             }
             for phase in ["prepare", "unprepare"] {
-                for q in ["p50_ms", "p99_ms"] {
-                    let values = per_round(&runs, phase, q);
+                let cpu = format!("/driver_cpu_us_per_claim/{phase}");
+                for (q, pointer) in [
+                    ("p50_ms", format!("/{phase}/p50_ms")),
+                    ("p99_ms", format!("/{phase}/p99_ms")),
+                    ("driver_cpu_us", cpu),
+                ] {
+                    let values = per_round(&runs, &pointer);
                     out[phase][q] = json!(median(values.clone()));
                     out[phase][format!("{q}_rounds")] = json!(values);
                 }
@@ -404,8 +411,9 @@ apiserver_request_total{code="200",resource="resourceslices",verb="LIST"} 7
             } else {
                 ""
             };
+            let cpu = p50 * 10.0;
             format!(
-                r#"{{"round":{round},{limit}"driver":"{driver}","per_claim":1,"concurrency":{c},"prepare":{{"p50_ms":{p50},"p99_ms":9.0}},"unprepare":{{"p50_ms":0.5,"p99_ms":1.0}}}}"#
+                r#"{{"round":{round},{limit}"driver":"{driver}","per_claim":1,"concurrency":{c},"prepare":{{"p50_ms":{p50},"p99_ms":9.0}},"unprepare":{{"p50_ms":0.5,"p99_ms":1.0}},"driver_cpu_us_per_claim":{{"prepare":{cpu},"unprepare":null}}}}"#
             )
         };
         let lines = [
@@ -432,6 +440,12 @@ apiserver_request_total{code="200",resource="resourceslices",verb="LIST"} 7
         assert_eq!(
             m[1]["prepare"]["p50_ms"], 2.5,
             "the unrounded run is left out"
+        );
+        assert_eq!(m[0]["prepare"]["driver_cpu_us"], 30.0);
+        assert_eq!(
+            m[0]["unprepare"]["driver_cpu_us"],
+            serde_json::Value::Null,
+            "no CPU without the driver's pid"
         );
         assert!(m[1].get("go_client_qps").is_none());
         assert_eq!(
