@@ -117,6 +117,12 @@ fn pairs(args: &[String], flag: &str) -> Result<std::collections::BTreeMap<Strin
         .collect()
 }
 
+/// A gRPC phase starts once the machine's CPUs were this idle over one
+/// window ([`grpc::quiet_machine`]), or after the timeout.
+const QUIET_IDLE: f64 = 0.9;
+const QUIET_WINDOW: Duration = Duration::from_millis(250);
+const QUIET_TIMEOUT: Duration = Duration::from_secs(15);
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -179,6 +185,8 @@ async fn main() -> Result<()> {
                         let metrics = cluster::apiserver_metrics(&client).await?;
                         anyhow::Ok(stats::requests_of(&metrics, &grpc::CLAIM_RESOURCES))
                     };
+                    let quiet = || grpc::quiet_machine(QUIET_IDLE, QUIET_WINDOW, QUIET_TIMEOUT);
+                    let (quiet_prepare, prepare_quieted) = quiet().await?;
                     let before = requests().await?;
                     let ran = || pid.map(grpc::run_time).transpose();
                     let ran_before = ran()?;
@@ -201,6 +209,7 @@ async fn main() -> Result<()> {
                         }
                     };
                     let status_written = settled(true).await?;
+                    let (quiet_unprepare, quieted) = quiet().await?;
                     let prepared = requests().await?;
                     let ran_unpreparing = ran()?;
                     let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
@@ -227,6 +236,11 @@ async fn main() -> Result<()> {
                         json!({
                             "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
                             "driver_cpu_us_per_claim": cpu_us,
+                            "quiet_wait_ms": {
+                                "prepare": quiet_prepare.as_secs_f64() * 1e3,
+                                "unprepare": quiet_unprepare.as_secs_f64() * 1e3,
+                                "reached": prepare_quieted && quieted,
+                            },
                             "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
                             "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
                             "device_status_removed_ms": status_removed,

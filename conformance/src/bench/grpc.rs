@@ -310,6 +310,68 @@ where
     Ok(Summary::of(&samples, claims.len(), began.elapsed()))
 }
 
+/// The machine's CPU time so far, in clock ticks: idle (with I/O wait)
+/// and all, from the first line of `/proc/stat`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CpuTicks {
+    idle: u64,
+    total: u64,
+}
+
+impl CpuTicks {
+    fn now() -> Result<CpuTicks> {
+        let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+        CpuTicks::parse(&stat).context("no cpu line in /proc/stat")
+    }
+
+    /// `cpu  user nice system idle iowait irq softirq steal ...`.
+    fn parse(stat: &str) -> Option<CpuTicks> {
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let ticks: Vec<u64> = line
+            .split_whitespace()
+            .map(str::parse)
+            .collect::<Result<_, _>>()
+            .ok()?;
+        Some(CpuTicks {
+            idle: ticks.get(3)? + ticks.get(4).copied().unwrap_or(0),
+            total: ticks.iter().sum(),
+        })
+    }
+
+    /// The share of the CPUs' time that was idle since `earlier`.
+    fn idle_since(&self, earlier: &CpuTicks) -> f64 {
+        let total = self.total.saturating_sub(earlier.total);
+        if total == 0 {
+            return 0.0;
+        }
+        self.idle.saturating_sub(earlier.idle) as f64 / total as f64
+    }
+}
+
+/// Waits until the machine's CPUs were at least `idle` idle over one
+/// `window`, or `timeout` passed: a phase starts once the last one's
+/// aftermath (claim watchers taking in status writes, a namespace's claims
+/// being deleted) is over, for every driver alike, as a kubelet's
+/// unprepare comes long after its prepare. How long it waited, and whether
+/// the machine got that quiet.
+pub async fn quiet_machine(
+    idle: f64,
+    window: Duration,
+    timeout: Duration,
+) -> Result<(Duration, bool)> {
+    let began = Instant::now();
+    loop {
+        let before = CpuTicks::now()?;
+        tokio::time::sleep(window).await;
+        if CpuTicks::now()?.idle_since(&before) >= idle {
+            return Ok((began.elapsed(), true));
+        }
+        if began.elapsed() >= timeout {
+            return Ok((began.elapsed(), false));
+        }
+    }
+}
+
 /// Time a process's threads have run on a CPU so far, to the nanosecond
 /// (`/proc/<pid>/task/*/schedstat`; `/proc/<pid>/stat` counts in ticks of
 /// 10 ms, coarser than a whole phase of 256 unprepares). Threads that ended
@@ -351,6 +413,21 @@ pub fn status_kib(pid: u32, field: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_idle_share_counts_io_wait_as_idle() {
+        let before = CpuTicks::parse("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 2 3").unwrap();
+        let after = CpuTicks::parse("cpu  120 0 60 860 60 0 0 0 0 0\n").unwrap();
+        assert_eq!(
+            before,
+            CpuTicks {
+                idle: 850,
+                total: 1000
+            }
+        );
+        assert!((after.idle_since(&before) - 0.7).abs() < 1e-9);
+        assert_eq!(CpuTicks::parse("cpu0 1 2 3 4"), None, "not the sum line");
+    }
 
     #[test]
     fn run_time_counts_what_every_thread_of_a_process_ran() {
