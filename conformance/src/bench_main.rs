@@ -123,6 +123,82 @@ const QUIET_IDLE: f64 = 0.9;
 const QUIET_WINDOW: Duration = Duration::from_millis(250);
 const QUIET_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// One `grpc` run: the run's claims created, prepared and unprepared, each
+/// phase on a quiet machine, with what each cost (latency, the driver's
+/// CPU and memory, API requests, device status).
+async fn grpc_run(
+    cluster: &TestCluster,
+    channel: &tonic::transport::Channel,
+    run: &grpc::Run,
+    pid: Option<u32>,
+    device_status: bool,
+) -> Result<serde_json::Value> {
+    let client = cluster.client();
+    let ns = cluster.create_namespace("bench").await?;
+    let refs = grpc::create_claims(&client, ns.name(), run).await?;
+    let requests = || async {
+        let metrics = cluster::apiserver_metrics(&client).await?;
+        anyhow::Ok(stats::requests_of(&metrics, &grpc::CLAIM_RESOURCES))
+    };
+    let quiet = || grpc::quiet_machine(QUIET_IDLE, QUIET_WINDOW, QUIET_TIMEOUT);
+    let (quiet_prepare, prepare_quieted) = quiet().await?;
+    let before = requests().await?;
+    let ran = || pid.map(grpc::run_time).transpose();
+    let ran_before = ran()?;
+    let prepare = grpc::prepare_all(channel, &refs, run).await?;
+    let ran_prepared = ran()?;
+    let rss = pid.map(grpc::rss_kib).transpose()?;
+    let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
+    let settled = |written| {
+        let (client, ns, refs, driver) = (&client, ns.name(), &refs, &run.driver);
+        async move {
+            if !device_status {
+                return Ok(None);
+            }
+            let timeout = Duration::from_secs(120);
+            let took =
+                grpc::device_status_settled(client, ns, refs, driver, written, timeout).await?;
+            anyhow::Ok(Some(took.as_secs_f64() * 1000.0))
+        }
+    };
+    let status_written = settled(true).await?;
+    let (quiet_unprepare, quieted) = quiet().await?;
+    let prepared = requests().await?;
+    let ran_unpreparing = ran()?;
+    let unprepare = grpc::unprepare_all(channel, &refs, run).await?;
+    let ran_unprepared = ran()?;
+    let status_removed = settled(false).await?;
+    let after = requests().await?;
+    let per_claim = run.claims as f64;
+    let api_requests = json!({
+        "prepare": stats::requests_delta(&before, &prepared, per_claim),
+        "unprepare": stats::requests_delta(&prepared, &after, per_claim),
+    });
+    // The driver's CPU while the calls ran (what it defers past its
+    // answers, such as status writes, is not in it).
+    let per_call =
+        |a: Option<Duration>, b: Option<Duration>| Some((b? - a?).as_secs_f64() * 1e6 / per_claim);
+    let cpu_us = json!({
+        "prepare": per_call(ran_before, ran_prepared),
+        "unprepare": per_call(ran_unpreparing, ran_unprepared),
+    });
+    ns.delete().await?;
+    Ok(json!({
+        "driver": run.driver, "per_claim": run.per_claim, "concurrency": run.concurrency,
+        "claims": run.claims,
+        "driver_cpu_us_per_claim": cpu_us,
+        "quiet_wait_ms": {
+            "prepare": quiet_prepare.as_secs_f64() * 1e3,
+            "unprepare": quiet_unprepare.as_secs_f64() * 1e3,
+            "reached": prepare_quieted && quieted,
+        },
+        "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
+        "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
+        "device_status_removed_ms": status_removed,
+        "api_requests_per_claim": api_requests,
+    }))
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
@@ -179,74 +255,8 @@ async fn main() -> Result<()> {
                         concurrency: c,
                         consumed: consumed.clone(),
                     };
-                    let ns = cluster.create_namespace("bench").await?;
-                    let refs = grpc::create_claims(&client, ns.name(), &run).await?;
-                    let requests = || async {
-                        let metrics = cluster::apiserver_metrics(&client).await?;
-                        anyhow::Ok(stats::requests_of(&metrics, &grpc::CLAIM_RESOURCES))
-                    };
-                    let quiet = || grpc::quiet_machine(QUIET_IDLE, QUIET_WINDOW, QUIET_TIMEOUT);
-                    let (quiet_prepare, prepare_quieted) = quiet().await?;
-                    let before = requests().await?;
-                    let ran = || pid.map(grpc::run_time).transpose();
-                    let ran_before = ran()?;
-                    let prepare = grpc::prepare_all(&channel, &refs, &run).await?;
-                    let ran_prepared = ran()?;
-                    let rss = pid.map(grpc::rss_kib).transpose()?;
-                    let rss_anon = pid.map(|p| grpc::status_kib(p, "RssAnon")).transpose()?;
-                    let settled = |written| {
-                        let (client, ns, refs, driver) = (&client, ns.name(), &refs, &driver);
-                        async move {
-                            if !device_status {
-                                return Ok(None);
-                            }
-                            let timeout = Duration::from_secs(120);
-                            let took = grpc::device_status_settled(
-                                client, ns, refs, driver, written, timeout,
-                            )
-                            .await?;
-                            anyhow::Ok(Some(took.as_secs_f64() * 1000.0))
-                        }
-                    };
-                    let status_written = settled(true).await?;
-                    let (quiet_unprepare, quieted) = quiet().await?;
-                    let prepared = requests().await?;
-                    let ran_unpreparing = ran()?;
-                    let unprepare = grpc::unprepare_all(&channel, &refs, &run).await?;
-                    let ran_unprepared = ran()?;
-                    let status_removed = settled(false).await?;
-                    let after = requests().await?;
-                    let per_claim = claims as f64;
-                    let api_requests = json!({
-                        "prepare": stats::requests_delta(&before, &prepared, per_claim),
-                        "unprepare": stats::requests_delta(&prepared, &after, per_claim),
-                    });
-                    // The driver's CPU while the calls ran (what it defers
-                    // past its answers, such as status writes, is not in it).
-                    let per_call = |a: Option<Duration>, b: Option<Duration>| {
-                        Some((b? - a?).as_secs_f64() * 1e6 / per_claim)
-                    };
-                    let cpu_us = json!({
-                        "prepare": per_call(ran_before, ran_prepared),
-                        "unprepare": per_call(ran_unpreparing, ran_unprepared),
-                    });
-                    ns.delete().await?;
-                    println!(
-                        "{}",
-                        json!({
-                            "driver": driver, "per_claim": k, "concurrency": c, "claims": claims,
-                            "driver_cpu_us_per_claim": cpu_us,
-                            "quiet_wait_ms": {
-                                "prepare": quiet_prepare.as_secs_f64() * 1e3,
-                                "unprepare": quiet_unprepare.as_secs_f64() * 1e3,
-                                "reached": prepare_quieted && quieted,
-                            },
-                            "prepare": prepare, "unprepare": unprepare, "rss_prepared_kib": rss,
-                            "rss_anon_prepared_kib": rss_anon, "device_status_ms": status_written,
-                            "device_status_removed_ms": status_removed,
-                            "api_requests_per_claim": api_requests,
-                        })
-                    );
+                    let result = grpc_run(&cluster, &channel, &run, pid, device_status).await?;
+                    println!("{result}");
                 }
             }
         }
