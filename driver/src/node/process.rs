@@ -96,7 +96,7 @@ impl NodeProcess {
     /// next instance finds them up to date and writes nothing).
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), ServeError> {
         let served = self.plugin.run(shutdown).await;
-        self.preparer.remove_pending_specs().await;
+        self.preparer.remove_unprepared_files().await;
         let _ = self.stop_publisher.send(());
         let _ = self.publisher.await;
         served

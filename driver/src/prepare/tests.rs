@@ -508,8 +508,17 @@ async fn an_unprepared_spec_goes_after_the_answer_unless_prepared_again() {
     assert_eq!(f.cdi_files(), 1);
     assert!(preparer.unprepare(vec![claim_ref(3)]).await[0].1.is_ok());
     assert!(preparer.entry(&three).is_none(), "the record goes first");
+    // At the answer, before this test yields to the removal: what a kill
+    // now leaves is a record start-up recovery finishes.
+    let on_disk = |f: &Fixture| {
+        crate::state::checkpoint::read_snapshot::<ClaimEntry>(&f.config().state_dir, None)
+            .unwrap()
+            .claims
+    };
+    assert_eq!(on_disk(&f)[&three].state, EntryState::Unpreparing);
     settled("the spec removed", || !preparer.settling()).await;
     assert_eq!(f.cdi_files(), 0);
+    assert!(on_disk(&f).is_empty(), "the retired record removed");
 
     // Prepared again while its spec waits to go: the spec stays with the
     // new record.
@@ -591,18 +600,25 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
         let (cp, _) =
             Checkpoint::<ClaimEntry>::open(&f.config().state_dir, &f.config().boot_id_file)
                 .unwrap();
-        for (n, state) in [(5, EntryState::Started), (6, EntryState::Unpreparing)] {
+        let mps = vec![Action::Mps {
+            gpu_uuid: GPU.into(),
+            mig_uuid: None,
+            request: Some("gpu".into()),
+        }];
+        // Claim 8: a whole GPU's record retired by an unprepare that
+        // answered, its files not yet removed.
+        for (n, state, actions) in [
+            (5, EntryState::Started, mps.clone()),
+            (6, EntryState::Unpreparing, mps),
+            (8, EntryState::Unpreparing, Vec::new()),
+        ] {
             cp.put(
                 ClaimUid::parse(&uid(n)).unwrap(),
                 ClaimEntry {
                     namespace: "ns".into(),
                     name: format!("c{n}"),
                     state,
-                    actions: vec![Action::Mps {
-                        gpu_uuid: GPU.into(),
-                        mig_uuid: None,
-                        request: Some("gpu".into()),
-                    }],
+                    actions,
                     devices: Vec::new(),
                     spec: None,
                     status: Vec::new(),
@@ -611,12 +627,14 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
             )
             .unwrap();
         }
-        // A spec for claim 6 and an orphan no entry knows.
+        // Specs for claims 6 and 8, and an orphan no entry knows.
         let specs = SpecDir::new(f.config().cdi_dir);
         let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
-        specs
-            .write(&ClaimUid::parse(&uid(6)).unwrap(), &spec)
-            .unwrap();
+        for n in [6, 8] {
+            specs
+                .write(&ClaimUid::parse(&uid(n)).unwrap(), &spec)
+                .unwrap();
+        }
         specs
             .write(&ClaimUid::parse(&uid(7)).unwrap(), &spec)
             .unwrap();
@@ -626,7 +644,10 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
         recovery.rolled_back,
         vec![ClaimUid::parse(&uid(5)).unwrap()]
     );
-    assert_eq!(recovery.unprepared, vec![ClaimUid::parse(&uid(6)).unwrap()]);
+    assert_eq!(
+        recovery.unprepared,
+        [6, 8].map(|n| ClaimUid::parse(&uid(n)).unwrap())
+    );
     assert_eq!(
         recovery.orphans_removed,
         vec![ClaimUid::parse(&uid(7)).unwrap()]

@@ -148,77 +148,84 @@ impl Preparer {
         self.changed(NodeChange::gpus_if(gpus_changed));
     }
 
-    /// Undoes a claim that did nothing but hold MIG modes: its record goes
-    /// here, on the async worker (a rename costs less than a hand-over to
-    /// a blocking thread and back). Its spec goes once the unprepares
-    /// pause, and the settling its holds allow (the hardware lock, an NVML
-    /// read) runs after the answer. A crash in between leaves a spec no
-    /// record accounts for, which start-up recovery removes.
+    /// Undoes a claim that did nothing but hold MIG modes: its record is
+    /// rewritten in place as `Unpreparing`, here on the async worker (cheaper
+    /// than a hand-over to a blocking thread and back). Its spec and record
+    /// go once the unprepares pause, and the settling its holds allow (the
+    /// hardware lock, an NVML read) runs after the answer. A crash in
+    /// between leaves an `Unpreparing` record, which start-up recovery
+    /// finishes as it does any other (so does an older version).
     fn undo_holds(self: &Arc<Self>, uid: &ClaimUid) -> Result<Option<ClaimEntry>, UndoError> {
-        let entry = self.checkpoint.remove(uid).map_err(UndoError::Record)?;
+        let entry = (self.checkpoint)
+            .retire(uid, |e| e.state = EntryState::Unpreparing)
+            .map_err(UndoError::Record)?;
         self.changed(NodeChange::Records);
-        self.remove_spec_later(uid.clone());
+        self.remove_files_later(uid.clone());
         if let Some(entry) = &entry {
             self.settle_later(entry.mig_mode_holds().map(str::to_owned));
         }
         Ok(entry)
     }
 
-    /// Removes the spec of an unprepared claim once no unprepare came for
-    /// [`SPECS_QUIET`] (at most [`SPECS_AT_MOST`] later): the kubelet no
-    /// longer uses it, and a burst of unprepares answers without the
-    /// renames.
-    fn remove_spec_later(self: &Arc<Self>, uid: ClaimUid) {
+    /// Removes the spec and the retired record of an unprepared claim once
+    /// no unprepare came for [`SPECS_QUIET`] (at most [`SPECS_AT_MOST`]
+    /// later): the kubelet no longer uses them, and a burst of unprepares
+    /// answers without the renames.
+    fn remove_files_later(self: &Arc<Self>, uid: ClaimUid) {
         let mut unsettled = self.unsettled();
-        unsettled.specs.push(uid);
-        unsettled.last_spec = Some(Instant::now());
+        unsettled.files.push(uid);
+        unsettled.last_unprepared = Some(Instant::now());
         if unsettled.removing {
             return;
         }
         unsettled.removing = true;
         let this = self.clone();
-        tokio::spawn(async move { this.remove_specs_when_quiet().await });
+        tokio::spawn(async move { this.remove_files_when_quiet().await });
     }
 
-    async fn remove_specs_when_quiet(self: Arc<Self>) {
+    async fn remove_files_when_quiet(self: Arc<Self>) {
         let began = Instant::now();
         loop {
-            let last = self.unsettled().last_spec.unwrap_or(began);
+            let last = self.unsettled().last_unprepared.unwrap_or(began);
             let quiet_at = (last + SPECS_QUIET).min(began + SPECS_AT_MOST);
             if Instant::now() >= quiet_at {
                 break;
             }
             tokio::time::sleep_until(quiet_at.into()).await;
         }
-        self.remove_pending_specs().await;
+        self.remove_unprepared_files().await;
     }
 
-    /// Removes now the specs of unprepared claims still to remove (the
-    /// node stopping: none is left behind for the next start to find).
-    pub async fn remove_pending_specs(&self) {
+    /// Removes now the specs and records of unprepared claims still to
+    /// remove (the node stopping: none is left for the next start).
+    pub async fn remove_unprepared_files(&self) {
         loop {
-            let specs = {
+            let claims = {
                 let mut unsettled = self.unsettled();
-                if unsettled.specs.is_empty() {
+                if unsettled.files.is_empty() {
                     unsettled.removing = false;
                     return;
                 }
-                std::mem::take(&mut unsettled.specs)
+                std::mem::take(&mut unsettled.files)
             };
-            for uid in specs {
-                self.remove_unheld_spec(&uid).await;
+            for uid in claims {
+                self.remove_unheld_files(&uid).await;
             }
         }
     }
 
-    /// Removes `uid`'s spec unless the claim was prepared again meanwhile.
-    async fn remove_unheld_spec(&self, uid: &ClaimUid) {
+    /// Removes `uid`'s spec, then its retired record, unless the claim was
+    /// prepared again meanwhile. What is left on a failure, start-up
+    /// recovery removes: the record says `Unpreparing`.
+    async fn remove_unheld_files(&self, uid: &ClaimUid) {
         let _guard = self.locks.lock(uid).await;
         if self.checkpoint.lock().contains_key(uid) {
             return;
         }
-        if let Err(e) = self.specs.remove(uid) {
-            warn!(claim = %uid, "removing the CDI spec of an unprepared claim: {e} (start-up recovery removes it)");
+        let removed = (self.specs.remove(uid).map_err(UndoError::Spec))
+            .and_then(|()| self.checkpoint.drop_retired(uid).map_err(UndoError::Record));
+        if let Err(e) = removed {
+            warn!(claim = %uid, "{e} (start-up recovery finishes the unprepare)");
         }
     }
 
@@ -310,8 +317,9 @@ fn newer_fields(uid: &ClaimUid, fields: &[String]) -> enforce::Report {
 pub(super) struct Unsettled {
     gpus: BTreeSet<String>,
     running: bool,
-    specs: Vec<ClaimUid>,
-    /// When the last spec was left to remove.
-    last_spec: Option<Instant>,
+    /// Claims whose spec and retired record are still to remove.
+    files: Vec<ClaimUid>,
+    /// When the last of them was unprepared.
+    last_unprepared: Option<Instant>,
     removing: bool,
 }

@@ -70,7 +70,9 @@ pub fn read_snapshot<T: DeserializeOwned + Serialize>(
         }
     }
     for (stem, path) in record_files(&state_dir.join(RECORDS_DIR))? {
-        match read_record::<T>(&stem, &path) {
+        // A record the node rewrites in place as it is read may be seen
+        // half-written: read once more before calling it unreadable.
+        match read_record::<T>(&stem, &path).or_else(|_| read_record::<T>(&stem, &path)) {
             Ok(r) => read.push((r.boot, r.claim, r.entry)),
             // Removed by the node process between listing and reading.
             Err(_) if !path.exists() => {}

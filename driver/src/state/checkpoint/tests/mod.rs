@@ -590,3 +590,5 @@ fn spares_are_kept_up_to_their_bound() {
     }
     assert_eq!(spares(&f).len(), crate::cdi::spare::MAX_SPARES);
 }
+
+mod retire;
