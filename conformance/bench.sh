@@ -219,5 +219,27 @@ if ((!quick)); then
 			--capacity memory=1Gi --capacity cores=1 |
 			sed "s/^{/{\"round\":$round,\"phase\":\"pods24\",\"isolated\":true,/" | record
 	done
+	# The same pods, one created every 250 ms: how many start together is
+	# the schedule's, the same for every driver, not decided by which pods
+	# the node authorizer refuses (those wait a minute for the kubelet's
+	# resync). The driver that goes first swaps each round.
+	paced() {
+		local tag=$1
+		shift
+		"$BENCH" pods --every-ms 250 --pods 24 "$@" |
+			sed "s/^{/{\"round\":$round,\"phase\":\"pods24_paced\",$tag/" | record
+	}
+	for ((round = 1; round <= 3; round++)); do
+		say "24 pods one every 250 ms, round $round of 3"
+		if ((round % 2)); then
+			paced "" --driver "$GO_DRIVER" --class "$GO_DRIVER"
+			paced "" --driver "$TESSERA" --class gpu.tessera.dev
+		else
+			paced "" --driver "$TESSERA" --class gpu.tessera.dev
+			paced "" --driver "$GO_DRIVER" --class "$GO_DRIVER"
+		fi
+		paced '"isolated":true,' --driver "$TESSERA" --class gpu-isolated.tessera.dev \
+			--capacity memory=1Gi --capacity cores=1
+	done
 fi
 say "results in $RESULTS"

@@ -58,7 +58,7 @@ enum Command {
         #[arg(long)]
         device_status: bool,
     },
-    /// Pods with one claim each, all created at once, run and deleted; the
+    /// Pods with one claim each, created at once (or on a schedule), run and deleted; the
     /// kubelet's histogram of the plugin's calls over the run.
     Pods {
         #[arg(long)]
@@ -74,6 +74,11 @@ enum Command {
         /// `memory=1Gi`, repeated): a share of a device.
         #[arg(long = "capacity")]
         capacity: Vec<String>,
+        /// Create one pod every this many milliseconds instead of all at
+        /// once: how many start together is then the schedule's, not
+        /// decided by which pods the node authorizer refuses.
+        #[arg(long, default_value_t = 0)]
+        every_ms: u64,
     },
     /// Waits for the driver's first slice for the pool and reports how long
     /// after the start of the process in --pid-file it appeared.
@@ -266,6 +271,7 @@ async fn main() -> Result<()> {
             pods,
             image,
             capacity,
+            every_ms,
         } => {
             let capacity = pairs(&capacity, "--capacity")?;
             let ns = cluster.create_namespace("bench-pods").await?;
@@ -277,6 +283,7 @@ async fn main() -> Result<()> {
                 pods,
                 timeout: Duration::from_secs(300),
                 capacity,
+                every: Duration::from_millis(every_ms),
             };
             let start = PodStart::new(&cluster).await?;
             let result = cluster::pods_run(&start, &ns, &run).await;

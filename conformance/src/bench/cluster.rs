@@ -148,6 +148,8 @@ pub fn kubelet_histogram(metrics: &str, driver: &str, method: &str) -> Histogram
 #[derive(Debug, Clone, Serialize)]
 pub struct PodsResult {
     pub pods: usize,
+    /// One pod created every this long (0: all at once).
+    pub every_ms: f64,
     pub prepare: KubeletView,
     pub unprepare: KubeletView,
     /// From the first pod created to all running.
@@ -204,9 +206,13 @@ pub struct PodsRun {
     pub timeout: Duration,
     /// Capacity each claim requests (`NAME` -> quantity): a share.
     pub capacity: BTreeMap<String, String>,
+    /// Pods created one every this long (an arrival schedule, open loop);
+    /// zero: all at once.
+    pub every: Duration,
 }
 
-/// Creates the run's pods at once, waits until they run, deletes them;
+/// Creates the run's pods (at once, or on a schedule), waits until they
+/// run, deletes them;
 /// the kubelet's histogram deltas and where the pods' start went.
 pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Result<PodsResult> {
     let kubelet = start.kubelet();
@@ -218,6 +224,7 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
         pods,
         timeout,
         capacity,
+        every,
     } = run;
     let (node, driver, pods, timeout) = (node.as_str(), driver.as_str(), *pods, *timeout);
     let pp = PostParams::default();
@@ -249,6 +256,9 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     let mut created = BTreeMap::new();
     let began = Instant::now();
     for i in 0..pods {
+        // The schedule, not a wait for anything: the i-th pod arrives at
+        // i * every whatever the earlier ones do.
+        tokio::time::sleep_until((began + *every * i as u32).into()).await;
         let pod: Pod = serde_json::from_value(json!({
             "metadata": { "name": format!("bench-{i:03}"), "labels": { "app": "bench" } },
             "spec": {
@@ -321,6 +331,7 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     let requests_after = requests().await?;
     Ok(PodsResult {
         pods,
+        every_ms: every.as_secs_f64() * 1e3,
         prepare: KubeletView::of(&delta("NodePrepareResources")),
         unprepare: KubeletView::of(&delta("NodeUnprepareResources")),
         all_running_s,
