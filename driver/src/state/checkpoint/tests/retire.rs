@@ -107,3 +107,26 @@ fn a_failed_mark_keeps_the_marked_entry_for_a_retry() {
     assert!(cp.lock()[&uid(1)].leaving, "kept, marked, for the retry");
     assert_eq!(fs::read(f.dir.path().join("elsewhere")).unwrap(), b"keep");
 }
+
+#[test]
+fn a_record_with_a_newer_versions_fields_is_removed_at_once() {
+    let f = Fixture::new();
+    let cp = open_staged(&f);
+    cp.put(uid(1), staged("gpu-0")).unwrap();
+    drop(cp);
+    // What a newer version writes: the same version, one more field, which
+    // a rewrite by this one would drop.
+    let text = r#"{"device":"gpu-0","partition":{"slices":2}}"#;
+    let record = serde_json::json!({
+        "version": FORMAT_VERSION,
+        "bootId": "boot-a",
+        "crc32": crc32fast::hash(text.as_bytes()),
+        "entry": text,
+    });
+    fs::write(f.record(&uid(1)), record.to_string()).unwrap();
+    let cp = open_staged(&f);
+    assert!(cp.unknown_fields(&uid(1)).is_some());
+    assert!(cp.retire(&uid(1), |e| e.leaving = true).unwrap().is_some());
+    assert!(!f.record(&uid(1)).exists(), "removed, not rewritten");
+    assert_eq!(cp.unknown_fields(&uid(1)), None);
+}
