@@ -637,7 +637,7 @@ async fn a_second_node_process_waits_for_the_first_and_keeps_what_it_prepared() 
         "{}",
         un.claims[&uid].error
     );
-    w.dirs.spec_removed(&uid).await?;
+    w.dirs.claim_files_removed(&uid).await?;
     new.terminate().await?;
     w.namespace.delete().await
 }

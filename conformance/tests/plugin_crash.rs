@@ -469,7 +469,7 @@ async fn crash_cycles(w: &World, seed: u64, cycles: usize) -> Result<()> {
     for (uid, a) in &answer.claims {
         ensure!(a.error.is_empty(), "final unprepare of {uid}: {}", a.error);
     }
-    w.dirs.cdi_files_removed().await?;
+    w.dirs.unprepared_files_removed().await?;
     check_hardware(&w.dirs, &static_migs, &isolated_uid, cycles).await?;
     ensure!(w.dirs.checkpoint().is_empty());
     let leftover: Vec<Value> = w.dirs.checkpoint().into_values().collect();

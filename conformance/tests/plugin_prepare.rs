@@ -300,7 +300,7 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
     // Unprepare: spec, entry and our status entries gone; twice is fine.
     let un = unprepare(&mut k, vec![claim_ref(w.ns(), &claim)]).await?;
     ensure!(un.claims[&uid].error.is_empty(), "{:?}", un.claims[&uid]);
-    w.dirs.spec_removed(&uid).await?;
+    w.dirs.claim_files_removed(&uid).await?;
     ensure!(!w.dirs.checkpoint().contains_key(&uid), "entry left behind");
     wait_for("status.devices cleared", TIMEOUT, || async {
         Ok(status_devices(&claims, "life")
@@ -535,7 +535,7 @@ async fn bad_claims_fail_alone() -> Result<()> {
         "{:?}",
         un.claims[&good_uid]
     );
-    w.dirs.cdi_files_removed().await?;
+    w.dirs.unprepared_files_removed().await?;
     w.namespace.delete().await
 }
 
@@ -611,11 +611,19 @@ async fn many_claims_in_parallel() -> Result<()> {
             ensure!(a.error.is_empty(), "{uid}: {}", a.error);
         }
     }
-    ensure!(w.dirs.checkpoint().is_empty());
+    // Answered: every record is gone or retired (`Unpreparing`, for
+    // start-up recovery to finish should the process die now).
+    let left = w.dirs.checkpoint();
+    ensure!(
+        left.values().all(|e| e["state"] == "Unpreparing"),
+        "{left:?}"
+    );
     plugin.check_running()?;
-    // Stopped at once: the specs still waiting to go go before it exits.
+    // Stopped at once: the specs and records still waiting to go go
+    // before it exits.
     ensure!(plugin.terminate().await?.success());
     ensure!(w.dirs.cdi_files().is_empty(), "{:?}", w.dirs.cdi_files());
+    ensure!(w.dirs.checkpoint().is_empty(), "{:?}", w.dirs.checkpoint());
     w.namespace.delete().await
 }
 
@@ -839,6 +847,6 @@ async fn lost_record_keeps(w: &World) -> Result<()> {
         Ok(w.dirs.mps_daemons().is_empty().then_some(()))
     })
     .await?;
-    w.dirs.spec_removed(&uid).await?;
+    w.dirs.claim_files_removed(&uid).await?;
     plugin.check_running()
 }

@@ -269,28 +269,46 @@ impl PluginDirs {
         names
     }
 
-    /// Waits until claim `uid`'s spec is removed (see
-    /// [`Self::cdi_files_removed`]).
-    pub async fn spec_removed(&self, uid: &str) -> Result<()> {
+    /// Waits until claim `uid`'s spec and record are removed (see
+    /// [`Self::unprepared_files_removed`]).
+    pub async fn claim_files_removed(&self, uid: &str) -> Result<()> {
         wait_for(
-            &format!("the CDI spec of claim {uid} removed"),
+            &format!("the CDI spec and the record of claim {uid} removed"),
             Duration::from_secs(30),
-            || async { Ok(self.spec(uid).is_none().then_some(())) },
+            || async {
+                let gone = self.spec(uid).is_none() && !self.checkpoint().contains_key(uid);
+                Ok(gone.then_some(()))
+            },
         )
         .await
     }
 
-    /// Waits until the CDI directory holds no spec: an unprepare answers
-    /// once a claim's record is gone, its spec goes when the unprepares
-    /// pause.
-    pub async fn cdi_files_removed(&self) -> Result<()> {
+    /// Waits until the CDI directory holds no spec and no record is left
+    /// retired: an unprepare of a claim with nothing to undo on the host
+    /// answers once its record says `Unpreparing`; its spec and record go
+    /// when the unprepares pause.
+    pub async fn unprepared_files_removed(&self) -> Result<()> {
+        let retired = |dirs: &Self| {
+            (dirs.checkpoint().into_iter())
+                .filter(|(_, e)| e["state"] == "Unpreparing")
+                .map(|(uid, _)| uid)
+                .collect::<Vec<_>>()
+        };
         tessera_conformance::wait_for(
-            "the unprepared claims' CDI specs removed",
+            "the unprepared claims' CDI specs and records removed",
             Duration::from_secs(30),
-            || async { Ok(self.cdi_files().is_empty().then_some(())) },
+            || async {
+                Ok((self.cdi_files().is_empty() && retired(self).is_empty()).then_some(()))
+            },
         )
         .await
-        .with_context(|| format!("{:?} left", self.cdi_files()))
+        .with_context(|| {
+            format!(
+                "{:?} and records {:?} left",
+                self.cdi_files(),
+                retired(self)
+            )
+        })
     }
 
     /// The hidden files of the CDI directory: the spares the plugin keeps
