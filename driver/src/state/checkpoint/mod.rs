@@ -355,20 +355,7 @@ impl<T: Entry> Checkpoint<T> {
     /// Forgets `claim` and returns once that is on disk; forgetting an
     /// unknown claim is a no-op.
     pub fn remove(&self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
-        let Some(old) = self.lock().remove(claim) else {
-            return Ok(None);
-        };
-        let path = self.record_path(claim);
-        match self.spares.remove(&path) {
-            Ok(()) => {
-                self.unknown_lock().remove(claim);
-                Ok(Some(old))
-            }
-            Err(source) => {
-                self.lock().insert(claim.clone(), old);
-                Err(CheckpointError::Write { path, source })
-            }
-        }
+        self.forget(claim, |_, path| self.spares.remove(path))
     }
 
     /// Forgets `claim` in memory and rewrites its record in place as
@@ -377,30 +364,42 @@ impl<T: Entry> Checkpoint<T> {
     /// file goes later, with [`Self::drop_retired`]: a rewrite in place
     /// costs a third of the rename that removes it ([`in_place`]). A
     /// record longer than a page, or with fields of a newer version, is
-    /// removed at once instead. On a failed
-    /// write the marked entry is kept in memory, so a retry finds it.
+    /// removed at once instead. On a failed write the marked entry is kept
+    /// in memory, so a retry finds it.
     pub fn retire(
         &self,
         claim: &ClaimUid,
         mark: impl FnOnce(&mut T),
     ) -> Result<Option<T>, CheckpointError> {
-        let Some(mut entry) = self.lock().remove(claim) else {
-            return Ok(None);
-        };
-        mark(&mut entry);
-        let path = self.record_path(claim);
-        // A newer version's fields would not survive the rewrite.
-        let written = match self.unknown_lock().contains_key(claim) {
-            true => self.spares.remove(&path),
-            false => match in_place::overwrite(&path, &encode_record(&self.boot_id, &entry)) {
+        self.forget(claim, |entry, path| {
+            mark(entry);
+            // A newer version's fields would not survive the rewrite.
+            if self.unknown_lock().contains_key(claim) {
+                return self.spares.remove(path);
+            }
+            match in_place::overwrite(path, &encode_record(&self.boot_id, entry)) {
                 Ok(in_place::Overwrite::Done) => Ok(()),
-                Ok(in_place::Overwrite::TooLong) => self.spares.remove(&path),
+                Ok(in_place::Overwrite::TooLong) => self.spares.remove(path),
                 // Already gone: nothing left to mark.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
                 Err(e) => Err(e),
-            },
+            }
+        })
+    }
+
+    /// Takes `claim`'s entry out of memory and lets `change` change it and
+    /// its record file; the entry as `change` left it is returned, or put
+    /// back if the file could not be changed.
+    fn forget(
+        &self,
+        claim: &ClaimUid,
+        change: impl FnOnce(&mut T, &Path) -> std::io::Result<()>,
+    ) -> Result<Option<T>, CheckpointError> {
+        let Some(mut entry) = self.lock().remove(claim) else {
+            return Ok(None);
         };
-        match written {
+        let path = self.record_path(claim);
+        match change(&mut entry, &path) {
             Ok(()) => {
                 self.unknown_lock().remove(claim);
                 Ok(Some(entry))
