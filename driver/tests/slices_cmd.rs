@@ -31,9 +31,9 @@ fn devices(slices: &[Value]) -> Vec<&Value> {
 #[test]
 fn full_model_for_eight_h100s() {
     let slices = slices_json("h100x8.yaml", &[]);
-    // One counter slice, then each GPU's 29 devices (whole, 2 shares, 25
-    // MIG placements, the monitoring device) in a slice of its own.
-    assert_eq!(slices.len(), 9);
+    // One counter slice, then the GPUs' 29 devices each (whole, 2 shares,
+    // 25 MIG placements, the monitoring device) in slices of 64: 232 in 4.
+    assert_eq!(slices.len(), 5);
     assert_eq!(
         slices[0]["spec"]["sharedCounters"].as_array().map(Vec::len),
         Some(8)
@@ -43,8 +43,18 @@ fn full_model_for_eight_h100s() {
     for s in &slices {
         assert_eq!(s["spec"]["nodeName"], "node-a");
         assert_eq!(s["spec"]["driver"], "gpu.tessera.dev");
-        assert_eq!(s["spec"]["pool"]["resourceSliceCount"], 9);
+        assert_eq!(s["spec"]["pool"]["resourceSliceCount"], 5);
     }
+    // Whole GPUs come first, in GPU order, then the shares: the scheduler
+    // walks devices in this order.
+    let mut want: Vec<String> = (0..8).map(|n| format!("gpu-{n}")).collect();
+    want.push("gpu-0-isolated".into());
+    let first: Vec<&str> = devices(&slices)
+        .into_iter()
+        .take(9)
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(first, want);
     let isolated = devices(&slices)
         .into_iter()
         .find(|d| d["name"] == "gpu-0-isolated")
@@ -94,8 +104,9 @@ fn policy_and_driver_name_are_applied() {
         .iter()
         .filter_map(|d| d["name"].as_str())
         .collect();
-    // `whole` only, and a monitoring device per GPU in every mode.
-    assert_eq!(names, ["gpu-0", "gpu-0-monitor", "gpu-1", "gpu-1-monitor"]);
+    // `whole` only, and a monitoring device per GPU in every mode (after
+    // every GPU: the scheduler walks devices in that order).
+    assert_eq!(names, ["gpu-0", "gpu-1", "gpu-0-monitor", "gpu-1-monitor"]);
     assert!(
         slices
             .iter()

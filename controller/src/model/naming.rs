@@ -201,12 +201,14 @@ pub fn slug(text: &str) -> String {
     out
 }
 
-/// `<node>-<driver>-<k>`. Names that would exceed the 253 characters of a
-/// DNS subdomain keep a prefix of the base and a hash of all of it (as its
-/// own DNS label), so they stay valid, unique and stable.
+/// `<node>-<driver>-<k>`, `k` of at least three digits so that names sort
+/// as the slices are ordered (the scheduler walks them by name). Names that
+/// would exceed the 253 characters of a DNS subdomain keep a prefix of the
+/// base and a hash of all of it (as its own DNS label), so they stay valid,
+/// unique and stable.
 pub fn slice_name(node: &str, driver: &DriverName, k: usize) -> String {
     let base = format!("{node}-{}", driver.as_str());
-    let suffix = format!("-{k}");
+    let suffix = format!("-{k:03}");
     if base.len() + suffix.len() <= 253 {
         return format!("{base}{suffix}");
     }
@@ -293,7 +295,10 @@ mod tests {
     #[test]
     fn long_slice_names_stay_valid_and_distinct() {
         let driver = DriverName::default();
-        assert_eq!(slice_name("node-1", &driver, 3), "node-1-gpu.tessera.dev-3");
+        assert_eq!(
+            slice_name("node-1", &driver, 3),
+            "node-1-gpu.tessera.dev-003"
+        );
         let long_a = format!("{}.a", "n".repeat(60)).repeat(4);
         let long_b = format!("{}.b", "n".repeat(60)).repeat(4);
         let a = slice_name(&long_a, &driver, 0);

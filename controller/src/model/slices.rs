@@ -6,13 +6,24 @@
 //! 1. Counter slices: the GPUs' counter sets, at most `max_counter_sets` per
 //!    slice, in GPU order. Since 1.35 a slice carries either `sharedCounters`
 //!    or `devices`, never both.
-//! 2. Device slices, one GPU after the other: a GPU's devices never share a
-//!    slice with another GPU's, so a change on one GPU (a MIG instance
-//!    appearing) touches only that GPU's slice. A GPU with more devices than
-//!    fit (64 when any consumes counters or carries a taint, 128 otherwise)
-//!    spans several.
+//! 2. Device slices: every device of the node in the order a claim most
+//!    likely wants it, whole GPUs first, then shares, then MIG devices, then
+//!    the monitoring devices (each group in GPU order), packed as full as
+//!    the limits allow (64 devices when any consumes counters or carries a
+//!    taint, 128 otherwise).
 //!
-//! Slice `k` is named `<node>-<driver>-<k>`; every slice carries the same
+//! Why that order: the scheduler's allocator walks a pool's device slices
+//! by name and each slice's devices in order, and for every device not in
+//! use it decodes the device and evaluates the class's CEL selector. With a
+//! GPU's 29 devices together, a claim for a whole GPU evaluated the 28
+//! others of every GPU before a free one: on 24 GPUs with 12 taken, 336
+//! evaluations and about 7 ms per pod per node, against one evaluation
+//! past the taken GPUs (which it skips without evaluating) now. Any change
+//! rewrites every slice with the next pool generation anyway, so grouping
+//! by GPU saved no writes.
+//!
+//! Slice `k` is named `<node>-<driver>-<k>` with `k` of at least three
+//! digits, so that name order is slice order; every slice carries the same
 //! pool generation and the total slice count.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -22,8 +33,9 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
+use super::devices::DeviceKind;
 use super::naming::{self, DriverName};
-use super::plan::GpuOutput;
+use super::plan::{GpuOutput, Planned};
 use super::{ModelError, SliceLimits, quantity};
 
 /// What goes into one slice.
@@ -55,20 +67,12 @@ pub fn assemble(
     for chunk in counter_sets.chunks(limits.max_counter_sets.max(1)) {
         contents.push(Content::Counters(chunk.to_vec()));
     }
-
-    for gpu in gpus {
-        let devices: Vec<Device> = gpu.devices.into_iter().map(|p| p.device).collect();
-        let advanced = devices.iter().any(uses_advanced_features);
-        let per_slice = if advanced {
-            limits.max_devices_with_counters
-        } else {
-            limits.max_devices
-        }
-        .max(1);
-        for chunk in devices.chunks(per_slice) {
-            contents.push(Content::Devices(chunk.to_vec()));
-        }
-    }
+    let devices = gpus.into_iter().flat_map(|g| g.devices).collect();
+    contents.extend(
+        pack_devices(limits, devices)
+            .into_iter()
+            .map(Content::Devices),
+    );
 
     let count = i64::try_from(contents.len()).unwrap_or(i64::MAX);
     contents
@@ -100,6 +104,44 @@ pub fn assemble(
             }
         })
         .collect()
+}
+
+/// Where a device comes in the allocator's walk: what most claims ask for
+/// first (see the module docs).
+fn walk_rank(kind: &DeviceKind) -> u8 {
+    match kind {
+        DeviceKind::Whole => 0,
+        DeviceKind::Share { .. } | DeviceKind::Replica { .. } => 1,
+        DeviceKind::Mig { .. } => 2,
+        DeviceKind::Monitor => 3,
+    }
+}
+
+/// The devices (in GPU order) in walk order, cut into slices as full as
+/// the limits allow.
+fn pack_devices(limits: &SliceLimits, mut devices: Vec<Planned>) -> Vec<Vec<Device>> {
+    // Stable: each group keeps GPU order and each GPU's own order.
+    devices.sort_by_key(|p| walk_rank(&p.reference.kind));
+    let mut slices: Vec<Vec<Device>> = Vec::new();
+    let mut advanced = false;
+    for device in devices.into_iter().map(|p| p.device) {
+        let with = advanced || uses_advanced_features(&device);
+        let room = match with {
+            true => limits.max_devices_with_counters,
+            false => limits.max_devices,
+        };
+        match slices.last_mut() {
+            Some(slice) if slice.len() < room.max(1) => {
+                slice.push(device);
+                advanced = with;
+            }
+            _ => {
+                advanced = uses_advanced_features(&device);
+                slices.push(vec![device]);
+            }
+        }
+    }
+    slices
 }
 
 fn consumes_counters(device: &Device) -> bool {

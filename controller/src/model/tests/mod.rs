@@ -998,8 +998,8 @@ fn eight_h100_split_within_limits() {
     check_pool(&model.slices, &SliceLimits::V1_36).unwrap();
     // 28 work devices and a monitoring device per GPU.
     assert_eq!(all_devices(&model.slices).len(), 8 * 29);
-    // One counter slice with 8 sets, then one device slice per GPU.
-    assert_eq!(model.slices.len(), 9);
+    // One counter slice with 8 sets, then the 232 devices in slices of 64.
+    assert_eq!(model.slices.len(), 5);
     assert_eq!(
         model.slices[0].spec.shared_counters.as_ref().unwrap().len(),
         8
@@ -1008,23 +1008,30 @@ fn eight_h100_split_within_limits() {
     for (k, slice) in model.slices.iter().enumerate() {
         assert_eq!(
             slice.metadata.name.as_deref(),
-            Some(format!("node-a-gpu.tessera.dev-{k}").as_str())
+            Some(format!("node-a-gpu.tessera.dev-00{k}").as_str())
         );
         assert_eq!(slice.spec.pool.name, "node-a");
-        assert_eq!(slice.spec.pool.resource_slice_count, 9);
+        assert_eq!(slice.spec.pool.resource_slice_count, 5);
         assert_eq!(slice.spec.node_name.as_deref(), Some("node-a"));
         assert_eq!(slice.spec.driver, "gpu.tessera.dev");
         if k > 0 {
-            let devices = slice.spec.devices.as_ref().unwrap();
-            assert!(devices.len() <= 64);
-            let gpu = format!("gpu-{}", k - 1);
-            assert!(
-                devices
-                    .iter()
-                    .all(|d| d.name == gpu || d.name.starts_with(&format!("{gpu}-")))
-            );
+            assert!(slice.spec.devices.as_ref().unwrap().len() <= 64);
         }
     }
+    // The scheduler walks devices in this order: whole GPUs first, then
+    // shares, MIG devices and monitors, each in GPU order.
+    let walk: Vec<&str> = all_devices(&model.slices)
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect();
+    let whole: Vec<String> = (0..8).map(|n| format!("gpu-{n}")).collect();
+    assert_eq!(walk[..8], whole);
+    assert_eq!(walk[8..10], ["gpu-0-isolated", "gpu-0-shared"]);
+    assert_eq!(walk[22..24], ["gpu-7-isolated", "gpu-7-shared"]);
+    assert!(walk[24..224].iter().all(|d| d.contains("-mig-")));
+    assert!(walk[24].starts_with("gpu-0-") && walk[223].starts_with("gpu-7-"));
+    let monitors: Vec<String> = (0..8).map(|n| format!("gpu-{n}-monitor")).collect();
+    assert_eq!(walk[224..], monitors);
 }
 
 #[test]
@@ -1041,8 +1048,8 @@ fn small_limits_force_more_slices() {
         .filter(|s| s.spec.shared_counters.is_some())
         .count();
     assert_eq!(counter_slices, 3, "8 sets in slices of 3");
-    // 29 devices per GPU in slices of 10 -> 3 per GPU.
-    assert_eq!(model.slices.len(), 3 + 8 * 3);
+    // 232 devices in slices of 10 (the last holds the two monitors left).
+    assert_eq!(model.slices.len(), 3 + 24);
     let all: Vec<&str> = all_devices(&model.slices)
         .iter()
         .map(|d| d.name.as_str())
@@ -1281,7 +1288,7 @@ fn desired_slices_uses_the_driver_name() {
     assert!(slices.iter().all(|s| s.spec.driver == "gpu.example.com"));
     assert_eq!(
         slices[0].metadata.name.as_deref(),
-        Some("n1-gpu.example.com-0")
+        Some("n1-gpu.example.com-000")
     );
 }
 
