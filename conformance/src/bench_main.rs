@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use serde_json::json;
 use tessera_conformance::TestCluster;
 use tessera_conformance::bench::pod_start::PodStart;
-use tessera_conformance::bench::{binder, cluster, grpc, scale, stats};
+use tessera_conformance::bench::{binder, cluster, grpc, pods, scale, stats};
 
 #[derive(Parser)]
 #[command(about = "Benchmarks a DRA kubelet plugin on the local cluster")]
@@ -275,7 +275,7 @@ async fn main() -> Result<()> {
         } => {
             let capacity = pairs(&capacity, "--capacity")?;
             let ns = cluster.create_namespace("bench-pods").await?;
-            let run = cluster::PodsRun {
+            let run = pods::PodsRun {
                 node,
                 driver: driver.clone(),
                 class,
@@ -286,7 +286,7 @@ async fn main() -> Result<()> {
                 every: Duration::from_millis(every_ms),
             };
             let start = PodStart::new(&cluster).await?;
-            let result = cluster::pods_run(&start, &ns, &run).await;
+            let result = pods::pods_run(&start, &ns, &run).await;
             ns.delete().await?;
             println!("{}", json!({ "driver": driver, "kubelet": result? }));
         }

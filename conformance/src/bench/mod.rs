@@ -5,9 +5,12 @@
 //! * [`grpc`]: `NodePrepareResources` / `NodeUnprepareResources` called
 //!   directly on the plugin's socket for claims stored in the API server,
 //!   at a chosen concurrency, latencies timed per call;
-//! * [`cluster`]: the kubelet's own `dra_grpc_operations_duration_seconds`
-//!   for real pods, the API server's ResourceSlice write counters, and the
-//!   time from a process's start to its first slice;
+//! * [`cluster`]: what the cluster's components report (their metrics, the
+//!   kubelet's own `dra_grpc_operations_duration_seconds`), the API
+//!   server's ResourceSlice write counters, and the time from a process's
+//!   start to its first slice;
+//! * [`pods`]: pods of one claim each through the kubelet, creation to
+//!   Running;
 //! * [`pod_start`]: where those pods' start went, stage by stage and
 //!   process by process;
 //! * [`scale`]: many simulated nodes on one control plane: publishing
@@ -20,5 +23,6 @@ pub mod binder;
 pub mod cluster;
 pub mod grpc;
 pub mod pod_start;
+pub mod pods;
 pub mod scale;
 pub mod stats;
