@@ -103,12 +103,13 @@ pub async fn pods_run(start: &PodStart, ns: &TestNamespace, run: &PodsRun) -> Re
     let stages_after = start.read(&component_metrics(kubelet).await?).await?;
     let cpu = cpu.stop().await?;
     let refused = refused_claim_reads(ns).await?;
-    let unrefused = started.latencies(|name| !refused.iter().any(|r| r == name));
+    let held_back = |name: &str| refused.iter().any(|r| r == name);
+    let unrefused = started.latencies(|name| !held_back(name));
     let stages = Stages::between(
         &stages_before,
         &stages_after,
         &cpu,
-        started.last_running(|name| !refused.iter().any(|r| r == name)),
+        started.last_running(|name| !held_back(name)),
         unrefused.len(),
     );
     let after = tear_down(ns, kubelet, run, &before).await?;

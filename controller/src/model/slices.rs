@@ -126,9 +126,10 @@ fn pack_devices(limits: &SliceLimits, mut devices: Vec<Planned>) -> Vec<Vec<Devi
     let mut advanced = false;
     for device in devices.into_iter().map(|p| p.device) {
         let with = advanced || uses_advanced_features(&device);
-        let room = match with {
-            true => limits.max_devices_with_counters,
-            false => limits.max_devices,
+        let room = if with {
+            limits.max_devices_with_counters
+        } else {
+            limits.max_devices
         };
         match slices.last_mut() {
             Some(slice) if slice.len() < room.max(1) => {

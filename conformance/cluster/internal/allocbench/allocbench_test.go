@@ -132,9 +132,11 @@ func charge(state *structured.AllocatedState, r resourceapi.DeviceRequestAllocat
 	}
 }
 
-// fill allocates `claims` claims of `class` in turn on the node.
-func fill(b *testing.B, class string, claims int, capacity map[resourceapi.QualifiedName]resource.Quantity) {
+// fill allocates claims of `class` in turn on the node, one per whole GPU
+// published.
+func fill(b *testing.B, class string, capacity map[resourceapi.QualifiedName]resource.Quantity) {
 	slices, known := inputs(b)
+	claims := wholeGPUs(slices)
 	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: slices[0].Spec.Pool.Name}}
 	cache := cel.NewCache(10, cel.Features{})
 	ctx := context.Background()
@@ -162,9 +164,8 @@ func fill(b *testing.B, class string, claims int, capacity map[resourceapi.Quali
 	b.ReportMetric(float64(spent.Microseconds())/1e3/float64(b.N*claims), "ms/claim")
 }
 
-// gpus is the number of whole GPUs published: a claim for each.
-func gpus(b *testing.B) int {
-	slices, _ := inputs(b)
+// wholeGPUs is the number of whole GPUs the slices publish.
+func wholeGPUs(slices []*resourceapi.ResourceSlice) int {
 	n := 0
 	for _, s := range slices {
 		for _, d := range s.Spec.Devices {
@@ -177,16 +178,16 @@ func gpus(b *testing.B) int {
 }
 
 func BenchmarkWholeGPUs(b *testing.B) {
-	fill(b, "gpu.tessera.dev", gpus(b), nil)
+	fill(b, "gpu.tessera.dev", nil)
 }
 
 func BenchmarkIsolatedShares(b *testing.B) {
-	fill(b, "gpu-isolated.tessera.dev", gpus(b), map[resourceapi.QualifiedName]resource.Quantity{
+	fill(b, "gpu-isolated.tessera.dev", map[resourceapi.QualifiedName]resource.Quantity{
 		"memory": resource.MustParse("1Gi"),
 		"cores":  resource.MustParse("1"),
 	})
 }
 
 func BenchmarkMIGDevices(b *testing.B) {
-	fill(b, "mig.tessera.dev", gpus(b), nil)
+	fill(b, "mig.tessera.dev", nil)
 }
