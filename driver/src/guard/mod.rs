@@ -42,6 +42,7 @@ use crate::claim_uid::ClaimUid;
 use crate::host::process::{Pidfd, ProcessId};
 use crate::metrics::Metrics;
 use crate::metrics::claims::{Consumers, pod_of};
+use crate::metrics::processes::{ProcessList, running};
 use crate::prepare::{PodRef, Preparer};
 use crate::state::events::NodeEvents;
 use crate::state::records::{ClaimEntry, EntryState};
@@ -310,8 +311,8 @@ pub fn sample(nvml: &Nvml, gpu: &str) -> Vec<Observed> {
     };
     let mut out: BTreeMap<u32, Observed> = BTreeMap::new();
     let lists = [
-        (false, device.running_compute_processes()),
-        (true, device.mps_running_compute_processes()),
+        (false, running(nvml, &device, ProcessList::Compute)),
+        (true, running(nvml, &device, ProcessList::MpsClients)),
     ];
     for (mps_client, list) in lists {
         let list = list.unwrap_or_else(|e| {

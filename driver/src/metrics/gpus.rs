@@ -17,6 +17,8 @@ use nvml_wrapper::error::NvmlError;
 use tessera_api::inventory::Gpu;
 use tracing::debug;
 
+use super::processes::{ProcessList, running};
+
 /// One GPU's reading.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GpuReading {
@@ -80,11 +82,15 @@ pub fn read(nvml: &Nvml, gpu: &Gpu, since_us: u64) -> Option<GpuReading> {
     // MPS clients are listed apart from processes with a context of their
     // own; a pid in both counts once, with the larger figure.
     let mut processes: Vec<ProcessUse> = Vec::new();
-    let own = optional(uuid, "processes", device.running_compute_processes());
+    let own = optional(
+        uuid,
+        "processes",
+        running(nvml, &device, ProcessList::Compute),
+    );
     let mps = optional(
         uuid,
         "MPS processes",
-        device.mps_running_compute_processes(),
+        running(nvml, &device, ProcessList::MpsClients),
     );
     for p in own.into_iter().chain(mps).flatten() {
         let on_mig = gpu.mig.instances().iter().find(|i| {

@@ -16,6 +16,7 @@ pub mod claims;
 mod families;
 pub mod gpus;
 pub mod memory;
+pub mod processes;
 pub mod renders;
 pub mod server;
 

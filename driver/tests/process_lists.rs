@@ -1,0 +1,100 @@
+//! NVML's process lists as the claim guard and the metrics read them: every
+//! process on the device, in both lists, also when more run than the first
+//! call has room for, against the simulated NVML with real processes.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::{Child, Command};
+
+use nvml_wrapper::Nvml;
+use tessera_driver::metrics::processes::{ProcessList, running};
+use tessera_fake_nvml::load::{Channel, DeviceLoad, Record};
+
+/// A `sleep` whose load record says it holds `bytes` on `gpu`.
+fn loaded(gpu: &str, bytes: u64, mps_client: bool) -> Child {
+    let channel = Channel::inheritable().expect("a load file");
+    let child = Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .expect("sleep starts");
+    let record = Record {
+        devices: vec![DeviceLoad {
+            uuid: gpu.to_owned(),
+            memory_bytes: bytes,
+            busy_until_ms: 0,
+            sm_percent: 100,
+            mps_client,
+        }],
+        ..Record::of_process(&Path::new("/proc").join(child.id().to_string()))
+            .expect("/proc says who the child is")
+    };
+    channel.publish(&record).expect("the record is written");
+    child
+}
+
+fn pids(children: &[Child]) -> BTreeSet<u32> {
+    children.iter().map(Child::id).collect()
+}
+
+#[test]
+fn every_process_is_listed_however_many_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let topology = Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/topologies/h100x8.yaml");
+    // SAFETY: the only test of this binary; set before NVML starts.
+    unsafe {
+        std::env::set_var("TESSERA_FAKE_NVML_TOPOLOGY", &topology);
+        std::env::set_var("TESSERA_FAKE_NVML_STATE", dir.path().join("machine.state"));
+        std::env::set_var("TESSERA_FAKE_NVML_LOAD", "1");
+    }
+    let nvml = Nvml::builder()
+        .lib_path(tessera_test_kit::artifacts::fake_nvml_lib().as_os_str())
+        .init()
+        .expect("the simulated NVML starts");
+    let gpu = nvml.device_by_index(0).unwrap();
+    let other = nvml.device_by_index(1).unwrap();
+    let uuid = gpu.uuid().unwrap();
+
+    // More processes with a context of their own than the first call's
+    // room, a few MPS clients, and one process on another GPU.
+    let mut own: Vec<Child> = (0..40).map(|_| loaded(&uuid, 1 << 20, false)).collect();
+    let mut clients: Vec<Child> = (0..3).map(|_| loaded(&uuid, 2 << 20, true)).collect();
+    let mut elsewhere = loaded(&other.uuid().unwrap(), 1 << 20, false);
+
+    let listed = |device, list| -> BTreeSet<u32> {
+        running(&nvml, device, list)
+            .unwrap()
+            .into_iter()
+            .map(|p| p.pid)
+            .collect()
+    };
+    assert_eq!(listed(&gpu, ProcessList::Compute), pids(&own));
+    assert_eq!(listed(&gpu, ProcessList::MpsClients), pids(&clients));
+    assert_eq!(listed(&other, ProcessList::MpsClients), BTreeSet::new());
+    // The same lists nvml-wrapper reads in two calls each.
+    let wrapper = |list: Vec<nvml_wrapper::struct_wrappers::device::ProcessInfo>| {
+        list.into_iter().map(|p| p.pid).collect::<BTreeSet<_>>()
+    };
+    assert_eq!(
+        wrapper(gpu.running_compute_processes().unwrap()),
+        pids(&own)
+    );
+    let memory: Vec<_> = running(&nvml, &gpu, ProcessList::MpsClients)
+        .unwrap()
+        .into_iter()
+        .map(|p| p.used_gpu_memory)
+        .collect();
+    assert_eq!(
+        memory,
+        vec![nvml_wrapper::enums::device::UsedGpuMemory::Used(2 << 20); 3]
+    );
+
+    for child in own
+        .iter_mut()
+        .chain(clients.iter_mut())
+        .chain([&mut elsewhere])
+    {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    assert_eq!(listed(&gpu, ProcessList::Compute), BTreeSet::new());
+}
