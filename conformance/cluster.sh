@@ -6,7 +6,7 @@
 # See docs/development.md.
 #
 # usage: conformance/cluster.sh build|kube-bin|start|stop|status|env|add-nodes N|logs [component] [-f]
-#        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS]
+#        conformance/cluster.sh node-start --topology FILE [--policy FILE] [--driver-name NAME] [--cdi-dir DIR] [-- PLUGIN FLAGS]
 #        conformance/cluster.sh node-stop
 #        conformance/cluster.sh kill|revive COMPONENT
 #   kill ends one component (etcd, containerd, kube-apiserver,
@@ -17,6 +17,10 @@
 #   driver/fake-nvml/topologies/), from binaries cargo built; the node's state
 #   (<state dir>/node) outlives node-stop, and a restart without arguments
 #   reuses its topology, policy and driver name. `stop` stops it too.
+#   --cdi-dir puts the node process's CDI specs in DIR instead of the node's
+#   spec dir, which containerd watches; nothing reads DIR, so no container can
+#   use what the node prepares until a node-start without it (benchmarks of
+#   the plugin calls alone: containerd reads every spec again on each change).
 #   TESSERA_KUBE_VERSION=v1.36.3 builds and starts that release instead of
 #   the default (conformance/cluster/go.mod; others: go-1.<minor>.mod).
 #   kube-bin prints the control plane binary's path (built when needed),
@@ -930,17 +934,18 @@ node_published() { # log-offset
 }
 
 cmd_node_start() {
-	local topology="" policy="" driver="" a
+	local topology="" policy="" driver="" cdi_dir="" a
 	local -a extra=()
 	while (($#)); do
 		a=$1
 		shift
 		case "$a" in
-		--topology | --policy | --driver-name)
+		--topology | --policy | --driver-name | --cdi-dir)
 			(($#)) || die "$a needs a value"
 			case "$a" in
 			--topology) topology=$1 ;;
 			--policy) policy=$1 ;;
+			--cdi-dir) cdi_dir=$1 ;;
 			*) driver=$1 ;;
 			esac
 			shift
@@ -949,7 +954,7 @@ cmd_node_start() {
 			extra=("$@")
 			break
 			;;
-		*) die "node-start: unknown argument '$a' (usage: $0 node-start --topology FILE [--policy FILE] [--driver-name NAME] [-- PLUGIN FLAGS...])" ;;
+		*) die "node-start: unknown argument '$a' (usage: $0 node-start --topology FILE [--policy FILE] [--driver-name NAME] [--cdi-dir DIR] [-- PLUGIN FLAGS...])" ;;
 		esac
 	done
 	load_state || die "no cluster state in $DIR (run: $0 start)"
@@ -984,7 +989,8 @@ cmd_node_start() {
 	fi
 	node_binaries
 
-	mkdir -p "$NODE_DIR/cdi" "$NODE_DIR/state" "$(sim_kernel_dir)"
+	cdi_dir=${cdi_dir:-$NODE_DIR/cdi}
+	mkdir -p "$cdi_dir" "$NODE_DIR/state" "$(sim_kernel_dir)"
 	mount_mps_dir
 	if [[ ! -f "$(sim_kernel_dir)/topology.yaml" ]]; then
 		cp "$topology" "$(sim_kernel_dir)/topology.yaml.tmp"
@@ -1005,7 +1011,7 @@ cmd_node_start() {
 	plugin_args=(--nvml-library "$(node_nvml_dir)/libnvidia-ml.so.1" plugin
 		--node-name "$NODE_NAME" --driver-name "$NODE_DRIVER" --kubeconfig "$DIR/kubeconfig"
 		--kubelet-registry-dir "$DIR/kubelet/plugins_registry" --kubelet-plugins-dir "$DIR/kubelet/plugins"
-		--cdi-dir "$NODE_DIR/cdi" --state-dir "$NODE_DIR/state" --driver-root "$(node_driver_root)"
+		--cdi-dir "$cdi_dir" --state-dir "$NODE_DIR/state" --driver-root "$(node_driver_root)"
 		--mps-dir "$(node_mps_dir)" --hami-core-dir "$(node_hami_core_dir)"
 		--health-socket "$(node_health_socket)")
 	if [[ -f "$NODE_DIR/policy.yaml" ]]; then plugin_args+=(--policy "$NODE_DIR/policy.yaml"); fi
