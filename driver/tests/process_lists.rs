@@ -32,14 +32,31 @@ fn loaded(gpu: &str, bytes: u64, mps_client: bool) -> Child {
     child
 }
 
-fn pids(children: &[Child]) -> BTreeSet<u32> {
-    children.iter().map(Child::id).collect()
+/// Processes that end with the test, whatever its outcome: a record left
+/// behind would show on these GPUs to every later reader on the machine.
+struct Held(Vec<Child>);
+
+impl Held {
+    fn pids(&self) -> BTreeSet<u32> {
+        self.0.iter().map(Child::id).collect()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 #[test]
 fn every_process_is_listed_however_many_run() {
     let dir = tempfile::tempdir().unwrap();
-    let topology = Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/topologies/h100x8.yaml");
+    // GPUs no test on a cluster simulates: the records below are seen by
+    // every reader of these UUIDs on the machine while they live.
+    let topology = Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/topologies/l4x2.yaml");
     // SAFETY: the only test of this binary; set before NVML starts.
     unsafe {
         std::env::set_var("TESSERA_FAKE_NVML_TOPOLOGY", &topology);
@@ -56,9 +73,9 @@ fn every_process_is_listed_however_many_run() {
 
     // More processes with a context of their own than the first call's
     // room, a few MPS clients, and one process on another GPU.
-    let mut own: Vec<Child> = (0..40).map(|_| loaded(&uuid, 1 << 20, false)).collect();
-    let mut clients: Vec<Child> = (0..3).map(|_| loaded(&uuid, 2 << 20, true)).collect();
-    let mut elsewhere = loaded(&other.uuid().unwrap(), 1 << 20, false);
+    let own = Held((0..40).map(|_| loaded(&uuid, 1 << 20, false)).collect());
+    let clients = Held((0..3).map(|_| loaded(&uuid, 2 << 20, true)).collect());
+    let elsewhere = Held(vec![loaded(&other.uuid().unwrap(), 1 << 20, false)]);
 
     let listed = |device, list| -> BTreeSet<u32> {
         running(&nvml, device, list)
@@ -67,8 +84,8 @@ fn every_process_is_listed_however_many_run() {
             .map(|p| p.pid)
             .collect()
     };
-    assert_eq!(listed(&gpu, ProcessList::Compute), pids(&own));
-    assert_eq!(listed(&gpu, ProcessList::MpsClients), pids(&clients));
+    assert_eq!(listed(&gpu, ProcessList::Compute), own.pids());
+    assert_eq!(listed(&gpu, ProcessList::MpsClients), clients.pids());
     assert_eq!(listed(&other, ProcessList::MpsClients), BTreeSet::new());
     // The same lists nvml-wrapper reads in two calls each.
     let wrapper = |list: Vec<nvml_wrapper::struct_wrappers::device::ProcessInfo>| {
@@ -76,7 +93,7 @@ fn every_process_is_listed_however_many_run() {
     };
     assert_eq!(
         wrapper(gpu.running_compute_processes().unwrap()),
-        pids(&own)
+        own.pids()
     );
     let memory: Vec<_> = running(&nvml, &gpu, ProcessList::MpsClients)
         .unwrap()
@@ -88,13 +105,7 @@ fn every_process_is_listed_however_many_run() {
         vec![nvml_wrapper::enums::device::UsedGpuMemory::Used(2 << 20); 3]
     );
 
-    for child in own
-        .iter_mut()
-        .chain(clients.iter_mut())
-        .chain([&mut elsewhere])
-    {
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
+    assert_eq!(listed(&other, ProcessList::Compute), elsewhere.pids());
+    drop((own, clients, elsewhere));
     assert_eq!(listed(&gpu, ProcessList::Compute), BTreeSet::new());
 }
