@@ -7,7 +7,7 @@
 # usage: conformance/bench.sh [--quick] [--grpc]
 #   --quick   fewer claims and one concurrency (a smoke run, not for the docs)
 #   --grpc    the plugin calls only (start to first slice, direct gRPC side by
-#             side, Isolated, memory): a second run of those in 25 minutes
+#             side, Isolated, memory): a second run of those in about 11 minutes
 # env:   TESSERA_BENCH_DIR  cluster state dir (default <repo>/.tessera/bench);
 #        the cluster is started there and stopped at the end.
 # Prints one JSON object per result; they are also kept in

@@ -26,7 +26,7 @@
 #![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,7 +36,8 @@ use tessera_controller::model::policy::GuardAction;
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::guard::judge::Guarded;
 use tessera_driver::guard::{self, Memory};
-use tessera_fake_nvml::load::{Channel, DeviceLoad, Record};
+use tessera_fake_nvml::load::DeviceLoad;
+use tessera_test_kit::gpu_load::{loaded_process, simulate_with_load};
 
 const GIB: u64 = 1 << 30;
 /// Isolated claims (each one Pod, one MPS client) per guarded GPU.
@@ -165,11 +166,7 @@ impl Machine {
         let topology =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/topologies/h100x8.yaml");
         // SAFETY: set before any other thread runs (the guard's starts later).
-        unsafe {
-            std::env::set_var("TESSERA_FAKE_NVML_TOPOLOGY", &topology);
-            std::env::set_var("TESSERA_FAKE_NVML_STATE", dir.path().join("machine.state"));
-            std::env::set_var("TESSERA_FAKE_NVML_LOAD", "1");
-        }
+        unsafe { simulate_with_load(&topology, &dir.path().join("machine.state")) };
         let nvml = Nvml::builder()
             .lib_path(tessera_test_kit::artifacts::fake_nvml_lib().as_os_str())
             .init()
@@ -194,31 +191,25 @@ impl Machine {
     /// A running process of Pod `pod` holding `bytes` on `gpu`, as an MPS
     /// client or with a context of its own.
     fn loaded(&self, gpu: &str, bytes: u64, mps_client: bool, pod: &str) -> Child {
-        let channel = Channel::inheritable().unwrap();
-        let child = Command::new("sleep").arg("3600").spawn().unwrap();
-        let pid = child.id();
-        let cgroup = self.proc.join(pid.to_string());
-        std::fs::create_dir_all(&cgroup).unwrap();
-        std::fs::write(
-            cgroup.join("cgroup"),
-            format!(
-                "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{pid}.scope\n",
-                pod.replace('-', "_")
-            ),
-        )
-        .unwrap();
-        let record = Record {
-            devices: vec![DeviceLoad {
-                uuid: gpu.to_owned(),
-                memory_bytes: bytes,
-                busy_until_ms: 0,
-                sm_percent: 100,
-                mps_client,
-            }],
-            ..Record::of_process(&Path::new("/proc").join(pid.to_string())).unwrap()
+        let load = DeviceLoad {
+            uuid: gpu.to_owned(),
+            memory_bytes: bytes,
+            busy_until_ms: 0,
+            sm_percent: 100,
+            mps_client,
         };
-        channel.publish(&record).unwrap();
-        child
+        let in_pod = |pid: u32| {
+            let cgroup = self.proc.join(pid.to_string());
+            std::fs::create_dir_all(&cgroup)?;
+            std::fs::write(
+                cgroup.join("cgroup"),
+                format!(
+                    "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{pid}.scope\n",
+                    pod.replace('-', "_")
+                ),
+            )
+        };
+        loaded_process(load, in_pod).unwrap()
     }
 }
 

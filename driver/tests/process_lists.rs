@@ -4,32 +4,23 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::Child;
 
 use nvml_wrapper::Nvml;
 use tessera_driver::metrics::processes::{ProcessList, running};
-use tessera_fake_nvml::load::{Channel, DeviceLoad, Record};
+use tessera_fake_nvml::load::DeviceLoad;
+use tessera_test_kit::gpu_load::{loaded_process, simulate_with_load};
 
-/// A `sleep` whose load record says it holds `bytes` on `gpu`.
+/// A process holding `bytes` on `gpu`.
 fn loaded(gpu: &str, bytes: u64, mps_client: bool) -> Child {
-    let channel = Channel::inheritable().expect("a load file");
-    let child = Command::new("sleep")
-        .arg("600")
-        .spawn()
-        .expect("sleep starts");
-    let record = Record {
-        devices: vec![DeviceLoad {
-            uuid: gpu.to_owned(),
-            memory_bytes: bytes,
-            busy_until_ms: 0,
-            sm_percent: 100,
-            mps_client,
-        }],
-        ..Record::of_process(&Path::new("/proc").join(child.id().to_string()))
-            .expect("/proc says who the child is")
+    let load = DeviceLoad {
+        uuid: gpu.to_owned(),
+        memory_bytes: bytes,
+        busy_until_ms: 0,
+        sm_percent: 100,
+        mps_client,
     };
-    channel.publish(&record).expect("the record is written");
-    child
+    loaded_process(load, |_| Ok(())).expect("a process holding load")
 }
 
 /// Processes that end with the test, whatever its outcome: a record left
@@ -58,11 +49,7 @@ fn every_process_is_listed_however_many_run() {
     // every reader of these UUIDs on the machine while they live.
     let topology = Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-nvml/topologies/l4x2.yaml");
     // SAFETY: the only test of this binary; set before NVML starts.
-    unsafe {
-        std::env::set_var("TESSERA_FAKE_NVML_TOPOLOGY", &topology);
-        std::env::set_var("TESSERA_FAKE_NVML_STATE", dir.path().join("machine.state"));
-        std::env::set_var("TESSERA_FAKE_NVML_LOAD", "1");
-    }
+    unsafe { simulate_with_load(&topology, &dir.path().join("machine.state")) };
     let nvml = Nvml::builder()
         .lib_path(tessera_test_kit::artifacts::fake_nvml_lib().as_os_str())
         .init()

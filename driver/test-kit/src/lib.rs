@@ -10,6 +10,7 @@
 pub mod artifacts;
 pub mod cluster;
 pub mod driver_root;
+pub mod gpu_load;
 pub mod source;
 pub mod wait;
 
