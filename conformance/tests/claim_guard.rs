@@ -237,13 +237,20 @@ async fn run(
             } },
         }))
     };
-    for (name, memory, cores, shm, script) in [
-        ("neighbour", "8Gi", "50", None, neighbour_script()),
-        ("hostile", "4Gi", "25", Some("16Mi"), hostile_script()),
+    // Every claim before any pod, so that each is in the scheduler's cache
+    // well before the pod that names it arrives.
+    for (name, memory, cores, shm) in [
+        ("neighbour", "8Gi", "50", None),
+        ("hostile", "4Gi", "25", Some("16Mi")),
     ] {
         claims
             .create(&pp, &claim(name, memory, cores, shm)?)
             .await?;
+    }
+    for (name, script) in [
+        ("neighbour", neighbour_script()),
+        ("hostile", hostile_script()),
+    ] {
         pods.create(&pp, &probe_pod(name, &script, trigger)?)
             .await?;
     }

@@ -310,72 +310,12 @@ impl Kube {
     }
 
     async fn last_event(&self, pod: &str, reason: Option<&str>) -> Option<String> {
-        let events: Api<Event> = Api::namespaced(self.client.clone(), &self.ns);
-        let mut fields = format!("involvedObject.name={pod}");
-        if let Some(r) = reason {
-            fields.push_str(&format!(",reason={r}"));
-        } else {
-            fields.push_str(",type=Warning");
-        }
-        let list = events
-            .list(&ListParams::default().fields(&fields))
-            .await
-            .ok()?;
-        list.items
-            .into_iter()
-            .max_by_key(|e| {
-                e.last_timestamp
-                    .clone()
-                    .map(|t| t.0)
-                    .or(e.event_time.clone().map(|t| t.0))
-            })
-            .and_then(|e| {
-                let msg = e.message?;
-                Some(match reason {
-                    Some(_) => msg,
-                    None => format!("{}: {msg}", e.reason.unwrap_or_default()),
-                })
-            })
+        last_event(&self.client, &self.ns, pod, reason).await
     }
 
-    /// Why a pod is where it is: phase, node, scheduler message, container
-    /// states, the last warning event.
+    /// Why a pod is where it is: see [`describe_pod`].
     pub async fn describe(&self, pod: &Pod) -> String {
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let mut s = format!("pod {}/{name} is {}", self.ns, phase(pod));
-        match pod.spec.as_ref().and_then(|s| s.node_name.as_ref()) {
-            Some(n) => s.push_str(&format!(" on node {n}")),
-            None => s.push_str(" (not scheduled)"),
-        }
-        if let Some(msg) = unschedulable_message(pod) {
-            s.push_str(&format!(", scheduler: {msg}"));
-        }
-        let statuses = pod
-            .status
-            .as_ref()
-            .and_then(|st| st.container_statuses.as_ref());
-        for c in statuses.into_iter().flatten() {
-            let state = c.state.as_ref();
-            if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
-                s.push_str(&format!(
-                    ", container {} waiting: {} {}",
-                    c.name,
-                    w.reason.clone().unwrap_or_default(),
-                    w.message.clone().unwrap_or_default()
-                ));
-            } else if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
-                s.push_str(&format!(
-                    ", container {} exited {} {}",
-                    c.name,
-                    t.exit_code,
-                    t.reason.clone().unwrap_or_default()
-                ));
-            }
-        }
-        if let Some(e) = self.last_event(&name, None).await {
-            s.push_str(&format!(", last warning: {e}"));
-        }
-        s.trim_end().to_owned()
+        describe_pod(&self.client, &self.ns, pod).await
     }
 
     /// The devices allocated to the claims of a pod, read from claim status.
@@ -519,11 +459,92 @@ impl Kube {
     }
 }
 
+/// The message of `pod`'s newest event of `reason` (any warning when `None`).
+async fn last_event(client: &Client, ns: &str, pod: &str, reason: Option<&str>) -> Option<String> {
+    let events: Api<Event> = Api::namespaced(client.clone(), ns);
+    let mut fields = format!("involvedObject.name={pod}");
+    if let Some(r) = reason {
+        fields.push_str(&format!(",reason={r}"));
+    } else {
+        fields.push_str(",type=Warning");
+    }
+    let list = events
+        .list(&ListParams::default().fields(&fields))
+        .await
+        .ok()?;
+    list.items
+        .into_iter()
+        .max_by_key(|e| {
+            e.last_timestamp
+                .clone()
+                .map(|t| t.0)
+                .or(e.event_time.clone().map(|t| t.0))
+        })
+        .and_then(|e| {
+            let msg = e.message?;
+            Some(match reason {
+                Some(_) => msg,
+                None => format!("{}: {msg}", e.reason.unwrap_or_default()),
+            })
+        })
+}
+
+/// Why a pod is where it is: phase, node, scheduler message, container
+/// states, the last warning event.
+pub async fn describe_pod(client: &Client, ns: &str, pod: &Pod) -> String {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let mut s = format!("pod {ns}/{name} is {}", phase(pod));
+    match pod.spec.as_ref().and_then(|s| s.node_name.as_ref()) {
+        Some(n) => s.push_str(&format!(" on node {n}")),
+        None => s.push_str(" (not scheduled)"),
+    }
+    if let Some(msg) = unschedulable_message(pod) {
+        s.push_str(&format!(", scheduler: {msg}"));
+    } else if !has_condition(pod, "PodScheduled") {
+        // A pod a scheduler plugin's PreEnqueue holds back gets no condition.
+        s.push_str(", no PodScheduled condition (the scheduler never tried it)");
+    }
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|st| st.container_statuses.as_ref());
+    for c in statuses.into_iter().flatten() {
+        let state = c.state.as_ref();
+        if let Some(w) = state.and_then(|s| s.waiting.as_ref()) {
+            s.push_str(&format!(
+                ", container {} waiting: {} {}",
+                c.name,
+                w.reason.clone().unwrap_or_default(),
+                w.message.clone().unwrap_or_default()
+            ));
+        } else if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+            s.push_str(&format!(
+                ", container {} exited {} {}",
+                c.name,
+                t.exit_code,
+                t.reason.clone().unwrap_or_default()
+            ));
+        }
+    }
+    if let Some(e) = last_event(client, ns, &name, None).await {
+        s.push_str(&format!(", last warning: {e}"));
+    }
+    s.trim_end().to_owned()
+}
+
 pub fn phase(p: &Pod) -> &str {
     p.status
         .as_ref()
         .and_then(|s| s.phase.as_deref())
         .unwrap_or("Pending")
+}
+
+/// Whether the pod's status has a condition of `kind`, whatever its value.
+fn has_condition(p: &Pod, kind: &str) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == kind))
 }
 
 /// The PodScheduled=False condition's message, if the pod has one.

@@ -13,6 +13,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, LogParams};
 use serde_json::{Value, json};
+use tessera_conformance::suite::ops::describe_pod;
 use tessera_conformance::{ClusterEnv, TestCluster, TestNamespace, wait_for};
 use tessera_driver::probe::ProbeReport;
 use tessera_test_kit::cluster::{ClusterState, parse_exports};
@@ -84,20 +85,34 @@ pub fn probe_image() -> String {
         .unwrap_or_else(|| "tessera.local/probe:1".into())
 }
 
-/// The Pod's log once it contains `what`.
+/// The Pod's log once it contains `what`; on timeout, the error says where
+/// the pod is (phase, scheduler, containers, last warning) and its log.
 pub async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> {
-    wait_for(
+    let read = || async {
+        pods.logs(pod, &LogParams::default())
+            .await
+            .unwrap_or_default()
+    };
+    let waited = wait_for(
         &format!("{pod}'s log to show {what}"),
         POD_TIMEOUT,
         || async {
-            let log = pods
-                .logs(pod, &LogParams::default())
-                .await
-                .unwrap_or_default();
+            let log = read().await;
             Ok(log.contains(what).then_some(log))
         },
     )
-    .await
+    .await;
+    let Err(e) = waited else {
+        return waited;
+    };
+    let state = match pods.get(pod).await {
+        Ok(p) => {
+            let ns = pods.namespace().unwrap_or_default();
+            describe_pod(&pods.clone().into_client(), ns, &p).await
+        }
+        Err(read) => format!("pod {pod} unreadable: {read}"),
+    };
+    Err(e.context(format!("{state}\nits log:\n{}", read().await)))
 }
 
 /// Deletes every Pod of the test's namespace (no grace period) and waits
