@@ -115,9 +115,13 @@ pub async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> 
     Err(e.context(format!("{state}\nits log:\n{}", read().await)))
 }
 
-/// Deletes every Pod of the test's namespace (no grace period) and waits
-/// until none is left, so their claims are unprepared before the node
-/// process may stop. A cleanup step: failures are left to the test's own
+/// Deletes every Pod of the test's namespace and waits until none is left,
+/// so their claims are unprepared before the node process may stop. The
+/// grace period is one second, not zero: zero removes the object at once
+/// (a forced delete), and the kubelet would unprepare after the node
+/// process had gone, leaving its claims' MPS daemons behind. With a grace
+/// period the kubelet removes the object only once nothing of the pod is
+/// left to unprepare. A cleanup step: failures are left to the test's own
 /// assertions.
 pub async fn delete_pods(ns: &TestNamespace) {
     let pods = ns.api::<Pod>();
@@ -125,7 +129,7 @@ pub async fn delete_pods(ns: &TestNamespace) {
         for p in list.items {
             let name = p.metadata.name.unwrap_or_default();
             let _ = pods
-                .delete(&name, &DeleteParams::default().grace_period(0))
+                .delete(&name, &DeleteParams::default().grace_period(1))
                 .await;
         }
     }

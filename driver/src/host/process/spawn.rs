@@ -250,8 +250,35 @@ impl Child<'_> {
                 check(libc::setpgid(0, 0))?;
             }
         }
-        Ok(())
+        only_streams_on_exec()
     }
+}
+
+/// Marks every descriptor above the standard streams close-on-exec, so
+/// that the program gets the three streams alone: a descriptor the node
+/// process inherited without the flag (a pipe of whoever started it) would
+/// otherwise stay open in a daemon that outlives the node. The steps before
+/// `execve` still use theirs. Plain system calls only.
+fn only_streams_on_exec() -> io::Result<()> {
+    let all = libc::c_uint::MAX;
+    let flags = libc::CLOSE_RANGE_CLOEXEC as libc::c_long;
+    // SAFETY: close_range(2) with the close-on-exec flag closes nothing.
+    if unsafe { libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, all, flags) } == 0 {
+        return Ok(());
+    }
+    // Kernels before 5.11: every descriptor the limit allows, one by one.
+    // SAFETY: getrlimit/fcntl on plain values.
+    unsafe {
+        let mut limit: libc::rlimit = std::mem::zeroed();
+        check(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit))?;
+        let last = limit.rlim_cur.min(1 << 20) as libc::c_int;
+        for fd in 3..last {
+            if libc::fcntl(fd, libc::F_GETFD) >= 0 {
+                check(libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// All signals blocked in this thread while it lives.
@@ -426,6 +453,22 @@ mod tests {
         let missing = Launch::new(Path::new("/nonexistent/program"), null_stdio()).unwrap();
         let err = missing.start(&|| Ok(())).unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn the_child_gets_no_descriptor_but_its_streams() {
+        // A descriptor this process holds without close-on-exec, as one
+        // inherited from whoever started the node would be.
+        let (held, _other) = std::io::pipe().unwrap();
+        let fd = held.as_raw_fd();
+        // SAFETY: clears the flag on a descriptor this test owns.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0);
+        let (launch, read) = shell(&format!(
+            "if [ -e /proc/$$/fd/{fd} ]; then echo open; else echo closed; fi"
+        ));
+        let (said, started) = said(launch, read);
+        assert_eq!(exit_code(&started), 0);
+        assert_eq!(said, "closed\n", "descriptor {fd} reached the program");
     }
 
     #[test]
