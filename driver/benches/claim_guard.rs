@@ -36,8 +36,7 @@ use tessera_controller::model::policy::GuardAction;
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::guard::judge::Guarded;
 use tessera_driver::guard::{self, Memory};
-use tessera_fake_nvml::load::DeviceLoad;
-use tessera_test_kit::gpu_load::{loaded_process, simulate_with_load};
+use tessera_test_kit::gpu_load::{holding, loaded_process, simulate_with_load};
 
 const GIB: u64 = 1 << 30;
 /// Isolated claims (each one Pod, one MPS client) per guarded GPU.
@@ -191,13 +190,6 @@ impl Machine {
     /// A running process of Pod `pod` holding `bytes` on `gpu`, as an MPS
     /// client or with a context of its own.
     fn loaded(&self, gpu: &str, bytes: u64, mps_client: bool, pod: &str) -> Child {
-        let load = DeviceLoad {
-            uuid: gpu.to_owned(),
-            memory_bytes: bytes,
-            busy_until_ms: 0,
-            sm_percent: 100,
-            mps_client,
-        };
         let in_pod = |pid: u32| {
             let cgroup = self.proc.join(pid.to_string());
             std::fs::create_dir_all(&cgroup)?;
@@ -209,7 +201,7 @@ impl Machine {
                 ),
             )
         };
-        loaded_process(load, in_pod).unwrap()
+        loaded_process(holding(gpu, bytes, mps_client), in_pod).unwrap()
     }
 }
 

@@ -8,19 +8,11 @@ use std::process::Child;
 
 use nvml_wrapper::Nvml;
 use tessera_driver::metrics::processes::{ProcessList, running};
-use tessera_fake_nvml::load::DeviceLoad;
-use tessera_test_kit::gpu_load::{loaded_process, simulate_with_load};
+use tessera_test_kit::gpu_load::{holding, loaded_process, simulate_with_load};
 
 /// A process holding `bytes` on `gpu`.
 fn loaded(gpu: &str, bytes: u64, mps_client: bool) -> Child {
-    let load = DeviceLoad {
-        uuid: gpu.to_owned(),
-        memory_bytes: bytes,
-        busy_until_ms: 0,
-        sm_percent: 100,
-        mps_client,
-    };
-    loaded_process(load, |_| Ok(())).expect("a process holding load")
+    loaded_process(holding(gpu, bytes, mps_client), |_| Ok(())).expect("a process holding load")
 }
 
 /// Processes that end with the test, whatever its outcome: a record left

@@ -110,7 +110,7 @@ pub async fn log_with(pods: &Api<Pod>, pod: &str, what: &str) -> Result<String> 
             let ns = pods.namespace().unwrap_or_default();
             describe_pod(&pods.clone().into_client(), ns, &p).await
         }
-        Err(read) => format!("pod {pod} unreadable: {read}"),
+        Err(err) => format!("pod {pod} unreadable: {err}"),
     };
     Err(e.context(format!("{state}\nits log:\n{}", read().await)))
 }

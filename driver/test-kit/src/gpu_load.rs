@@ -21,6 +21,18 @@ pub unsafe fn simulate_with_load(topology: &Path, state: &Path) {
     }
 }
 
+/// `bytes` held on `gpu` with every SM counted busy, as an MPS client or
+/// with a context of its own.
+pub fn holding(gpu: &str, bytes: u64, mps_client: bool) -> DeviceLoad {
+    DeviceLoad {
+        uuid: gpu.to_owned(),
+        memory_bytes: bytes,
+        busy_until_ms: 0,
+        sm_percent: 100,
+        mps_client,
+    }
+}
+
 /// A `sleep` holding a record that names it and says `load`, written once
 /// `before(pid)` has run (what must exist before the load shows, such as
 /// the process's cgroup file in a stand-in `/proc`). The caller ends it.
