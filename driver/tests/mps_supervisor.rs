@@ -192,13 +192,13 @@ fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
     let (k1, k2) = (key(1, GPU0), key(2, GPU0));
-    let a = sup.ensure(&k1, LIMITS).unwrap();
+    let a = sup.ensure(&k1, LIMITS, Some(0)).unwrap();
     let other = ClientLimits {
         memory_bytes: 16 << 30,
         thread_percent: 50,
         shm_bytes: None,
     };
-    let b = sup.ensure(&k2, other).unwrap();
+    let b = sup.ensure(&k2, other, Some(0)).unwrap();
     assert_eq!(a.pipe_dir, s.pipe_dir(&k1));
     assert_eq!(b.pipe_dir, s.pipe_dir(&k2));
     assert_ne!(a.pid, b.pid);
@@ -224,12 +224,12 @@ fn every_claim_gets_its_own_daemon_with_its_limits_as_defaults() {
         assert!(!s.log(k).contains("set_default"), "{}", s.log(k));
     }
     // Idempotent per key; another request or device is another daemon.
-    assert_eq!(sup.ensure(&k1, LIMITS).unwrap().pid, a.pid);
+    assert_eq!(sup.ensure(&k1, LIMITS, Some(0)).unwrap().pid, a.pid);
     assert_eq!(s.log(&k1).matches("Startup").count(), 1);
     let mut other_request = k1.clone();
     other_request.request = "second".into();
-    let c = sup.ensure(&other_request, LIMITS).unwrap();
-    let mig = sup.ensure(&key(3, MIG0), LIMITS).unwrap();
+    let c = sup.ensure(&other_request, LIMITS, Some(0)).unwrap();
+    let mig = sup.ensure(&key(3, MIG0), LIMITS, Some(0)).unwrap();
     assert!(alive(c.pid) && alive(mig.pid) && c.pid != a.pid);
     assert!(
         s.log(&key(3, MIG0))
@@ -267,8 +267,8 @@ fn each_daemon_shares_memory_through_its_own_directory_only() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
     let (k1, k2) = (key(1, GPU0), key(2, GPU0));
-    let a = sup.ensure(&k1, LIMITS).unwrap();
-    let b = sup.ensure(&k2, LIMITS).unwrap();
+    let a = sup.ensure(&k1, LIMITS, Some(0)).unwrap();
+    let b = sup.ensure(&k2, LIMITS, Some(0)).unwrap();
     for (k, d) in [(&k1, &a), (&k2, &b)] {
         assert_eq!(d.shm_dir, s.root(k).join("shm"));
         // The daemon's /dev/shm is its directory: its segment is there, and
@@ -281,7 +281,7 @@ fn each_daemon_shares_memory_through_its_own_directory_only() {
     fs::write(a.shm_dir.join("planted"), "x").unwrap();
     kill9(a.pid);
     wait_until("claim 1's daemon died", || !alive(a.pid));
-    let again = sup.ensure(&k1, LIMITS).unwrap();
+    let again = sup.ensure(&k1, LIMITS, Some(0)).unwrap();
     assert_ne!(again.pid, a.pid);
     assert!(!again.shm_dir.join("planted").exists());
     assert_eq!(segments(&again.shm_dir, again.pid).len(), 1);
@@ -329,7 +329,7 @@ fn daemons_in_a_host_cgroup_leave_the_node_process_cgroup() {
     config.host_cgroup = Some(cgroup.clone());
     let sup = MpsSupervisor::new(config);
     let k = key(1, GPU0);
-    let d = sup.ensure(&k, LIMITS).unwrap();
+    let d = sup.ensure(&k, LIMITS, Some(0)).unwrap();
     // In that cgroup in every hierarchy; this process stays where it was.
     let want = format!("/{name}");
     let placed = cgroups(d.pid);
@@ -357,7 +357,7 @@ fn release_quits_the_daemon_and_removes_its_directory() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
     let k = key(1, GPU0);
-    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let pid = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     let log_before = s.root(&k).join("log/control.log");
     sup.release(&k).unwrap();
     assert!(!alive(pid), "release must stop the daemon");
@@ -369,7 +369,7 @@ fn release_quits_the_daemon_and_removes_its_directory() {
     sup.release(&key(9, GPU1)).unwrap();
     sup.release(&key(9, "../../etc")).unwrap();
     assert!(matches!(
-        sup.ensure(&key(1, "GPU-../../x"), LIMITS),
+        sup.ensure(&key(1, "GPU-../../x"), LIMITS, Some(0)),
         Err(MpsError::BadDevice(_))
     ));
 }
@@ -405,8 +405,8 @@ fn each_daemon_has_bounded_directories_of_its_own() {
         shm_bytes: Some(4 << 20),
         ..LIMITS
     };
-    let da = sup.ensure(&a, big).unwrap();
-    let db = sup.ensure(&b, LIMITS).unwrap();
+    let da = sup.ensure(&a, big, Some(0)).unwrap();
+    let db = sup.ensure(&b, LIMITS, Some(0)).unwrap();
     // A tenant that fills its /dev/shm gets ENOSPC at its own size...
     let (written, err) = fill(&da.shm_dir, "fill");
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
@@ -452,10 +452,18 @@ fn status_hex(pid: i32, name: &str) -> u64 {
 #[test]
 fn a_daemon_has_only_the_capabilities_and_mounts_mps_needs() {
     let s = Scratch::new();
-    let sup = MpsSupervisor::new(s.config());
+    // Two GPUs' nodes and the control node (plain files: only bound).
+    let nodes = tempfile::tempdir().unwrap();
+    fs::create_dir(nodes.path().join("dev")).unwrap();
+    for name in ["nvidia0", "nvidia1", "nvidiactl"] {
+        fs::write(nodes.path().join("dev").join(name), "").unwrap();
+    }
+    let mut config = s.config();
+    config.dev_root = nodes.path().to_owned();
+    let sup = MpsSupervisor::new(config);
     let (mine, other) = (key(1, GPU0), key(2, GPU0));
-    let d = sup.ensure(&mine, LIMITS).unwrap();
-    let neighbour = sup.ensure(&other, LIMITS).unwrap();
+    let d = sup.ensure(&mine, LIMITS, Some(1)).unwrap();
+    let neighbour = sup.ensure(&other, LIMITS, Some(0)).unwrap();
     // Capabilities: the kept ones, for good (bounding set), and no way
     // back through a setuid binary.
     assert_eq!(status_hex(d.pid, "CapEff"), kept_mask());
@@ -500,6 +508,10 @@ fn a_daemon_has_only_the_capabilities_and_mounts_mps_needs() {
     assert!(!seen(&s.root(&mine).join(RECORD)));
     assert!(!seen(&neighbour.pipe_dir));
     assert!(!seen(&neighbour.shm_dir));
+    // Of the GPU nodes, its own GPU's only.
+    assert!(seen(Path::new("/dev/nvidia1")));
+    assert!(seen(Path::new("/dev/nvidiactl")));
+    assert!(!seen(Path::new("/dev/nvidia0")));
     // It still serves: its limits are set and answered.
     assert_eq!(
         client(&d.pipe_dir, "get_default_active_thread_percentage"),
@@ -519,6 +531,7 @@ fn limits_a_daemon_cannot_express_fail_the_claim() {
                 thread_percent: 10,
                 shm_bytes: None,
             },
+            Some(0),
         )
         .unwrap_err();
     assert!(matches!(err, MpsError::Limits { .. }), "{err}");
@@ -534,8 +547,8 @@ fn a_restarted_driver_adopts_running_daemons() {
     let pids = {
         let before = MpsSupervisor::new(s.config());
         (
-            before.ensure(&k1, LIMITS).unwrap().pid,
-            before.ensure(&k2, LIMITS).unwrap().pid,
+            before.ensure(&k1, LIMITS, Some(0)).unwrap().pid,
+            before.ensure(&k2, LIMITS, Some(0)).unwrap().pid,
         )
         // The driver goes away; its daemons do not.
     };
@@ -548,7 +561,7 @@ fn a_restarted_driver_adopts_running_daemons() {
         report.restarted.is_empty() && report.failed.is_empty(),
         "{report:?}"
     );
-    assert_eq!(after.ensure(&k1, LIMITS).unwrap().pid, pids.0);
+    assert_eq!(after.ensure(&k1, LIMITS, Some(0)).unwrap().pid, pids.0);
     after.release(&k1).unwrap();
     assert!(!alive(pids.0) && alive(pids.1));
     after.release(&k2).unwrap();
@@ -560,7 +573,7 @@ fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
     let s = Scratch::new();
     let k = key(1, GPU0);
     let pid = MpsSupervisor::new(s.config())
-        .ensure(&k, LIMITS)
+        .ensure(&k, LIMITS, Some(0))
         .unwrap()
         .pid;
     assert_eq!(s.recorded_pid(&k), Some(pid));
@@ -584,7 +597,7 @@ fn a_daemon_spawned_but_not_yet_recorded_is_found_by_its_launch_id() {
     let after = MpsSupervisor::new(s.config());
     let report = after.supervise();
     assert_eq!(report.adopted, std::slice::from_ref(&k), "{report:?}");
-    assert_eq!(after.ensure(&k, LIMITS).unwrap().pid, pid);
+    assert_eq!(after.ensure(&k, LIMITS, Some(0)).unwrap().pid, pid);
     assert_eq!(s.recorded_pid(&k), Some(pid));
     assert_eq!(s.log(&k).matches("Startup").count(), 1);
     after.release(&k).unwrap();
@@ -596,7 +609,7 @@ fn a_daemon_the_record_does_not_name_is_never_adopted_or_stopped() {
     let s = Scratch::new();
     let k = key(1, GPU0);
     let pid = MpsSupervisor::new(s.config())
-        .ensure(&k, LIMITS)
+        .ensure(&k, LIMITS, Some(0))
         .unwrap()
         .pid;
     // A live daemon answers on the pipe directory and its pid file names
@@ -618,7 +631,7 @@ fn a_daemon_the_record_does_not_name_is_never_adopted_or_stopped() {
     );
     assert_eq!(report.restarted, std::slice::from_ref(&k), "{report:?}");
     assert!(alive(pid), "a daemon the record does not name was stopped");
-    let ours = after.ensure(&k, LIMITS).unwrap().pid;
+    let ours = after.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     assert_ne!(ours, pid);
     after.release(&k).unwrap();
     assert!(!alive(ours));
@@ -631,7 +644,7 @@ fn a_crashed_daemon_is_restarted_in_a_fresh_pipe_directory() {
     let s = Scratch::new();
     let sup = MpsSupervisor::new(s.config());
     let k = key(1, GPU0);
-    let first = sup.ensure(&k, LIMITS).unwrap();
+    let first = sup.ensure(&k, LIMITS, Some(0)).unwrap();
     // What a running container holds: the directory itself, not its path.
     let old_dir = fs::File::open(&first.pipe_dir).unwrap();
     fs::write(first.pipe_dir.join("left-by-a-tenant"), "x").unwrap();
@@ -667,7 +680,7 @@ fn a_crashed_daemon_is_restarted_in_a_fresh_pipe_directory() {
     );
     // ensure() restarts too.
     kill9(second);
-    let third = sup.ensure(&k, LIMITS).unwrap().pid;
+    let third = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     assert!(alive(third) && third != second);
     sup.release(&k).unwrap();
     assert!(!alive(third));
@@ -678,7 +691,7 @@ fn the_watchdog_restarts_a_crashed_daemon_on_its_own() {
     let s = Scratch::new();
     let sup = Arc::new(MpsSupervisor::new(s.config()));
     let k = key(1, GPU0);
-    let first = sup.ensure(&k, LIMITS).unwrap().pid;
+    let first = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     let (tx, rx) = std::sync::mpsc::channel();
     let watchdog = sup.spawn_watchdog(Duration::from_millis(20), move |report| {
         if !report.restarted.is_empty() {
@@ -707,13 +720,13 @@ fn a_daemon_that_ignores_quit_is_killed() {
         .push(("TESSERA_FAKE_MPS_IGNORE_QUIT".into(), "1".into()));
     let sup = MpsSupervisor::new(config.clone());
     let k = key(1, GPU0);
-    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let pid = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     sup.release(&k).unwrap();
     assert!(!alive(pid));
 
     // Adopted by a restarted driver: killed through a pidfd.
     let k2 = key(2, GPU0);
-    let pid = sup.ensure(&k2, LIMITS).unwrap().pid;
+    let pid = sup.ensure(&k2, LIMITS, Some(0)).unwrap().pid;
     drop(sup);
     MpsSupervisor::new(config).release(&k2).unwrap();
     assert!(!alive(pid));
@@ -743,7 +756,7 @@ fn a_daemon_that_never_gets_ready_fails_the_claim_cleanly() {
             })
         })
     };
-    let err = sup.ensure(&k, LIMITS).unwrap_err();
+    let err = sup.ensure(&k, LIMITS, Some(0)).unwrap_err();
     seen.join().unwrap();
     assert!(matches!(err, MpsError::NotReady { .. }), "{err}");
     let msg = err.to_string();
@@ -765,7 +778,7 @@ fn a_missing_control_binary_is_a_clear_error() {
         s.dir.path().join("usr/bin/nvidia-cuda-mps-control")
     );
     let sup = MpsSupervisor::new(config);
-    let err = sup.ensure(&key(1, GPU0), LIMITS).unwrap_err();
+    let err = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap_err();
     assert!(matches!(err, MpsError::Launch { .. }), "{err}");
     assert!(err.to_string().contains("fix:"), "{err}");
     assert!(sup.daemons().is_empty());
@@ -778,7 +791,7 @@ fn concurrent_claims_on_one_device_get_a_daemon_each() {
     let pids: Vec<i32> = (1..=6)
         .map(|n| {
             let sup = Arc::clone(&sup);
-            std::thread::spawn(move || sup.ensure(&key(n, GPU0), LIMITS).unwrap().pid)
+            std::thread::spawn(move || sup.ensure(&key(n, GPU0), LIMITS, Some(0)).unwrap().pid)
         })
         .collect::<Vec<_>>()
         .into_iter()
@@ -805,7 +818,7 @@ fn a_state_dir_too_long_for_unix_sockets_is_refused() {
     let mut config = s.config();
     config.state_dir = s.dir.path().join("x".repeat(40));
     let err = MpsSupervisor::new(config)
-        .ensure(&key(1, GPU0), LIMITS)
+        .ensure(&key(1, GPU0), LIMITS, Some(0))
         .unwrap_err();
     assert!(matches!(err, MpsError::PathTooLong { .. }), "{err}");
     assert!(err.to_string().contains("fix:"), "{err}");
@@ -855,7 +868,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
         mig_uuid: Some(MIG0.into()),
         ..target(GPU0)
     };
-    let a = sharing.acquire(&claim(1), &whole, &limits).unwrap();
+    let a = sharing.acquire(&claim(1), &whole, &limits, 0).unwrap();
     // A client gets the pipe and shared memory directories and the limits,
     // nothing else.
     let pipe_dir = s.pipe_dir(&key(1, GPU0));
@@ -868,7 +881,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
         }
     );
     // A MIG device gets its own daemon, serving only that MIG device.
-    let b = sharing.acquire(&claim(2), &mig, &limits).unwrap();
+    let b = sharing.acquire(&claim(2), &mig, &limits, 0).unwrap();
     assert_eq!(b.pipe_dir, s.pipe_dir(&key(2, MIG0)));
     assert!(
         s.log(&key(2, MIG0))
@@ -887,7 +900,7 @@ fn the_prepare_trait_maps_targets_to_per_claim_daemons() {
     assert!(!alive(pids.1));
     // Errors reach prepare as text naming the device.
     let err = sharing
-        .acquire(&claim(3), &target("GPU-../x"), &limits)
+        .acquire(&claim(3), &target("GPU-../x"), &limits, 0)
         .unwrap_err();
     assert!(err.to_string().contains("GPU-../x"), "{err}");
 }
@@ -923,7 +936,7 @@ impl Hostile {
     /// the driver hands it through the prepare trait.
     fn new(sharing: &Arc<dyn MpsControl>, device: &str, claim: &ClaimUid) -> Self {
         let client = sharing
-            .acquire(claim, &target(device), &share_limits())
+            .acquire(claim, &target(device), &share_limits(), 0)
             .unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let decoy_file = tmp.path().join("decoy");
@@ -1041,7 +1054,7 @@ fn a_hostile_container_cannot_steer_a_restart() {
     let s = Scratch::new();
     let (sup, sharing) = hostile_setup(&s);
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
 
     h.plant_symlinks(&LOG_NAMES);
     h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), first);
@@ -1051,7 +1064,7 @@ fn a_hostile_container_cannot_steer_a_restart() {
     let report = sup.supervise();
     h.assert_unharmed(&errors(&report));
     assert_eq!(report.restarted, [key(1, GPU0)], "{report:?}");
-    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let second = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     assert_ne!(second, first);
     assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
 
@@ -1068,7 +1081,7 @@ fn a_hostile_container_cannot_steer_a_stop() {
 
     // The pid file names the decoy while our daemon runs: the last release
     // stops our daemon, and only it.
-    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     h.forge_pid_file();
     h.plant_symlinks(&LOG_NAMES);
     let result = sup.release(&key(1, GPU0));
@@ -1082,7 +1095,7 @@ fn a_hostile_container_cannot_steer_a_stop() {
 
     // The daemon quit behind the driver's back, the pid file names the
     // decoy and the control endpoint is a symlink to the decoy file.
-    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let second = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
     h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), second);
     h.forge_pid_file();
@@ -1104,7 +1117,7 @@ fn a_hostile_container_cannot_steer_a_restarted_driver() {
     let s = Scratch::new();
     let (sup, sharing) = hostile_setup(&s);
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     // The driver goes away; while it is gone the container strikes.
     drop((sup, sharing));
     h.plant_symlinks(&LOG_NAMES);
@@ -1115,7 +1128,7 @@ fn a_hostile_container_cannot_steer_a_restarted_driver() {
     let report = after.supervise();
     h.assert_unharmed(&errors(&report));
     assert_eq!(report.restarted, [key(1, GPU0)], "{report:?}");
-    let second = after.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let second = after.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
 
     // The checkpoint no longer knows the claim: the daemon is stopped.
@@ -1138,7 +1151,7 @@ fn a_daemon_that_listens_after_its_endpoint_appears_still_gets_its_limits() {
         .push(("TESSERA_FAKE_MPS_LISTEN_DELAY_MS".into(), "300".into()));
     let sup = MpsSupervisor::new(config);
     let k = key(1, GPU0);
-    let d = sup.ensure(&k, LIMITS).unwrap();
+    let d = sup.ensure(&k, LIMITS, Some(0)).unwrap();
     assert!(alive(d.pid));
     assert_eq!(
         client(&d.pipe_dir, "get_default_active_thread_percentage"),
@@ -1160,7 +1173,7 @@ fn confirm_defaults_also_sets_the_limits_through_the_endpoint() {
         .push(("TESSERA_FAKE_MPS_LISTEN_DELAY_MS".into(), "200".into()));
     let sup = MpsSupervisor::new(config);
     let k = key(1, GPU0);
-    let d = sup.ensure(&k, LIMITS).unwrap();
+    let d = sup.ensure(&k, LIMITS, Some(0)).unwrap();
     let log = s.log(&k);
     assert!(
         log.contains("Command: set_default_active_thread_percentage 25")
@@ -1183,7 +1196,7 @@ fn a_daemon_that_exits_at_start_is_reported_at_once_not_at_the_deadline() {
     config.ready_timeout = Duration::from_secs(30);
     let sup = MpsSupervisor::new(config);
     let began = Instant::now();
-    let err = sup.ensure(&key(1, GPU0), LIMITS).unwrap_err();
+    let err = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap_err();
     assert!(matches!(err, MpsError::LaunchFailed { .. }), "{err}");
     // Its exit woke the wait (the deadline is 30 s away).
     assert!(
@@ -1223,12 +1236,12 @@ fn a_record_torn_before_this_boot_is_replaced_and_one_torn_now_is_not() {
     };
     // Torn in this boot: not guessed at.
     let record = torn(&k);
-    let err = sup.ensure(&k, LIMITS).unwrap_err();
+    let err = sup.ensure(&k, LIMITS, Some(0)).unwrap_err();
     assert!(err.to_string().contains("record"), "{err}");
     // Written before this boot (a power loss tore it): what it named ended
     // with that boot, so a new daemon replaces it ...
     before_boot(&record);
-    let d = sup.ensure(&k, LIMITS).unwrap();
+    let d = sup.ensure(&k, LIMITS, Some(0)).unwrap();
     assert!(alive(d.pid));
     // ... and the directory of one no claim holds any more goes.
     before_boot(&torn(&lost));
@@ -1251,7 +1264,7 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
         (sup.clone(), sup as Arc<dyn MpsControl>)
     };
     let mut h = Hostile::new(&sharing, GPU0, &claim(1));
-    let first = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let first = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     h.quit_daemon(&s.pipe_dir(&key(1, GPU0)), first);
 
     // While the next daemon is starting, a symlink to an existing file
@@ -1266,7 +1279,7 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
             std::os::unix::fs::symlink(&decoy_file, pipe.join(CONTROL)).unwrap();
         })
     };
-    let result = sup.ensure(&key(1, GPU0), LIMITS);
+    let result = sup.ensure(&key(1, GPU0), LIMITS, Some(0));
     planter.join().unwrap();
     match &result {
         // Ready means the daemon's own socket, not the symlink.
@@ -1294,7 +1307,7 @@ fn a_symlink_in_place_of_the_control_endpoint_is_not_readiness() {
             assert!(report.restarted.is_empty(), "{report:?}");
         }
     }
-    let second = sup.ensure(&key(1, GPU0), LIMITS).unwrap().pid;
+    let second = sup.ensure(&key(1, GPU0), LIMITS, Some(0)).unwrap().pid;
     assert_serving(&s, &key(1, GPU0), second, h.decoy_pid());
     sup.release(&key(1, GPU0)).unwrap();
     assert!(!alive(second));
@@ -1312,7 +1325,7 @@ fn a_fast_watchdog_never_revives_a_released_daemon() {
         .push(("TESSERA_FAKE_MPS_IGNORE_QUIT".into(), "1".into()));
     let sup = Arc::new(MpsSupervisor::new(config));
     let k = key(1, GPU0);
-    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let pid = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     let passes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let revived = Arc::new(std::sync::Mutex::new(Vec::new()));
     let watchdog = {
@@ -1346,7 +1359,7 @@ fn other_limits_replace_a_daemon_of_an_earlier_run() {
     let s = Scratch::new();
     let k = key(1, GPU0);
     let first = MpsSupervisor::new(s.config())
-        .ensure(&k, LIMITS)
+        .ensure(&k, LIMITS, Some(0))
         .unwrap()
         .pid;
     // The driver restarted; the claim is prepared again with other limits
@@ -1357,7 +1370,7 @@ fn other_limits_replace_a_daemon_of_an_earlier_run() {
         thread_percent: 50,
         shm_bytes: None,
     };
-    let d = after.ensure(&k, other).unwrap();
+    let d = after.ensure(&k, other, Some(0)).unwrap();
     assert_ne!(d.pid, first, "the daemon with the old limits was adopted");
     assert!(!alive(first));
     assert_eq!(
@@ -1402,8 +1415,8 @@ fn a_daemon_that_never_gets_ready_holds_up_no_other() {
     config.ready_timeout = Duration::from_secs(10);
     let sup = Arc::new(MpsSupervisor::new(config));
     let (k1, k2) = (key(1, GPU0), key(2, GPU0));
-    let hung = sup.ensure(&k1, LIMITS).unwrap();
-    let other = sup.ensure(&k2, LIMITS).unwrap();
+    let hung = sup.ensure(&k1, LIMITS, Some(0)).unwrap();
+    let other = sup.ensure(&k2, LIMITS, Some(0)).unwrap();
     // A tenant removes its daemon's endpoint: the daemon runs on, never
     // ready, and seeing to it takes the ready timeout. Another claim's
     // daemon dies meanwhile.
@@ -1438,7 +1451,7 @@ fn hung_daemons_at_start_are_seen_to_together_in_the_background() {
     let pids: Vec<i32> = {
         let before = MpsSupervisor::new(s.config());
         keys.iter()
-            .map(|k| before.ensure(k, LIMITS).unwrap().pid)
+            .map(|k| before.ensure(k, LIMITS, Some(0)).unwrap().pid)
             .collect()
     };
     // Seven daemons run on without their endpoints: each makes a

@@ -80,11 +80,14 @@ pub struct MpsClient {
 pub trait MpsControl: Send + Sync {
     /// Make sure `claim`'s own MPS control daemon serves `target`, with
     /// `limits` as its defaults for every client.
+    /// `gpu_minor` names the GPU's device node (`/dev/nvidia<minor>`),
+    /// the only GPU node the daemon sees.
     fn acquire(
         &self,
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
+        gpu_minor: u32,
     ) -> Result<MpsClient, HostError>;
 
     /// Stop `claim`'s daemon of `target`; one that is not there is fine.
@@ -183,6 +186,7 @@ impl MpsControl for Unsupported {
         _claim: &ClaimUid,
         _target: &MpsTarget,
         _limits: &Limits,
+        _gpu_minor: u32,
     ) -> Result<MpsClient, HostError> {
         Err(Self::refuse("MPS control daemon supervision"))
     }

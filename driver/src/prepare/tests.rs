@@ -54,6 +54,7 @@ impl MpsControl for Recorder {
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
+        _gpu_minor: u32,
     ) -> Result<MpsClient, HostError> {
         self.calls.lock().unwrap().push(format!(
             "acquire {claim} {} {}",

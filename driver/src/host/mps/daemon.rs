@@ -526,6 +526,7 @@ impl Daemon {
             root,
             driver_root: config.driver_root.clone(),
             dev_root: config.dev_root.clone(),
+            gpu_minor: self.record.gpu_minor,
             binary: fs::canonicalize(&config.control_binary)?,
             pipe_dir: self.pipe_dir.clone(),
             log_dir: self.log_dir.clone(),

@@ -30,6 +30,7 @@ impl MpsControl for MpsSupervisor {
         claim: &ClaimUid,
         target: &MpsTarget,
         limits: &Limits,
+        gpu_minor: u32,
     ) -> Result<MpsClient, HostError> {
         let shm_bytes = (self.config().shm)
             .size_for(limits.shared_memory_bytes)
@@ -40,7 +41,7 @@ impl MpsControl for MpsSupervisor {
             shm_bytes: Some(shm_bytes),
         };
         let daemon = self
-            .ensure(&key(claim, target), client_limits)
+            .ensure(&key(claim, target), client_limits, Some(gpu_minor))
             .map_err(HostError::backend)?;
         // The pipe and shared memory directories only: the daemon's logs
         // and the supervisor's record stay on the host.

@@ -106,14 +106,24 @@ impl MpsSupervisor {
         &self.config
     }
 
-    /// Make sure the daemon of `key` runs with `limits` as its defaults.
-    /// Idempotent: a recorded daemon (after a driver restart) is adopted, a
-    /// dead one is started again in a fresh pipe directory, and a new one is
-    /// waited for until its control endpoint exists and it took the limits.
-    pub fn ensure(&self, key: &DaemonKey, limits: ClientLimits) -> Result<MpsDaemon, MpsError> {
+    /// Make sure the daemon of `key` runs with `limits` as its defaults,
+    /// seeing the GPU node `/dev/nvidia<gpu_minor>` only (every GPU node
+    /// when `None`). Idempotent: a recorded daemon (after a driver restart)
+    /// is adopted, a dead one is started again in a fresh pipe directory,
+    /// and a new one is waited for until its control endpoint exists and
+    /// it took the limits.
+    pub fn ensure(
+        &self,
+        key: &DaemonKey,
+        limits: ClientLimits,
+        gpu_minor: Option<u32>,
+    ) -> Result<MpsDaemon, MpsError> {
         self.with_daemon(key, Some(limits), |held| {
             held.released = false;
             let d = &mut held.daemon;
+            // A running daemon keeps the view it started with; the next
+            // start (and its control clients) take this one.
+            d.record.gpu_minor = gpu_minor.or(d.record.gpu_minor);
             if d.record.limits != limits {
                 // Prepared again with other limits (an earlier prepare was
                 // rolled back): the running daemon has the old defaults. Take

@@ -8,8 +8,10 @@
 //! - gets a mount view of its own: a fresh root holding, read-only, the
 //!   system and driver files a CUDA tool loads (`/usr`, `/lib*`, `/bin`,
 //!   `/sbin`, `/etc`, the driver root, the control binary), `/proc`, a
-//!   `/dev` with only `null`, `zero`, `urandom` and the GPU's `nvidia*`
-//!   nodes, and read-write only its claim's two directories (pipe and log;
+//!   `/dev` with only `null`, `zero`, `urandom`, its own GPU's node
+//!   (`nvidia<minor>`, no other GPU's) and the driver's other `nvidia*`
+//!   nodes (`nvidiactl`, `nvidia-uvm`, the MIG capabilities), and
+//!   read-write only its claim's two directories (pipe and log;
 //!   the claim's shared memory at `/dev/shm`). No other claim's directory,
 //!   no kubelet or CDI directory, no node state is in it;
 //! - keeps only the capabilities MPS needs ([`KEPT`]): starting the server
@@ -68,6 +70,11 @@ pub struct ViewSpec {
     pub driver_root: PathBuf,
     /// Where the GPU device nodes are (`<dev_root>/dev/nvidia*`).
     pub dev_root: PathBuf,
+    /// The daemon's GPU (`nvidia<minor>`): the one GPU node in the view,
+    /// beside the driver's other nodes (`nvidiactl`, `nvidia-uvm`, the MIG
+    /// capabilities). `None` (a daemon recorded by an earlier version):
+    /// every GPU node.
+    pub gpu_minor: Option<u32>,
     /// The control binary, its symlinks resolved.
     pub binary: PathBuf,
     pub pipe_dir: PathBuf,
@@ -204,7 +211,7 @@ impl View {
                 b.bind(&node, &node, false)?;
             }
         }
-        for node in gpu_nodes(&spec.dev_root.join("dev")) {
+        for node in gpu_nodes(&spec.dev_root.join("dev"), spec.gpu_minor) {
             let to = Path::new("/dev").join(node.file_name().expect("a named entry"));
             b.bind(&node, &to, false)?;
         }
@@ -454,17 +461,31 @@ fn check(rc: libc::c_int) -> io::Result<()> {
 
 /// The GPU's device nodes under `dev`: `nvidia*` entries (character
 /// devices, and the `nvidia-caps` directory).
-fn gpu_nodes(dev: &Path) -> Vec<PathBuf> {
+fn gpu_nodes(dev: &Path, gpu_minor: Option<u32>) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dev) else {
         return Vec::new();
     };
     let mut nodes: Vec<PathBuf> = entries
         .flatten()
-        .filter(|e| e.file_name().as_bytes().starts_with(b"nvidia"))
+        .filter(|e| is_seen(e.file_name().as_bytes(), gpu_minor))
         .map(|e| e.path())
         .collect();
     nodes.sort();
     nodes
+}
+
+/// Whether the `/dev` entry `name` belongs in the view of a daemon of the
+/// GPU `gpu_minor`: the driver's nodes, and of the GPU nodes
+/// (`nvidia<minor>`) its own only.
+fn is_seen(name: &[u8], gpu_minor: Option<u32>) -> bool {
+    let Some(rest) = name.strip_prefix(b"nvidia") else {
+        return false;
+    };
+    let is_gpu_node = !rest.is_empty() && rest.iter().all(u8::is_ascii_digit);
+    match gpu_minor {
+        Some(minor) if is_gpu_node => rest == minor.to_string().as_bytes(),
+        _ => true,
+    }
 }
 
 #[cfg(test)]
@@ -500,6 +521,7 @@ mod tests {
             root: at("view"),
             driver_root: "/".into(),
             dev_root: "/".into(),
+            gpu_minor: None,
             binary: "/bin/sh".into(),
             pipe_dir: at("pipe"),
             log_dir: at("log"),
@@ -581,5 +603,46 @@ mod tests {
     #[test]
     fn the_kept_capabilities_are_those_mps_needs() {
         assert_eq!(kept_mask(), 0b1110_1011);
+    }
+
+    /// A daemon of GPU 1 sees `nvidia1` and the driver's nodes, not
+    /// another GPU's (`nvidia10` is not `nvidia1`); an earlier version's
+    /// daemon, recorded without its GPU, sees every GPU node.
+    #[test]
+    fn a_daemon_sees_its_own_gpu_node_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = dir.path().join("dev");
+        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        for name in [
+            "nvidia0",
+            "nvidia1",
+            "nvidia10",
+            "nvidiactl",
+            "nvidia-uvm",
+            "null",
+        ] {
+            std::fs::write(dev.join(name), "").unwrap();
+        }
+        let names = |minor| -> Vec<String> {
+            gpu_nodes(&dev, minor)
+                .iter()
+                .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+                .collect()
+        };
+        assert_eq!(
+            names(Some(1)),
+            ["nvidia-caps", "nvidia-uvm", "nvidia1", "nvidiactl"]
+        );
+        assert_eq!(
+            names(None),
+            [
+                "nvidia-caps",
+                "nvidia-uvm",
+                "nvidia0",
+                "nvidia1",
+                "nvidia10",
+                "nvidiactl"
+            ]
+        );
     }
 }

@@ -53,21 +53,32 @@ fn target(device: &Resolved) -> MpsTarget {
     }
 }
 
+/// What a daemon is started with: its clients' limits as its defaults, and
+/// its GPU's device minor (the one GPU node its view holds).
+struct Wanted {
+    limits: Limits,
+    gpu_minor: u32,
+}
+
 /// The daemons a claim needs: one per request and device, with the limits
 /// of the request's devices there added up (two shares of one GPU in a
 /// request are one client's), compute capped at 100%, the largest
 /// `/dev/shm` asked for.
-fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Limits> {
-    let mut daemons: BTreeMap<MpsTarget, Limits> = BTreeMap::new();
+fn daemons(devices: &[Device]) -> BTreeMap<MpsTarget, Wanted> {
+    let mut daemons: BTreeMap<MpsTarget, Wanted> = BTreeMap::new();
     for device in devices {
         let Some(l) = limits(device) else {
             continue;
         };
-        let at = daemons.entry(target(&device.resolved)).or_insert(Limits {
-            memory_bytes: 0,
-            compute_percent: 0,
-            shared_memory_bytes: None,
+        let wanted = daemons.entry(target(&device.resolved)).or_insert(Wanted {
+            limits: Limits {
+                memory_bytes: 0,
+                compute_percent: 0,
+                shared_memory_bytes: None,
+            },
+            gpu_minor: device.resolved.gpu.minor,
         });
+        let at = &mut wanted.limits;
         at.shared_memory_bytes = at.shared_memory_bytes.max(l.shared_memory_bytes);
         at.memory_bytes += l.memory_bytes;
         at.compute_percent = (at.compute_percent + l.compute_percent).min(100);
@@ -130,18 +141,18 @@ impl Enforcer for Mps {
         if !daemons.is_empty() && !cx.may_block() {
             return Err(EnforceError::WouldBlock);
         }
-        for (target, limits) in daemons {
+        for (target, wanted) in daemons {
             if record_target(cx, &target) {
                 cx.record()?;
             }
             let device = target.mig_uuid.as_ref().unwrap_or(&target.gpu_uuid);
-            let client =
-                self.host
-                    .acquire(cx.uid, &target, &limits)
-                    .map_err(EnforceError::host(format!(
-                        "start MPS for request {} on {device}",
-                        target.request
-                    )))?;
+            let client = self
+                .host
+                .acquire(cx.uid, &target, &wanted.limits, wanted.gpu_minor)
+                .map_err(EnforceError::host(format!(
+                    "start MPS for request {} on {device}",
+                    target.request
+                )))?;
             for d in devices.iter_mut() {
                 if d.mps.is_none()
                     && self::limits(d).is_some()

@@ -21,6 +21,11 @@ use crate::host::process::ProcessId;
 pub(in crate::host::mps) struct Record {
     pub key: DaemonKey,
     pub limits: ClientLimits,
+    /// The minor of the GPU whose device node (`/dev/nvidia<minor>`) the
+    /// daemon sees; absent in records of earlier versions, whose daemons
+    /// see every GPU node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_minor: Option<u32>,
     /// The daemon this driver spawned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub daemon: Option<ProcessId>,
@@ -62,6 +67,7 @@ impl Record {
                     Some(limits) => Record {
                         key: key.clone(),
                         limits,
+                        gpu_minor: None,
                         daemon: None,
                         launch: None,
                     },

@@ -90,7 +90,7 @@ fn stopped_in_the_window_stays_stopped(stop: impl FnOnce(&MpsSupervisor, &Daemon
     let scratch = Scratch::new();
     let sup = supervisor(scratch.0.path());
     let k = key();
-    let pid = sup.ensure(&k, LIMITS).unwrap().pid;
+    let pid = sup.ensure(&k, LIMITS, Some(0)).unwrap().pid;
     let root = scratch.0.path().join(k.claim.as_str()).join(k.tag());
     assert!(root.join(RECORD).exists());
 
@@ -142,7 +142,7 @@ fn a_pass_never_restarts_a_daemon_whose_ensure_failed() {
             thread_percent: 10,
             shm_bytes: None,
         };
-        let err = sup.ensure(k, unusable).unwrap_err();
+        let err = sup.ensure(k, unusable, Some(0)).unwrap_err();
         assert!(matches!(err, MpsError::Limits { .. }), "{err}");
     });
 }
