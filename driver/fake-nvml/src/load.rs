@@ -28,7 +28,8 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -199,20 +200,14 @@ fn live_in(proc: &Path) -> Vec<Live> {
 /// The record process `dir` (`/proc/<pid>`) holds about itself, if any;
 /// several files naming it (a library loaded twice) add up.
 fn held_by(dir: &Path) -> Option<Record> {
-    let fds = std::fs::read_dir(dir.join("fd")).ok()?;
+    let fds = Descriptors::open(&dir.join("fd"))?;
     let mut identity: Option<Record> = None;
     let mut held: Option<Record> = None;
-    for fd in fds.filter_map(Result::ok) {
-        let is_load = std::fs::read_link(fd.path()).is_ok_and(|target| {
-            target
-                .to_str()
-                .and_then(|t| t.strip_prefix("/memfd:"))
-                .is_some_and(|t| t.starts_with(MEMFD_NAME))
-        });
-        if !is_load {
+    for fd in fds.names() {
+        if !fds.is_load(&fd) {
             continue;
         }
-        let Some(record) = read_record(&fd.path()) else {
+        let Some(record) = fds.open_file(&fd).and_then(read_record) else {
             continue;
         };
         let me = match &identity {
@@ -232,15 +227,101 @@ fn held_by(dir: &Path) -> Option<Record> {
     held
 }
 
-/// A load file's record: opened without blocking (the descriptor may have
-/// been swapped for a FIFO since it was looked at), taken only when it is
-/// a small regular file; a write caught half done is read again.
-fn read_record(path: &Path) -> Option<Record> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .ok()?;
+/// A process's descriptor directory (`/proc/<pid>/fd`), held open: each
+/// link is read and opened relative to it, not walked to from `/` again.
+/// A walk reads every descriptor of every process, so this is what its
+/// time goes to.
+struct Descriptors {
+    dir: std::ptr::NonNull<libc::DIR>,
+}
+
+impl Descriptors {
+    fn open(path: &Path) -> Option<Descriptors> {
+        let path = CString::new(path.as_os_str().as_bytes()).ok()?;
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
+        // SAFETY: a valid C string; the result is checked.
+        let fd = unsafe { libc::open(path.as_ptr(), flags) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` is an open directory this function owns; on success
+        // the stream owns it, on failure it is closed here.
+        match std::ptr::NonNull::new(unsafe { libc::fdopendir(fd) }) {
+            Some(dir) => Some(Descriptors { dir }),
+            None => {
+                // SAFETY: `fd` is still ours.
+                unsafe { libc::close(fd) };
+                None
+            }
+        }
+    }
+
+    fn fd(&self) -> libc::c_int {
+        // SAFETY: `dir` is an open stream until drop.
+        unsafe { libc::dirfd(self.dir.as_ptr()) }
+    }
+
+    /// The descriptor numbers, as names.
+    fn names(&self) -> Vec<CString> {
+        let mut names = Vec::new();
+        loop {
+            // SAFETY: `dir` is an open stream; an entry stays valid until
+            // the next call, and its name is copied before that.
+            let entry = unsafe { libc::readdir64(self.dir.as_ptr()) };
+            if entry.is_null() {
+                return names;
+            }
+            // SAFETY: `d_name` of a returned entry is a NUL-terminated name.
+            let name = unsafe { std::ffi::CStr::from_ptr((*entry).d_name.as_ptr()) };
+            if name.to_bytes().first().is_some_and(u8::is_ascii_digit) {
+                names.push(name.to_owned());
+            }
+        }
+    }
+
+    /// Whether descriptor `name` is a load file: `/memfd:<MEMFD_NAME>...`.
+    fn is_load(&self, name: &std::ffi::CStr) -> bool {
+        let mut target = [0u8; 64];
+        // SAFETY: a valid C string relative to our open directory, into a
+        // buffer of the length given.
+        let n = unsafe {
+            libc::readlinkat(
+                self.fd(),
+                name.as_ptr(),
+                target.as_mut_ptr().cast(),
+                target.len(),
+            )
+        };
+        let Ok(n) = usize::try_from(n) else {
+            return false;
+        };
+        target[..n]
+            .strip_prefix(b"/memfd:")
+            .is_some_and(|t| t.starts_with(MEMFD_NAME.as_bytes()))
+    }
+
+    /// Descriptor `name` opened for reading without blocking (it may have
+    /// been swapped for a FIFO since it was looked at).
+    fn open_file(&self, name: &std::ffi::CStr) -> Option<File> {
+        let flags = libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC;
+        // SAFETY: a valid C string relative to our open directory; the
+        // result is checked.
+        let fd = unsafe { libc::openat(self.fd(), name.as_ptr(), flags) };
+        // SAFETY: a new descriptor this process owns.
+        (fd >= 0).then(|| File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: the stream is open and closed once, here.
+        unsafe { libc::closedir(self.dir.as_ptr()) };
+    }
+}
+
+/// A load file's record, taken only when the file is a small regular
+/// file; a write caught half done is read again.
+fn read_record(file: File) -> Option<Record> {
     let meta = file.metadata().ok()?;
     if !meta.is_file() || meta.len() == 0 || meta.len() > MAX_RECORD_BYTES {
         return None;
