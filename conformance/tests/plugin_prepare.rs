@@ -17,8 +17,13 @@ use tessera_conformance::wait_for;
 
 use plugin_support::*;
 
-fn cdi_id(request: &str, uid: &str) -> String {
-    format!("gpu.tessera.dev/claim={request}_{uid}")
+/// What prepare answers a device of request `request` with: the claim's
+/// CDI device and the driver's `cuda` one.
+fn cdi_ids(request: &str, uid: &str) -> Vec<String> {
+    vec![
+        format!("gpu.tessera.dev/claim={request}_{uid}"),
+        "gpu.tessera.dev/driver=cuda".to_owned(),
+    ]
 }
 
 async fn status_devices(api: &Api<ResourceClaim>, name: &str) -> Result<Vec<Value>> {
@@ -124,9 +129,9 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
         .map(|d| (d.device_name.as_str(), &d.cdi_device_ids))
         .collect();
     ensure!(by_device.len() == 3, "{:?}", mine.devices);
-    ensure!(by_device[gpu.as_str()] == &vec![cdi_id("gpu", &uid)]);
-    ensure!(by_device[mig.as_str()] == &vec![cdi_id("mig", &uid)]);
-    ensure!(by_device[shared.as_str()] == &vec![cdi_id("share", &uid)]);
+    ensure!(by_device[gpu.as_str()] == &cdi_ids("gpu", &uid));
+    ensure!(by_device[mig.as_str()] == &cdi_ids("mig", &uid));
+    ensure!(by_device[shared.as_str()] == &cdi_ids("share", &uid));
     ensure!(mine.devices.iter().all(|d| d.pool_name == w.node));
 
     // The CDI spec: one device per request, each with exactly its GPUs.
@@ -200,7 +205,15 @@ async fn prepare_unprepare_lifecycle() -> Result<()> {
         !env(&s).iter().any(|e| e.starts_with("CUDA_MPS")),
         "Shared gets no MPS: {s}"
     );
-    let common: Vec<&str> = spec["containerEdits"]["deviceNodes"]
+    // What every container needs is the driver's spec's, not the claim's.
+    ensure!(spec.get("containerEdits").is_none(), "{spec}");
+    let driver = w.dirs.driver_spec().context("no driver CDI spec")?;
+    ensure!(driver["kind"] == "gpu.tessera.dev/driver", "{driver}");
+    let cuda = driver["devices"]
+        .as_array()
+        .and_then(|d| d.iter().find(|d| d["name"] == "cuda"))
+        .context("no cuda device in the driver spec")?;
+    let common: Vec<&str> = cuda["containerEdits"]["deviceNodes"]
         .as_array()
         .unwrap()
         .iter()

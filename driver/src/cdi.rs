@@ -1,4 +1,12 @@
-//! CDI specs: one JSON file per prepared claim.
+//! CDI specs: one JSON file per prepared claim, and the driver's own.
+//!
+//! What every container with a GPU needs from the driver (its control and
+//! UVM nodes, its libraries and tools) is one spec of the driver's,
+//! written at start; a claim's spec holds what is the claim's alone, and
+//! prepare answers each device with the CDI ids of both. A container
+//! runtime parses every spec of its directories again after each change
+//! (containerd does, on every file event), so the bytes each claim adds
+//! are paid for at every prepare and unprepare on the node.
 //!
 //! The driver only *produces* specs; the container runtime consumes them. A
 //! spec is written atomically for this boot (into a spare file, [`spare`],
@@ -26,6 +34,10 @@ pub const VENDOR: &str = "gpu.tessera.dev";
 pub const CLASS: &str = "claim";
 /// File name prefix; the suffix is the claim UID, so cleanup can find ours.
 const FILE_PREFIX: &str = "gpu.tessera.dev-claim_";
+/// CDI class of the driver's own spec.
+pub const DRIVER_CLASS: &str = "driver";
+/// The driver spec's file: not a claim's name, so cleanup leaves it.
+const DRIVER_FILE: &str = "gpu.tessera.dev-driver.json";
 const FILE_SUFFIX: &str = ".json";
 
 /// A CDI spec as this driver writes it (the subset of the CDI schema we use).
@@ -150,6 +162,54 @@ impl Spec {
     }
 }
 
+/// Which of the driver spec's devices a claim's containers get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverDevice {
+    /// What CUDA needs: the control and UVM nodes, the driver's libraries
+    /// and tools.
+    Cuda,
+    /// What NVML needs only: the control node, NVML and `nvidia-smi` (a
+    /// claim of monitoring devices, which must not run work).
+    Nvml,
+}
+
+impl DriverDevice {
+    pub fn name(self) -> &'static str {
+        match self {
+            DriverDevice::Cuda => "cuda",
+            DriverDevice::Nvml => "nvml",
+        }
+    }
+
+    /// `gpu.tessera.dev/driver=<name>`, as handed to the kubelet.
+    pub fn qualified_name(self) -> String {
+        format!("{VENDOR}/{DRIVER_CLASS}={}", self.name())
+    }
+}
+
+impl Spec {
+    /// The driver's spec: one device per [`DriverDevice`], with its edits.
+    /// A container listing a device twice (two claims) gets its edits
+    /// once: runtimes replace a device node or mount of the same path.
+    pub fn for_driver(cuda: ContainerEdits, nvml: ContainerEdits) -> Spec {
+        let devices = [(DriverDevice::Cuda, cuda), (DriverDevice::Nvml, nvml)]
+            .into_iter()
+            .map(|(which, container_edits)| Device {
+                name: which.name().to_owned(),
+                container_edits,
+            })
+            .collect();
+        let mut spec = Spec {
+            cdi_version: String::new(),
+            kind: format!("{VENDOR}/{DRIVER_CLASS}"),
+            devices,
+            container_edits: ContainerEdits::default(),
+        };
+        spec.cdi_version = spec.minimum_version().as_str().to_owned();
+        spec
+    }
+}
+
 /// `gpu.tessera.dev/claim`
 pub fn kind() -> String {
     format!("{VENDOR}/{CLASS}")
@@ -198,6 +258,26 @@ impl SpecDir {
         Ok(path)
     }
 
+    /// The driver's spec file.
+    pub fn driver_path(&self) -> PathBuf {
+        self.dir.join(DRIVER_FILE)
+    }
+
+    /// Writes the driver's spec unless the file already says `spec`;
+    /// whether it wrote.
+    pub fn write_driver(&self, spec: &Spec) -> std::io::Result<bool> {
+        let path = self.driver_path();
+        let current = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Spec>(&b).ok());
+        if current.as_ref() == Some(spec) {
+            return Ok(false);
+        }
+        let bytes = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
+        write_for_this_boot(&path, &bytes)?;
+        Ok(true)
+    }
+
     /// Remove the claim's spec (its file kept as a spare); absent is fine
     /// (unprepare is idempotent). Like the write, for this boot only (see
     /// [`write_for_this_boot`]).
@@ -231,7 +311,9 @@ impl SpecDir {
     /// Remove temp files of interrupted spec writes (see
     /// [`remove_stale_temp_files`]).
     pub fn remove_stale_temp_files(&self) -> std::io::Result<Vec<PathBuf>> {
-        remove_stale_temp_files(&self.dir, FILE_PREFIX)
+        let mut removed = remove_stale_temp_files(&self.dir, FILE_PREFIX)?;
+        removed.extend(remove_stale_temp_files(&self.dir, DRIVER_FILE)?);
+        Ok(removed)
     }
 
     /// Delete spec files of claims not in `keep` (crash leftovers). Returns
@@ -370,155 +452,4 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn uid() -> ClaimUid {
-        ClaimUid::parse("0b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e").unwrap()
-    }
-
-    fn gpu_device(name: &str) -> Device {
-        Device {
-            name: name.into(),
-            container_edits: ContainerEdits {
-                env: vec!["NVIDIA_VISIBLE_DEVICES=GPU-1".into()],
-                device_nodes: vec![DeviceNode {
-                    path: "/dev/nvidia0".into(),
-                    host_path: None,
-                    permissions: None,
-                }],
-                mounts: vec![],
-            },
-        }
-    }
-
-    #[test]
-    fn plain_spec_needs_only_0_3() {
-        let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
-        assert_eq!(spec.cdi_version, "0.3.0");
-        assert_eq!(spec.kind, "gpu.tessera.dev/claim");
-    }
-
-    #[test]
-    fn host_path_requires_0_5_and_mount_type_0_4() {
-        let mut dev = gpu_device("gpu-0");
-        let common = ContainerEdits {
-            mounts: vec![Mount {
-                host_path: "/run/nvidia/driver/usr/bin/nvidia-smi".into(),
-                container_path: "/usr/bin/nvidia-smi".into(),
-                options: vec!["ro".into(), "bind".into()],
-                mount_type: Some("bind".into()),
-            }],
-            ..Default::default()
-        };
-        let spec = Spec::for_claim(vec![dev.clone()], common.clone());
-        assert_eq!(spec.minimum_version(), CdiVersion::V0_4);
-        dev.container_edits.device_nodes[0].host_path =
-            Some("/run/nvidia/driver/dev/nvidia0".into());
-        let spec = Spec::for_claim(vec![dev], common);
-        assert_eq!(spec.cdi_version, "0.5.0");
-    }
-
-    #[test]
-    fn device_name_starting_with_digit_requires_0_5() {
-        let spec = Spec::for_claim(vec![gpu_device("0-gpu")], ContainerEdits::default());
-        assert_eq!(spec.minimum_version(), CdiVersion::V0_5);
-    }
-
-    #[test]
-    fn write_is_atomic_and_remove_idempotent() {
-        let dir = tempfile::tempdir().unwrap();
-        let specs = SpecDir::new(dir.path());
-        let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
-        let path = specs.write(&uid(), &spec).unwrap();
-        let back: Spec = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        assert_eq!(back, spec);
-        // no temp file left beside it
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(
-            names,
-            vec![format!("gpu.tessera.dev-claim_{}.json", uid().as_str())]
-        );
-        assert_eq!(specs.claims().unwrap(), vec![uid()]);
-        specs.remove(&uid()).unwrap();
-        specs.remove(&uid()).unwrap();
-        assert!(specs.claims().unwrap().is_empty());
-    }
-
-    #[test]
-    fn a_removed_spec_file_is_reused_and_never_taken_for_a_spec() {
-        use std::os::unix::fs::MetadataExt;
-        let dir = tempfile::tempdir().unwrap();
-        let specs = SpecDir::new(dir.path());
-        let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
-        let first = specs.write(&uid(), &spec).unwrap();
-        let inode = fs::metadata(&first).unwrap().ino();
-        specs.remove(&uid()).unwrap();
-        let names = |d: &Path| -> Vec<String> {
-            let mut n: Vec<String> = fs::read_dir(d)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().into_string().unwrap())
-                .collect();
-            n.sort();
-            n
-        };
-        let left = names(dir.path());
-        assert_eq!(left.len(), 1, "{left:?}");
-        assert!(
-            left[0].starts_with(".gpu.tessera.dev-claim_spare-"),
-            "{left:?}"
-        );
-        assert!(
-            !left[0].ends_with(".json"),
-            "a runtime's CDI cache skips it"
-        );
-        // Not a claim, not an orphan, not a stale temp file.
-        assert!(specs.claims().unwrap().is_empty());
-        assert!(specs.remove_orphans(|_| false).unwrap().is_empty());
-        assert!(specs.remove_stale_temp_files().unwrap().is_empty());
-        // The next spec goes into it; another process adopts it too.
-        let other = ClaimUid::parse("1b9d2a3e-5c4f-4a7b-9e0d-1f2a3b4c5d6e").unwrap();
-        let path = SpecDir::new(dir.path()).write(&other, &spec).unwrap();
-        assert_eq!(fs::metadata(&path).unwrap().ino(), inode);
-        let back: Spec = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        assert_eq!(back, spec);
-    }
-
-    #[test]
-    fn stale_temp_files_of_dead_writers_are_removed() {
-        let dir = tempfile::tempdir().unwrap();
-        let specs = SpecDir::new(dir.path());
-        // pid 0 is never a process; our own pid is alive.
-        let dead = dir
-            .path()
-            .join(format!(".{FILE_PREFIX}{}.json.tmp-0", uid().as_str()));
-        let mine = dir.path().join(format!(
-            ".{FILE_PREFIX}{}.json.tmp-{}",
-            uid().as_str(),
-            std::process::id()
-        ));
-        let foreign = dir.path().join(".other.json.tmp-0");
-        for f in [&dead, &mine, &foreign] {
-            fs::write(f, b"{").unwrap();
-        }
-        assert_eq!(specs.remove_stale_temp_files().unwrap(), vec![dead.clone()]);
-        assert!(!dead.exists() && mine.exists() && foreign.exists());
-    }
-
-    #[test]
-    fn orphans_are_removed_and_foreign_files_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let specs = SpecDir::new(dir.path());
-        let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
-        let keep = ClaimUid::parse("11111111-2222-4333-8444-555555555555").unwrap();
-        specs.write(&uid(), &spec).unwrap();
-        specs.write(&keep, &spec).unwrap();
-        fs::write(dir.path().join("nvidia.com-gpu.json"), b"{}").unwrap();
-        assert_eq!(specs.remove_orphans(|c| *c == keep).unwrap(), vec![uid()]);
-        assert_eq!(specs.claims().unwrap(), vec![keep]);
-        assert!(dir.path().join("nvidia.com-gpu.json").exists());
-    }
-}
+mod tests;

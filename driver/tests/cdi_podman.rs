@@ -134,14 +134,27 @@ impl Node {
         (name.clone(), gpu)
     }
 
+    /// The driver's spec, written when the preparer opened, installed
+    /// where podman reads specs. Its name is the driver's, not a claim's:
+    /// the tests of this file take turns with it.
+    fn install_driver_spec(&self) -> DriverSpec {
+        static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+        let path = self.dir.path().join("cdi/gpu.tessera.dev-driver.json");
+        DriverSpec {
+            _installed: Installed::new(path.file_name().unwrap(), &fs::read(&path).unwrap()),
+            _turn: turn,
+        }
+    }
+
     /// Prepares `claim` as NodePrepareResources does, with `mps` for
-    /// MPS; returns the preparer, the claim's reference, its one CDI id and
-    /// the spec file written.
+    /// MPS; returns the preparer, the claim's reference, its CDI ids (the
+    /// claim's and the driver's) and the claim's spec file.
     async fn prepare(
         &self,
         claim: ResourceClaim,
         mps: Arc<dyn MpsControl>,
-    ) -> (Arc<Preparer>, ClaimRef, String, PathBuf) {
+    ) -> (Arc<Preparer>, ClaimRef, Vec<String>, PathBuf) {
         let model = SliceModel::new(
             &self.inventory,
             &NodePolicy::default(),
@@ -188,14 +201,21 @@ impl Node {
         let mut answers = preparer.prepare(vec![claim_ref.clone()]).await;
         let prepared = answers.remove(0).1.expect("prepare failed");
         assert_eq!(prepared.len(), 1);
-        let cdi_ids = &prepared[0].cdi_device_ids;
-        assert_eq!(cdi_ids.len(), 1);
+        // The claim's device and the driver's, whose spec is written at open.
+        let cdi_ids = prepared[0].cdi_device_ids.clone();
+        assert_eq!(cdi_ids.len(), 2, "{cdi_ids:?}");
+        assert_eq!(cdi_ids[1], "gpu.tessera.dev/driver=cuda");
         let spec_file = fs::read_dir(base.join("cdi"))
             .unwrap()
             .map(|e| e.unwrap().path())
-            .find(|p| p.file_name().unwrap().as_bytes().ends_with(b".json"))
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .as_bytes()
+                    .starts_with(b"gpu.tessera.dev-claim_")
+            })
             .expect("prepare wrote no CDI spec");
-        (preparer, claim_ref, cdi_ids[0].clone(), spec_file)
+        (preparer, claim_ref, cdi_ids, spec_file)
     }
 }
 
@@ -221,18 +241,20 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
         &uid,
         json!({"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}),
     );
-    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, Arc::new(Unsupported)).await;
-    let cdi_id = &cdi_id;
+    let (preparer, claim_ref, cdi_ids, spec_file) =
+        node.prepare(claim, Arc::new(Unsupported)).await;
+    let cdi_id = &cdi_ids.join(" ");
 
-    // The spec prepare wrote, installed where podman reads specs.
+    // The specs prepare wrote, installed where podman reads specs.
     let bytes = fs::read(&spec_file).unwrap();
     let spec: Spec = serde_json::from_slice(&bytes).unwrap();
     // hostPath on device nodes needs 0.5.0, the newest podman 4.3 accepts.
     assert_eq!(spec.cdi_version, "0.5.0");
     let installed = Installed::new(spec_file.file_name().unwrap(), &bytes);
+    let _driver = node.install_driver_spec();
 
-    // 1. With the claim's CDI id: exactly its GPU and the control node.
-    let out = env.podman(rootfs, Some(cdi_id));
+    // 1. With the claim's CDI ids: exactly its GPU and the control node.
+    let out = env.podman(rootfs, &cdi_ids);
     let seen = Probe::parse(&out);
     eprintln!("container with {cdi_id} reports:\n{}", seen.text);
     let gpu_node = format!("/dev/nvidia{}", gpu.minor);
@@ -256,7 +278,7 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     assert!(!seen.text.contains("mps-control reachable"));
 
     // 2. Without it: no NVIDIA node, no variable.
-    let out = env.podman(rootfs, None);
+    let out = env.podman(rootfs, &[]);
     let bare = Probe::parse(&out);
     eprintln!("container without a CDI id reports:\n{}", bare.text);
     assert!(bare.nodes.is_empty(), "{}", bare.text);
@@ -268,7 +290,7 @@ async fn podman_runs_a_container_with_the_cdi_id_prepare_returned() {
     let mut newer: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     newer["cdiVersion"] = json!("0.6.0");
     installed.replace(&serde_json::to_vec(&newer).unwrap());
-    let out = env.podman(rootfs, Some(cdi_id));
+    let out = env.podman(rootfs, &cdi_ids);
     assert!(
         !out.status.success(),
         "podman accepted cdiVersion 0.6.0:\n{}",
@@ -329,7 +351,8 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
                "shareID": random_uid().as_str(),
                "consumedCapacity": {"memory": "8Gi", "cores": "25"}}),
     );
-    let (preparer, claim_ref, cdi_id, spec_file) = node.prepare(claim, mps).await;
+    let (preparer, claim_ref, cdi_ids, spec_file) = node.prepare(claim, mps).await;
+    let cdi_id = cdi_ids.join(" ");
     // The claim's own daemon for request `gpu` on the GPU.
     let daemons = supervisor.daemons();
     assert_eq!(daemons.len(), 1, "{daemons:?}");
@@ -352,10 +375,12 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
 
     let bytes = fs::read(&spec_file).unwrap();
     let installed = Installed::new(spec_file.file_name().unwrap(), &bytes);
-    let out = env.podman(&node.rootfs, Some(&cdi_id));
+    let driver = node.install_driver_spec();
+    let out = env.podman(&node.rootfs, &cdi_ids);
     let seen = Probe::parse(&out);
     eprintln!("container with {cdi_id} reports:\n{}", seen.text);
     drop(installed);
+    drop(driver);
     assert_eq!(
         seen.nodes,
         HashMap::from([
@@ -416,6 +441,13 @@ fn random_uid() -> ClaimUid {
         &hex[20..32]
     ))
     .unwrap()
+}
+
+/// The driver's spec installed, and this test's turn with it (given back
+/// after the file is removed).
+struct DriverSpec {
+    _installed: Installed,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
 
 /// Our spec file in the runtime's CDI directory; removed on drop.
@@ -549,7 +581,7 @@ impl Environment {
         }
         // A plain container must work before CDI can be judged.
         let rootfs = env.rootfs(scratch.path());
-        let out = env.podman(&rootfs, None);
+        let out = env.podman(&rootfs, &[]);
         if !out.status.success() {
             return Err(format!(
                 "podman cannot run a plain container here: {}",
@@ -570,7 +602,7 @@ impl Environment {
         rootfs
     }
 
-    fn podman(&self, rootfs: &Path, cdi_id: Option<&str>) -> Output {
+    fn podman(&self, rootfs: &Path, cdi_ids: &[String]) -> Output {
         let mut cmd = Command::new("podman");
         cmd.args([
             "--cgroup-manager=cgroupfs",
@@ -581,7 +613,7 @@ impl Environment {
         ])
         .args(["--network=none", "--ulimit", "nofile=1024:1024"])
         .args(["--ulimit", "nproc=1024:1024"]);
-        if let Some(id) = cdi_id {
+        for id in cdi_ids {
             cmd.args(["--device", id]);
         }
         cmd.arg("--rootfs")

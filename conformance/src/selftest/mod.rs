@@ -493,7 +493,8 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// `NodePrepareResources` for the tenant's claim; its one CDI device.
+    /// `NodePrepareResources` for the tenant's claim; its CDI devices (the
+    /// claim's and the driver's), comma-separated as the probe takes them.
     async fn prepare(&self, channel: &tonic::transport::Channel, t: &Tenant) -> Result<String> {
         let mut dra = dra_v1::dra_plugin_client::DraPluginClient::new(channel.clone());
         let answer = dra
@@ -507,11 +508,14 @@ impl Ctx<'_> {
             .get(&t.uid)
             .context("no answer for the claim")?;
         ensure!(got.error.is_empty(), "{}", got.error);
-        let ids: Vec<&String> = got.devices.iter().flat_map(|d| &d.cdi_device_ids).collect();
-        match ids.as_slice() {
-            [id] => Ok((*id).clone()),
-            _ => bail!("want one CDI device, got {ids:?}"),
+        let mut ids: Vec<&str> = Vec::new();
+        for id in got.devices.iter().flat_map(|d| &d.cdi_device_ids) {
+            if !ids.contains(&id.as_str()) {
+                ids.push(id);
+            }
         }
+        ensure!(!ids.is_empty(), "the answer names no CDI device");
+        Ok(ids.join(","))
     }
 
     fn claim_ref(&self, t: &Tenant) -> dra_v1::Claim {

@@ -262,10 +262,11 @@ impl PluginDirs {
         Ok(())
     }
 
-    /// The files of the CDI directory a runtime reads (not hidden ones).
+    /// The claims' spec files of the CDI directory (not hidden ones, not
+    /// the driver's own spec).
     pub fn cdi_files(&self) -> Vec<String> {
         let mut names = self.cdi_all();
-        names.retain(|n| !n.starts_with('.'));
+        names.retain(|n| !n.starts_with('.') && n != "gpu.tessera.dev-driver.json");
         names
     }
 
@@ -328,6 +329,14 @@ impl PluginDirs {
             .unwrap_or_default();
         names.sort();
         names
+    }
+
+    /// The driver's own CDI spec (what every claim's containers need).
+    pub fn driver_spec(&self) -> Option<Value> {
+        let path = self.cdi().join("gpu.tessera.dev-driver.json");
+        std::fs::read(path)
+            .ok()
+            .map(|b| serde_json::from_slice(&b).expect("spec is JSON"))
     }
 
     pub fn spec(&self, uid: &str) -> Option<Value> {

@@ -125,6 +125,12 @@ impl Preparer {
         }
         clock.lap(Phase::Effects);
         let built = spec::build(claim, uid, &self.config.layout, &self.enforcers, devices)?;
+        self.restore_driver_spec().map_err(|e| {
+            ClaimError::new(claim, format!("cannot write the driver's CDI spec: {e}")).fix(format!(
+                "check that {} is writable",
+                self.config.cdi_dir.display()
+            ))
+        })?;
         self.specs.write(uid, &built.spec).map_err(|e| {
             ClaimError::new(claim, format!("cannot write its CDI spec: {e}")).fix(format!(
                 "check that {} is writable",

@@ -53,7 +53,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use tessera_api::config::resolve_claim;
 use tracing::{info, warn};
 
-use crate::cdi::SpecDir;
+use crate::cdi::{self, SpecDir};
 use crate::claim_uid::ClaimUid;
 use crate::state::checkpoint::{Checkpoint, CheckpointError};
 use crate::sync::Locked;
@@ -211,6 +211,8 @@ pub struct Preparer {
     enforcers: Enforcers,
     checkpoint: Checkpoint<ClaimEntry>,
     specs: SpecDir,
+    /// The driver's own CDI spec, which every claim's devices reference.
+    driver_spec: cdi::Spec,
     locks: ClaimLocks,
     /// The Pods each prepared claim was reserved for when it was fetched:
     /// kept in memory only (the metrics' attribution reads the API server
@@ -245,6 +247,16 @@ impl Preparer {
             blocking(move || Checkpoint::<ClaimEntry>::open(&dir, &boot)).await?
         };
         let specs = SpecDir::new(&config.cdi_dir);
+        let driver_spec = spec::driver_spec(&config.layout);
+        {
+            let (dir, driver) = (specs.clone(), driver_spec.clone());
+            blocking(move || dir.write_driver(&driver))
+                .await
+                .map_err(|source| SetupError::DriverSpec {
+                    path: specs.driver_path(),
+                    source,
+                })?;
+        }
         let enforcers = Enforcers::new(Hosts {
             mps: deps.mps.clone(),
             time_slice: deps.time_slice.clone(),
@@ -256,6 +268,7 @@ impl Preparer {
             enforcers,
             checkpoint,
             specs,
+            driver_spec,
             locks: ClaimLocks::default(),
             unsettled: Mutex::default(),
             reserved_for: ReservedFor::default(),

@@ -37,6 +37,13 @@ pub enum SetupError {
         dir: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "cannot write the driver's CDI spec {path}: {source} (fix: make its directory writable)"
+    )]
+    DriverSpec {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// A claim prepared before, for its status write to resume: its UID,
@@ -257,6 +264,16 @@ impl Preparer {
             info!(count = removed.len(), "removed orphaned CDI specs");
         }
         Ok(removed)
+    }
+
+    /// Writes the driver's spec again if it is gone (a cleared CDI
+    /// directory): without it no container of a claim prepared since
+    /// could start. One `stat` when it is there.
+    pub(super) fn restore_driver_spec(&self) -> std::io::Result<()> {
+        if !self.specs.driver_path().exists() {
+            self.specs.write_driver(&self.driver_spec)?;
+        }
+        Ok(())
     }
 
     /// Rewrites the spec of a completed claim if it is missing or differs.

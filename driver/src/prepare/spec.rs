@@ -15,9 +15,12 @@
 //!   exactly the request's GPU / MIG UUIDs, then each provider's edits
 //!   ([`super::provider`]): device nodes, MIG capability nodes, the MPS
 //!   client settings, HAMi-core's library and limits;
-//! * per spec (any request): `/dev/nvidiactl`, `/dev/nvidia-uvm`,
-//!   `/dev/nvidia-uvm-tools` and the driver's libraries and tools from the
-//!   driver root.
+//! * from the driver's own spec ([`driver_spec`], written at start), whose
+//!   CDI id every device of the claim is also answered with: `cuda`
+//!   (`/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia-uvm-tools` and the
+//!   driver's libraries and tools from the driver root), or `nvml` for a
+//!   claim of monitoring devices only. Kept out of the claim's spec: the
+//!   runtime parses every spec again after each change.
 
 use std::collections::BTreeMap;
 
@@ -26,7 +29,7 @@ use tessera_api::config::{EffectiveConfig, Sharing as ConfigSharing};
 use super::claims::{ClaimError, ClaimRef};
 use super::enforce::{Device, Enforcers, Request};
 use super::resolve::Kind;
-use crate::cdi::{self, ContainerEdits, Spec};
+use crate::cdi::{self, ContainerEdits, DriverDevice, Spec};
 use crate::claim_uid::ClaimUid;
 use crate::host::driver_root::{Layout, is_nvml_file};
 use crate::state::records::{ConsumedData, DeviceData, DeviceStatus, PreparedDevice};
@@ -98,31 +101,54 @@ pub fn build(
         });
     }
 
+    let driver = driver_device(devices).qualified_name();
     let answer = devices
         .iter()
         .map(|d| PreparedDevice {
             request_names: vec![d.resolved.selected.request.clone()],
             pool_name: d.resolved.selected.pool.clone(),
             device_name: d.resolved.selected.device.clone(),
-            cdi_device_ids: vec![ids[d.resolved.selected.request.as_str()].clone()],
+            cdi_device_ids: vec![
+                ids[d.resolved.selected.request.as_str()].clone(),
+                driver.clone(),
+            ],
         })
         .collect();
     let status = devices.iter().map(|d| status_of(enforcers, d)).collect();
     Ok(Built {
-        spec: Spec::for_claim(cdi_devices, common_edits(layout, devices)),
+        spec: Spec::for_claim(cdi_devices, ContainerEdits::default()),
         answer,
         status,
     })
 }
 
-/// What every container with the claim gets. A claim of monitoring devices
-/// only gets what NVML needs: no UVM nodes (CUDA cannot start without
-/// them), no CUDA libraries.
-fn common_edits(layout: &Layout, devices: &[Device]) -> ContainerEdits {
-    let mut common = ContainerEdits::default();
-    let monitor_only = devices
+/// Which of the driver spec's devices every container with the claim
+/// gets: a claim of monitoring devices only gets what NVML needs, no UVM
+/// nodes (CUDA cannot start without them) and no CUDA libraries.
+fn driver_device(devices: &[Device]) -> DriverDevice {
+    if devices
         .iter()
-        .all(|d| matches!(d.resolved.kind, Kind::Monitor));
+        .all(|d| matches!(d.resolved.kind, Kind::Monitor))
+    {
+        DriverDevice::Nvml
+    } else {
+        DriverDevice::Cuda
+    }
+}
+
+/// The driver's spec for the node's driver root (see the module
+/// documentation).
+pub fn driver_spec(layout: &Layout) -> Spec {
+    Spec::for_driver(
+        driver_edits(layout, DriverDevice::Cuda),
+        driver_edits(layout, DriverDevice::Nvml),
+    )
+}
+
+/// The edits of one of the driver spec's devices.
+fn driver_edits(layout: &Layout, which: DriverDevice) -> ContainerEdits {
+    let mut common = ContainerEdits::default();
+    let monitor_only = which == DriverDevice::Nvml;
     for node in ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"] {
         if node == "/dev/nvidiactl" || (!monitor_only && layout.exists(node)) {
             common.device_nodes.push(layout.node(node));

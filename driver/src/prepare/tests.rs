@@ -256,12 +256,16 @@ impl Fixture {
         cp.dir().join(format!("{}.json", claim.as_str()))
     }
 
-    /// Spec files (not the hidden spares of removed ones).
+    /// Claims' spec files (not the driver's, nor the hidden spares of
+    /// removed ones).
     fn cdi_files(&self) -> usize {
         std::fs::read_dir(self.dir.path().join("cdi"))
             .map(|d| {
                 d.flatten()
-                    .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+                    .filter(|e| {
+                        let name = e.file_name().to_string_lossy().into_owned();
+                        !name.starts_with('.') && name != "gpu.tessera.dev-driver.json"
+                    })
                     .count()
             })
             .unwrap_or(0)
@@ -1143,4 +1147,31 @@ async fn a_missing_nvidia_smi_is_a_per_claim_error() {
     assert_eq!(f.cdi_files(), 0);
     let results = preparer.prepare(vec![claim_ref(3)]).await;
     assert!(results[0].1.is_err());
+}
+
+/// The driver's spec is there once the preparer opens, and a prepare after
+/// it was removed (a cleared CDI directory) writes it again: every claim's
+/// devices reference it.
+#[tokio::test]
+async fn the_driver_spec_is_written_at_open_and_after_it_went() {
+    let f = Fixture::new(false);
+    let preparer = f.open_managed(MigRecorder::new(false, 0)).await;
+    let driver = f.dir.path().join("cdi/gpu.tessera.dev-driver.json");
+    let spec: crate::cdi::Spec = serde_json::from_slice(&std::fs::read(&driver).unwrap()).unwrap();
+    assert_eq!(spec.kind, "gpu.tessera.dev/driver");
+    std::fs::remove_file(&driver).unwrap();
+    let answer = preparer
+        .prepare(vec![claim_ref(3)])
+        .await
+        .remove(0)
+        .1
+        .unwrap();
+    assert!(driver.exists(), "prepare left the driver spec missing");
+    assert!(
+        answer
+            .iter()
+            .all(|d| d.cdi_device_ids.last().map(String::as_str)
+                == Some("gpu.tessera.dev/driver=cuda")),
+        "{answer:?}"
+    );
 }

@@ -50,7 +50,7 @@ mod error;
 mod spec;
 
 pub use error::ContainerError;
-pub use spec::find;
+pub use spec::{find, find_all};
 
 type Result<T, E = ContainerError> = std::result::Result<T, E>;
 

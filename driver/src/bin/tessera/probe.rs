@@ -37,12 +37,13 @@ pub struct ProbeArgs {
     #[arg(long = "set-env", value_name = "NAME=VALUE", value_parser = parse_env)]
     pub set_env: Vec<(String, String)>,
 
-    /// Probe as a container holding this CDI device (`VENDOR/CLASS=NAME`,
-    /// as prepare answers it) would: its environment, device nodes and
-    /// `/dev` mounts, in a mount namespace of the probe's own (needs root).
-    /// --set-env applies after the device's environment.
-    #[arg(long, value_name = "VENDOR/CLASS=NAME")]
-    pub cdi_device: Option<String>,
+    /// Probe as a container holding these CDI devices (`VENDOR/CLASS=NAME`,
+    /// as prepare answers them: repeated or comma-separated) would: their
+    /// environment, device nodes and `/dev` mounts, in a mount namespace of
+    /// the probe's own (needs root). --set-env applies after the devices'
+    /// environment.
+    #[arg(long, value_name = "VENDOR/CLASS=NAME", value_delimiter = ',')]
+    pub cdi_device: Vec<String>,
 
     /// Where --cdi-device's spec is: a directory only root can write, as
     /// its spec files must be.
@@ -93,8 +94,8 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 /// `tessera probe`: prints the report as JSON; exit 1 unless it succeeded.
 pub fn main(args: &ProbeArgs) -> anyhow::Result<ExitCode> {
     let mut entered = None;
-    if let Some(device) = &args.cdi_device {
-        let edits = container::find(&args.cdi_dir, device)?;
+    if !args.cdi_device.is_empty() {
+        let edits = container::find_all(&args.cdi_dir, &args.cdi_device)?;
         let shape = container::Shape {
             withhold_gpu_nodes: args.withhold_gpu_nodes,
             pod_hosts: args.pod_hosts_file.clone(),

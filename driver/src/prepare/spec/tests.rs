@@ -494,3 +494,60 @@ fn cdi_names_keep_subrequests_apart() {
     );
     assert_ne!(cdi_device_name("a-b", &uid), cdi_device_name("a/b", &uid));
 }
+
+/// The driver's files and nodes are in its own spec, not the claim's: each
+/// device is answered with the claim's CDI id and the driver's `cuda`
+/// device, whose edits CUDA needs; `nvml` has what NVML needs only.
+#[test]
+fn common_edits_are_the_drivers_spec_not_the_claims() {
+    let node = Node::new(true);
+    let d = share(
+        0,
+        "gpus",
+        gpu("GPU-a", 0, Mig::NotSupported),
+        IsolationProvider::Mps,
+        2 * GIB,
+        20,
+    );
+    let (spec, answer, _) = build_all(&node.layout(), &[d]).unwrap();
+    assert!(spec.container_edits.is_empty(), "{spec:?}");
+    assert_eq!(
+        answer[0].cdi_device_ids,
+        [
+            format!("gpu.tessera.dev/claim=gpus_{UID}"),
+            "gpu.tessera.dev/driver=cuda".to_owned()
+        ]
+    );
+
+    let root = node.dir.path().join("root");
+    std::fs::write(root.join("dev/nvidia-uvm"), "").unwrap();
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::write(lib.join("libcuda.so.1"), "").unwrap();
+    std::fs::write(lib.join("libnvidia-ml.so.1"), "").unwrap();
+    let layout = Layout {
+        driver_files: discover_driver_files(&root),
+        ..node.layout()
+    };
+    let driver = driver_spec(&layout);
+    assert_eq!(driver.kind, "gpu.tessera.dev/driver");
+    let edits = |name: &str| -> (Vec<String>, Vec<String>) {
+        let d = driver.devices.iter().find(|d| d.name == name).unwrap();
+        let nodes = d.container_edits.device_nodes.iter();
+        let mounts = d.container_edits.mounts.iter();
+        (
+            nodes.map(|n| n.path.clone()).collect(),
+            mounts.map(|m| m.container_path.clone()).collect(),
+        )
+    };
+    let (cuda_nodes, cuda_mounts) = edits("cuda");
+    assert_eq!(cuda_nodes, ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+    assert!(cuda_mounts.iter().any(|m| m.ends_with("libcuda.so.1")));
+    let (nvml_nodes, nvml_mounts) = edits("nvml");
+    assert_eq!(nvml_nodes, ["/dev/nvidiactl"]);
+    assert!(
+        nvml_mounts.iter().all(|m| m.contains("nvidia-ml")),
+        "{nvml_mounts:?}"
+    );
+    assert!(!nvml_mounts.is_empty());
+}

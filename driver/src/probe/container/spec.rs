@@ -9,7 +9,32 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::Path;
 
 use super::{ContainerError, Edits, MAX_SPEC_BYTES, Result, fd_path, kind_of, open_at};
-use crate::cdi::Spec;
+use crate::cdi::{ContainerEdits, Spec};
+
+/// The edits of CDI devices `qualified`, applied in order as a runtime
+/// applies them: a later device node or mount of a path replaces the
+/// earlier one (a device listed twice is applied once).
+pub fn find_all(dir: &Path, qualified: &[String]) -> Result<Edits> {
+    let mut all = Edits {
+        device: qualified.join(","),
+        edits: ContainerEdits::default(),
+    };
+    for device in qualified {
+        let edits = find(dir, device)?.edits;
+        let into = &mut all.edits;
+        into.env.extend(edits.env);
+        for node in edits.device_nodes {
+            into.device_nodes.retain(|n| n.path != node.path);
+            into.device_nodes.push(node);
+        }
+        for mount in edits.mounts {
+            into.mounts
+                .retain(|m| m.container_path != mount.container_path);
+            into.mounts.push(mount);
+        }
+    }
+    Ok(all)
+}
 
 /// The edits of CDI device `qualified` (`vendor/class=name`) from the specs
 /// in `dir`: the spec's common edits, then the device's own.

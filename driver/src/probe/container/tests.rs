@@ -57,6 +57,40 @@ fn a_device_gets_its_specs_common_edits_then_its_own() {
     assert_eq!(got.edits.mounts[0].container_path, "/usr/lib/libcuda.so.1");
 }
 
+/// A claim's device and the driver's, as prepare answers them: their
+/// edits in order, a node or mount of one path once (a device listed twice
+/// is applied once, as runtimes do).
+#[test]
+fn devices_edits_add_up_in_order_and_a_path_is_made_once() {
+    let dir = tempfile::tempdir().unwrap();
+    write(
+        dir.path(),
+        "claim.json",
+        &spec("gpu.tessera.dev/claim", &[("u-0", "A")]),
+    );
+    write(
+        dir.path(),
+        "driver.json",
+        &spec("gpu.tessera.dev/driver", &[("cuda", "C")]),
+    );
+    let ids = [
+        "gpu.tessera.dev/claim=u-0",
+        "gpu.tessera.dev/driver=cuda",
+        "gpu.tessera.dev/driver=cuda",
+    ]
+    .map(String::from);
+    let got = find_all(dir.path(), &ids).unwrap();
+    assert_eq!(got.device, ids.join(","));
+    assert_eq!(
+        got.edits.env,
+        ["COMMON=1", "A=1", "COMMON=1", "C=1", "COMMON=1", "C=1"]
+    );
+    assert_eq!(got.edits.device_nodes.len(), 1, "{:?}", got.edits);
+    assert_eq!(got.edits.mounts.len(), 1, "{:?}", got.edits);
+    let e = find_all(dir.path(), &["gpu.tessera.dev/driver=nvml".into()]).unwrap_err();
+    assert!(e.to_string().contains("driver=nvml"), "{e}");
+}
+
 #[test]
 fn a_missing_or_ambiguous_device_is_named_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
