@@ -262,7 +262,7 @@ async fn steps(
             "prepare over the plugin socket",
             t.name,
             match &cdi {
-                Ok(cdi) => format!("CDI device {cdi}"),
+                Ok(cdi) => format!("CDI devices {cdi}"),
                 Err(e) => format!("{e:#}"),
             },
             Verdict::of(
