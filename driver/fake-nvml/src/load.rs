@@ -92,9 +92,23 @@ impl Record {
     /// The identity of the process `/proc/<pid>` (`dir`) describes, with no
     /// devices.
     pub fn of_process(dir: &Path) -> Option<Record> {
+        Record::numbered(dir, None)
+    }
+
+    /// [`Record::of_process`], where `numbering` is the pid namespace whose
+    /// pids name the directories of `dir`'s `/proc` (when known): a process
+    /// in it has its directory's name as its own pid, and its `status`
+    /// (long, and made by the kernel at each read) is not read.
+    fn numbered(dir: &Path, numbering: Option<u64>) -> Option<Record> {
+        let pid_namespace = std::fs::metadata(dir.join("ns/pid")).ok()?.ino();
+        let named = dir.file_name()?.to_str()?.parse::<u32>().ok();
+        let pid = match named {
+            Some(pid) if numbering == Some(pid_namespace) => pid,
+            _ => innermost_pid(dir)?,
+        };
         Some(Record {
-            pid_namespace: std::fs::metadata(dir.join("ns/pid")).ok()?.ino(),
-            pid: innermost_pid(dir)?,
+            pid_namespace,
+            pid,
             start_time: start_time(dir)?,
             devices: Vec::new(),
         })
@@ -188,18 +202,39 @@ fn live_in(proc: &Path) -> Vec<Live> {
     let Ok(entries) = std::fs::read_dir(proc) else {
         return Vec::new();
     };
+    let numbering = numbering(proc);
     let mut live: Vec<Live> = entries
         .filter_map(Result::ok)
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| held_by(&proc.join(pid.to_string())).map(|record| Live { pid, record }))
+        .filter_map(|pid| {
+            let record = held_by(&proc.join(pid.to_string()), numbering)?;
+            Some(Live { pid, record })
+        })
         .collect();
     live.sort_by_key(|l| l.pid);
     live
 }
 
+/// The pid namespace whose pids name `proc`'s directories, when known:
+/// that of its pid 1 (the namespace's init), or this process's own when
+/// `proc` knows it by one pid only (then it is in that namespace).
+fn numbering(proc: &Path) -> Option<u64> {
+    if let Ok(init) = std::fs::metadata(proc.join("1/ns/pid")) {
+        return Some(init.ino());
+    }
+    let status = std::fs::read_to_string(proc.join("self/status")).ok()?;
+    let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    if nspid.split_whitespace().count() != 1 {
+        return None;
+    }
+    std::fs::metadata(proc.join("self/ns/pid"))
+        .ok()
+        .map(|m| m.ino())
+}
+
 /// The record process `dir` (`/proc/<pid>`) holds about itself, if any;
 /// several files naming it (a library loaded twice) add up.
-fn held_by(dir: &Path) -> Option<Record> {
+fn held_by(dir: &Path, numbering: Option<u64>) -> Option<Record> {
     let fds = Descriptors::open(&dir.join("fd"))?;
     let mut identity: Option<Record> = None;
     let mut held: Option<Record> = None;
@@ -212,7 +247,7 @@ fn held_by(dir: &Path) -> Option<Record> {
         };
         let me = match &identity {
             Some(me) => me,
-            None => identity.insert(Record::of_process(dir)?),
+            None => identity.insert(Record::numbered(dir, numbering)?),
         };
         let names_holder = record.pid_namespace == me.pid_namespace
             && record.pid == me.pid
@@ -429,6 +464,62 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found(child.id()), None);
+    }
+
+    /// A process in a pid namespace of its own (a container's) is found
+    /// under the pid this `/proc` knows it by, with the record naming it
+    /// by its own pid there; `/proc` here numbers by this process's
+    /// namespace, which the walk takes as known.
+    #[test]
+    fn a_process_in_its_own_pid_namespace_is_found_by_its_own_pid() {
+        let _turn = ONE_AT_A_TIME.locked();
+        let mine = std::fs::metadata("/proc/self/ns/pid").unwrap().ino();
+        assert_eq!(numbering(Path::new("/proc")), Some(mine));
+        let channel = Channel::inheritable().unwrap();
+        let spawned = std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child", "sleep", "30"])
+            .spawn();
+        let Ok(unshare) = spawned else {
+            println!("*** SKIPPED: no unshare(1) to make a pid namespace");
+            return;
+        };
+        // Ended however the test ends (--kill-child takes the sleep along).
+        struct Ends(std::process::Child);
+        impl Drop for Ends {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut unshare = Ends(unshare);
+        let children = format!("/proc/{0}/task/{0}/children", unshare.0.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let sleeper: u32 = loop {
+            let comm = |pid: &str| std::fs::read_to_string(format!("/proc/{pid}/comm"));
+            let child = std::fs::read_to_string(&children).unwrap_or_default();
+            let child = child.split_whitespace().next().unwrap_or("").to_owned();
+            if !child.is_empty() && comm(&child).is_ok_and(|c| c.trim() == "sleep") {
+                break child.parse().unwrap();
+            }
+            if unshare.0.try_wait().unwrap().is_some() {
+                println!("*** SKIPPED: unshare --pid is not permitted here");
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no sleep in a pid namespace"
+            );
+            std::thread::yield_now();
+        };
+        let dir = Path::new("/proc").join(sleeper.to_string());
+        let theirs = Record {
+            devices: vec![load("GPU-a", 1 << 30)],
+            ..Record::of_process(&dir).unwrap()
+        };
+        assert_eq!(theirs.pid, 1, "the first process of its namespace");
+        assert_ne!(theirs.pid_namespace, mine);
+        channel.publish(&theirs).unwrap();
+        assert_eq!(found(sleeper), Some(theirs));
     }
 
     #[test]
