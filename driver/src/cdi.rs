@@ -121,17 +121,23 @@ impl CdiVersion {
 }
 
 impl Spec {
-    /// A spec for one claim with `cdiVersion` set to the lowest version that
-    /// can express `devices` and `common` edits.
-    pub fn for_claim(devices: Vec<Device>, common: ContainerEdits) -> Spec {
+    /// A spec of `kind` with `devices` and no spec-wide edits (what every
+    /// container needs is the driver's spec's), `cdiVersion` set to the
+    /// lowest version that can express them.
+    fn new(kind: String, devices: Vec<Device>) -> Spec {
         let mut spec = Spec {
             cdi_version: String::new(),
-            kind: kind(),
+            kind,
             devices,
-            container_edits: common,
+            container_edits: ContainerEdits::default(),
         };
         spec.cdi_version = spec.minimum_version().as_str().to_owned();
         spec
+    }
+
+    /// A spec for one claim: one device per request.
+    pub fn for_claim(devices: Vec<Device>) -> Spec {
+        Spec::new(kind(), devices)
     }
 
     /// The lowest CDI version whose schema covers everything in this spec.
@@ -199,14 +205,7 @@ impl Spec {
                 container_edits,
             })
             .collect();
-        let mut spec = Spec {
-            cdi_version: String::new(),
-            kind: format!("{VENDOR}/{DRIVER_CLASS}"),
-            devices,
-            container_edits: ContainerEdits::default(),
-        };
-        spec.cdi_version = spec.minimum_version().as_str().to_owned();
-        spec
+        Spec::new(format!("{VENDOR}/{DRIVER_CLASS}"), devices)
     }
 }
 
@@ -267,10 +266,7 @@ impl SpecDir {
     /// whether it wrote.
     pub fn write_driver(&self, spec: &Spec) -> std::io::Result<bool> {
         let path = self.driver_path();
-        let current = fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Spec>(&b).ok());
-        if current.as_ref() == Some(spec) {
+        if read(&path).as_ref() == Some(spec) {
             return Ok(false);
         }
         let bytes = serde_json::to_vec(spec).map_err(std::io::Error::other)?;
@@ -331,6 +327,12 @@ impl SpecDir {
         }
         Ok(removed)
     }
+}
+
+/// The spec in the file at `path`, if there is one this driver can read.
+pub fn read(path: &Path) -> Option<Spec> {
+    let bytes = fs::read(path).ok()?;
+    serde_json::from_slice(&bytes).ok()
 }
 
 /// Removes temp files that [`write_atomically`] left in `dir` for targets

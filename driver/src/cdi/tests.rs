@@ -21,7 +21,7 @@ fn gpu_device(name: &str) -> Device {
 
 #[test]
 fn plain_spec_needs_only_0_3() {
-    let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
+    let spec = Spec::for_claim(vec![gpu_device("gpu-0")]);
     assert_eq!(spec.cdi_version, "0.3.0");
     assert_eq!(spec.kind, "gpu.tessera.dev/claim");
 }
@@ -29,25 +29,22 @@ fn plain_spec_needs_only_0_3() {
 #[test]
 fn host_path_requires_0_5_and_mount_type_0_4() {
     let mut dev = gpu_device("gpu-0");
-    let common = ContainerEdits {
-        mounts: vec![Mount {
-            host_path: "/run/nvidia/driver/usr/bin/nvidia-smi".into(),
-            container_path: "/usr/bin/nvidia-smi".into(),
-            options: vec!["ro".into(), "bind".into()],
-            mount_type: Some("bind".into()),
-        }],
-        ..Default::default()
-    };
-    let spec = Spec::for_claim(vec![dev.clone()], common.clone());
+    dev.container_edits.mounts.push(Mount {
+        host_path: "/run/nvidia/driver/usr/bin/nvidia-smi".into(),
+        container_path: "/usr/bin/nvidia-smi".into(),
+        options: vec!["ro".into(), "bind".into()],
+        mount_type: Some("bind".into()),
+    });
+    let spec = Spec::for_claim(vec![dev.clone()]);
     assert_eq!(spec.minimum_version(), CdiVersion::V0_4);
     dev.container_edits.device_nodes[0].host_path = Some("/run/nvidia/driver/dev/nvidia0".into());
-    let spec = Spec::for_claim(vec![dev], common);
+    let spec = Spec::for_claim(vec![dev]);
     assert_eq!(spec.cdi_version, "0.5.0");
 }
 
 #[test]
 fn device_name_starting_with_digit_requires_0_5() {
-    let spec = Spec::for_claim(vec![gpu_device("0-gpu")], ContainerEdits::default());
+    let spec = Spec::for_claim(vec![gpu_device("0-gpu")]);
     assert_eq!(spec.minimum_version(), CdiVersion::V0_5);
 }
 
@@ -55,7 +52,7 @@ fn device_name_starting_with_digit_requires_0_5() {
 fn write_is_atomic_and_remove_idempotent() {
     let dir = tempfile::tempdir().unwrap();
     let specs = SpecDir::new(dir.path());
-    let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
+    let spec = Spec::for_claim(vec![gpu_device("gpu-0")]);
     let path = specs.write(&uid(), &spec).unwrap();
     let back: Spec = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     assert_eq!(back, spec);
@@ -79,7 +76,7 @@ fn a_removed_spec_file_is_reused_and_never_taken_for_a_spec() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
     let specs = SpecDir::new(dir.path());
-    let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
+    let spec = Spec::for_claim(vec![gpu_device("gpu-0")]);
     let first = specs.write(&uid(), &spec).unwrap();
     let inode = fs::metadata(&first).unwrap().ino();
     specs.remove(&uid()).unwrap();
@@ -138,7 +135,7 @@ fn stale_temp_files_of_dead_writers_are_removed() {
 fn orphans_are_removed_and_foreign_files_kept() {
     let dir = tempfile::tempdir().unwrap();
     let specs = SpecDir::new(dir.path());
-    let spec = Spec::for_claim(vec![gpu_device("gpu-0")], ContainerEdits::default());
+    let spec = Spec::for_claim(vec![gpu_device("gpu-0")]);
     let keep = ClaimUid::parse("11111111-2222-4333-8444-555555555555").unwrap();
     specs.write(&uid(), &spec).unwrap();
     specs.write(&keep, &spec).unwrap();

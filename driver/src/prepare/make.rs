@@ -125,18 +125,20 @@ impl Preparer {
         }
         clock.lap(Phase::Effects);
         let built = spec::build(claim, uid, &self.config.layout, &self.enforcers, devices)?;
-        self.restore_driver_spec().map_err(|e| {
-            ClaimError::new(claim, format!("cannot write the driver's CDI spec: {e}")).fix(format!(
-                "check that {} is writable",
-                self.config.cdi_dir.display()
-            ))
-        })?;
-        self.specs.write(uid, &built.spec).map_err(|e| {
-            ClaimError::new(claim, format!("cannot write its CDI spec: {e}")).fix(format!(
-                "check that {} is writable",
-                self.config.cdi_dir.display()
-            ))
-        })?;
+        let unwritable = |what: &str| {
+            let what = what.to_owned();
+            move |e: std::io::Error| {
+                ClaimError::new(claim, format!("cannot write {what}: {e}")).fix(format!(
+                    "check that {} is writable",
+                    self.config.cdi_dir.display()
+                ))
+            }
+        };
+        self.restore_driver_spec()
+            .map_err(unwritable("the driver's CDI spec"))?;
+        self.specs
+            .write(uid, &built.spec)
+            .map_err(unwritable("its CDI spec"))?;
         clock.lap(Phase::Spec);
         entry.state = EntryState::Completed;
         entry.devices = built.answer;

@@ -281,10 +281,7 @@ impl Preparer {
         let Some(spec) = &entry.spec else {
             return Ok(false);
         };
-        let current = std::fs::read(self.specs.spec_path(uid))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<crate::cdi::Spec>(&b).ok());
-        if current.as_ref() == Some(spec) {
+        if crate::cdi::read(&self.specs.spec_path(uid)).as_ref() == Some(spec) {
             return Ok(false);
         }
         self.specs.write(uid, spec)?;

@@ -116,7 +116,7 @@ pub fn build(
         .collect();
     let status = devices.iter().map(|d| status_of(enforcers, d)).collect();
     Ok(Built {
-        spec: Spec::for_claim(cdi_devices, ContainerEdits::default()),
+        spec: Spec::for_claim(cdi_devices),
         answer,
         status,
     })

@@ -634,7 +634,7 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
         }
         // Specs for claims 6 and 8, and an orphan no entry knows.
         let specs = SpecDir::new(f.config().cdi_dir);
-        let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+        let spec = crate::cdi::Spec::for_claim(Vec::new());
         for n in [6, 8] {
             specs
                 .write(&ClaimUid::parse(&uid(n)).unwrap(), &spec)
@@ -711,7 +711,7 @@ async fn unprepare_of_a_claim_whose_record_was_lost_releases_what_it_held() {
         request: Some("gpu".into()),
     };
     let path = f.record(5, EntryState::Completed, vec![daemon]);
-    let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+    let spec = crate::cdi::Spec::for_claim(Vec::new());
     SpecDir::new(f.config().cdi_dir)
         .write(&lost, &spec)
         .unwrap();
@@ -866,7 +866,7 @@ async fn a_newer_versions_record_keeps_its_claim_with_what_is_known() {
         entry["priority"] = json!("high");
     });
     let claim = ClaimUid::parse(&uid(5)).unwrap();
-    let spec = crate::cdi::Spec::for_claim(Vec::new(), Default::default());
+    let spec = crate::cdi::Spec::for_claim(Vec::new());
     SpecDir::new(f.config().cdi_dir)
         .write(&claim, &spec)
         .unwrap();

@@ -182,6 +182,19 @@ fn hami(index: usize, request: &str, gpu: Gpu, memory_bytes: u64, cores: u32) ->
     )
 }
 
+/// An Isolated share of 2 GiB and 20 % of `GPU-a` in request `gpus`,
+/// enforced by MPS.
+fn mps_share_of_gpu_a() -> Device {
+    share(
+        0,
+        "gpus",
+        gpu("GPU-a", 0, Mig::NotSupported),
+        IsolationProvider::Mps,
+        2 * GIB,
+        20,
+    )
+}
+
 fn env_of(spec: &Spec, device: usize) -> Vec<&str> {
     spec.devices[device]
         .container_edits
@@ -430,14 +443,7 @@ fn without_the_library_a_hami_core_share_is_refused_not_weakened() {
 #[test]
 fn an_mps_share_is_untouched_by_hami_core() {
     let node = Node::new(true);
-    let d = share(
-        0,
-        "gpus",
-        gpu("GPU-a", 0, Mig::NotSupported),
-        IsolationProvider::Mps,
-        2 * GIB,
-        20,
-    );
+    let d = mps_share_of_gpu_a();
     assert!(matches!(actions(&d).as_slice(), [Action::Mps { .. }]));
     let (spec, _, status) = build_all(&node.layout(), &[d]).unwrap();
     assert_eq!(
@@ -501,14 +507,7 @@ fn cdi_names_keep_subrequests_apart() {
 #[test]
 fn common_edits_are_the_drivers_spec_not_the_claims() {
     let node = Node::new(true);
-    let d = share(
-        0,
-        "gpus",
-        gpu("GPU-a", 0, Mig::NotSupported),
-        IsolationProvider::Mps,
-        2 * GIB,
-        20,
-    );
+    let d = mps_share_of_gpu_a();
     let (spec, answer, _) = build_all(&node.layout(), &[d]).unwrap();
     assert!(spec.container_edits.is_empty(), "{spec:?}");
     assert_eq!(
