@@ -27,11 +27,24 @@
 //! (a socket, reached without following a link). A symlink or another file
 //! a tenant puts in its place is never followed or seen.
 //!
+//! The view is a namespace of its own made from the node's [`Template`]:
+//! the files above are detached copies of the node's mounts, opened here
+//! before the fork and attached in the child below a fresh root tmpfs the
+//! child then `chroot`s into (see `template.rs` for why). On a kernel
+//! without the calls for that (before 5.12), the child copies the node's
+//! namespace instead, binds the files and detaches the rest with
+//! `pivot_root`.
+//!
 //! Everything the child does is a system call on values prepared here
 //! before the fork (it must be async-signal-safe).
 
+mod template;
+
+pub use template::Template;
+
 use std::ffi::{CStr, CString};
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
@@ -106,6 +119,11 @@ enum Step {
         to: CString,
         read_only: bool,
     },
+    /// A detached copy of a node mount, opened before the fork, attached.
+    Attach {
+        source: RawFd,
+        to: CString,
+    },
     /// The endpoint, bound from its path and then checked to be the inode
     /// the driver examined (device, inode): a link or another file swapped
     /// in meanwhile fails the client instead of being reached.
@@ -118,9 +136,20 @@ enum Step {
     Proc(CString),
 }
 
+/// How the child gets a namespace of its own.
+#[derive(Debug)]
+enum Making {
+    /// A copy of the template's; the view's files are the detached copies
+    /// held here until the child has attached them.
+    Template { ns: RawFd, sources: Vec<OwnedFd> },
+    /// A copy of the node's, whose old root is detached after the pivot.
+    Copy,
+}
+
 /// The prepared steps of one view, run in the forked child.
 #[derive(Debug)]
 pub struct View {
+    making: Making,
     steps: Vec<Step>,
     root: CString,
     last_cap: u32,
@@ -142,6 +171,7 @@ struct Builder {
     made: Vec<PathBuf>,
     /// Directories bound at their own path.
     bound: Vec<PathBuf>,
+    making: Making,
 }
 
 impl Builder {
@@ -176,24 +206,82 @@ impl Builder {
             }
             self.steps.push(Step::Touch(c(&inside(&self.root, to))?));
         }
-        self.steps.push(Step::Bind {
-            from: c(from)?,
-            to: c(&inside(&self.root, to))?,
-            read_only,
-        });
+        let from = c(from)?;
+        let to = c(&inside(&self.root, to))?;
+        let step = match &mut self.making {
+            Making::Template { sources, .. } => {
+                let source = template::open_source(&from, read_only)?;
+                let step = Step::Attach {
+                    source: source.as_raw_fd(),
+                    to,
+                };
+                sources.push(source);
+                step
+            }
+            Making::Copy => Step::Bind {
+                from,
+                to,
+                read_only,
+            },
+        };
+        self.steps.push(step);
+        Ok(())
+    }
+
+    /// The control endpoint at `to`, if it is still the inode the driver
+    /// examined.
+    fn endpoint(&mut self, from: &Path, to: &Path, inode: (u64, u64)) -> io::Result<()> {
+        let from = c(from)?;
+        let to = c(&inside(&self.root, to))?;
+        self.steps.push(Step::Touch(to.clone()));
+        let step = match &mut self.making {
+            Making::Template { sources, .. } => {
+                let source = template::open_endpoint(&from, inode)?;
+                let step = Step::Attach {
+                    source: source.as_raw_fd(),
+                    to,
+                };
+                sources.push(source);
+                step
+            }
+            Making::Copy => Step::Endpoint { from, to, inode },
+        };
+        self.steps.push(step);
         Ok(())
     }
 }
 
 impl View {
-    /// The steps for `spec`'s daemon or client; what does not exist on the
-    /// node (a `/lib32`, a GPU node) is left out.
+    /// The steps for `spec`'s daemon or client, from the node's template
+    /// where it has one; what does not exist on the node (a `/lib32`, a GPU
+    /// node) is left out.
     pub fn prepare(spec: &ViewSpec, role: Role) -> io::Result<View> {
+        View::prepare_from(spec, role, Template::shared())
+    }
+
+    /// [`View::prepare`] from `template`, or by copying the node's
+    /// namespace without one.
+    pub fn prepare_from(
+        spec: &ViewSpec,
+        role: Role,
+        template: Option<&Template>,
+    ) -> io::Result<View> {
+        let (root, making) = match template {
+            Some(t) => (
+                PathBuf::from(template::AT),
+                Making::Template {
+                    ns: t.ns(),
+                    sources: Vec::new(),
+                },
+            ),
+            None => (spec.root.clone(), Making::Copy),
+        };
         let mut b = Builder {
-            root: spec.root.clone(),
-            steps: vec![Step::Tmpfs(c(&spec.root)?)],
+            steps: vec![Step::Tmpfs(c(&root)?)],
+            root,
             made: Vec::new(),
             bound: Vec::new(),
+            making,
         };
         for dir in SYSTEM_DIRS.map(Path::new) {
             if dir.exists() {
@@ -229,13 +317,7 @@ impl View {
                 let pipe = inside(&b.root, &spec.pipe_dir);
                 b.steps.push(Step::Tmpfs(c(&pipe)?));
                 let control = spec.pipe_dir.join(super::paths::CONTROL);
-                let to = c(&inside(&b.root, &control))?;
-                b.steps.push(Step::Touch(to.clone()));
-                b.steps.push(Step::Endpoint {
-                    from: c(&control)?,
-                    to,
-                    inode: endpoint,
-                });
+                b.endpoint(&control, &control, endpoint)?;
             }
         }
         let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
@@ -243,8 +325,9 @@ impl View {
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(63);
         Ok(View {
+            root: c(&b.root)?,
+            making: b.making,
             steps: b.steps,
-            root: c(&spec.root)?,
             last_cap,
         })
     }
@@ -253,24 +336,38 @@ impl View {
     /// view, then the capabilities cut and `no_new_privs` set.
     /// Async-signal-safe: system calls on prepared values only.
     pub fn enter(&self) -> io::Result<()> {
-        // SAFETY: every call below is a plain system call on NUL-terminated
-        // strings and plain data owned by `self`.
+        match &self.making {
+            Making::Template { ns, .. } => template::enter_copy(*ns)?,
+            // SAFETY: unshare(2) and mount(2) of this child's own namespace.
+            Making::Copy => unsafe {
+                check(libc::unshare(libc::CLONE_NEWNS))?;
+                check(libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_SLAVE,
+                    std::ptr::null(),
+                ))?;
+            },
+        }
+        for step in &self.steps {
+            Self::run(step)?;
+        }
+        // SAFETY: chdir(2), chroot(2), pivot_root(2), umount2(2) on
+        // NUL-terminated strings owned by `self` or constants.
         unsafe {
-            check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                std::ptr::null(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_SLAVE,
-                std::ptr::null(),
-            ))?;
-            for step in &self.steps {
-                Self::run(step)?;
-            }
             check(libc::chdir(self.root.as_ptr()))?;
-            // The old root stacks under the new one, then goes.
-            check(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as i32)?;
-            check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            match self.making {
+                // The template's empty root stays below, out of reach.
+                Making::Template { .. } => check(libc::chroot(c".".as_ptr()))?,
+                // The old root stacks under the new one, then goes.
+                Making::Copy => {
+                    check(
+                        libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as i32,
+                    )?;
+                    check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+                }
+            }
             check(libc::chdir(c"/".as_ptr()))?;
         }
         self.cut_capabilities()?;
@@ -289,6 +386,7 @@ impl View {
                 to,
                 read_only,
             } => bind(from, to, *read_only),
+            Step::Attach { source, to } => template::attach(*source, to),
             Step::Endpoint { from, to, inode } => bind_endpoint(from, to, *inode),
             Step::Proc(at) => mount_proc(at),
         }

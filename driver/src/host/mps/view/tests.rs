@@ -57,54 +57,126 @@ fn run_in(view: View, script: &str) -> Option<std::io::Result<std::process::Exit
     }
 }
 
+/// Every way of making a view: from a template, and by copying the
+/// node's namespace.
+fn makings() -> Vec<Option<Template>> {
+    match Template::build() {
+        Ok(template) => vec![Some(template), None],
+        // Not allowed here: neither are copies (`run_in` says so).
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => vec![None],
+        Err(e) => panic!("no template on a kernel that allows namespaces: {e}"),
+    }
+}
+
 #[test]
 fn the_client_sees_only_the_endpoint_it_was_given() {
-    let p = pipe();
-    let pipe_dir = p.spec.pipe_dir.display().to_string();
-    let view = View::prepare(
-        &p.spec,
-        Role::Client {
+    for template in makings() {
+        let p = pipe();
+        let pipe_dir = p.spec.pipe_dir.display().to_string();
+        let role = Role::Client {
             endpoint: p.endpoint,
-        },
-    )
-    .unwrap();
-    let script = format!(
-        "test -S {pipe_dir}/control && test ! -e {pipe_dir}/left-by-a-tenant && \
-         test ! -e {outside} && test ! -e /proc/1",
-        outside = p.spec.root.parent().unwrap().join("outside").display()
-    );
-    let Some(status) = run_in(view, &script) else {
-        return;
-    };
-    assert!(
-        status.unwrap().success(),
-        "the client saw more than its endpoint"
-    );
+        };
+        let view = View::prepare_from(&p.spec, role, template.as_ref()).unwrap();
+        let script = format!(
+            "test -S {pipe_dir}/control && test ! -e {pipe_dir}/left-by-a-tenant && \
+             test ! -e {outside} && test ! -e /proc/1",
+            outside = p.spec.root.parent().unwrap().join("outside").display()
+        );
+        let Some(status) = run_in(view, &script) else {
+            return;
+        };
+        assert!(
+            status.unwrap().success(),
+            "the client saw more than its endpoint (template: {})",
+            template.is_some()
+        );
+    }
 }
 
 #[test]
 fn a_link_swapped_in_for_the_endpoint_is_never_reached() {
-    let p = pipe();
-    let view = View::prepare(
-        &p.spec,
-        Role::Client {
+    for template in makings() {
+        let p = pipe();
+        // After the driver looked: the endpoint becomes a link outside.
+        let control = p.spec.pipe_dir.join("control");
+        std::fs::rename(&control, p.spec.pipe_dir.join("moved")).unwrap();
+        std::os::unix::fs::symlink(p.spec.root.parent().unwrap().join("outside"), &control)
+            .unwrap();
+        let role = Role::Client {
             endpoint: p.endpoint,
-        },
-    )
-    .unwrap();
-    // After the driver looked: the endpoint becomes a link outside.
-    let control = p.spec.pipe_dir.join("control");
-    std::fs::rename(&control, p.spec.pipe_dir.join("moved")).unwrap();
-    std::os::unix::fs::symlink(p.spec.root.parent().unwrap().join("outside"), &control).unwrap();
-    let Some(result) = run_in(view, "exit 0") else {
+        };
+        // From a template the endpoint is opened now; a copy binds it in
+        // the child.
+        let err = match View::prepare_from(&p.spec, role, template.as_ref()) {
+            Err(e) => e,
+            Ok(view) => match run_in(view, "exit 0") {
+                None => return,
+                Some(result) => result.expect_err("the client must not start"),
+            },
+        };
+        assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
+        assert!(
+            p.outside.accept().is_err(),
+            "something connected to the socket outside"
+        );
+    }
+}
+
+/// A daemon's system files are read-only all through, its claim's
+/// directories writable, and its root is the view's own.
+#[test]
+fn a_daemon_writes_only_its_claims_directories() {
+    for template in makings() {
+        let p = pipe();
+        let view = View::prepare_from(&p.spec, Role::Daemon, template.as_ref()).unwrap();
+        let pipe_dir = p.spec.pipe_dir.display();
+        let script = format!(
+            "! touch /usr/tessera-probe 2>/dev/null && ! mkdir /etc/tessera-probe 2>/dev/null \
+             && touch /dev/shm/x {pipe_dir}/y && test -e /proc/self/status \
+             && test ! -e /v"
+        );
+        let Some(status) = run_in(view, &script) else {
+            return;
+        };
+        assert!(
+            status.unwrap().success(),
+            "template: {}",
+            template.is_some()
+        );
+        assert!(p.spec.shm_dir.join("x").exists());
+    }
+}
+
+/// The template's root is shared by every view made from it: nothing may
+/// be written there, and it holds only where views mount their roots.
+#[test]
+fn the_template_root_is_empty_and_read_only() {
+    let Some(Some(template)) = makings().into_iter().next() else {
         return;
     };
-    let err = result.expect_err("the client must not start on a swapped endpoint");
-    assert_eq!(err.raw_os_error(), Some(libc::ESTALE), "{err}");
-    assert!(
-        p.outside.accept().is_err(),
-        "something connected to the socket outside"
-    );
+    let ns = template.ns();
+    let mut cmd = Command::new("/");
+    // SAFETY: in the forked child, system calls only, then _exit(2) with
+    // what they showed (the template holds nothing to execute).
+    unsafe {
+        cmd.pre_exec(move || {
+            let code = if libc::setns(ns, libc::CLONE_NEWNS) != 0 {
+                1
+            } else if libc::mkdir(c"/w".as_ptr(), 0o755) == 0 {
+                2
+            } else if io::Error::last_os_error().raw_os_error() != Some(libc::EROFS) {
+                3
+            } else if libc::access(c"/v".as_ptr(), libc::F_OK) != 0 {
+                4
+            } else if libc::access(c"/usr".as_ptr(), libc::F_OK) == 0 {
+                5
+            } else {
+                0
+            };
+            libc::_exit(code)
+        });
+    }
+    assert_eq!(cmd.status().unwrap().code(), Some(0));
 }
 
 #[test]
