@@ -116,11 +116,6 @@ else
 fi
 say "direct gRPC, Go test driver as deployed"
 "$BENCH" grpc --driver "$GO_DRIVER" "${grpc[@]}" --pid "$go_pid" | record
-# Isolated shares: every claim gets its own MPS control daemon (spawned,
-# limits set through its control endpoint) before prepare returns.
-say "direct gRPC, Tessera (Isolated shares, an MPS daemon per claim)"
-"$BENCH" grpc --driver "$TESSERA" --device-attr isolationLevel=Isolated --consumed memory=1Gi \
-	--consumed cores=1 --per-claim 1 --concurrency 1,16 --claims 64 --pid "$(tessera_pid)" --device-status | record
 say "resident memory with $held prepared claims"
 "$BENCH" grpc --driver "$GO_DRIVER" --per-claim 1 --concurrency 16 --claims "$held" --pid "$go_pid" | record
 "$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu --per-claim 1 --concurrency 16 --claims "$held" \
@@ -153,6 +148,15 @@ grpc_tessera() {
 	"$BENCH" grpc --driver "$TESSERA" --device-attr type=gpu "${grpc[@]}" --pid "$(tessera_pid)" --device-status |
 		sed "s/^{/{\"round\":$1,/" | record
 }
+# Isolated shares: every claim gets its own MPS control daemon (spawned
+# with its limits as its defaults) before prepare returns; one run per
+# round, after whichever driver ran last.
+grpc_isolated() {
+	say "direct gRPC, round $1 of $rounds: Tessera (Isolated shares, an MPS daemon per claim)"
+	"$BENCH" grpc --driver "$TESSERA" --device-attr isolationLevel=Isolated --consumed memory=1Gi \
+		--consumed cores=1 --per-claim 1 --concurrency 1,16 --claims 64 --pid "$(tessera_pid)" --device-status |
+		sed "s/^{/{\"round\":$1,\"isolated\":true,/" | record
+}
 for ((round = 1; round <= rounds; round++)); do
 	if ((round % 2)); then
 		grpc_go "$round"
@@ -161,6 +165,7 @@ for ((round = 1; round <= rounds; round++)); do
 		grpc_tessera "$round"
 		grpc_go "$round"
 	fi
+	grpc_isolated "$round"
 done
 "$BENCH" grpc-medians "$RESULTS" | record
 if ((grpc_only)); then

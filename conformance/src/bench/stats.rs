@@ -268,12 +268,13 @@ fn parse_labels(s: &str) -> Vec<(String, String)> {
 }
 
 /// The medians over rounds of `grpc` results (JSON lines carrying a
-/// `round`): one object per driver (and Go client limit), per_claim and
-/// concurrency, with the median and the per-round values of each phase's
-/// p50, p99 and the driver's CPU per claim, ordered as first seen.
+/// `round`): one object per driver (and Go client limit, and whether the
+/// claims were Isolated shares), per_claim and concurrency, with the median
+/// and the per-round values of each phase's p50, p99 and the driver's CPU
+/// per claim, ordered as first seen.
 pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
     use serde_json::{Value, json};
-    type Key = (String, Value, Value, Value);
+    type Key = (String, Value, Value, Value, Value);
     let mut groups: Vec<(Key, Vec<Value>)> = Vec::new();
     for line in lines.lines() {
         let Ok(v) = serde_json::from_str::<Value>(line) else {
@@ -287,6 +288,7 @@ pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
             v["go_client_qps"].clone(),
             v["per_claim"].clone(),
             v["concurrency"].clone(),
+            v["isolated"].clone(),
         );
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, runs)) => runs.push(v),
@@ -308,13 +310,16 @@ pub fn round_medians(lines: &str) -> Vec<serde_json::Value> {
     };
     groups
         .into_iter()
-        .map(|((driver, qps, per_claim, concurrency), runs)| {
+        .map(|((driver, qps, per_claim, concurrency, isolated), runs)| {
             let mut out = json!({
                 "medians_of_rounds": runs.len(), "driver": driver,
                 "per_claim": per_claim, "concurrency": concurrency,
             });
             if !qps.is_null() {
                 out["go_client_qps"] = qps;
+            }
+            if !isolated.is_null() {
+                out["isolated"] = isolated;
             }
             for phase in ["prepare", "unprepare"] {
                 let cpu = format!("/driver_cpu_us_per_claim/{phase}");
@@ -426,10 +431,18 @@ apiserver_request_total{code="200",resource="resourceslices",verb="LIST"} 7
             run(3, "go", true, 1, 1.0),
             run(3, "t", false, 1, 2.5),
             run(3, "t", false, 16, 7.0),
+            run(3, "t", false, 16, 60.0)
+                .replace("{\"round\":3,", "{\"round\":3,\"isolated\":true,"),
         ]
         .join("\n");
         let m = round_medians(&lines);
-        assert_eq!(m.len(), 3, "{m:?}");
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert_eq!(
+            (m[3]["isolated"].clone(), m[3]["prepare"]["p50_ms"].clone()),
+            (true.into(), 60.0.into()),
+            "Isolated shares are medians of their own"
+        );
+        assert!(m[2].get("isolated").is_none());
         assert_eq!(m[0]["driver"], "go");
         assert_eq!(m[0]["go_client_qps"], 100000);
         assert_eq!(m[0]["prepare"]["p50_ms"], 3.0);
