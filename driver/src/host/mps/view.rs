@@ -208,24 +208,15 @@ impl Builder {
         }
         let from = c(from)?;
         let to = c(&inside(&self.root, to))?;
-        let step = match &mut self.making {
-            Making::Template { sources, .. } => {
-                let source = template::open_source(&from, read_only)?;
-                let step = Step::Attach {
-                    source: source.as_raw_fd(),
-                    to,
-                };
-                sources.push(source);
-                step
-            }
-            Making::Copy => Step::Bind {
-                from,
+        self.place(
+            to,
+            || template::open_source(&from, read_only),
+            |to| Step::Bind {
+                from: from.clone(),
                 to,
                 read_only,
             },
-        };
-        self.steps.push(step);
-        Ok(())
+        )
     }
 
     /// The control endpoint at `to`, if it is still the inode the driver
@@ -234,9 +225,28 @@ impl Builder {
         let from = c(from)?;
         let to = c(&inside(&self.root, to))?;
         self.steps.push(Step::Touch(to.clone()));
+        self.place(
+            to,
+            || template::open_endpoint(&from, inode),
+            |to| Step::Endpoint {
+                from: from.clone(),
+                to,
+                inode,
+            },
+        )
+    }
+
+    /// The step that puts a file at `to`: from a template, attaching the
+    /// copy `open` makes now; else the `copied` step (a bind in the child).
+    fn place(
+        &mut self,
+        to: CString,
+        open: impl FnOnce() -> io::Result<OwnedFd>,
+        copied: impl FnOnce(CString) -> Step,
+    ) -> io::Result<()> {
         let step = match &mut self.making {
             Making::Template { sources, .. } => {
-                let source = template::open_endpoint(&from, inode)?;
+                let source = open()?;
                 let step = Step::Attach {
                     source: source.as_raw_fd(),
                     to,
@@ -244,7 +254,7 @@ impl Builder {
                 sources.push(source);
                 step
             }
-            Making::Copy => Step::Endpoint { from, to, inode },
+            Making::Copy => copied(to),
         };
         self.steps.push(step);
         Ok(())
