@@ -517,13 +517,12 @@ impl Daemon {
         Ok(was_running)
     }
 
-    /// What the daemon and its control client see (see `view.rs`); the
-    /// view is built on the host-only `view/` directory.
+    /// What the daemon and its control client see (see `view.rs`); a view
+    /// that copies the node's namespace is built on the host-only `view/`
+    /// directory.
     fn view_spec(&self, config: &MpsConfig) -> std::io::Result<ViewSpec> {
-        let root = self.root.join("view");
-        fs::create_dir_all(&root)?;
         Ok(ViewSpec {
-            root,
+            root: self.root.join("view"),
             driver_root: config.driver_root.clone(),
             dev_root: config.dev_root.clone(),
             gpu_minor: self.record.gpu_minor,

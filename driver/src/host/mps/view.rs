@@ -77,7 +77,8 @@ pub fn kept_mask() -> u64 {
 /// What the daemon of one claim sees: paths as the node process sees them.
 #[derive(Debug, Clone)]
 pub struct ViewSpec {
-    /// An empty directory, host-only, where the new root is built.
+    /// A host-only directory where the new root is built when the view
+    /// copies the node's namespace (made then).
     pub root: PathBuf,
     /// The driver root (`/` on a host install).
     pub driver_root: PathBuf,
@@ -284,7 +285,10 @@ impl View {
                     sources: Vec::new(),
                 },
             ),
-            None => (spec.root.clone(), Making::Copy),
+            None => {
+                std::fs::create_dir_all(&spec.root)?;
+                (spec.root.clone(), Making::Copy)
+            }
         };
         let mut b = Builder {
             steps: vec![Step::Tmpfs(c(&root)?)],
