@@ -102,13 +102,26 @@ fn build_here() -> io::Result<Template> {
         check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
         check(libc::chdir(c"/".as_ptr()))?;
     }
-    // Also shows that this kernel has the calls views are made with.
     let read_only = libc::MOUNT_ATTR_RDONLY
         | libc::MOUNT_ATTR_NOSUID
         | libc::MOUNT_ATTR_NODEV
         | libc::MOUNT_ATTR_NOEXEC;
     set_attributes(libc::AT_FDCWD, c"/", 0, read_only)?;
+    have_attach_calls()?;
     Ok(Template { ns })
+}
+
+/// Whether this kernel, and the seccomp profile this process runs under,
+/// allow the calls a view is made with (`mount_setattr` was just used):
+/// a copy of a tree, dropped again, and a move of nothing, which only a
+/// present call answers with EBADF.
+fn have_attach_calls() -> io::Result<()> {
+    drop(open_tree(c"/", 0)?);
+    match attach(-1, c"/") {
+        Err(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(()),
+        Err(e) => Err(e),
+        Ok(()) => Ok(()),
+    }
 }
 
 /// `attributes` and private propagation on the mount tree at `dirfd` and
@@ -184,7 +197,7 @@ fn open_tree(path: &CStr, flags: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// In the forked child: the detached tree `source` attached at `to`.
+/// The detached tree `source` attached at `to` (in the forked child).
 pub(super) fn attach(source: RawFd, to: &CStr) -> io::Result<()> {
     // SAFETY: move_mount(2) of a descriptor the parent keeps open until
     // this process executes, onto a NUL-terminated path.
