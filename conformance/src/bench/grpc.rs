@@ -429,6 +429,18 @@ mod tests {
         assert_eq!(CpuTicks::parse("cpu0 1 2 3 4"), None, "not the sum line");
     }
 
+    /// The calling thread's time on a CPU so far.
+    fn thread_cpu_time() -> Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime(2) into a timespec we own.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
     #[test]
     fn run_time_counts_what_every_thread_of_a_process_ran() {
         let pid = std::process::id();
@@ -436,9 +448,10 @@ mod tests {
         // Work on another thread: a reading of the main thread alone
         // (`/proc/<pid>/schedstat`) would not see it.
         let spin = std::thread::spawn(move || {
-            let began = Instant::now();
+            // Until this thread ran 50 ms on a CPU, however long that takes
+            // on a busy machine.
             let mut x = 0u64;
-            while began.elapsed() < Duration::from_millis(50) {
+            while thread_cpu_time() < Duration::from_millis(50) {
                 x = std::hint::black_box(x.wrapping_add(1));
             }
             // Still running when read: an ended thread leaves the sum.
