@@ -256,7 +256,7 @@ fn inherit_cpuset(hierarchy: &Path, dir: &Path) -> io::Result<()> {
 /// child before it executes: async-signal-safe system calls on values
 /// prepared before, no allocation.
 pub(super) fn confinement(
-    view: View,
+    view: View<'static>,
     cgroup: Option<Arc<HostCgroup>>,
 ) -> impl Fn() -> io::Result<()> + Send + Sync + 'static {
     move || {

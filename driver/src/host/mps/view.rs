@@ -141,18 +141,22 @@ enum Step {
 
 /// How the child gets a namespace of its own.
 #[derive(Debug)]
-enum Making {
-    /// A copy of the template's; the view's files are the detached copies
+enum Making<'t> {
+    /// A copy of `template`'s; the view's files are the detached copies
     /// held here until the child has attached them.
-    Template { ns: RawFd, sources: Vec<OwnedFd> },
+    Template {
+        template: &'t Template,
+        sources: Vec<OwnedFd>,
+    },
     /// A copy of the node's, whose old root is detached after the pivot.
     Copy,
 }
 
-/// The prepared steps of one view, run in the forked child.
+/// The prepared steps of one view, run in the forked child; it borrows
+/// the template it is made from, whose namespace the child enters.
 #[derive(Debug)]
-pub struct View {
-    making: Making,
+pub struct View<'t> {
+    making: Making<'t>,
     steps: Vec<Step>,
     root: CString,
     last_cap: u32,
@@ -168,16 +172,16 @@ fn inside(root: &Path, path: &Path) -> PathBuf {
     root.join(path.strip_prefix("/").unwrap_or(path))
 }
 
-struct Builder {
+struct Builder<'t> {
     root: PathBuf,
     steps: Vec<Step>,
     made: Vec<PathBuf>,
     /// Directories bound at their own path.
     bound: Vec<PathBuf>,
-    making: Making,
+    making: Making<'t>,
 }
 
-impl Builder {
+impl Builder<'_> {
     /// Directories from the new root down to `path` (inside it).
     fn dirs(&mut self, path: &Path) -> io::Result<()> {
         let mut at = PathBuf::from("/");
@@ -264,11 +268,11 @@ impl Builder {
     }
 }
 
-impl View {
+impl<'t> View<'t> {
     /// The steps for `spec`'s daemon or client, from the node's template
     /// where it has one; what does not exist on the node (a `/lib32`, a GPU
     /// node) is left out.
-    pub fn prepare(spec: &ViewSpec, role: Role) -> io::Result<View> {
+    pub fn prepare(spec: &ViewSpec, role: Role) -> io::Result<View<'static>> {
         View::prepare_from(spec, role, Template::shared())
     }
 
@@ -277,13 +281,13 @@ impl View {
     pub fn prepare_from(
         spec: &ViewSpec,
         role: Role,
-        template: Option<&Template>,
-    ) -> io::Result<View> {
+        template: Option<&'t Template>,
+    ) -> io::Result<View<'t>> {
         let (root, making) = match template {
-            Some(t) => (
+            Some(template) => (
                 PathBuf::from(template::AT),
                 Making::Template {
-                    ns: t.ns(),
+                    template,
                     sources: Vec::new(),
                 },
             ),
@@ -353,7 +357,7 @@ impl View {
     /// Async-signal-safe: system calls on prepared values only.
     pub fn enter(&self) -> io::Result<()> {
         match &self.making {
-            Making::Template { ns, .. } => template::enter_copy(*ns)?,
+            Making::Template { template, .. } => template.enter_copy()?,
             // SAFETY: unshare(2) and mount(2) of this child's own namespace.
             Making::Copy => unsafe {
                 check(libc::unshare(libc::CLONE_NEWNS))?;

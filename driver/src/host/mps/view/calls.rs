@@ -89,6 +89,12 @@ pub(super) fn bind_endpoint(from: &CStr, to: &CStr, inode: (u64, u64)) -> io::Re
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: lstat(2) on a NUL-terminated string and a `stat` we own.
     check(unsafe { libc::lstat(to.as_ptr(), &mut st) })?;
+    examined(&st, inode)
+}
+
+/// Whether `st` is the inode (device, inode) the driver examined: ESTALE
+/// if a link or another file took its place.
+pub(super) fn examined(st: &libc::stat, inode: (u64, u64)) -> io::Result<()> {
     if (st.st_dev, st.st_ino) != inode {
         return Err(io::Error::from_raw_os_error(libc::ESTALE));
     }

@@ -24,6 +24,7 @@ use std::sync::OnceLock;
 
 use tracing::warn;
 
+use super::calls::examined;
 use super::check;
 
 /// Where each view, in a copy of the template's namespace, mounts its own
@@ -66,6 +67,17 @@ impl Template {
     /// The namespace, for `setns` in a forked child.
     pub(super) fn ns(&self) -> RawFd {
         self.ns.as_raw_fd()
+    }
+
+    /// In the forked child: into a copy of the template's namespace.
+    pub(super) fn enter_copy(&self) -> io::Result<()> {
+        // SAFETY: setns(2) on the namespace descriptor this template holds,
+        // then unshare(2): this single-threaded child's own namespace and
+        // fs context.
+        unsafe {
+            check(libc::setns(self.ns(), libc::CLONE_NEWNS))?;
+            check(libc::unshare(libc::CLONE_NEWNS))
+        }
     }
 }
 
@@ -118,9 +130,8 @@ fn build_here() -> io::Result<Template> {
 fn have_attach_calls() -> io::Result<()> {
     drop(open_tree(c"/", 0)?);
     match attach(-1, c"/") {
-        Err(e) if e.raw_os_error() == Some(libc::EBADF) => Ok(()),
-        Err(e) => Err(e),
-        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() != Some(libc::EBADF) => Err(e),
+        _ => Ok(()),
     }
 }
 
@@ -175,9 +186,7 @@ pub(super) fn open_endpoint(path: &CStr, inode: (u64, u64)) -> io::Result<OwnedF
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat(2) of a descriptor we own into a `stat` we own.
     check(unsafe { libc::fstat(tree.as_raw_fd(), &mut st) })?;
-    if (st.st_dev, st.st_ino) != inode {
-        return Err(io::Error::from_raw_os_error(libc::ESTALE));
-    }
+    examined(&st, inode)?;
     set_attributes(tree.as_raw_fd(), c"", libc::AT_EMPTY_PATH as u32, 0)?;
     Ok(tree)
 }
@@ -212,14 +221,4 @@ pub(super) fn attach(source: RawFd, to: &CStr) -> io::Result<()> {
         )
     };
     check(rc as i32)
-}
-
-/// In the forked child: into a copy of the template's namespace.
-pub(super) fn enter_copy(template: RawFd) -> io::Result<()> {
-    // SAFETY: setns(2) on a namespace descriptor the parent holds, then
-    // unshare(2): this single-threaded child's own namespace and fs context.
-    unsafe {
-        check(libc::setns(template, libc::CLONE_NEWNS))?;
-        check(libc::unshare(libc::CLONE_NEWNS))
-    }
 }

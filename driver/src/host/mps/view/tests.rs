@@ -46,7 +46,7 @@ fn pipe() -> Pipe {
 
 /// `sh -c script` in the view; `None` where this process may not make
 /// mount namespaces (then there is nothing to test).
-fn run_in(view: View, script: &str) -> Option<std::io::Result<std::process::ExitStatus>> {
+fn run_in(view: View<'static>, script: &str) -> Option<std::io::Result<std::process::ExitStatus>> {
     let mut cmd = Command::new("/bin/sh");
     cmd.arg("-c").arg(script);
     // SAFETY: `enter` makes only async-signal-safe system calls.
@@ -57,11 +57,12 @@ fn run_in(view: View, script: &str) -> Option<std::io::Result<std::process::Exit
     }
 }
 
-/// Every way of making a view: from a template, and by copying the
+/// Every way of making a view: from a template (kept for the test
+/// process's life, as the node process keeps its own), and by copying the
 /// node's namespace.
-fn makings() -> Vec<Option<Template>> {
+fn makings() -> Vec<Option<&'static Template>> {
     match Template::build() {
-        Ok(template) => vec![Some(template), None],
+        Ok(template) => vec![Some(Box::leak(Box::new(template))), None],
         // Not allowed here: neither are copies (`run_in` says so).
         Err(e) if e.raw_os_error() == Some(libc::EPERM) => vec![None],
         Err(e) => panic!("no template on a kernel that allows namespaces: {e}"),
@@ -76,7 +77,7 @@ fn the_client_sees_only_the_endpoint_it_was_given() {
         let role = Role::Client {
             endpoint: p.endpoint,
         };
-        let view = View::prepare_from(&p.spec, role, template.as_ref()).unwrap();
+        let view = View::prepare_from(&p.spec, role, template).unwrap();
         let script = format!(
             "test -S {pipe_dir}/control && test ! -e {pipe_dir}/left-by-a-tenant && \
              test ! -e {outside} && test ! -e /proc/1",
@@ -107,7 +108,7 @@ fn a_link_swapped_in_for_the_endpoint_is_never_reached() {
         };
         // From a template the endpoint is opened now; a copy binds it in
         // the child.
-        let err = match View::prepare_from(&p.spec, role, template.as_ref()) {
+        let err = match View::prepare_from(&p.spec, role, template) {
             Err(e) => e,
             Ok(view) => match run_in(view, "exit 0") {
                 None => return,
@@ -128,7 +129,7 @@ fn a_link_swapped_in_for_the_endpoint_is_never_reached() {
 fn a_daemon_writes_only_its_claims_directories() {
     for template in makings() {
         let p = pipe();
-        let view = View::prepare_from(&p.spec, Role::Daemon, template.as_ref()).unwrap();
+        let view = View::prepare_from(&p.spec, Role::Daemon, template).unwrap();
         let pipe_dir = p.spec.pipe_dir.display();
         let script = format!(
             "! touch /usr/tessera-probe 2>/dev/null && ! mkdir /etc/tessera-probe 2>/dev/null \
