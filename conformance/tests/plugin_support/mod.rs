@@ -386,7 +386,7 @@ impl PluginDirs {
         let Ok(files) = std::fs::read_dir(self.records()) else {
             return BTreeMap::new();
         };
-        let mut entries = BTreeMap::new();
+        let mut entries: BTreeMap<String, Value> = BTreeMap::new();
         for file in files {
             let path = file.expect("records listed").path();
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
@@ -403,6 +403,20 @@ impl PluginDirs {
             let record: Value = serde_json::from_slice(&bytes).expect("checkpoint record JSON");
             let entry = record["entry"].as_str().expect("entry text");
             entries.insert(uid.to_owned(), serde_json::from_str(entry).unwrap());
+        }
+        // Records an unprepare retired are named in the journal beside
+        // them (a claim's last line says), and read as `Unpreparing`.
+        let journal = std::fs::read_to_string(self.records().join("retired.log"));
+        let mut retired = BTreeMap::new();
+        for line in journal.unwrap_or_default().lines() {
+            if let Some((verb, uid)) = line.split_once(' ') {
+                retired.insert(uid.to_owned(), verb == "retired");
+            }
+        }
+        for (uid, entry) in &mut entries {
+            if retired.get(uid) == Some(&true) {
+                entry["state"] = json!("Unpreparing");
+            }
         }
         entries
     }

@@ -610,12 +610,14 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
             mig_uuid: None,
             request: Some("gpu".into()),
         }];
-        // Claim 8: a whole GPU's record retired by an unprepare that
-        // answered, its files not yet removed.
+        // Claims 8 and 9: whole GPUs' records retired by an unprepare that
+        // answered, their files not yet removed; 8 by an earlier version
+        // (in its record), 9 by this one (in the records' journal).
         for (n, state, actions) in [
             (5, EntryState::Started, mps.clone()),
             (6, EntryState::Unpreparing, mps),
             (8, EntryState::Unpreparing, Vec::new()),
+            (9, EntryState::Completed, Vec::new()),
         ] {
             cp.put(
                 ClaimUid::parse(&uid(n)).unwrap(),
@@ -632,10 +634,11 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
             )
             .unwrap();
         }
-        // Specs for claims 6 and 8, and an orphan no entry knows.
+        cp.retire(&ClaimUid::parse(&uid(9)).unwrap()).unwrap();
+        // Specs for claims 6, 8 and 9, and an orphan no entry knows.
         let specs = SpecDir::new(f.config().cdi_dir);
         let spec = crate::cdi::Spec::for_claim(Vec::new());
-        for n in [6, 8] {
+        for n in [6, 8, 9] {
             specs
                 .write(&ClaimUid::parse(&uid(n)).unwrap(), &spec)
                 .unwrap();
@@ -651,7 +654,7 @@ async fn start_up_rolls_back_started_and_finishes_unpreparing() {
     );
     assert_eq!(
         recovery.unprepared,
-        [6, 8].map(|n| ClaimUid::parse(&uid(n)).unwrap())
+        [6, 8, 9].map(|n| ClaimUid::parse(&uid(n)).unwrap())
     );
     assert_eq!(
         recovery.orphans_removed,

@@ -149,16 +149,15 @@ impl Preparer {
     }
 
     /// Undoes a claim that did nothing but hold MIG modes: its record is
-    /// rewritten in place as `Unpreparing`, here on the async worker (cheaper
+    /// named retired in the records' journal (start-up reads it as
+    /// `Unpreparing`), here on the async worker (one appended line, cheaper
     /// than a hand-over to a blocking thread and back). Its spec and record
     /// go once the unprepares pause, and the settling its holds allow (the
     /// hardware lock, an NVML read) runs after the answer. A crash in
     /// between leaves an `Unpreparing` record, which start-up recovery
     /// finishes as it does any other (so does an older version).
     fn undo_holds(self: &Arc<Self>, uid: &ClaimUid) -> Result<Option<ClaimEntry>, UndoError> {
-        let entry = (self.checkpoint)
-            .retire(uid, |e| e.state = EntryState::Unpreparing)
-            .map_err(UndoError::Record)?;
+        let entry = (self.checkpoint).retire(uid).map_err(UndoError::Record)?;
         self.changed(NodeChange::Records);
         self.remove_files_later(uid.clone());
         if let Some(entry) = &entry {

@@ -155,6 +155,10 @@ impl crate::state::checkpoint::Entry for ClaimEntry {
             ahead: false,
         })
     }
+
+    fn retire(&mut self) {
+        self.state = EntryState::Unpreparing;
+    }
 }
 
 impl Action {

@@ -30,16 +30,17 @@
 //!   a removed record: [`crate::cdi::spare`]) and renamed over, without fsync (see
 //!   [`crate::cdi::write_for_this_boot`]: a killed process loses nothing,
 //!   and what the record describes ends with the boot anyway). One change
-//!   is written in place instead: a record retired by an unprepare, marked
-//!   for start-up recovery to finish, in one write of at most a page
+//!   is not written to the record at all: a record retired by an unprepare
+//!   is named in the journal of retired records ([`retired`]), which
+//!   start-up reads to mark it for recovery to finish
 //!   ([`Checkpoint::retire`]); its file goes later.
 //! * Migrated: version 1 kept every claim in one `checkpoint.json`; start-up
 //!   splits it into records and removes it, so an upgrade keeps every
 //!   prepared claim.
 
-mod in_place;
 mod lost;
 mod record;
+mod retired;
 mod snapshot;
 
 use std::collections::BTreeMap;
@@ -60,6 +61,7 @@ use lost::{find_lost, mark_released, prune_quarantined, quarantine};
 pub use record::RecordError;
 pub(crate) use record::{decode_legacy, decode_record};
 use record::{encode_record, read_record};
+use retired::{Journal, read_retired};
 use snapshot::record_files;
 pub use snapshot::{Snapshot, SnapshotError, fuzz_decode, read_snapshot};
 
@@ -126,6 +128,10 @@ pub trait Entry: Serialize + DeserializeOwned + Clone {
     fn salvage(_entry: &serde_json::Value) -> Option<Self> {
         None
     }
+
+    /// Marks the entry as one an unprepare answered for and start-up
+    /// recovery is to finish ([`Checkpoint::retire`]).
+    fn retire(&mut self);
 }
 
 /// Persistent map of claim UID -> entry `T` (defined by the prepare logic),
@@ -143,6 +149,8 @@ pub struct Checkpoint<T> {
     unknown: Mutex<BTreeMap<ClaimUid, Vec<String>>>,
     /// Files of removed records, reused by the next writes.
     spares: Spares,
+    /// Which records on disk are retired.
+    journal: Journal,
 }
 
 /// What start-up found, before it becomes a [`LoadOutcome`].
@@ -170,6 +178,7 @@ impl<T: Entry> Checkpoint<T> {
         let dir = state_dir.join(RECORDS_DIR);
         let checkpoint = Checkpoint {
             spares: Spares::adopt(&dir, ""),
+            journal: Journal::new(&dir),
             dir,
             boot_id,
             claims: Mutex::new(BTreeMap::new()),
@@ -179,6 +188,7 @@ impl<T: Entry> Checkpoint<T> {
         let mut found = Found::default();
         checkpoint.migrate(&state_dir.join(LEGACY_FILE), &mut found)?;
         checkpoint.load(&mut found)?;
+        checkpoint.mark_retired()?;
         // The lost claims first: pruning never removes what says a claim
         // is lost, however many there are (a rollback may move aside every
         // record of the node).
@@ -280,6 +290,21 @@ impl<T: Entry> Checkpoint<T> {
         Ok(())
     }
 
+    /// Marks the loaded records the journal names retired, and leaves the
+    /// journal naming only those.
+    fn mark_retired(&self) -> Result<(), CheckpointError> {
+        let cannot = |source| CheckpointError::Read {
+            path: self.journal.path().to_owned(),
+            source,
+        };
+        let named = read_retired(&self.dir).map_err(cannot)?;
+        let mut claims = self.lock();
+        let on_disk = (named.into_iter())
+            .filter(|claim| claims.get_mut(claim).map(Entry::retire).is_some())
+            .collect();
+        (self.journal.reset(on_disk)).map_err(|e| self.journal_failed(e))
+    }
+
     fn unknown_lock(&self) -> MutexGuard<'_, BTreeMap<ClaimUid, Vec<String>>> {
         self.unknown.locked()
     }
@@ -355,58 +380,55 @@ impl<T: Entry> Checkpoint<T> {
     /// Forgets `claim` and returns once that is on disk; forgetting an
     /// unknown claim is a no-op.
     pub fn remove(&self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
-        self.forget(claim, |_, path| self.spares.remove(path))
+        let removed = self.forget(claim, |entry| {
+            let path = self.record_path(claim);
+            match self.spares.remove(&path) {
+                Ok(()) => Ok(entry),
+                Err(source) => Err((entry, CheckpointError::Write { path, source })),
+            }
+        })?;
+        if removed.is_some() {
+            self.journal_removed(claim)?;
+        }
+        Ok(removed)
     }
 
-    /// Forgets `claim` in memory and rewrites its record in place as
-    /// `mark` leaves the entry (one start-up recovery finishes, should the
-    /// process die), returning the marked entry once that is on disk. The
-    /// file goes later, with [`Self::drop_retired`]: a rewrite in place
-    /// costs a third of the rename that removes it ([`in_place`]). A
-    /// record longer than a page, or with fields of a newer version, is
-    /// removed at once instead. On a failed write the marked entry is kept
-    /// in memory, so a retry finds it.
-    pub fn retire(
-        &self,
-        claim: &ClaimUid,
-        mark: impl FnOnce(&mut T),
-    ) -> Result<Option<T>, CheckpointError> {
-        self.forget(claim, |entry, path| {
-            mark(entry);
-            // A newer version's fields would not survive the rewrite.
-            if self.unknown_lock().contains_key(claim) {
-                return self.spares.remove(path);
-            }
-            match in_place::overwrite(path, &encode_record(&self.boot_id, entry)) {
-                Ok(in_place::Overwrite::Done) => Ok(()),
-                Ok(in_place::Overwrite::TooLong) => self.spares.remove(path),
-                // Already gone: nothing left to mark.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(e),
+    /// Forgets `claim` in memory and names its record retired in the
+    /// journal (a line appended: start-up marks the entry with
+    /// [`Entry::retire`] and recovery finishes it, should the process die),
+    /// returning the marked entry once that is on disk. The record goes
+    /// later, with [`Self::drop_retired`], unchanged until then (fields of
+    /// a newer version included). On a failed write the marked entry is
+    /// kept in memory, so a retry finds it.
+    pub fn retire(&self, claim: &ClaimUid) -> Result<Option<T>, CheckpointError> {
+        self.forget(claim, |mut entry| {
+            entry.retire();
+            match self.journal.retire(claim) {
+                Ok(()) => Ok(entry),
+                Err(source) => Err((entry, self.journal_failed(source))),
             }
         })
     }
 
-    /// Takes `claim`'s entry out of memory and lets `change` change it and
-    /// its record file; the entry as `change` left it is returned, or put
-    /// back if the file could not be changed.
+    /// Takes `claim`'s entry out of memory and lets `change` record that;
+    /// the entry `change` returns is returned, or the one it hands back
+    /// with its error put back.
     fn forget(
         &self,
         claim: &ClaimUid,
-        change: impl FnOnce(&mut T, &Path) -> std::io::Result<()>,
+        change: impl FnOnce(T) -> Result<T, (T, CheckpointError)>,
     ) -> Result<Option<T>, CheckpointError> {
-        let Some(mut entry) = self.lock().remove(claim) else {
+        let Some(entry) = self.lock().remove(claim) else {
             return Ok(None);
         };
-        let path = self.record_path(claim);
-        match change(&mut entry, &path) {
-            Ok(()) => {
+        match change(entry) {
+            Ok(entry) => {
                 self.unknown_lock().remove(claim);
                 Ok(Some(entry))
             }
-            Err(source) => {
+            Err((entry, e)) => {
                 self.lock().insert(claim.clone(), entry);
-                Err(CheckpointError::Write { path, source })
+                Err(e)
             }
         }
     }
@@ -418,7 +440,20 @@ impl<T: Entry> Checkpoint<T> {
             return Ok(());
         }
         let path = self.record_path(claim);
-        (self.spares.remove(&path)).map_err(|source| CheckpointError::Write { path, source })
+        (self.spares.remove(&path)).map_err(|source| CheckpointError::Write { path, source })?;
+        self.journal_removed(claim)
+    }
+
+    /// `claim`'s record is gone: the journal may be emptied.
+    fn journal_removed(&self, claim: &ClaimUid) -> Result<(), CheckpointError> {
+        (self.journal.removed(claim)).map_err(|e| self.journal_failed(e))
+    }
+
+    fn journal_failed(&self, source: std::io::Error) -> CheckpointError {
+        CheckpointError::Write {
+            path: self.journal.path().to_owned(),
+            source,
+        }
     }
 
     fn record_path(&self, claim: &ClaimUid) -> PathBuf {
@@ -433,7 +468,10 @@ impl<T: Entry> Checkpoint<T> {
         };
         (self.spares)
             .write(&path, &encode_record(&self.boot_id, entry))
-            .map_err(failed)
+            .map_err(failed)?;
+        // After the record: a kill in between leaves it marked retired,
+        // and the prepare that wrote it unanswered.
+        (self.journal.recorded(claim)).map_err(|e| self.journal_failed(e))
     }
 }
 

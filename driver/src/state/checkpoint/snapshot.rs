@@ -5,18 +5,17 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-
 use super::record::{decode_legacy, decode_record, read_record};
-use super::{LEGACY_FILE, RECORD_SUFFIX, RECORDS_DIR};
+use super::retired::read_retired;
+use super::{Entry, LEGACY_FILE, RECORD_SUFFIX, RECORDS_DIR};
 use crate::claim_uid::ClaimUid;
 
 /// Why the records could not be read at all (one unreadable record is
 /// not this: it is listed in [`Snapshot::unreadable`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    /// A version 1 file is there but cannot be read.
+    /// A version 1 file, or the journal of retired records, is there but
+    /// cannot be read.
     #[error("cannot read {}: {source}", path.display())]
     Read {
         path: PathBuf,
@@ -47,7 +46,7 @@ pub struct Snapshot<T> {
 
 /// Reads the records under `state_dir` (and a version 1 file not yet
 /// migrated), keeping those of boot `boot_id` (all when `None`).
-pub fn read_snapshot<T: DeserializeOwned + Serialize>(
+pub fn read_snapshot<T: Entry>(
     state_dir: &Path,
     boot_id: Option<&str>,
 ) -> Result<Snapshot<T>, SnapshotError> {
@@ -69,7 +68,8 @@ pub fn read_snapshot<T: DeserializeOwned + Serialize>(
             });
         }
     }
-    for (stem, path) in record_files(&state_dir.join(RECORDS_DIR))? {
+    let dir = state_dir.join(RECORDS_DIR);
+    for (stem, path) in record_files(&dir)? {
         // A record the node rewrites in place as it is read may be seen
         // half-written: read once more before calling it unreadable.
         match read_record::<T>(&stem, &path).or_else(|_| read_record::<T>(&stem, &path)) {
@@ -77,6 +77,16 @@ pub fn read_snapshot<T: DeserializeOwned + Serialize>(
             // Removed by the node process between listing and reading.
             Err(_) if !path.exists() => {}
             Err(why) => unreadable.push(format!("{}: {why}", path.display())),
+        }
+    }
+    // Retired by an unprepare that answered: what start-up reads them as.
+    let retired = read_retired(&dir).map_err(|source| SnapshotError::Read {
+        path: dir.join(super::retired::JOURNAL_FILE),
+        source,
+    })?;
+    for (_, claim, entry) in &mut read {
+        if retired.contains(claim) {
+            entry.retire();
         }
     }
     let (mine, other): (Vec<_>, Vec<_>) = read

@@ -9,7 +9,9 @@ struct Entry {
     device: String,
 }
 
-impl super::Entry for Entry {}
+impl super::Entry for Entry {
+    fn retire(&mut self) {}
+}
 
 struct Fixture {
     dir: tempfile::TempDir,

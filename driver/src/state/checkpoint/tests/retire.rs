@@ -1,6 +1,8 @@
-//! A record retired in place by an unprepare, and removed later.
+//! A record retired by an unprepare (named in the journal of retired
+//! records), and removed later.
 
 use super::*;
+use crate::state::checkpoint::retired::JOURNAL_FILE;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Staged {
@@ -9,7 +11,11 @@ struct Staged {
     leaving: bool,
 }
 
-impl super::super::Entry for Staged {}
+impl super::super::Entry for Staged {
+    fn retire(&mut self) {
+        self.leaving = true;
+    }
+}
 
 fn open_staged(f: &Fixture) -> Checkpoint<Staged> {
     Checkpoint::open(&f.state(), &f.boot).unwrap().0
@@ -22,28 +28,44 @@ fn staged(device: &str) -> Staged {
     }
 }
 
+fn leaving(device: &str) -> Staged {
+    Staged {
+        device: device.into(),
+        leaving: true,
+    }
+}
+
+fn journal(f: &Fixture) -> PathBuf {
+    f.state().join(RECORDS_DIR).join(JOURNAL_FILE)
+}
+
+/// The journal's lines (none when it is not there).
+fn journal_lines(f: &Fixture) -> Vec<String> {
+    let text = fs::read_to_string(journal(f)).unwrap_or_default();
+    text.lines().map(str::to_owned).collect()
+}
+
 #[test]
-fn a_retired_record_is_marked_in_its_own_file_and_read_so_after_a_crash() {
+fn a_retired_record_is_named_in_the_journal_and_read_so_after_a_crash() {
     let f = Fixture::new();
     let cp = open_staged(&f);
     cp.put(uid(1), staged("gpu-0")).unwrap();
-    let file = inode(&f.record(&uid(1)));
-    let retired = cp.retire(&uid(1), |e| e.leaving = true).unwrap();
-    assert_eq!(retired.map(|e| e.leaving), Some(true));
+    let record = fs::read(f.record(&uid(1))).unwrap();
+    let retired = cp.retire(&uid(1)).unwrap();
+    assert_eq!(retired, Some(leaving("gpu-0")));
     assert!(!cp.lock().contains_key(&uid(1)), "forgotten in memory");
-    assert_eq!(inode(&f.record(&uid(1))), file, "rewritten in place");
-    assert!(spares(&f).is_empty());
-    // A kill now: the next start reads the mark, checksum and all.
-    let again = open_staged(&f);
     assert_eq!(
-        again.lock()[&uid(1)],
-        Staged {
-            device: "gpu-0".into(),
-            leaving: true
-        }
+        fs::read(f.record(&uid(1))).unwrap(),
+        record,
+        "not rewritten"
     );
+    assert_eq!(journal_lines(&f), [format!("retired {}", uid(1))]);
+    // A kill now: the next start and a reader beside the node read the mark.
+    let snapshot = read_snapshot::<Staged>(&f.state(), Some("boot-a")).unwrap();
+    assert_eq!(snapshot.claims[&uid(1)], leaving("gpu-0"));
+    assert_eq!(open_staged(&f).lock()[&uid(1)], leaving("gpu-0"));
     // Retiring an unknown claim changes nothing.
-    assert!(cp.retire(&uid(9), |e| e.leaving = true).unwrap().is_none());
+    assert!(cp.retire(&uid(9)).unwrap().is_none());
 }
 
 #[test]
@@ -51,14 +73,17 @@ fn a_retired_record_goes_later_unless_recorded_again() {
     let f = Fixture::new();
     let cp = open_staged(&f);
     cp.put(uid(1), staged("gpu-0")).unwrap();
-    cp.retire(&uid(1), |e| e.leaving = true).unwrap();
+    cp.retire(&uid(1)).unwrap();
     cp.drop_retired(&uid(1)).unwrap();
     assert!(!f.record(&uid(1)).exists());
     assert_eq!(spares(&f).len(), 1, "its file kept as a spare");
-    // Prepared again before the removal came: the new record stays.
+    assert!(journal_lines(&f).is_empty(), "no retired record left");
+    // Prepared again before the removal came: the new record stays, and
+    // a kill does not take it for the retired one.
     cp.put(uid(2), staged("gpu-1")).unwrap();
-    cp.retire(&uid(2), |e| e.leaving = true).unwrap();
+    cp.retire(&uid(2)).unwrap();
     cp.put(uid(2), staged("gpu-2")).unwrap();
+    assert_eq!(open_staged(&f).lock()[&uid(2)], staged("gpu-2"));
     cp.drop_retired(&uid(2)).unwrap();
     assert_eq!(open_staged(&f).lock()[&uid(2)], staged("gpu-2"));
     // Already gone: fine.
@@ -66,31 +91,63 @@ fn a_retired_record_goes_later_unless_recorded_again() {
 }
 
 #[test]
-fn a_shorter_mark_leaves_nothing_of_the_longer_record_behind() {
+fn a_claim_recorded_again_after_its_retired_record_went_is_not_marked() {
     let f = Fixture::new();
     let cp = open_staged(&f);
-    cp.put(uid(1), staged(&"g".repeat(200))).unwrap();
-    let before = fs::metadata(f.record(&uid(1))).unwrap().len();
-    cp.retire(&uid(1), |e| {
-        e.device = "g".into();
-        e.leaving = true;
-    })
-    .unwrap();
-    assert_eq!(fs::metadata(f.record(&uid(1))).unwrap().len(), before);
-    let snapshot = read_snapshot::<Staged>(&f.state(), Some("boot-a")).unwrap();
-    assert!(snapshot.unreadable.is_empty(), "{:?}", snapshot.unreadable);
-    assert_eq!(snapshot.claims[&uid(1)].device, "g");
+    for n in [1, 3] {
+        cp.put(uid(n), staged("gpu-0")).unwrap();
+        cp.retire(&uid(n)).unwrap();
+    }
+    // Claim 3's record keeps the journal: claim 1's line stays in it.
+    cp.drop_retired(&uid(1)).unwrap();
+    assert_eq!(journal_lines(&f).len(), 2);
+    cp.put(uid(1), staged("gpu-1")).unwrap();
+    let again = open_staged(&f);
+    assert_eq!(again.lock()[&uid(1)], staged("gpu-1"));
+    assert_eq!(again.lock()[&uid(3)], leaving("gpu-0"));
+    assert_eq!(journal_lines(&f), [format!("retired {}", uid(3))]);
+    // The last retired record gone: the journal is emptied.
+    again.remove(&uid(3)).unwrap();
+    assert!(journal_lines(&f).is_empty());
 }
 
 #[test]
-fn a_record_longer_than_a_page_is_removed_at_once() {
+fn start_up_keeps_only_whole_lines_of_records_on_disk() {
     let f = Fixture::new();
     let cp = open_staged(&f);
-    cp.put(uid(1), staged(&"g".repeat(5000))).unwrap();
-    let retired = cp.retire(&uid(1), |e| e.leaving = true).unwrap();
-    assert!(retired.is_some());
-    assert!(!f.record(&uid(1)).exists(), "removed, not rewritten");
-    assert_eq!(spares(&f).len(), 1);
+    cp.put(uid(1), staged("gpu-0")).unwrap();
+    cp.put(uid(2), staged("gpu-1")).unwrap();
+    drop(cp);
+    // Claim 4 has no record; a line torn by a power loss names claim 2.
+    let text = format!(
+        "retired {}\nretired {}\nsomething else\nretired {}",
+        uid(1),
+        uid(4),
+        uid(2)
+    );
+    fs::write(journal(&f), text).unwrap();
+    let cp = open_staged(&f);
+    assert_eq!(cp.lock()[&uid(1)], leaving("gpu-0"));
+    assert_eq!(cp.lock()[&uid(2)], staged("gpu-1"));
+    assert_eq!(journal_lines(&f), [format!("retired {}", uid(1))]);
+}
+
+#[test]
+fn the_journal_is_rewritten_when_it_grows_past_its_bound() {
+    let f = Fixture::new();
+    let cp = open_staged(&f);
+    cp.put(uid(1), staged("gpu-0")).unwrap();
+    cp.retire(&uid(1)).unwrap();
+    // Claim 1's record stays on disk throughout: never emptied.
+    for _ in 0..super::super::retired::MAX_LINES {
+        cp.put(uid(2), staged("gpu-1")).unwrap();
+        cp.retire(&uid(2)).unwrap();
+    }
+    let lines = journal_lines(&f).len();
+    assert!(lines <= super::super::retired::MAX_LINES, "{lines} lines");
+    let again = open_staged(&f);
+    assert_eq!(again.lock()[&uid(1)], leaving("gpu-0"));
+    assert_eq!(again.lock()[&uid(2)], leaving("gpu-1"));
 }
 
 #[test]
@@ -98,18 +155,17 @@ fn a_failed_mark_keeps_the_marked_entry_for_a_retry() {
     let f = Fixture::new();
     let cp = open_staged(&f);
     cp.put(uid(1), staged("gpu-0")).unwrap();
-    // Something else in the record's place: never written through.
-    let path = f.record(&uid(1));
-    fs::remove_file(&path).unwrap();
-    std::os::unix::fs::symlink(f.dir.path().join("elsewhere"), &path).unwrap();
-    fs::write(f.dir.path().join("elsewhere"), b"keep").unwrap();
-    assert!(cp.retire(&uid(1), |e| e.leaving = true).is_err());
+    // Something else in the journal's place: never written through.
+    fs::create_dir(journal(&f)).unwrap();
+    assert!(cp.retire(&uid(1)).is_err());
     assert!(cp.lock()[&uid(1)].leaving, "kept, marked, for the retry");
-    assert_eq!(fs::read(f.dir.path().join("elsewhere")).unwrap(), b"keep");
+    fs::remove_dir(journal(&f)).unwrap();
+    assert!(cp.retire(&uid(1)).unwrap().is_some());
+    assert_eq!(open_staged(&f).lock()[&uid(1)], leaving("gpu-0"));
 }
 
 #[test]
-fn a_record_with_a_newer_versions_fields_is_removed_at_once() {
+fn a_retired_record_keeps_a_newer_versions_fields() {
     let f = Fixture::new();
     let cp = open_staged(&f);
     cp.put(uid(1), staged("gpu-0")).unwrap();
@@ -126,7 +182,12 @@ fn a_record_with_a_newer_versions_fields_is_removed_at_once() {
     fs::write(f.record(&uid(1)), record.to_string()).unwrap();
     let cp = open_staged(&f);
     assert!(cp.unknown_fields(&uid(1)).is_some());
-    assert!(cp.retire(&uid(1), |e| e.leaving = true).unwrap().is_some());
-    assert!(!f.record(&uid(1)).exists(), "removed, not rewritten");
+    assert!(cp.retire(&uid(1)).unwrap().is_some());
     assert_eq!(cp.unknown_fields(&uid(1)), None);
+    let again = open_staged(&f);
+    assert_eq!(again.lock()[&uid(1)], leaving("gpu-0"));
+    assert!(
+        again.unknown_fields(&uid(1)).is_some(),
+        "still in the record"
+    );
 }
