@@ -29,11 +29,11 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 use crate::cdi::write_for_this_boot;
 use crate::claim_uid::ClaimUid;
-use crate::sync::Locked;
+use crate::sync::{Locked, ReadWrite};
 
 /// The journal's name in the records directory: no `.json`, so no record
 /// reader (this version's, an older one's) takes it for a record.
@@ -51,13 +51,16 @@ const PREPARED: &str = "prepared";
 #[derive(Debug)]
 pub(super) struct Journal {
     path: PathBuf,
+    /// Opened at the first append. Appends share it, each line one `write`
+    /// (concurrent appends to one file stay whole), and hold it until their
+    /// line is counted; emptying or rewriting the file takes it alone, so
+    /// no line in flight is lost. Taken before `lines`.
+    file: RwLock<Option<File>>,
     lines: Mutex<Lines>,
 }
 
 #[derive(Debug, Default)]
 struct Lines {
-    /// Opened at the first append.
-    file: Option<File>,
     /// In the file.
     count: usize,
     /// Claims whose last line is `retired`.
@@ -67,12 +70,11 @@ struct Lines {
 }
 
 impl Journal {
-    /// The journal of `dir` as `retired` leaves it: exactly those claims
-    /// (each with a record), the rest of what it held dropped.
     /// The journal of `dir`, not read yet.
     pub(super) fn new(dir: &Path) -> Journal {
         Journal {
             path: dir.join(JOURNAL_FILE),
+            file: RwLock::new(None),
             lines: Mutex::new(Lines::default()),
         }
     }
@@ -80,7 +82,7 @@ impl Journal {
     /// Start-up: the journal as `on_disk` leaves it, exactly those claims
     /// (each with a record), the rest of what it held dropped.
     pub(super) fn reset(&self, on_disk: HashSet<ClaimUid>) -> io::Result<()> {
-        self.rewrite(&mut self.lock(), on_disk)
+        self.rewrite(&mut self.file.writing(), &mut self.lock(), on_disk)
     }
 
     pub(super) fn path(&self) -> &Path {
@@ -89,8 +91,9 @@ impl Journal {
 
     /// Marks `claim`'s record retired; the record must be on disk.
     pub(super) fn retire(&self, claim: &ClaimUid) -> io::Result<()> {
+        let _appended = self.append(RETIRED, claim)?;
         let mut lines = self.lock();
-        self.append(&mut lines, RETIRED, claim)?;
+        lines.count += 1;
         lines.retired.insert(claim.clone());
         lines.on_disk.insert(claim.clone());
         Ok(())
@@ -98,11 +101,12 @@ impl Journal {
 
     /// `claim` was recorded anew: a `retired` line of it no longer holds.
     pub(super) fn recorded(&self, claim: &ClaimUid) -> io::Result<()> {
-        let mut lines = self.lock();
-        if !lines.retired.contains(claim) {
+        if !self.lock().retired.contains(claim) {
             return Ok(());
         }
-        self.append(&mut lines, PREPARED, claim)?;
+        let _appended = self.append(PREPARED, claim)?;
+        let mut lines = self.lock();
+        lines.count += 1;
         lines.retired.remove(claim);
         lines.on_disk.remove(claim);
         Ok(())
@@ -111,11 +115,19 @@ impl Journal {
     /// `claim`'s record is gone: once no retired record is left on disk,
     /// the journal is emptied.
     pub(super) fn removed(&self, claim: &ClaimUid) -> io::Result<()> {
+        {
+            let mut lines = self.lock();
+            if !lines.on_disk.remove(claim) || !lines.on_disk.is_empty() {
+                return Ok(());
+            }
+        }
+        let file = self.file.writing();
         let mut lines = self.lock();
-        if !lines.on_disk.remove(claim) || !lines.on_disk.is_empty() {
+        // A retire came in between: its line stays.
+        if !lines.on_disk.is_empty() {
             return Ok(());
         }
-        match &lines.file {
+        match &*file {
             Some(file) => file.set_len(0)?,
             // Written at start-up, not opened since.
             None => crate::cdi::remove_if_present(&self.path)?,
@@ -125,33 +137,46 @@ impl Journal {
         Ok(())
     }
 
-    fn append(&self, lines: &mut Lines, verb: &str, claim: &ClaimUid) -> io::Result<()> {
-        if lines.count >= MAX_LINES {
-            let on_disk = lines.on_disk.clone();
-            self.rewrite(lines, on_disk)?;
-        }
-        let file = match &mut lines.file {
-            Some(file) => file,
-            none => none.insert(open_for_append(&self.path)?),
-        };
-        let line = format!("{verb} {claim}\n");
-        // One call: a second write after a kill would be a torn line.
-        match file.write(line.as_bytes())? {
-            n if n == line.len() => {
-                lines.count += 1;
-                Ok(())
+    /// Appends one line, the journal rewritten first when it is long;
+    /// what it returns keeps the file from being emptied until the caller
+    /// has counted the line.
+    fn append(
+        &self,
+        verb: &str,
+        claim: &ClaimUid,
+    ) -> io::Result<RwLockReadGuard<'_, Option<File>>> {
+        if self.lock().count >= MAX_LINES {
+            let mut file = self.file.writing();
+            let mut lines = self.lock();
+            if lines.count >= MAX_LINES {
+                let on_disk = lines.on_disk.clone();
+                self.rewrite(&mut file, &mut lines, on_disk)?;
             }
-            n => Err(io::Error::other(format!(
-                "appended {n} of {} bytes",
-                line.len()
-            ))),
+        }
+        let line = format!("{verb} {claim}\n");
+        loop {
+            let file = self.file.reading();
+            if let Some(open) = &*file {
+                write_line(open, &line)?;
+                return Ok(file);
+            }
+            drop(file);
+            let mut file = self.file.writing();
+            if file.is_none() {
+                *file = Some(open_for_append(&self.path)?);
+            }
         }
     }
 
     /// Replaces the file with one `retired` line per claim of `on_disk`
     /// (none: no file), atomically.
-    fn rewrite(&self, lines: &mut Lines, on_disk: HashSet<ClaimUid>) -> io::Result<()> {
-        lines.file = None;
+    fn rewrite(
+        &self,
+        file: &mut Option<File>,
+        lines: &mut Lines,
+        on_disk: HashSet<ClaimUid>,
+    ) -> io::Result<()> {
+        *file = None;
         if on_disk.is_empty() {
             crate::cdi::remove_if_present(&self.path)?;
         } else {
@@ -168,6 +193,17 @@ impl Journal {
 
     fn lock(&self) -> MutexGuard<'_, Lines> {
         self.lines.locked()
+    }
+}
+
+/// One line in one call: a second write after a kill would be a torn line.
+fn write_line(mut file: &File, line: &str) -> io::Result<()> {
+    match file.write(line.as_bytes())? {
+        n if n == line.len() => Ok(()),
+        n => Err(io::Error::other(format!(
+            "appended {n} of {} bytes",
+            line.len()
+        ))),
     }
 }
 
