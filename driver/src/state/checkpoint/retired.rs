@@ -5,7 +5,7 @@
 //! promised. Re-encoding the record with the mark and writing it over the
 //! old one was a third of the node's CPU in a burst of unprepares (the
 //! encoding, the open, the write); a line appended to one open file is a
-//! single `write` of 46 bytes.
+//! single `write` of 45 bytes.
 //!
 //! A line is `retired <claim UID>` or `prepared <claim UID>`; a claim's last
 //! line says what its record is. `prepared` is written only when a claim is
@@ -157,7 +157,12 @@ impl Journal {
         loop {
             let file = self.file.reading();
             if let Some(open) = &*file {
-                write_line(open, &line)?;
+                if let Err(e) = write_line(open, &line) {
+                    // A part of the line may be there (a full disk): the
+                    // next append rewrites the journal before its own.
+                    self.lock().count = MAX_LINES;
+                    return Err(e);
+                }
                 return Ok(file);
             }
             drop(file);
