@@ -70,8 +70,9 @@ pub fn read_snapshot<T: Entry>(
     }
     let dir = state_dir.join(RECORDS_DIR);
     for (stem, path) in record_files(&dir)? {
-        // A record the node rewrites in place as it is read may be seen
-        // half-written: read once more before calling it unreadable.
+        // This version replaces records only by rename; a node process of
+        // an earlier one rewrites a retired record in place, which a read
+        // may see half-written: read once more before calling it unreadable.
         match read_record::<T>(&stem, &path).or_else(|_| read_record::<T>(&stem, &path)) {
             Ok(r) => read.push((r.boot, r.claim, r.entry)),
             // Removed by the node process between listing and reading.
