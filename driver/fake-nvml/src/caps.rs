@@ -17,9 +17,10 @@
 //! topology's instances when the state is seeded, created and removed with
 //! each create/destroy, all of a GPU's removed when its MIG mode goes off.
 //! `.../capabilities/mig/config` (minor 1) and `.../mig/monitor` (minor 2)
-//! are written too, and `<root>/proc/devices` listing the module's character
+//! are written too, `<root>/proc/devices` listing the module's character
 //! majors (`nvidia-caps` among them), where the node process looks up the
-//! major of the capability device nodes it creates.
+//! major of the capability device nodes it creates, and each GPU's
+//! `information` file ([`crate::gpu_info`]).
 //!
 //! Minors follow the kernel driver's table (`/proc/driver/nvidia-caps/mig-minors`):
 //! 1 and 2 for config and monitor, then per GPU minor 15 GPU instances of
@@ -31,6 +32,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::gpu_info;
 use crate::machine::Machine;
 
 /// GPU instance ids per GPU and compute instance ids per GPU instance in
@@ -116,6 +118,12 @@ fn proc_devices() -> String {
 fn try_reconcile(machine: &Machine, base: &Path) -> std::io::Result<()> {
     if let Some(root) = &machine.driver_root {
         put(&root.join("proc/devices"), &proc_devices())?;
+        for g in &machine.gpus {
+            let card = &g.card;
+            let dir = gpu_info::gpus_dir(root).join(gpu_info::bus_dir(&card.pci_bus_id));
+            let text = gpu_info::text(&card.model.name, &card.uuid, &card.pci_bus_id, g.minor);
+            put(&dir.join("information"), &text)?;
+        }
     }
     put(&base.join("mig/config"), &access_text(1, 256))?;
     put(&base.join("mig/monitor"), &access_text(2, 292))?;

@@ -118,6 +118,7 @@ mod activity;
 pub mod caps;
 mod codes;
 mod events;
+pub mod gpu_info;
 pub mod load;
 mod machine;
 mod state;

@@ -1028,6 +1028,35 @@ fn cap_gpu_instances(root: &Path, gpu: u32) -> Vec<String> {
     names
 }
 
+/// Every GPU of the topology has its `information` file, and a reader
+/// finds its minor by UUID, as from the kernel module's files.
+#[test]
+fn each_gpu_has_its_information_file() {
+    let m = machine_with_root(A100);
+    let root = m.root();
+    assert_eq!(crate::gpu_info::minors(&root), None, "nothing before init");
+    init_ok();
+    let mut want = std::collections::BTreeMap::new();
+    for index in 0..count() {
+        let mut minor = 0;
+        assert_eq!(
+            unsafe { nvmlDeviceGetMinorNumber(device(index), &mut minor) },
+            SUCCESS
+        );
+        want.insert(uuid_of(device(index)), minor);
+    }
+    assert_eq!(want.len(), 2);
+    assert_eq!(crate::gpu_info::minors(&root), Some(want));
+    let bus = crate::gpu_info::gpus_dir(&root).join("0000:07:00.0/information");
+    assert!(
+        std::fs::read_to_string(&bus)
+            .unwrap()
+            .contains("Device Minor: \t 0\n"),
+        "{}",
+        bus.display()
+    );
+}
+
 #[test]
 fn capability_files_follow_the_instances() {
     let m = machine_with_root(A100);

@@ -45,11 +45,13 @@
 //!   the daemon quits. So does this one, with load recording on
 //!   (`TESSERA_FAKE_NVML_LOAD`, see the library's `load` module): from the
 //!   first client's connection the daemon process holds a context of
-//!   [`SERVER_CONTEXT_MIB`] MiB (or `TESSERA_FAKE_MPS_SERVER_CONTEXT_MIB`)
+//!   [`server::SERVER_CONTEXT_MIB`] MiB (or `TESSERA_FAKE_MPS_SERVER_CONTEXT_MIB`)
 //!   on every GPU or MIG device its `CUDA_VISIBLE_DEVICES` names by UUID,
 //!   listed by NVML as a process with a context of its own and counted in
 //!   the device's used memory, where clients find it gone from what they
-//!   can allocate.
+//!   can allocate. A server opens the driver's control and UVM nodes and
+//!   each of its GPUs' `/dev/nvidia<minor>`: a daemon whose `/dev` lacks
+//!   one fails every client instead (`devices.rs`).
 //!
 //! Nothing else happens on the GPU. Test knobs, read when the daemon
 //! starts: `TESSERA_FAKE_MPS_READY_DELAY_MS` delays creating `control` (the
@@ -71,10 +73,12 @@
 //! limits in bytes by ordinal and its segment. `protocol.rs` holds that reply's type and the
 //! limit syntax; the CUDA library compiles the same file.
 
+#[path = "fake_mps_control/devices.rs"]
+mod devices;
 #[path = "fake_mps_control/protocol.rs"]
 mod protocol;
-
-use tessera_fake_nvml::load;
+#[path = "fake_mps_control/server.rs"]
+mod server;
 
 use std::fs::{self, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -88,13 +92,6 @@ const CONTROL: &str = "control";
 const READY_DELAY_ENV: &str = "TESSERA_FAKE_MPS_READY_DELAY_MS";
 const IGNORE_QUIT_ENV: &str = "TESSERA_FAKE_MPS_IGNORE_QUIT";
 const LISTEN_DELAY_ENV: &str = "TESSERA_FAKE_MPS_LISTEN_DELAY_MS";
-const SERVER_CONTEXT_ENV: &str = "TESSERA_FAKE_MPS_SERVER_CONTEXT_MIB";
-
-/// GPU memory the simulated MPS server's context takes on each device it
-/// serves, in MiB: below the node policy's default reserve per server
-/// (`mpsServerReserveMiB`, 64), as a real server's must be for Isolated
-/// claims to get what the scheduler promised.
-const SERVER_CONTEXT_MIB: u64 = 48;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -270,7 +267,7 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
     let ignore_quit = std::env::var(IGNORE_QUIT_ENV).is_ok_and(|v| v == "1");
     let segment = shared_memory(pid)?;
     defaults.config.shared_memory = segment.name.clone();
-    let mut server = Server::new(defaults.config.devices.as_deref());
+    let mut server = server::Server::new(defaults.config.devices.as_deref());
     let listener = bind_then_listen(&control, millis_from_env(LISTEN_DELAY_ENV))?;
     log(log_dir, "Control daemon ready");
     for stream in listener.incoming() {
@@ -281,10 +278,17 @@ fn serve(pipe_dir: &Path, log_dir: &Path) -> std::io::Result<()> {
         }
         let command = line.trim();
         log(log_dir, &format!("Command: {command}"));
-        if command == protocol::CLIENT_CONFIG_COMMAND
-            && let Some(started) = server.start()
-        {
-            log(log_dir, &started);
+        if command == protocol::CLIENT_CONFIG_COMMAND {
+            match server.start() {
+                Ok(Some(started)) => log(log_dir, &started),
+                Ok(None) => {}
+                // The client reads no configuration and fails to connect.
+                Err(why) => {
+                    log(log_dir, &format!("Server failed to start: {why}"));
+                    let _ = writeln!(stream, "Server failed to start: {why}");
+                    continue;
+                }
+            }
         }
         let reply = match defaults.handle(command) {
             Reply::Quit if ignore_quit => {
@@ -365,70 +369,6 @@ fn bind_then_listen(path: &Path, delay: Duration) -> std::io::Result<UnixListene
         return Err(std::io::Error::last_os_error());
     }
     Ok(listener)
-}
-
-/// The simulated MPS server: its context's memory on the daemon's devices,
-/// held in this process's load record from the first client on (the
-/// record goes with the process, as a server's context goes with it).
-struct Server {
-    devices: Vec<String>,
-    context_bytes: u64,
-    channel: Option<load::Channel>,
-}
-
-impl Server {
-    /// The server the daemon would start for `devices` (its
-    /// `CUDA_VISIBLE_DEVICES` entries; only UUIDs name a device without
-    /// asking NVML).
-    fn new(devices: Option<&[String]>) -> Server {
-        let mib = std::env::var(SERVER_CONTEXT_ENV)
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(SERVER_CONTEXT_MIB);
-        Server {
-            devices: devices
-                .unwrap_or_default()
-                .iter()
-                .filter(|d| d.starts_with("GPU-") || d.starts_with("MIG-"))
-                .cloned()
-                .collect(),
-            context_bytes: mib << 20,
-            channel: None,
-        }
-    }
-
-    /// Starts the server at the first client: its context is charged to
-    /// each device from now on. Returns what to log, the first time only.
-    fn start(&mut self) -> Option<String> {
-        if self.channel.is_some() || !load::enabled_from_env() || self.devices.is_empty() {
-            return None;
-        }
-        let record = load::Record {
-            devices: self
-                .devices
-                .iter()
-                .map(|uuid| load::DeviceLoad {
-                    uuid: uuid.clone(),
-                    memory_bytes: self.context_bytes,
-                    busy_until_ms: 0,
-                    sm_percent: 0,
-                    mps_client: false,
-                })
-                .collect(),
-            ..load::Record::for_this_process()?
-        };
-        let channel = load::Channel::open().ok()?;
-        let logged = match channel.publish(&record) {
-            Ok(()) => format!(
-                "Server started: context {} MiB on {}",
-                self.context_bytes >> 20,
-                self.devices.join(",")
-            ),
-            Err(e) => format!("Server started; recording its context failed: {e}"),
-        };
-        self.channel = Some(channel);
-        Some(logged)
-    }
 }
 
 /// The daemon's segment in its `/dev/shm`, removed when the daemon quits.

@@ -138,3 +138,68 @@ fn a_running_server_keeps_the_defaults_it_started_with() {
     let config: protocol::ClientConfig = serde_json::from_str(&first).unwrap();
     assert_eq!(config.active_thread_percentage, 25.0);
 }
+
+/// A fresh directory holding a driver root whose module describes GPU
+/// `GPU-a` (minor 3), and a `/dev` with the nodes named in `nodes`.
+fn machine(name: &str, nodes: &[(&str, u32, u32)]) -> Option<(PathBuf, PathBuf)> {
+    use tessera_fake_nvml::gpu_info;
+    let dir = std::env::temp_dir().join(format!("tessera-fake-mps-{name}-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    let (root, dev) = (dir.join("root"), dir.join("dev"));
+    let info = gpu_info::gpus_dir(&root).join("0000:18:00.0");
+    fs::create_dir_all(&info).unwrap();
+    fs::write(
+        info.join("information"),
+        gpu_info::text("NVIDIA H100", "GPU-a", "00000000:18:00.0", 3),
+    )
+    .unwrap();
+    fs::create_dir_all(&dev).unwrap();
+    for (node, major, minor) in nodes {
+        if let Err(e) = tessera_fake_nvml::caps::mknod_char(&dev.join(node), *major, *minor) {
+            eprintln!("SKIP: cannot make device nodes here ({e})");
+            return None;
+        }
+    }
+    Some((root, dev))
+}
+
+const CTL: (&str, u32, u32) = ("nvidiactl", 195, 255);
+const UVM: (&str, u32, u32) = ("nvidia-uvm", 508, 0);
+
+#[test]
+fn a_server_starts_with_its_gpus_node_and_the_drivers() {
+    let Some((root, dev)) = machine("usable", &[CTL, UVM, ("nvidia3", 195, 3)]) else {
+        return;
+    };
+    let gpu = vec!["GPU-a".to_owned()];
+    assert_eq!(devices::unusable(&gpu, Some(&root), &dev), None);
+    // A MIG device is not looked up; the driver's nodes still are.
+    let mig = vec!["MIG-b".to_owned()];
+    assert_eq!(devices::unusable(&mig, Some(&root), &dev), None);
+    let _ = fs::remove_dir_all(root.parent().unwrap());
+}
+
+#[test]
+fn a_server_without_a_node_it_opens_does_not_start() {
+    // Another GPU's node, not GPU-a's (minor 3).
+    let Some((root, dev)) = machine("unusable", &[CTL, UVM, ("nvidia30", 195, 30)]) else {
+        return;
+    };
+    let gpu = vec!["GPU-a".to_owned()];
+    let why = devices::unusable(&gpu, Some(&root), &dev).expect("started without nvidia3");
+    assert!(why.contains("nvidia3 (195:3)"), "{why}");
+    // A node of the right name but another device is not it.
+    fs::remove_file(dev.join("nvidiactl")).unwrap();
+    tessera_fake_nvml::caps::mknod_char(&dev.join("nvidiactl"), 195, 254).unwrap();
+    let why = devices::unusable(&[], Some(&root), &dev).expect("started without nvidiactl");
+    assert!(why.contains("nvidiactl (195:255)"), "{why}");
+    // A GPU the machine does not have.
+    let other = vec!["GPU-z".to_owned()];
+    let why = devices::unusable(&other, Some(&root), &dev).expect("started on no GPU");
+    assert!(why.contains("no GPU GPU-z"), "{why}");
+    // Outside a simulated machine nothing is checked.
+    assert_eq!(devices::unusable(&gpu, None, &dev), None);
+    let none = root.join("nothing");
+    assert_eq!(devices::unusable(&gpu, Some(&none), &dev), None);
+    let _ = fs::remove_dir_all(root.parent().unwrap());
+}
