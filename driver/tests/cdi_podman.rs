@@ -44,7 +44,7 @@ use tessera_controller::model::{
 use tessera_driver::cdi::Spec;
 use tessera_driver::claim_uid::ClaimUid;
 use tessera_driver::host::driver_root::Layout;
-use tessera_driver::host::mps::{MpsConfig, MpsSupervisor, PID_FILE, ProcessId};
+use tessera_driver::host::mps::{MpsConfig, MpsSupervisor, PID_FILE, Pidfd, ProcessId};
 use tessera_driver::host::port::{MpsControl, Unsupported};
 use tessera_driver::prepare::claims::{ClaimRef, ClaimSource, FetchError, FetchFuture};
 use tessera_driver::prepare::{Dependencies, PrepareConfig, Preparer};
@@ -371,7 +371,11 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
         .trim()
         .parse()
         .unwrap();
-    assert!(ProcessId::of(pid).is_some());
+    let daemon = ProcessId::of(pid).expect("the claim's MPS daemon is not running");
+    let _left = StopIfFailed {
+        daemon: Pidfd::open(&daemon).unwrap(),
+        mps_dir: node.dir.path().join("mps"),
+    };
 
     let bytes = fs::read(&spec_file).unwrap();
     let installed = Installed::new(spec_file.file_name().unwrap(), &bytes);
@@ -413,6 +417,26 @@ async fn a_container_of_an_isolated_share_reaches_its_mps_daemon() {
     );
     assert!(supervisor.daemons().is_empty());
     removed(&spec_file).await;
+}
+
+/// A test that fails before unprepare stopped the claim's daemon stops it
+/// (and detaches its directories' tmpfs), so no daemon outlives the test.
+struct StopIfFailed {
+    daemon: Option<Pidfd>,
+    mps_dir: PathBuf,
+}
+
+impl Drop for StopIfFailed {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        if let Some(daemon) = &self.daemon {
+            let _ = daemon.kill();
+            daemon.wait(Duration::from_secs(5));
+        }
+        common::detach_mounts_below(&self.mps_dir);
+    }
 }
 
 struct OneClaim(ResourceClaim);

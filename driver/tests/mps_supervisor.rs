@@ -12,6 +12,8 @@
 
 #![allow(clippy::unwrap_used)] // test code: a panic is how it reports a failure
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -139,24 +141,8 @@ impl Drop for Scratch {
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
         // The daemons' tmpfs of a test that did not release them.
-        for dir in mounts_below(self.dir.path()) {
-            let dir = std::ffi::CString::new(dir).unwrap();
-            // SAFETY: a NUL-terminated path of a mount this test made.
-            unsafe { libc::umount2(dir.as_ptr(), libc::MNT_DETACH) };
-        }
+        common::detach_mounts_below(self.dir.path());
     }
-}
-
-/// Mount points below `dir`, from this process's mountinfo.
-fn mounts_below(dir: &Path) -> Vec<String> {
-    let prefix = format!("{}/", dir.display());
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|m| m.starts_with(&prefix))
-        .map(str::to_owned)
-        .collect()
 }
 
 fn alive(pid: i32) -> bool {
@@ -428,7 +414,7 @@ fn each_daemon_has_bounded_directories_of_its_own() {
     sup.release(&a).unwrap();
     let below = |k: &DaemonKey| {
         let root = s.root(k);
-        mounts_below(s.dir.path())
+        common::mounts_below(s.dir.path())
             .into_iter()
             .filter(|m| Path::new(m).starts_with(&root))
             .count()

@@ -120,3 +120,27 @@ pub fn inventory_on(topology: &Path, state: &Path) -> Inventory {
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("bad JSON ({e}):\n{}", String::from_utf8_lossy(&out.stdout)))
 }
+
+/// Mount points below `dir`, from this process's mountinfo.
+pub fn mounts_below(dir: &Path) -> Vec<String> {
+    let prefix = format!("{}/", dir.display());
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|m| m.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Detaches every mount below `dir`: the tmpfs an MPS daemon's directories
+/// get, left by a test that failed before releasing them.
+pub fn detach_mounts_below(dir: &Path) {
+    for mount in mounts_below(dir) {
+        let Ok(mount) = std::ffi::CString::new(mount) else {
+            continue;
+        };
+        // SAFETY: a NUL-terminated path of a mount below the test's directory.
+        unsafe { libc::umount2(mount.as_ptr(), libc::MNT_DETACH) };
+    }
+}
