@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use tessera_api::kubelet::{self, dra_v1, dra_v1beta1, registration};
 use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 use tracing::{error, info, warn};
 
@@ -206,8 +207,10 @@ impl Plugin {
                     DraV1beta1(self.preparer.clone()),
                 ))
                 .add_optional_service(health)
+                // Kubelets from 1.34 dial this socket as `unix:<path>`, so
+                // grpc-go sends `localhost`: no rewrite on the calls' path.
                 .serve_with_incoming_shutdown(
-                    authority::incoming(listeners.dra),
+                    UnixListenerStream::new(listeners.dra),
                     until(dra_stopped),
                 ),
         );
