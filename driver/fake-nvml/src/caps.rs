@@ -83,6 +83,21 @@ pub fn reconcile(machine: &Machine) {
 pub const NVIDIA_MAJOR: u32 = 195;
 pub const NVIDIA_UVM_MAJOR: u32 = 508;
 pub const NVIDIA_CAPS_MAJOR: u32 = 509;
+/// `nvidiactl`'s minor (major [`NVIDIA_MAJOR`]).
+pub const NVIDIACTL_MINOR: u32 = 255;
+
+/// Whether `path` is a character device `major:minor` (any major if `None`).
+/// Only `stat`ed: nothing serves these nodes on a simulated machine.
+pub fn is_char_device(path: &Path, major: Option<u32>, minor: u32) -> bool {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let Ok(meta) = std::fs::metadata(path) else {
+        return false;
+    };
+    let rdev = meta.rdev();
+    meta.file_type().is_char_device()
+        && major.is_none_or(|m| libc::major(rdev) == m)
+        && libc::minor(rdev) == minor
+}
 
 /// Makes the character device node `path` (c `major`:`minor`, mode 0666,
 /// parents created), as nvidia-modprobe makes a GPU's nodes: for test

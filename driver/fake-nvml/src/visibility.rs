@@ -11,11 +11,9 @@
 //! are looked at once per `nvmlInit*`.
 
 use std::collections::BTreeSet;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-/// The NVIDIA character device major (`/dev/nvidia<minor>`, `/dev/nvidiactl`).
-pub const NVIDIA_MAJOR: u32 = 195;
+use crate::caps::{NVIDIA_MAJOR, is_char_device};
 
 /// The device nodes found below a device root.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -61,15 +59,4 @@ fn cap_nodes(dir: &Path) -> BTreeSet<u32> {
             is_char_device(&e.path(), None, n).then_some(n)
         })
         .collect()
-}
-
-/// Whether `path` is a character device `major:minor` (any major if `None`).
-fn is_char_device(path: &Path, major: Option<u32>, minor: u32) -> bool {
-    let Ok(meta) = std::fs::metadata(path) else {
-        return false;
-    };
-    let rdev = meta.rdev();
-    meta.file_type().is_char_device()
-        && major.is_none_or(|m| libc::major(rdev) == m)
-        && libc::minor(rdev) == minor
 }

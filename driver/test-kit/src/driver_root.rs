@@ -21,7 +21,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
-use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
+use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR, NVIDIACTL_MINOR};
 
 /// Where a driver install has its libraries (Debian's layout).
 pub const LIB_DIR: &str = "usr/lib/x86_64-linux-gnu";
@@ -148,7 +148,8 @@ impl<'a> DriverRootBuilder<'a> {
     }
 
     pub fn nvidiactl(mut self) -> Self {
-        self.nodes.push(("nvidiactl", NVIDIA_MAJOR, 255));
+        self.nodes
+            .push(("nvidiactl", NVIDIA_MAJOR, NVIDIACTL_MINOR));
         self
     }
 

@@ -113,9 +113,14 @@ fn main() -> ExitCode {
 }
 
 fn env_dir(name: &str, default: &str) -> PathBuf {
+    env_path(name).unwrap_or_else(|| PathBuf::from(default))
+}
+
+/// A path the environment names; unset or empty: `None`.
+fn env_path(name: &str) -> Option<PathBuf> {
     std::env::var_os(name)
         .filter(|v| !v.is_empty())
-        .map_or_else(|| PathBuf::from(default), PathBuf::from)
+        .map(PathBuf::from)
 }
 
 // ---------------------------------------------------------------------------

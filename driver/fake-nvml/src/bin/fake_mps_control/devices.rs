@@ -10,21 +10,17 @@
 //! checks nothing. A MIG device (`MIG-...`) is not looked up: its GPU and
 //! capability nodes are not named in those files.
 
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR};
+use tessera_fake_nvml::caps::{NVIDIA_MAJOR, NVIDIA_UVM_MAJOR, NVIDIACTL_MINOR, is_char_device};
 use tessera_fake_nvml::gpu_info;
-
-/// `nvidiactl`'s minor.
-const CONTROL_MINOR: u32 = 255;
 
 /// Why a server for `devices` could not start with the nodes in `dev` (the
 /// process's `/dev`), the GPUs' minors read below `driver_root`.
 pub fn unusable(devices: &[String], driver_root: Option<&Path>, dev: &Path) -> Option<String> {
     let minors = gpu_info::minors(driver_root?)?;
     let mut nodes = vec![
-        ("nvidiactl".to_owned(), NVIDIA_MAJOR, CONTROL_MINOR),
+        ("nvidiactl".to_owned(), NVIDIA_MAJOR, NVIDIACTL_MINOR),
         ("nvidia-uvm".to_owned(), NVIDIA_UVM_MAJOR, 0),
     ];
     for uuid in devices.iter().filter(|d| d.starts_with("GPU-")) {
@@ -35,15 +31,7 @@ pub fn unusable(devices: &[String], driver_root: Option<&Path>, dev: &Path) -> O
     }
     nodes.into_iter().find_map(|(name, major, minor)| {
         let path = dev.join(&name);
-        (!is_char_device(&path, major, minor))
+        (!is_char_device(&path, Some(major), minor))
             .then(|| format!("cannot open {} ({major}:{minor})", path.display()))
-    })
-}
-
-fn is_char_device(path: &Path, major: u32, minor: u32) -> bool {
-    std::fs::metadata(path).is_ok_and(|m| {
-        m.file_type().is_char_device()
-            && libc::major(m.rdev()) == major
-            && libc::minor(m.rdev()) == minor
     })
 }

@@ -1,6 +1,6 @@
 //! The simulated MPS server a daemon starts for its first client.
 
-use std::path::Path;
+use std::path::PathBuf;
 
 use tessera_fake_nvml::load;
 
@@ -21,6 +21,10 @@ pub struct Server {
     devices: Vec<String>,
     context_bytes: u64,
     channel: Option<load::Channel>,
+    /// Where the simulated module's files are, if this is a simulated
+    /// machine, and the `/dev` whose nodes the server opens.
+    driver_root: Option<PathBuf>,
+    dev: PathBuf,
 }
 
 impl Server {
@@ -41,6 +45,8 @@ impl Server {
                 .collect(),
             context_bytes: mib << 20,
             channel: None,
+            driver_root: crate::env_path(tessera_fake_nvml::DRIVER_ROOT_ENV),
+            dev: crate::env_dir(tessera_fake_nvml::DEV_ROOT_ENV, "/dev"),
         }
     }
 
@@ -49,13 +55,8 @@ impl Server {
     /// only; an error when the server cannot open its devices here (a view
     /// without their nodes), for every client until it can.
     pub fn start(&mut self) -> Result<Option<String>, String> {
-        let driver_root = std::env::var_os(tessera_fake_nvml::DRIVER_ROOT_ENV)
-            .filter(|v| !v.is_empty())
-            .map(std::path::PathBuf::from);
-        let dev = std::env::var_os(tessera_fake_nvml::DEV_ROOT_ENV)
-            .filter(|v| !v.is_empty())
-            .map_or_else(|| Path::new("/dev").to_owned(), std::path::PathBuf::from);
-        if let Some(why) = devices::unusable(&self.devices, driver_root.as_deref(), &dev) {
+        let driver_root = self.driver_root.as_deref();
+        if let Some(why) = devices::unusable(&self.devices, driver_root, &self.dev) {
             return Err(why);
         }
         if self.channel.is_some() || !load::enabled_from_env() || self.devices.is_empty() {
